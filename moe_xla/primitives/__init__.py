@@ -1,0 +1,1 @@
+"""One JAX primitive per file: abstract eval, lowerings, autodiff and batching rules."""

@@ -1,0 +1,58 @@
+"""Trace-time argument checks with messages that name the argument, expected and actual."""
+
+from __future__ import annotations
+
+import numpy as np
+import jax.numpy as jnp
+
+FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def _names(dtypes) -> str:
+    return ", ".join(str(d) for d in dtypes)
+
+
+def rank(op: str, name: str, x, expected: int, layout: str) -> None:
+    if len(x.shape) != expected:
+        raise ValueError(f"{op}: expected {name} of rank {expected} {layout}, got shape {tuple(x.shape)}")
+
+
+def float_dtype(op: str, name: str, x) -> None:
+    if jnp.dtype(x.dtype) not in FLOAT_DTYPES:
+        raise TypeError(f"{op}: expected {name} of dtype {_names(FLOAT_DTYPES)}, got {x.dtype}")
+
+
+def same_dtype(op: str, a_name: str, a, b_name: str, b) -> None:
+    if jnp.dtype(a.dtype) != jnp.dtype(b.dtype):
+        raise TypeError(f"{op}: expected {b_name} of the dtype of {a_name} ({a.dtype}), got {b.dtype}")
+
+
+def dim(op: str, what: str, expected: int, actual: int) -> None:
+    if expected != actual:
+        raise ValueError(f"{op}: expected {what} = {expected}, got {actual}")
+
+
+def group_sizes(op: str, gs, num_groups: int | None = None) -> None:
+    if len(gs.shape) != 1:
+        raise ValueError(f"{op}: expected group_sizes of rank 1 [G], got shape {tuple(gs.shape)}")
+    if jnp.dtype(gs.dtype) != jnp.dtype(jnp.int32):
+        raise TypeError(f"{op}: expected int32 group_sizes, got {gs.dtype}")
+    if num_groups is not None and gs.shape[0] != num_groups:
+        raise ValueError(f"{op}: expected group_sizes of shape ({num_groups},) (one per group), "
+                         f"got {tuple(gs.shape)}")
+
+
+def out_dtype(op: str, preferred_element_type, default):
+    """The output dtype: preferred_element_type if given (a float dtype), else `default`."""
+    if preferred_element_type is None:
+        return jnp.dtype(default)
+    dt = jnp.dtype(preferred_element_type)
+    if dt not in FLOAT_DTYPES:
+        raise TypeError(f"{op}: expected preferred_element_type of {_names(FLOAT_DTYPES)} or None, got {dt}")
+    return dt
+
+
+def static_bool(op: str, name: str, value) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{op}: expected {name} to be a Python bool, got {value!r}")
+    return bool(value)

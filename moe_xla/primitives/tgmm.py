@@ -1,0 +1,97 @@
+"""tgmm: the grouped product with a ragged contraction (expert weight gradients).
+
+    out[g] = lhs[rows of g]^T @ rhs[rows of g]
+
+lhs [M, K]; rhs [M, N]; group_sizes [G] int32 -> out [G, K, N]. Groups are consecutive
+row ranges (clamped to the M rows); empty groups give zero blocks; rows past
+sum(group_sizes) take no part. Accumulation is float32; the output dtype is
+preferred_element_type, or lhs.dtype.
+
+tgmm is bilinear in (lhs, rhs):
+    d lhs[rows of g] = rhs[rows of g] @ ct[g]^T  = gmm(rhs, ct, transpose_rhs=True)
+    d rhs[rows of g] = lhs[rows of g] @ ct[g]    = gmm(lhs, ct)
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching
+
+from moe_xla import reference
+from moe_xla.primitives import _batching, _checks, _lowering
+
+tgmm_p = Primitive("moe_xla_tgmm")
+
+
+def tgmm(lhs, rhs, group_sizes, *, preferred_element_type=None):
+    """Grouped transposed matmul: out[g] = lhs[rows of g]^T @ rhs[rows of g]."""
+    out_dtype = _checks.out_dtype("tgmm", preferred_element_type, getattr(lhs, "dtype", jnp.float32))
+    return tgmm_p.bind(lhs, rhs, group_sizes, preferred_element_type=out_dtype)
+
+
+def _abstract_eval(lhs, rhs, group_sizes, *, preferred_element_type):
+    _checks.rank("tgmm", "lhs", lhs, 2, "[M, K]")
+    _checks.rank("tgmm", "rhs", rhs, 2, "[M, N]")
+    _checks.float_dtype("tgmm", "lhs", lhs)
+    _checks.same_dtype("tgmm", "lhs", lhs, "rhs", rhs)
+    _checks.dim("tgmm", "rhs.shape[0] (M of lhs [M, K])", lhs.shape[0], rhs.shape[0])
+    _checks.group_sizes("tgmm", group_sizes)
+    return jax.core.ShapedArray((group_sizes.shape[0], lhs.shape[1], rhs.shape[1]), preferred_element_type)
+
+
+def _jvp(primals, tangents, *, preferred_element_type):
+    lhs, rhs, group_sizes = primals
+    d_lhs, d_rhs, _ = tangents
+    out = tgmm_p.bind(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type)
+    terms = []
+    if type(d_lhs) is not ad.Zero:
+        terms.append(tgmm_p.bind(d_lhs, rhs, group_sizes, preferred_element_type=preferred_element_type))
+    if type(d_rhs) is not ad.Zero:
+        terms.append(tgmm_p.bind(lhs, d_rhs, group_sizes, preferred_element_type=preferred_element_type))
+    if not terms:
+        return out, ad.Zero.from_primal_value(out)
+    return out, terms[0] if len(terms) == 1 else terms[0] + terms[1]
+
+
+def _transpose(ct, lhs, rhs, group_sizes, *, preferred_element_type):
+    from moe_xla.primitives.gmm import gmm_p  # gmm's rules use tgmm and vice versa
+
+    if ad.is_undefined_primal(group_sizes):
+        raise ValueError("tgmm: group_sizes are integers and cannot be differentiated")
+    if ad.is_undefined_primal(lhs):
+        if type(ct) is ad.Zero:
+            return ad.Zero(lhs.aval), None, None
+        d_lhs = gmm_p.bind(rhs, ct.astype(rhs.dtype), group_sizes, transpose_rhs=True,
+                           preferred_element_type=jnp.dtype(lhs.aval.dtype))
+        return d_lhs, None, None
+    if type(ct) is ad.Zero:
+        return None, ad.Zero(rhs.aval), None
+    d_rhs = gmm_p.bind(lhs, ct.astype(lhs.dtype), group_sizes, transpose_rhs=False,
+                       preferred_element_type=jnp.dtype(rhs.aval.dtype))
+    return None, d_rhs, None
+
+
+def _batch(args, dims, *, preferred_element_type):
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not batching.not_mapped)
+    lhs, rhs, group_sizes = (_batching.to_front(a, d, size) for a, d in zip(args, dims))
+    b, m, k = lhs.shape
+    g = group_sizes.shape[1]
+    out = tgmm_p.bind(lhs.reshape(b * m, k), rhs.reshape(b * m, rhs.shape[2]),
+                      _batching.folded_group_sizes(group_sizes, m),
+                      preferred_element_type=preferred_element_type)
+    # Drop each batch element's spacer group.
+    return out.reshape(b, g + 1, k, out.shape[-1])[:, :g], 0
+
+
+def _reference(lhs, rhs, group_sizes, *, preferred_element_type):
+    return reference.tgmm(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type)
+
+
+tgmm_p.def_impl(lambda *args, **params: jax.jit(lambda *a: tgmm_p.bind(*a, **params))(*args))
+tgmm_p.def_abstract_eval(_abstract_eval)
+ad.primitive_jvps[tgmm_p] = _jvp
+ad.primitive_transposes[tgmm_p] = _transpose
+batching.primitive_batchers[tgmm_p] = _batch
+_lowering.register(tgmm_p, "tgmm", _reference, lambda **_: {})
