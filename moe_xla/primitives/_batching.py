@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import jax.numpy as jnp
-from jax.interpreters import batching
 
 from moe_xla import reference
 
 
 def to_front(x, bdim, size: int):
     """Moves the batch dimension of x to 0, broadcasting unbatched operands."""
-    if bdim is batching.not_mapped:
+    if bdim is None:
         return jnp.broadcast_to(x, (size,) + x.shape)
     return jnp.moveaxis(x, bdim, 0)
 

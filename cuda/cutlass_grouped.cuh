@@ -1,0 +1,326 @@
+// CUTLASS 4 sm90 ptr-array grouped GEMM, templated on (dtype, layout, tile config).
+//
+// Only the cutlass_*.cu files include this header, each instantiating exactly one
+// combination with MOE_XLA_INSTANTIATE_CUTLASS_GROUPED so that the ~100 s compiles run in
+// parallel and are cached separately.
+//
+// Mapping of the three grouped products onto CUTLASS's D[M,N] = A[M,K] B[K,N] (per group g,
+// rows r_g = offsets[g] .. offsets[g+1], m_g = rows in the group):
+//   kGmm:           M = m_g, N = N, K = K. A = lhs + r_g*K   (row-major, K-major, ld K)
+//                   B = rhs + g*K*N (stored [K,N]: N-major, ld N), D = out + r_g*N (ld N)
+//   kGmmTransposed: as kGmm but B = rhs + g*N*K stored [N,K] (K-major, ld K)
+//   kTgmm:          M = K, N = N, K = m_g. A = lhs + r_g*K read as lhs_block^T
+//                   (column-major, M-major, ld K), B = rhs + r_g*N ([m_g,N], N-major, ld N),
+//                   D = out + g*K*N (ld N)
+// Empty groups get M = 0 so they yield zero tiles; the dispatcher zeroes what CUTLASS
+// leaves unwritten (gmm rows past the last group, tgmm blocks of empty groups).
+// Problem shapes live only on the device (host problem shapes = nullptr): the persistent
+// group tile scheduler reads them, and TMA descriptors are rewritten on the device per
+// group.
+#ifndef MOE_XLA_CUDA_CUTLASS_GROUPED_CUH_
+#define MOE_XLA_CUDA_CUTLASS_GROUPED_CUH_
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <type_traits>
+
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/epilogue/fusion/operations.hpp"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass/gemm/dispatch_policy.hpp"
+#include "cutlass/gemm/group_array_problem_shape.hpp"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "cutlass/kernel_hardware_info.hpp"
+#include "cutlass/numeric_types.h"
+
+#include "common/grouped_gemm.h"
+#include "cuda/grouped_gemm_internal.h"
+
+#if !defined(CUTLASS_ARCH_MMA_SM90_SUPPORTED) || !defined(CUTLASS_ARCH_MMA_MODIFIABLE_TMA_SM90_SUPPORTED)
+#error "moe_xla: the CUTLASS grouped GEMM needs CUDA >= 12.3 (sm90 with modifiable TMA descriptors)"
+#endif
+
+namespace moe_xla {
+namespace cuda {
+namespace detail {
+
+template <DType kDType>
+struct CutlassElement;
+template <>
+struct CutlassElement<DType::kBF16> {
+  using type = cutlass::bfloat16_t;
+};
+template <>
+struct CutlassElement<DType::kF16> {
+  using type = cutlass::half_t;
+};
+
+// CUTLASS layout tags of A and B (D is always row-major), see the header comment.
+template <GroupedLayout kLayout>
+struct CutlassLayouts;
+template <>
+struct CutlassLayouts<GroupedLayout::kGmm> {
+  using A = cutlass::layout::RowMajor;
+  using B = cutlass::layout::RowMajor;
+};
+template <>
+struct CutlassLayouts<GroupedLayout::kGmmTransposed> {
+  using A = cutlass::layout::RowMajor;
+  using B = cutlass::layout::ColumnMajor;
+};
+template <>
+struct CutlassLayouts<GroupedLayout::kTgmm> {
+  using A = cutlass::layout::ColumnMajor;
+  using B = cutlass::layout::RowMajor;
+};
+
+template <TileConfig kTile>
+struct CutlassTile;
+// Few rows per group (decode, many experts) or narrow N: 64-row tiles so that small groups
+// waste little, two consumer warp groups ping-ponging between tiles, no cluster (a 2x1
+// cluster would round every group up to 128 rows).
+template <>
+struct CutlassTile<TileConfig::kSmall> {
+  using TileShape = cute::Shape<cute::_64, cute::_128, cute::_128>;
+  using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
+  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
+  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
+};
+// Many rows per group (training, prefill): large cooperative tiles, B tiles multicast to
+// the two CTAs of a 2x1 cluster.
+template <>
+struct CutlassTile<TileConfig::kLarge> {
+  using TileShape = cute::Shape<cute::_128, cute::_256, cute::_64>;
+  using ClusterShape = cute::Shape<cute::_2, cute::_1, cute::_1>;
+  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
+  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+};
+
+template <DType kDType, GroupedLayout kLayout, TileConfig kTile>
+struct CutlassGroupedGemm {
+  using Element = typename CutlassElement<kDType>::type;
+  using ElementAccumulator = float;
+  using LayoutA = typename CutlassLayouts<kLayout>::A;
+  using LayoutB = typename CutlassLayouts<kLayout>::B;
+  using LayoutD = cutlass::layout::RowMajor;
+  static constexpr int kAlignment = 128 / cutlass::sizeof_bits<Element>::value;  // 16 bytes
+
+  using Tile = CutlassTile<kTile>;
+  using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;
+
+  // Sourceless epilogue (ElementC = void): D = 1 * accumulator, converted to Element.
+  using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Tile::TileShape,
+      typename Tile::ClusterShape, cutlass::epilogue::collective::EpilogueTileAuto,
+      ElementAccumulator, ElementAccumulator, void, LayoutD*, kAlignment, Element, LayoutD*,
+      kAlignment, typename Tile::EpilogueSchedule,
+      cutlass::epilogue::fusion::LinearCombination<Element, ElementAccumulator>>::CollectiveOp;
+
+  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA*, kAlignment,
+      Element, LayoutB*, kAlignment, ElementAccumulator, typename Tile::TileShape,
+      typename Tile::ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+          sizeof(typename CollectiveEpilogue::SharedStorage))>,
+      typename Tile::KernelSchedule>::CollectiveOp;
+
+  using GemmKernel =
+      cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
+  using Arguments = typename Gemm::Arguments;
+
+  using UnderlyingShape = typename ProblemShape::UnderlyingProblemShape;
+  using StrideA = typename GemmKernel::InternalStrideA;
+  using StrideB = typename GemmKernel::InternalStrideB;
+  using StrideC = typename GemmKernel::InternalStrideC;
+  using StrideD = typename GemmKernel::InternalStrideD;
+
+  // Per-group metadata arrays at the start of the workspace; CUTLASS's own workspace
+  // (TMA descriptors per SM) follows.
+  struct MetaLayout {
+    size_t shapes, ptr_a, ptr_b, ptr_d, stride_a, stride_b, stride_d, cutlass, total_meta;
+    explicit MetaLayout(int64_t groups) {
+      const size_t g = static_cast<size_t>(groups);
+      size_t at = 0;
+      auto take = [&](size_t bytes) {
+        const size_t here = at;
+        at = align_up(at + bytes, kWorkspaceAlign);
+        return here;
+      };
+      shapes = take(g * sizeof(UnderlyingShape));
+      ptr_a = take(g * sizeof(void*));
+      ptr_b = take(g * sizeof(void*));
+      ptr_d = take(g * sizeof(void*));
+      stride_a = take(g * sizeof(StrideA));
+      stride_b = take(g * sizeof(StrideB));
+      stride_d = take(g * sizeof(StrideD));
+      cutlass = at;
+      total_meta = at;
+    }
+  };
+};
+
+// A stride whose one dynamic mode (of the first two) is the leading dimension `ld`; the
+// others are static (_1 for the contiguous mode, _0 for the group mode).
+template <class Stride>
+__device__ __forceinline__ Stride make_leading_stride(int64_t ld) {
+  static_assert(cute::is_static<decltype(cute::get<2>(Stride{}))>::value,
+                "grouped GEMM strides must have a static (zero) batch mode");
+  Stride s{};
+  if constexpr (!cute::is_static<decltype(cute::get<0>(s))>::value) {
+    cute::get<0>(s) = ld;
+  }
+  if constexpr (!cute::is_static<decltype(cute::get<1>(s))>::value) {
+    cute::get<1>(s) = ld;
+  }
+  return s;
+}
+
+// One thread per group: CUTLASS problem shape, operand pointers and strides.
+template <class Config, GroupedLayout kLayout>
+__global__ void cutlass_grouped_fill_kernel(
+    const int64_t* __restrict__ offsets, int64_t num_groups, int64_t k, int64_t n,
+    const typename Config::Element* lhs, const typename Config::Element* rhs,
+    typename Config::Element* out, typename Config::UnderlyingShape* shapes,
+    const typename Config::Element** ptr_a, const typename Config::Element** ptr_b,
+    typename Config::Element** ptr_d, typename Config::StrideA* stride_a,
+    typename Config::StrideB* stride_b, typename Config::StrideD* stride_d) {
+  const int64_t g = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (g >= num_groups) return;
+  const int64_t start = offsets[g];
+  const int64_t rows = offsets[g + 1] - start;  // >= 0 by construction of the scan
+  const int ik = static_cast<int>(k), in = static_cast<int>(n);
+  if constexpr (kLayout == GroupedLayout::kTgmm) {
+    shapes[g] = rows > 0 ? cute::make_shape(ik, in, static_cast<int>(rows))
+                         : cute::make_shape(0, in, 0);
+    ptr_a[g] = lhs + start * k;
+    ptr_b[g] = rhs + start * n;
+    ptr_d[g] = out + g * k * n;
+    stride_a[g] = make_leading_stride<typename Config::StrideA>(k);
+    stride_b[g] = make_leading_stride<typename Config::StrideB>(n);
+    stride_d[g] = make_leading_stride<typename Config::StrideD>(n);
+  } else {
+    shapes[g] = cute::make_shape(static_cast<int>(rows), in, ik);
+    ptr_a[g] = lhs + start * k;
+    ptr_b[g] = rhs + g * k * n;
+    ptr_d[g] = out + start * n;
+    stride_a[g] = make_leading_stride<typename Config::StrideA>(k);
+    stride_b[g] = make_leading_stride<typename Config::StrideB>(
+        kLayout == GroupedLayout::kGmm ? n : k);
+    stride_d[g] = make_leading_stride<typename Config::StrideD>(n);
+  }
+}
+
+template <class Config>
+typename Config::Arguments make_cutlass_arguments(
+    int64_t num_groups, int sm_count, typename Config::UnderlyingShape* shapes,
+    const typename Config::Element** ptr_a, const typename Config::Element** ptr_b,
+    typename Config::Element** ptr_d, typename Config::StrideA* stride_a,
+    typename Config::StrideB* stride_b, typename Config::StrideD* stride_d) {
+  typename Config::Arguments args{};
+  args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
+  args.problem_shape = {static_cast<int>(num_groups), shapes, /*host_problem_shapes=*/nullptr};
+  args.mainloop.ptr_A = ptr_a;
+  args.mainloop.dA = stride_a;
+  args.mainloop.ptr_B = ptr_b;
+  args.mainloop.dB = stride_b;
+  args.epilogue.thread.alpha = 1.0f;
+  args.epilogue.thread.beta = 0.0f;
+  args.epilogue.ptr_C = nullptr;
+  if constexpr (std::is_same_v<typename Config::StrideC, typename Config::StrideD>) {
+    args.epilogue.dC = stride_d;  // unused (no source), but a valid array as CUTLASS expects
+  }
+  args.epilogue.ptr_D = ptr_d;
+  args.epilogue.dD = stride_d;
+  args.hw_info.device_id = 0;  // only used when sm_count <= 0, which we never pass
+  args.hw_info.sm_count = sm_count;
+  return args;
+}
+
+template <DType kDType, GroupedLayout kLayout, TileConfig kTile>
+size_t cutlass_grouped_workspace_bytes(int64_t num_groups, int sm_count) {
+  using Config = CutlassGroupedGemm<kDType, kLayout, kTile>;
+  typename Config::MetaLayout layout(num_groups);
+  auto args = make_cutlass_arguments<Config>(num_groups, sm_count, nullptr, nullptr, nullptr,
+                                             nullptr, nullptr, nullptr, nullptr);
+  return layout.total_meta + align_up(Config::Gemm::get_workspace_size(args), kWorkspaceAlign);
+}
+
+template <DType kDType, GroupedLayout kLayout, TileConfig kTile>
+const char* cutlass_grouped_run(const CutlassGroupedArgs& a) {
+  using Config = CutlassGroupedGemm<kDType, kLayout, kTile>;
+  using Element = typename Config::Element;
+  const GroupedGemmParams& p = *a.params;
+  if (p.num_groups <= 0 || p.num_groups > INT32_MAX) {
+    return "moe_xla grouped_gemm (CUTLASS): number of groups out of range";
+  }
+  const typename Config::MetaLayout layout(p.num_groups);
+  char* base = static_cast<char*>(a.workspace);
+  if (a.workspace_bytes < layout.total_meta) {
+    return "moe_xla grouped_gemm (CUTLASS): workspace too small for the group metadata";
+  }
+  auto* shapes = reinterpret_cast<typename Config::UnderlyingShape*>(base + layout.shapes);
+  auto* ptr_a = reinterpret_cast<const Element**>(base + layout.ptr_a);
+  auto* ptr_b = reinterpret_cast<const Element**>(base + layout.ptr_b);
+  auto* ptr_d = reinterpret_cast<Element**>(base + layout.ptr_d);
+  auto* stride_a = reinterpret_cast<typename Config::StrideA*>(base + layout.stride_a);
+  auto* stride_b = reinterpret_cast<typename Config::StrideB*>(base + layout.stride_b);
+  auto* stride_d = reinterpret_cast<typename Config::StrideD*>(base + layout.stride_d);
+
+  constexpr int kThreads = 256;
+  const int64_t blocks = (p.num_groups + kThreads - 1) / kThreads;
+  cutlass_grouped_fill_kernel<Config, kLayout><<<static_cast<unsigned>(blocks), kThreads, 0, a.stream>>>(
+      a.offsets, p.num_groups, p.k, p.n, static_cast<const Element*>(p.lhs),
+      static_cast<const Element*>(p.rhs), static_cast<Element*>(p.out), shapes, ptr_a, ptr_b,
+      ptr_d, stride_a, stride_b, stride_d);
+  if (cudaGetLastError() != cudaSuccess) {
+    return "moe_xla grouped_gemm (CUTLASS): launching the metadata kernel failed";
+  }
+
+  auto args = make_cutlass_arguments<Config>(p.num_groups, a.sm_count, shapes, ptr_a, ptr_b,
+                                             ptr_d, stride_a, stride_b, stride_d);
+  typename Config::Gemm gemm;
+  if (gemm.can_implement(args) != cutlass::Status::kSuccess) {
+    return "moe_xla grouped_gemm (CUTLASS): can_implement rejected the arguments";
+  }
+  const size_t cutlass_bytes = Config::Gemm::get_workspace_size(args);
+  if (a.workspace_bytes - layout.total_meta < cutlass_bytes) {
+    return "moe_xla grouped_gemm (CUTLASS): workspace too small for the CUTLASS workspace";
+  }
+  void* cutlass_workspace = base + layout.cutlass;
+  if (gemm.initialize(args, cutlass_workspace, a.stream) != cutlass::Status::kSuccess) {
+    return "moe_xla grouped_gemm (CUTLASS): initialize failed (workspace or shared memory "
+           "attribute)";
+  }
+  if (gemm.run(a.stream) != cutlass::Status::kSuccess) {
+    return "moe_xla grouped_gemm (CUTLASS): kernel launch failed";
+  }
+  if (cudaGetLastError() != cudaSuccess) {
+    return "moe_xla grouped_gemm (CUTLASS): kernel launch reported a CUDA error";
+  }
+  return nullptr;
+}
+
+}  // namespace detail
+}  // namespace cuda
+}  // namespace moe_xla
+
+// Explicit instantiation of one (dtype, layout, tile) combination; one per .cu file.
+#define MOE_XLA_INSTANTIATE_CUTLASS_GROUPED(DTYPE, LAYOUT, TILE)                              \
+  namespace moe_xla {                                                                           \
+  namespace cuda {                                                                              \
+  namespace detail {                                                                            \
+  template size_t cutlass_grouped_workspace_bytes<DType::DTYPE, GroupedLayout::LAYOUT,          \
+                                                  TileConfig::TILE>(int64_t, int);              \
+  template const char* cutlass_grouped_run<DType::DTYPE, GroupedLayout::LAYOUT,                 \
+                                           TileConfig::TILE>(const CutlassGroupedArgs&);       \
+  }                                                                                             \
+  }                                                                                             \
+  }
+
+#endif  // MOE_XLA_CUDA_CUTLASS_GROUPED_CUH_

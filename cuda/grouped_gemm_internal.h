@@ -1,0 +1,57 @@
+// Internal interface between the dispatcher (grouped_gemm.cu), the SIMT fallback
+// (fallback_gemm.cu) and the CUTLASS instantiations (cutlass_*.cu). Not part of the API.
+#ifndef MOE_XLA_CUDA_GROUPED_GEMM_INTERNAL_H_
+#define MOE_XLA_CUDA_GROUPED_GEMM_INTERNAL_H_
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "common/grouped_gemm.h"
+
+namespace moe_xla {
+namespace cuda {
+namespace detail {
+
+// Every region carved out of the workspace starts on this boundary (TMA descriptors need
+// 64 bytes, the rest less).
+constexpr size_t kWorkspaceAlign = 256;
+
+inline size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
+
+// CUTLASS tile configurations (see cutlass_grouped.cuh).
+enum class TileConfig : int32_t {
+  kSmall = 0,  // KernelPtrArrayTmaWarpSpecializedPingpong, 64x128x128, cluster 1x1x1
+  kLarge = 1,  // KernelPtrArrayTmaWarpSpecializedCooperative, 128x256x64, cluster 2x1x1
+};
+
+struct CutlassGroupedArgs {
+  const GroupedGemmParams* params;
+  // offsets[g] = first row of group g, offsets[G] = rows covered by groups; device memory
+  // written by the scan kernel earlier on the same stream.
+  const int64_t* offsets;
+  void* workspace;  // kWorkspaceAlign-aligned
+  size_t workspace_bytes;
+  int sm_count;
+  cudaStream_t stream;
+};
+
+// Defined in cutlass_grouped.cuh; each cutlass_*.cu file explicitly instantiates both for
+// exactly one (dtype, layout, tile) combination.
+template <DType kDType, GroupedLayout kLayout, TileConfig kTile>
+size_t cutlass_grouped_workspace_bytes(int64_t num_groups, int sm_count);
+
+template <DType kDType, GroupedLayout kLayout, TileConfig kTile>
+const char* cutlass_grouped_run(const CutlassGroupedArgs& args);
+
+// SIMT fallback (fallback_gemm.cu): writes every element of the output, including rows
+// past the last group (gmm) and blocks of empty groups (tgmm).
+const char* fallback_grouped_run(const GroupedGemmParams& p, const int64_t* offsets,
+                                 cudaStream_t stream);
+
+}  // namespace detail
+}  // namespace cuda
+}  // namespace moe_xla
+
+#endif  // MOE_XLA_CUDA_GROUPED_GEMM_INTERNAL_H_

@@ -1,0 +1,48 @@
+"""HLO of jitted gmm code shows the versioned custom calls; the reference lowering is opt-in."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import moe_xla
+from moe_xla import _lib
+
+PLATFORM = "cuda" if jax.default_backend() == "gpu" else "cpu"
+
+
+def _loss(lhs, rhs, gs):
+    return jnp.sum(moe_xla.gmm(lhs, rhs, gs) ** 2)
+
+
+def test_grad_hlo_has_gmm_and_tgmm_custom_calls():
+    args = (jnp.ones((16, 8)), jnp.ones((2, 8, 4)), jnp.array([7, 9], jnp.int32))
+    hlo = jax.jit(jax.grad(_loss, (0, 1))).lower(*args).compile().as_text()
+    assert f'custom_call_target="moe_xla_gmm_{PLATFORM}_v1"' in hlo
+    assert f'custom_call_target="moe_xla_tgmm_{PLATFORM}_v1"' in hlo
+    assert "transpose_rhs=true" in hlo.replace(" ", "") or "transpose_rhs = true" in hlo
+
+
+def test_reference_lowering_only_on_request(monkeypatch):
+    args = (jnp.ones((16, 8)), jnp.ones((2, 8, 4)), jnp.array([7, 9], jnp.int32))
+    # Lowerings are cached per function: each setting gets a fresh function.
+    monkeypatch.setenv("MOE_XLA_IMPL", "reference")
+    text = jax.jit(lambda *a: _loss(*a)).lower(*args).as_text()
+    assert "moe_xla_gmm" not in text.replace("moe_xla_gmm[", "")
+    assert "custom_call" not in text
+    monkeypatch.setenv("MOE_XLA_IMPL", "fast")
+    with pytest.raises(ValueError, match="MOE_XLA_IMPL: expected 'kernel' or 'reference', got 'fast'"):
+        jax.jit(lambda *a: _loss(*a)).lower(*args)
+
+
+def test_missing_library_is_a_clear_error(monkeypatch, tmp_path):
+    monkeypatch.setenv("MOE_XLA_LIBRARY", str(tmp_path / "nope.so"))
+    _lib._load.cache_clear()
+    try:
+        with pytest.raises(RuntimeError, match="scripts/build.sh"):
+            jax.jit(lambda *a: _loss(*a)).lower(jnp.ones((4, 2)), jnp.ones((1, 2, 2)), jnp.array([4], jnp.int32))
+    finally:
+        monkeypatch.undo()
+        _lib._load.cache_clear()
+        _lib._load()
