@@ -1,0 +1,82 @@
+// Framework-free contracts of the routing, dispatch and combine ops of a dropless MoE
+// layer, shared by the CPU kernels (cpu/) and the CUDA kernels (cuda/).
+//
+// route: logits [T, E] -> weights [T, k] f32, expert_ids [T, k] int32
+//   x = float(logits[t]).
+//   softmax: p = softmax(x) (max-subtracted);  select = p;         source = p
+//   sigmoid: s = 1 / (1 + exp(-x));            select = s + bias;  source = s
+//   NaN in `select` counts as -inf. Group-limited (n_groups > 1): the E experts form
+//   n_groups consecutive groups of E / n_groups; a group's score is the sum of its two
+//   highest `select` values (its one value if a group has one expert); the topk_groups
+//   best groups are kept (ties: lower group index) and experts outside them count as -inf.
+//   The k experts with the highest `select` are picked, in descending order, ties going
+//   to the lower expert index: expert_ids is always in [0, E), also for NaN or -inf rows.
+//   weights[t, j] = source[expert_ids[t, j]], divided by their sum over j when
+//   renormalize (if that sum is > 0), then times scale.
+//
+// permute: x [T, H], expert_ids [T, k], E -> x_sorted [T*k, H], group_sizes [E], row_map [T*k]
+//   Assignment i = t*k + j goes to expert e = expert_ids[t, j]; valid if 0 <= e < E.
+//   group_sizes[e] = number of valid assignments to e. A stable counting sort:
+//     slot(i) = sum_{e' < e} group_sizes[e'] + #{i' < i : expert(i') == e}       (valid)
+//     slot(i) = sum_e group_sizes[e] + #{i' < i : i' invalid}                    (invalid)
+//   row_map[i] = slot(i); x_sorted[slot(i)] = x[t]. Invalid assignments land past every
+//   group, where gmm writes zeros, so they contribute nothing.
+//
+// unpermute: y_sorted [T*k, H], row_map [T*k], weights [T, k] -> y [T, H]
+//   y[t] = sum_{j = 0..k-1} weights[t, j] * y_sorted[row_map[t*k + j]], summed in j order
+//   in float32, then cast to the dtype of y_sorted. A row_map entry outside [0, T*k)
+//   contributes 0 (never an out-of-bounds read).
+#ifndef MOE_XLA_COMMON_ROUTING_H_
+#define MOE_XLA_COMMON_ROUTING_H_
+
+#include <cstdint>
+
+#include "common/grouped_gemm.h"  // DType
+
+namespace moe_xla {
+
+enum class Score : int32_t { kSoftmax = 0, kSigmoid = 1 };
+
+struct RouteParams {
+  const void* logits;      // [T, E], logits_dtype
+  DType logits_dtype;
+  const float* bias;       // [E] or nullptr; only used with kSigmoid
+  float* weights;          // [T, k]
+  int32_t* expert_ids;     // [T, k]
+  int64_t tokens;          // T
+  int64_t experts;         // E
+  int64_t top_k;           // 1 <= k <= E
+  Score score;
+  int64_t n_groups;        // 1 = no group limit; divides E
+  int64_t topk_groups;     // 1 <= topk_groups <= n_groups; topk_groups * E / n_groups >= k
+  bool renormalize;
+  float scale;
+};
+
+struct PermuteParams {
+  const void* x;           // [T, H], dtype
+  DType dtype;
+  const int32_t* expert_ids;  // [T, k]
+  void* x_sorted;          // [T*k, H], dtype
+  int32_t* group_sizes;    // [E]
+  int32_t* row_map;        // [T*k]
+  int64_t tokens;          // T
+  int64_t hidden;          // H
+  int64_t top_k;           // k
+  int64_t experts;         // E
+};
+
+struct UnpermuteParams {
+  const void* y_sorted;    // [T*k, H], dtype
+  DType dtype;
+  const int32_t* row_map;  // [T*k]
+  const float* weights;    // [T, k]
+  void* y;                 // [T, H], dtype
+  int64_t tokens;
+  int64_t hidden;
+  int64_t top_k;
+};
+
+}  // namespace moe_xla
+
+#endif  // MOE_XLA_COMMON_ROUTING_H_
