@@ -23,10 +23,9 @@ _BUILD_HINT = (
 
 # (op, platform) -> C symbol in the library.
 _SYMBOLS = {
-    ("gmm", "cpu"): "MoeXlaGmmCpu",
-    ("tgmm", "cpu"): "MoeXlaTgmmCpu",
-    ("gmm", "cuda"): "MoeXlaGmmCuda",
-    ("tgmm", "cuda"): "MoeXlaTgmmCuda",
+    (op, platform): f"MoeXla{op.capitalize()}{platform.capitalize()}"
+    for op in ("gmm", "tgmm", "route", "permute", "unpermute")
+    for platform in ("cpu", "cuda")
 }
 
 

@@ -1,0 +1,105 @@
+"""Timing helpers shared by the benchmark scripts (DESIGN.md section 7)."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+# Run from a source checkout without installing: the repository root holds moe_xla/.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax
+import numpy as np
+
+CASES = json.loads((Path(__file__).parent / "cases.json").read_text())
+
+
+def group_sizes(m: int, g: int, kind: str) -> np.ndarray:
+    """'uniform' or 'zipf1.2' group sizes of cases.json (numpy default_rng(seed=1))."""
+    rng = np.random.default_rng(seed=1)
+    if kind == "uniform":
+        p = np.full(g, 1.0 / g)
+    elif kind == "zipf1.2":
+        p = 1.0 / np.arange(1, g + 1) ** 1.2
+        p /= p.sum()
+    else:
+        raise ValueError(f"group sizes: expected 'uniform' or 'zipf1.2', got {kind!r}")
+    return rng.multinomial(m, p).astype(np.int32)
+
+
+def time_jax(fn, *args, reps: int = 20, inner: int = 5) -> float:
+    """Median seconds per call of a jitted fn: warm up, then `reps` timings of `inner`
+    back-to-back calls (so host dispatch overlaps device work), each ended by a block."""
+    jax.block_until_ready(fn(*args))
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / inner)
+    return statistics.median(times)
+
+
+def time_torch(fn, reps: int = 20, inner: int = 5) -> float:
+    """Median seconds per call with CUDA events, same scheme as time_jax."""
+    import torch
+
+    fn()
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(inner):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / inner)
+    return statistics.median(times)
+
+
+def is_oom(err: Exception) -> bool:
+    text = str(err)
+    return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower() or "OutOfMemory" in type(err).__name__
+
+
+def environment() -> dict:
+    env = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": str(jax.devices()[0].device_kind),
+        "jax": jax.__version__,
+        "python": platform.python_version(),
+    }
+    try:
+        import torch
+
+        env["torch"] = torch.__version__
+    except ImportError:
+        pass
+    return env
+
+
+def write_results(out_dir: Path, name: str, env: dict, rows: list[dict], columns: list[str]) -> None:
+    """Writes <name>.json and <name>.md (a table of `columns`) under out_dir."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{name}.json").write_text(json.dumps({"environment": env, "results": rows}, indent=1))
+    lines = [f"# {name}", "", ", ".join(f"{k}: {v}" for k, v in env.items()), "",
+             "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for r in rows:
+        lines.append("| " + " | ".join(_fmt(r.get(c)) for c in columns) + " |")
+    (out_dir / f"{name}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines[4:]))
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
+    return "" if v is None else str(v)

@@ -1,0 +1,203 @@
+// CUDA permute (dispatch): a stable sort of the T*k assignments by expert.
+//
+//   1. make_keys: key[i] = expert_ids[i] if it lies in [0, E), else E (invalid ids sort
+//      after every group); value[i] = i.
+//   2. cub::DeviceRadixSort::SortPairs over the low ceil(log2(E + 1)) bits of the keys.
+//      LSD radix sort is stable, so equal keys keep assignment order: sorted position s
+//      is exactly slot(i) of common/routing.h.
+//   3. group_sizes: one thread per expert, two binary searches on the sorted keys
+//      (upper minus lower bound). No atomics, no memset.
+//   4. gather_rows: a group of threads per slot s reads i = sorted_value[s], writes
+//      row_map[i] = s and copies row x[i / k] into x_sorted[s] with the widest vector
+//      (16, 8, 4, 2 or 1 bytes) that the row size and both pointers allow.
+// The workspace holds the two key and two value buffers of the sort plus CUB's temporary
+// storage; its size comes from CUB's host-only size query.
+#include <cuda_runtime.h>
+
+#include <climits>
+#include <cstdint>
+#include <cub/cub.cuh>
+
+#include "common/routing.h"
+#include "cuda/routing.h"
+
+namespace moe_xla {
+namespace cuda {
+namespace {
+
+constexpr size_t kAlign = 256;
+constexpr int kThreads = 256;
+
+size_t align_up(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
+
+// Bits that hold every key in [0, E].
+int key_bits(int64_t experts) {
+  int bits = 1;
+  while (bits < 32 && (int64_t{1} << bits) <= experts) ++bits;
+  return bits;
+}
+
+size_t element_bytes(DType d) { return d == DType::kF32 ? 4 : 2; }
+
+struct Layout {
+  size_t keys[2], values[2], temp, temp_bytes, total;
+};
+
+// Offsets from an aligned base; `total` includes slack to align any workspace pointer.
+cudaError_t make_layout(const PermuteParams& p, Layout& l) {
+  const int n = static_cast<int>(p.tokens * p.top_k);
+  cub::DoubleBuffer<uint32_t> keys(nullptr, nullptr);
+  cub::DoubleBuffer<int32_t> values(nullptr, nullptr);
+  l.temp_bytes = 0;
+  const cudaError_t err =
+      cub::DeviceRadixSort::SortPairs(nullptr, l.temp_bytes, keys, values, n, 0, key_bits(p.experts));
+  const size_t array = align_up(static_cast<size_t>(n) * 4);
+  l.keys[0] = 0;
+  l.keys[1] = array;
+  l.values[0] = 2 * array;
+  l.values[1] = 3 * array;
+  l.temp = 4 * array;
+  l.total = l.temp + align_up(l.temp_bytes) + kAlign;
+  return err;
+}
+
+const char* check(const PermuteParams& p) {
+  if (p.tokens < 0 || p.top_k < 0 || p.hidden < 0 || p.experts < 0) return "permute: negative dimension";
+  if (p.tokens * p.top_k > INT_MAX) return "permute: T * k must fit in int32";
+  if (p.experts >= INT_MAX) return "permute: too many experts";
+  if (p.dtype != DType::kF32 && p.dtype != DType::kBF16 && p.dtype != DType::kF16) {
+    return "permute: unsupported dtype";
+  }
+  return nullptr;
+}
+
+__global__ void make_keys(const int32_t* __restrict__ ids, int n, int experts, uint32_t* __restrict__ keys,
+                          int32_t* __restrict__ values) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
+    const int32_t e = ids[i];
+    keys[i] = e >= 0 && e < experts ? static_cast<uint32_t>(e) : static_cast<uint32_t>(experts);
+    values[i] = static_cast<int32_t>(i);
+  }
+}
+
+// First position in sorted[0, n) whose key is >= key.
+__device__ __forceinline__ int lower_bound(const uint32_t* sorted, int n, uint32_t key) {
+  int lo = 0, hi = n;
+  while (lo < hi) {
+    const int mid = lo + (hi - lo) / 2;
+    if (sorted[mid] < key) {
+      lo = mid + 1;
+    } else {
+      hi = mid;
+    }
+  }
+  return lo;
+}
+
+__global__ void count_groups(const uint32_t* __restrict__ sorted, int n, int experts,
+                             int32_t* __restrict__ group_sizes) {
+  const int e = blockIdx.x * blockDim.x + threadIdx.x;
+  if (e >= experts) return;
+  group_sizes[e] = lower_bound(sorted, n, e + 1u) - lower_bound(sorted, n, static_cast<uint32_t>(e));
+}
+
+// `threads_per_row` threads per slot, `rows_per_block` slots per block; V is the copy unit.
+template <typename V>
+__global__ void gather_rows(const V* __restrict__ x, V* __restrict__ x_sorted, const int32_t* __restrict__ order,
+                            int32_t* __restrict__ row_map, int64_t n, int64_t k, int64_t row_vectors,
+                            int threads_per_row, int rows_per_block) {
+  const int r = threadIdx.x / threads_per_row;
+  const int c0 = threadIdx.x % threads_per_row;
+  if (r >= rows_per_block) return;
+  const int64_t s = static_cast<int64_t>(blockIdx.x) * rows_per_block + r;
+  if (s >= n) return;
+  const int64_t i = order[s];
+  if (i < 0 || i >= n) return;  // unreachable: the sorted values are a permutation of [0, n)
+  if (c0 == 0) row_map[i] = static_cast<int32_t>(s);
+  const V* src = x + (i / k) * row_vectors;
+  V* dst = x_sorted + s * row_vectors;
+  for (int64_t c = c0; c < row_vectors; c += threads_per_row) dst[c] = src[c];
+}
+
+template <typename V>
+cudaError_t launch_gather(const PermuteParams& p, const int32_t* order, int64_t n, cudaStream_t stream) {
+  const int64_t row_vectors = p.hidden * static_cast<int64_t>(element_bytes(p.dtype)) / sizeof(V);
+  int threads_per_row = 1;
+  while (threads_per_row < kThreads && threads_per_row < row_vectors) threads_per_row *= 2;
+  const int rows_per_block = kThreads / threads_per_row;
+  const int64_t blocks = (n + rows_per_block - 1) / rows_per_block;
+  gather_rows<V><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+      static_cast<const V*>(p.x), static_cast<V*>(p.x_sorted), order, p.row_map, n, p.top_k, row_vectors,
+      threads_per_row, rows_per_block);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+size_t permute_workspace_bytes(const PermuteParams& p) {
+  if (check(p)) return 0;
+  Layout l;
+  if (make_layout(p, l) != cudaSuccess) return 0;  // permute() reports the error
+  return l.total;
+}
+
+const char* permute(const PermuteParams& p, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+  if (const char* err = check(p)) return err;
+  const int n = static_cast<int>(p.tokens * p.top_k);
+  const int experts = static_cast<int>(p.experts);
+  if (n == 0) {
+    if (experts > 0) {
+      const cudaError_t err = cudaMemsetAsync(p.group_sizes, 0, sizeof(int32_t) * experts, stream);
+      if (err != cudaSuccess) return cudaGetErrorString(err);
+    }
+    return nullptr;
+  }
+  Layout l;
+  cudaError_t err = make_layout(p, l);
+  if (err != cudaSuccess) return cudaGetErrorString(err);
+  if (workspace == nullptr || workspace_bytes < l.total) return "permute: workspace too small";
+  const uintptr_t raw = reinterpret_cast<uintptr_t>(workspace);
+  char* base = reinterpret_cast<char*>((raw + kAlign - 1) / kAlign * kAlign);
+  cub::DoubleBuffer<uint32_t> keys(reinterpret_cast<uint32_t*>(base + l.keys[0]),
+                                   reinterpret_cast<uint32_t*>(base + l.keys[1]));
+  cub::DoubleBuffer<int32_t> values(reinterpret_cast<int32_t*>(base + l.values[0]),
+                                    reinterpret_cast<int32_t*>(base + l.values[1]));
+
+  int key_blocks = (n + kThreads - 1) / kThreads;
+  if (key_blocks > 4096) key_blocks = 4096;  // grid-stride beyond
+  make_keys<<<key_blocks, kThreads, 0, stream>>>(p.expert_ids, n, experts, keys.Current(), values.Current());
+  if ((err = cudaGetLastError()) != cudaSuccess) return cudaGetErrorString(err);
+
+  size_t temp_bytes = l.temp_bytes;
+  err = cub::DeviceRadixSort::SortPairs(base + l.temp, temp_bytes, keys, values, n, 0, key_bits(p.experts),
+                                        stream);
+  if (err != cudaSuccess) return cudaGetErrorString(err);
+
+  if (experts > 0) {
+    count_groups<<<(experts + kThreads - 1) / kThreads, kThreads, 0, stream>>>(keys.Current(), n, experts,
+                                                                               p.group_sizes);
+    if ((err = cudaGetLastError()) != cudaSuccess) return cudaGetErrorString(err);
+  }
+
+  // Widest copy unit that divides the row and both base addresses.
+  const size_t row_bytes = static_cast<size_t>(p.hidden) * element_bytes(p.dtype);
+  const uintptr_t addresses = reinterpret_cast<uintptr_t>(p.x) | reinterpret_cast<uintptr_t>(p.x_sorted);
+  auto fits = [&](size_t bytes) { return row_bytes % bytes == 0 && addresses % bytes == 0; };
+  const int32_t* order = values.Current();
+  if (fits(16)) {
+    err = launch_gather<uint4>(p, order, n, stream);
+  } else if (fits(8)) {
+    err = launch_gather<uint2>(p, order, n, stream);
+  } else if (fits(4)) {
+    err = launch_gather<uint32_t>(p, order, n, stream);
+  } else if (fits(2)) {
+    err = launch_gather<uint16_t>(p, order, n, stream);
+  } else {
+    err = launch_gather<uint8_t>(p, order, n, stream);
+  }
+  return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
+}
+
+}  // namespace cuda
+}  // namespace moe_xla

@@ -1,0 +1,263 @@
+// CUDA route: one warp per token (up to 4 tokens per block).
+//
+// The warp keeps the token's E `source` scores and E `select` scores (plus the group
+// scores) in shared memory:
+//   1. Lanes own experts e = lane, lane + 32, ... and compute source / select exactly as
+//      common/routing.h says (softmax max and sum by warp butterflies, expf, IEEE division;
+//      NaN selection scores become -inf).
+//   2. Group-limited: lanes score groups (sum of the two highest select values); then
+//      topk_groups rounds of a warp-wide argmax over the group scores, each marking its
+//      winner with NaN (NaN never wins); experts of unmarked groups get select = -inf.
+//   3. Top-k: each lane keeps the best (score, index) among its own experts; k rounds of a
+//      warp-wide argmax (xor butterfly on (score, index): higher score, then lower index,
+//      a strict total order, so every lane agrees) pick the experts in order. The winner's
+//      owner marks it with NaN and rescans only its own experts.
+//   4. The weight sum runs over j in order on every lane (identical on all lanes), then
+//      lane j % 32 renormalizes and scales the weights it wrote.
+// No atomics, no cross-warp communication: results are deterministic.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <climits>
+#include <cmath>
+#include <cstdint>
+
+#include "common/routing.h"
+#include "cuda/routing.h"
+
+namespace moe_xla {
+namespace cuda {
+namespace {
+
+constexpr int kWarp = 32;
+constexpr unsigned kFullMask = 0xffffffffu;
+constexpr int kMaxWarpsPerBlock = 4;
+constexpr size_t kMaxSharedBytes = 48 * 1024;  // default dynamic shared memory limit
+
+__device__ __forceinline__ float to_f32(float v) { return v; }
+__device__ __forceinline__ float to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_f32(__half v) { return __half2float(v); }
+
+// The selection order: (a, ia) ranks before (b, ib). NaN never ranks before anything.
+__device__ __forceinline__ bool ahead(float a, int ia, float b, int ib) {
+  return a > b || (a == b && ia < ib);
+}
+
+// Best non-NaN entry among v[lane], v[lane + 32], ... of v[0, n); (-inf, INT_MAX) if none.
+__device__ __forceinline__ void lane_best(const float* v, int n, int lane, float& bv, int& bi) {
+  bv = -INFINITY;
+  bi = INT_MAX;
+  for (int e = lane; e < n; e += kWarp) {
+    const float x = v[e];
+    if (ahead(x, e, bv, bi)) {
+      bv = x;
+      bi = e;
+    }
+  }
+}
+
+// Warp-wide best (score, index); every lane gets the same result.
+__device__ __forceinline__ void warp_best(float& bv, int& bi) {
+#pragma unroll
+  for (int offset = kWarp / 2; offset > 0; offset /= 2) {
+    const float ov = __shfl_xor_sync(kFullMask, bv, offset);
+    const int oi = __shfl_xor_sync(kFullMask, bi, offset);
+    if (ahead(ov, oi, bv, bi)) {
+      bv = ov;
+      bi = oi;
+    }
+  }
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int offset = kWarp / 2; offset > 0; offset /= 2) v = fmaxf(v, __shfl_xor_sync(kFullMask, v, offset));
+  return v;
+}
+
+// Xor butterfly: every lane adds the same pairs (a + b == b + a), so all lanes agree.
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int offset = kWarp / 2; offset > 0; offset /= 2) v += __shfl_xor_sync(kFullMask, v, offset);
+  return v;
+}
+
+struct RouteArgs {
+  const void* logits;
+  const float* bias;  // nullptr unless sigmoid with bias
+  float* weights;
+  int32_t* expert_ids;
+  int64_t tokens;
+  int experts;
+  int top_k;
+  int groups;       // 1 = no group limit
+  int group_size;
+  int keep_groups;
+  int warp_floats;  // shared floats per warp
+  bool softmax;
+  bool renormalize;
+  float scale;
+};
+
+template <typename T>
+__global__ void __launch_bounds__(kWarp* kMaxWarpsPerBlock) route_kernel(RouteArgs a) {
+  extern __shared__ float shared[];
+  const int lane = threadIdx.x % kWarp;
+  const int warp = threadIdx.x / kWarp;
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * (blockDim.x / kWarp) + warp;
+  if (t >= a.tokens) return;  // whole warps only; nothing below syncs the block
+  const int E = a.experts;
+  float* source = shared + static_cast<size_t>(warp) * a.warp_floats;
+  float* select = source + E;
+  float* group_score = select + E;
+  const T* x = static_cast<const T*>(a.logits) + t * E;
+
+  // 1. Scores.
+  if (a.softmax) {
+    float m = -INFINITY;  // max ignoring NaN (a NaN makes every p NaN through the sum anyway)
+    for (int e = lane; e < E; e += kWarp) {
+      const float v = to_f32(x[e]);
+      source[e] = v;
+      m = fmaxf(m, v);
+    }
+    m = warp_max(m);
+    float sum = 0.0f;
+    for (int e = lane; e < E; e += kWarp) {
+      const float v = expf(source[e] - m);
+      source[e] = v;
+      sum += v;
+    }
+    sum = warp_sum(sum);
+    for (int e = lane; e < E; e += kWarp) {
+      const float p = source[e] / sum;
+      source[e] = p;
+      select[e] = isnan(p) ? -INFINITY : p;
+    }
+  } else {
+    for (int e = lane; e < E; e += kWarp) {
+      const float s = 1.0f / (1.0f + expf(-to_f32(x[e])));
+      source[e] = s;
+      const float v = a.bias ? s + a.bias[e] : s;
+      select[e] = isnan(v) ? -INFINITY : v;
+    }
+  }
+  __syncwarp();
+
+  // 2. Group limit.
+  if (a.groups > 1) {
+    const int gs = a.group_size;
+    for (int g = lane; g < a.groups; g += kWarp) {
+      float best = -INFINITY, second = -INFINITY;
+      for (int e = g * gs; e < (g + 1) * gs; ++e) {
+        const float v = select[e];
+        if (v > best) {
+          second = best;
+          best = v;
+        } else if (v > second) {
+          second = v;
+        }
+      }
+      const float s = gs == 1 ? best : best + second;
+      group_score[g] = isnan(s) ? -INFINITY : s;  // inf + -inf
+    }
+    __syncwarp();
+    for (int r = 0; r < a.keep_groups; ++r) {
+      float bv;
+      int bi;
+      lane_best(group_score, a.groups, lane, bv, bi);
+      warp_best(bv, bi);
+      __syncwarp();
+      if (lane == 0 && bi < a.groups) group_score[bi] = NAN;  // kept
+      __syncwarp();
+    }
+    for (int e = lane; e < E; e += kWarp) {
+      if (!isnan(group_score[e / gs])) select[e] = -INFINITY;
+    }
+    __syncwarp();
+  }
+
+  // 3. Top-k, 4. weights.
+  const int k = a.top_k;
+  float* w_out = a.weights + t * k;
+  int32_t* id_out = a.expert_ids + t * k;
+  float own_v;
+  int own_i;
+  lane_best(select, E, lane, own_v, own_i);
+  float sum = 0.0f;
+  for (int j = 0; j < k; ++j) {
+    float bv = own_v;
+    int bi = own_i;
+    warp_best(bv, bi);
+    if (bi >= E) bi = E - 1;  // unreachable for k <= E (an untaken expert is never NaN)
+    const float w = source[bi];
+    sum += w;
+    if (lane == j % kWarp) {
+      id_out[j] = bi;
+      w_out[j] = w;
+    }
+    if (lane == bi % kWarp) {
+      select[bi] = NAN;  // taken; only this lane reads its experts from here on
+      lane_best(select, E, lane, own_v, own_i);
+    }
+  }
+  for (int j = lane; j < k; j += kWarp) {
+    float w = w_out[j];  // written by this lane above
+    if (a.renormalize && sum > 0.0f) w = w / sum;
+    w_out[j] = w * a.scale;
+  }
+}
+
+}  // namespace
+
+size_t route_workspace_bytes(const RouteParams&) { return 0; }
+
+const char* route(const RouteParams& p, void*, size_t, cudaStream_t stream) {
+  if (p.tokens < 0) return "route: negative number of tokens";
+  if (p.experts < 1) return "route: expected at least one expert";
+  if (p.experts > kRouteMaxExperts) return "route: more than 4096 experts are not supported";
+  if (p.top_k < 1 || p.top_k > p.experts) return "route: expected 1 <= top_k <= experts";
+  const int64_t groups = p.n_groups > 1 ? p.n_groups : 1;
+  if (p.experts % groups != 0) return "route: n_groups must divide the number of experts";
+  if (groups > 1 && (p.topk_groups < 1 || p.topk_groups > groups)) {
+    return "route: expected 1 <= topk_groups <= n_groups";
+  }
+  if (p.score != Score::kSoftmax && p.score != Score::kSigmoid) return "route: unknown score function";
+  if (p.tokens == 0) return nullptr;
+
+  RouteArgs a;
+  a.logits = p.logits;
+  a.bias = p.score == Score::kSigmoid ? p.bias : nullptr;
+  a.weights = p.weights;
+  a.expert_ids = p.expert_ids;
+  a.tokens = p.tokens;
+  a.experts = static_cast<int>(p.experts);
+  a.top_k = static_cast<int>(p.top_k);
+  a.groups = static_cast<int>(groups);
+  a.group_size = static_cast<int>(p.experts / groups);
+  a.keep_groups = groups > 1 ? static_cast<int>(p.topk_groups) : 0;
+  a.warp_floats = static_cast<int>(2 * p.experts + (groups > 1 ? groups : 0));
+  a.softmax = p.score == Score::kSoftmax;
+  a.renormalize = p.renormalize;
+  a.scale = p.scale;
+
+  const size_t warp_bytes = sizeof(float) * static_cast<size_t>(a.warp_floats);
+  int warps = static_cast<int>(kMaxSharedBytes / warp_bytes);  // >= 1 for E <= 4096
+  if (warps > kMaxWarpsPerBlock) warps = kMaxWarpsPerBlock;
+  if (warps < 1) return "route: too many experts for shared memory";
+  const int64_t blocks = (p.tokens + warps - 1) / warps;
+  if (blocks > INT_MAX) return "route: too many tokens";
+  const dim3 grid(static_cast<unsigned>(blocks)), block(kWarp * warps);
+  const size_t shared = warp_bytes * warps;
+  switch (p.logits_dtype) {
+    case DType::kF32: route_kernel<float><<<grid, block, shared, stream>>>(a); break;
+    case DType::kBF16: route_kernel<__nv_bfloat16><<<grid, block, shared, stream>>>(a); break;
+    case DType::kF16: route_kernel<__half><<<grid, block, shared, stream>>>(a); break;
+    default: return "route: unsupported logits dtype";
+  }
+  const cudaError_t err = cudaGetLastError();
+  return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
+}
+
+}  // namespace cuda
+}  // namespace moe_xla

@@ -1,0 +1,38 @@
+// XLA FFI handler of permute (dispatch) on CUDA: decodes, validates, takes the sort's
+// workspace from XLA's scratch allocator and enqueues cuda::permute on XLA's stream (no
+// host sync; command-buffer compatible).
+#include <cuda_runtime_api.h>
+
+#include "cuda/routing.h"
+#include "ffi/routing_args.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace moe_xla {
+namespace {
+
+ffi::Error permute_cuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer x,
+                        ffi::Buffer<ffi::S32> expert_ids, ffi::Result<ffi::AnyBuffer> x_sorted,
+                        ffi::ResultBuffer<ffi::S32> group_sizes, ffi::ResultBuffer<ffi::S32> row_map) {
+  auto p = ffi_args::decode_permute(x, expert_ids, *x_sorted, *group_sizes, *row_map);
+  if (p.has_error()) return p.error();
+  const size_t bytes = cuda::permute_workspace_bytes(*p);
+  auto workspace = ffi_args::scratch(scratch, bytes, "permute");
+  if (workspace.has_error()) return workspace.error();
+  return ffi_args::launch_status("permute", cuda::permute(*p, *workspace, bytes, stream));
+}
+
+}  // namespace
+}  // namespace moe_xla
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaPermuteCuda, moe_xla::permute_cuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::ScratchAllocator>()
+                                  .Arg<ffi::AnyBuffer>()          // x [T, H]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // expert_ids [T, k]
+                                  .Ret<ffi::AnyBuffer>()          // x_sorted [T*k, H]
+                                  .Ret<ffi::Buffer<ffi::S32>>()   // group_sizes [E]
+                                  .Ret<ffi::Buffer<ffi::S32>>(),  // row_map [T*k]
+                              {ffi::Traits::kCmdBufferCompatible});

@@ -1,0 +1,36 @@
+// XLA FFI handler of route on the host platform.
+#include "cpu/route.h"
+#include "ffi/routing_args.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace moe_xla {
+namespace {
+
+ffi::Error route_cpu(ffi::AnyBuffer logits, ffi::Buffer<ffi::F32> bias, ffi::ResultBuffer<ffi::F32> weights,
+                     ffi::ResultBuffer<ffi::S32> expert_ids, int64_t top_k, int64_t score, int64_t n_groups,
+                     int64_t topk_groups, bool renormalize, float scale, bool has_bias) {
+  auto p = ffi_args::decode_route(logits, bias, *weights, *expert_ids, top_k, score, n_groups, topk_groups,
+                                  renormalize, scale, has_bias);
+  if (p.has_error()) return p.error();
+  cpu::route(*p);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace moe_xla
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaRouteCpu, moe_xla::route_cpu,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()          // logits [T, E]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // bias [E]
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // weights [T, k]
+                                  .Ret<ffi::Buffer<ffi::S32>>()   // expert_ids [T, k]
+                                  .Attr<int64_t>("top_k")
+                                  .Attr<int64_t>("score")         // 0 softmax, 1 sigmoid
+                                  .Attr<int64_t>("n_groups")
+                                  .Attr<int64_t>("topk_groups")
+                                  .Attr<bool>("renormalize")
+                                  .Attr<float>("scale")
+                                  .Attr<bool>("has_bias"));

@@ -1,0 +1,52 @@
+// XLA FFI handler of route on CUDA: decodes, validates and enqueues cuda::route on XLA's
+// stream (no host sync, no scratch needed; command-buffer compatible).
+#include <cuda_runtime_api.h>
+
+#include <string>
+
+#include "cuda/routing.h"
+#include "ffi/routing_args.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace moe_xla {
+namespace {
+
+ffi::Error route_cuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer logits,
+                      ffi::Buffer<ffi::F32> bias, ffi::ResultBuffer<ffi::F32> weights,
+                      ffi::ResultBuffer<ffi::S32> expert_ids, int64_t top_k, int64_t score, int64_t n_groups,
+                      int64_t topk_groups, bool renormalize, float scale, bool has_bias) {
+  auto p = ffi_args::decode_route(logits, bias, *weights, *expert_ids, top_k, score, n_groups, topk_groups,
+                                  renormalize, scale, has_bias);
+  if (p.has_error()) return p.error();
+  if (p->experts > cuda::kRouteMaxExperts) {
+    return ffi::Error::InvalidArgument("logits: the CUDA route supports at most " +
+                                       std::to_string(cuda::kRouteMaxExperts) + " experts, got " +
+                                       std::to_string(p->experts));
+  }
+  const size_t bytes = cuda::route_workspace_bytes(*p);
+  auto workspace = ffi_args::scratch(scratch, bytes, "route");
+  if (workspace.has_error()) return workspace.error();
+  return ffi_args::launch_status("route", cuda::route(*p, *workspace, bytes, stream));
+}
+
+}  // namespace
+}  // namespace moe_xla
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaRouteCuda, moe_xla::route_cuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::ScratchAllocator>()
+                                  .Arg<ffi::AnyBuffer>()          // logits [T, E]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // bias [E]
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // weights [T, k]
+                                  .Ret<ffi::Buffer<ffi::S32>>()   // expert_ids [T, k]
+                                  .Attr<int64_t>("top_k")
+                                  .Attr<int64_t>("score")         // 0 softmax, 1 sigmoid
+                                  .Attr<int64_t>("n_groups")
+                                  .Attr<int64_t>("topk_groups")
+                                  .Attr<bool>("renormalize")
+                                  .Attr<float>("scale")
+                                  .Attr<bool>("has_bias"),
+                              {ffi::Traits::kCmdBufferCompatible});

@@ -1,0 +1,205 @@
+// Decodes and validates the buffers and attributes of the route / permute / unpermute FFI
+// calls into the framework-free params of common/routing.h, for both the CPU and the CUDA
+// handlers. Every error names the argument, what was expected and what was passed.
+#ifndef MOE_XLA_FFI_ROUTING_ARGS_H_
+#define MOE_XLA_FFI_ROUTING_ARGS_H_
+
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <string>
+
+#include "common/routing.h"
+#include "ffi/grouped_gemm_args.h"  // shape_string, invalid, expect_shape
+#include "xla/ffi/api/ffi.h"
+
+namespace moe_xla::ffi_args {
+
+namespace ffi = xla::ffi;
+
+inline ffi::Unexpected<ffi::Error> unexpected(ffi::Error e) { return ffi::Unexpected<ffi::Error>(std::move(e)); }
+
+inline std::string type_name(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::F32: return "float32";
+    case ffi::DataType::BF16: return "bfloat16";
+    case ffi::DataType::F16: return "float16";
+    case ffi::DataType::F64: return "float64";
+    case ffi::DataType::S32: return "int32";
+    case ffi::DataType::S64: return "int64";
+    default: return "type code " + std::to_string(static_cast<int>(t));
+  }
+}
+
+// The storage dtype of a float array argument, or an error naming it.
+inline ffi::ErrorOr<DType> float_dtype(ffi::DataType t, const char* what) {
+  switch (t) {
+    case ffi::DataType::F32: return DType::kF32;
+    case ffi::DataType::BF16: return DType::kBF16;
+    case ffi::DataType::F16: return DType::kF16;
+    default:
+      return invalid(std::string(what) + ": expected dtype float32, bfloat16 or float16, got " + type_name(t));
+  }
+}
+
+// route: logits [T, E] (f32 / bf16 / f16), bias [E] f32, weights [T, k] f32,
+// expert_ids [T, k] s32. bias is used only when has_bias (and only by sigmoid scoring).
+inline ffi::ErrorOr<RouteParams> decode_route(ffi::AnyBuffer logits, ffi::Buffer<ffi::F32> bias,
+                                              ffi::Buffer<ffi::F32> weights, ffi::Buffer<ffi::S32> expert_ids,
+                                              int64_t top_k, int64_t score, int64_t n_groups,
+                                              int64_t topk_groups, bool renormalize, float scale,
+                                              bool has_bias) {
+  const auto dims = logits.dimensions();
+  if (dims.size() != 2) return invalid("logits: expected rank 2 [T, E], got shape " + shape_string(dims));
+  const int64_t T = dims[0], E = dims[1];
+  auto dtype = float_dtype(logits.element_type(), "logits");
+  if (dtype.has_error()) return unexpected(dtype.error());
+  if (E < 1) return invalid("logits: expected at least one expert, got shape " + shape_string(dims));
+  if (E > std::numeric_limits<int32_t>::max()) {
+    return invalid("logits: expected at most 2^31 - 1 experts, got " + std::to_string(E));
+  }
+  if (top_k < 1 || top_k > E) {
+    return invalid("top_k: expected 1 <= top_k <= " + std::to_string(E) + " (the number of experts), got " +
+                   std::to_string(top_k));
+  }
+  if (score != static_cast<int64_t>(Score::kSoftmax) && score != static_cast<int64_t>(Score::kSigmoid)) {
+    return invalid("score: expected 0 (softmax) or 1 (sigmoid), got " + std::to_string(score));
+  }
+  if (n_groups < 1 || E % n_groups != 0) {
+    return invalid("n_groups: expected a positive divisor of the number of experts " + std::to_string(E) +
+                   ", got " + std::to_string(n_groups));
+  }
+  if (n_groups == 1) {
+    topk_groups = 1;  // no group limit: topk_groups is not used
+  } else if (topk_groups < 1 || topk_groups > n_groups) {
+    return invalid("topk_groups: expected 1 <= topk_groups <= n_groups = " + std::to_string(n_groups) +
+                   ", got " + std::to_string(topk_groups));
+  } else if (topk_groups * (E / n_groups) < top_k) {
+    return invalid("topk_groups: expected topk_groups * (E / n_groups) >= top_k = " + std::to_string(top_k) +
+                   ", got " + std::to_string(topk_groups) + " * " + std::to_string(E / n_groups));
+  }
+  if (auto e = expect_shape("bias", bias.dimensions(), {E}); e.failure()) return unexpected(e);
+  if (auto e = expect_shape("weights", weights.dimensions(), {T, top_k}); e.failure()) return unexpected(e);
+  if (auto e = expect_shape("expert_ids", expert_ids.dimensions(), {T, top_k}); e.failure()) {
+    return unexpected(e);
+  }
+  RouteParams p{};
+  p.logits = logits.untyped_data();
+  p.logits_dtype = *dtype;
+  p.bias = has_bias ? bias.typed_data() : nullptr;
+  p.weights = weights.typed_data();
+  p.expert_ids = expert_ids.typed_data();
+  p.tokens = T;
+  p.experts = E;
+  p.top_k = top_k;
+  p.score = static_cast<Score>(score);
+  p.n_groups = n_groups;
+  p.topk_groups = topk_groups;
+  p.renormalize = renormalize;
+  p.scale = scale;
+  return p;
+}
+
+// permute: x [T, H], expert_ids [T, k] s32, x_sorted [T*k, H] (dtype of x),
+// group_sizes [E] s32, row_map [T*k] s32.
+inline ffi::ErrorOr<PermuteParams> decode_permute(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> expert_ids,
+                                                  ffi::AnyBuffer x_sorted, ffi::Buffer<ffi::S32> group_sizes,
+                                                  ffi::Buffer<ffi::S32> row_map) {
+  const auto x_dims = x.dimensions();
+  if (x_dims.size() != 2) return invalid("x: expected rank 2 [T, H], got shape " + shape_string(x_dims));
+  const int64_t T = x_dims[0], H = x_dims[1];
+  auto dtype = float_dtype(x.element_type(), "x");
+  if (dtype.has_error()) return unexpected(dtype.error());
+  const auto id_dims = expert_ids.dimensions();
+  if (id_dims.size() != 2 || id_dims[0] != T) {
+    return invalid("expert_ids: expected shape [" + std::to_string(T) + ", k] (T from x), got " +
+                   shape_string(id_dims));
+  }
+  const int64_t k = id_dims[1];
+  if (T * k > std::numeric_limits<int32_t>::max()) {
+    return invalid("expert_ids: T * k = " + std::to_string(T * k) + " does not fit the int32 row_map");
+  }
+  if (x_sorted.element_type() != x.element_type()) {
+    return invalid("x_sorted: expected the dtype of x (" + type_name(x.element_type()) + "), got " +
+                   type_name(x_sorted.element_type()));
+  }
+  if (auto e = expect_shape("x_sorted", x_sorted.dimensions(), {T * k, H}); e.failure()) return unexpected(e);
+  if (group_sizes.dimensions().size() != 1) {
+    return invalid("group_sizes: expected rank 1 [E], got shape " + shape_string(group_sizes.dimensions()));
+  }
+  const int64_t E = group_sizes.dimensions()[0];
+  if (E > std::numeric_limits<int32_t>::max() - 1) {
+    return invalid("group_sizes: expected fewer than 2^31 - 1 experts, got " + std::to_string(E));
+  }
+  if (auto e = expect_shape("row_map", row_map.dimensions(), {T * k}); e.failure()) return unexpected(e);
+  PermuteParams p{};
+  p.x = x.untyped_data();
+  p.dtype = *dtype;
+  p.expert_ids = expert_ids.typed_data();
+  p.x_sorted = x_sorted.untyped_data();
+  p.group_sizes = group_sizes.typed_data();
+  p.row_map = row_map.typed_data();
+  p.tokens = T;
+  p.hidden = H;
+  p.top_k = k;
+  p.experts = E;
+  return p;
+}
+
+// unpermute: y_sorted [T*k, H], row_map [T*k] s32, weights [T, k] f32, y [T, H]
+// (dtype of y_sorted).
+inline ffi::ErrorOr<UnpermuteParams> decode_unpermute(ffi::AnyBuffer y_sorted, ffi::Buffer<ffi::S32> row_map,
+                                                      ffi::Buffer<ffi::F32> weights, ffi::AnyBuffer y) {
+  const auto w_dims = weights.dimensions();
+  if (w_dims.size() != 2) return invalid("weights: expected rank 2 [T, k], got shape " + shape_string(w_dims));
+  const int64_t T = w_dims[0], k = w_dims[1];
+  const auto ys_dims = y_sorted.dimensions();
+  if (ys_dims.size() != 2 || ys_dims[0] != T * k) {
+    return invalid("y_sorted: expected shape [" + std::to_string(T * k) + ", H] (T * k from weights), got " +
+                   shape_string(ys_dims));
+  }
+  const int64_t H = ys_dims[1];
+  auto dtype = float_dtype(y_sorted.element_type(), "y_sorted");
+  if (dtype.has_error()) return unexpected(dtype.error());
+  if (T * k > std::numeric_limits<int32_t>::max()) {
+    return invalid("weights: T * k = " + std::to_string(T * k) + " does not fit the int32 row_map");
+  }
+  if (auto e = expect_shape("row_map", row_map.dimensions(), {T * k}); e.failure()) return unexpected(e);
+  if (y.element_type() != y_sorted.element_type()) {
+    return invalid("y: expected the dtype of y_sorted (" + type_name(y_sorted.element_type()) + "), got " +
+                   type_name(y.element_type()));
+  }
+  if (auto e = expect_shape("y", y.dimensions(), {T, H}); e.failure()) return unexpected(e);
+  UnpermuteParams p{};
+  p.y_sorted = y_sorted.untyped_data();
+  p.dtype = *dtype;
+  p.row_map = row_map.typed_data();
+  p.weights = weights.typed_data();
+  p.y = y.untyped_data();
+  p.tokens = T;
+  p.hidden = H;
+  p.top_k = k;
+  return p;
+}
+
+// A kernel launcher's result (nullptr or a static message) as an ffi::Error.
+inline ffi::Error launch_status(const char* what, const char* message) {
+  if (message == nullptr) return ffi::Error::Success();
+  return ffi::Error::Internal(std::string(what) + ": " + message);
+}
+
+// `bytes` of device scratch from XLA (nullptr when bytes == 0).
+inline ffi::ErrorOr<void*> scratch(ffi::ScratchAllocator& allocator, size_t bytes, const char* what) {
+  if (bytes == 0) return static_cast<void*>(nullptr);
+  std::optional<void*> ptr = allocator.Allocate(bytes, 256);
+  if (!ptr.has_value() || *ptr == nullptr) {
+    return unexpected(ffi::Error(ffi::ErrorCode::kResourceExhausted,
+                                 std::string(what) + ": could not allocate " + std::to_string(bytes) +
+                                     " bytes of scratch memory"));
+  }
+  return *ptr;
+}
+
+}  // namespace moe_xla::ffi_args
+
+#endif  // MOE_XLA_FFI_ROUTING_ARGS_H_
