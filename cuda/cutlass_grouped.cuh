@@ -41,7 +41,8 @@
 #include "common/grouped_gemm.h"
 #include "cuda/grouped_gemm_internal.h"
 
-#if !defined(CUTLASS_ARCH_MMA_SM90_SUPPORTED) || !defined(CUTLASS_ARCH_MMA_MODIFIABLE_TMA_SM90_SUPPORTED)
+#if !defined(CUTLASS_ARCH_MMA_SM90_SUPPORTED) || \
+    !defined(CUTLASS_ARCH_MMA_MODIFIABLE_TMA_SM90_SUPPORTED)
 #error "moe_xla: the CUTLASS grouped GEMM needs CUDA >= 12.3 (sm90 with modifiable TMA descriptors)"
 #endif
 
@@ -274,7 +275,8 @@ const char* cutlass_grouped_run(const CutlassGroupedArgs& a) {
 
   constexpr int kThreads = 256;
   const int64_t blocks = (p.num_groups + kThreads - 1) / kThreads;
-  cutlass_grouped_fill_kernel<Config, kLayout><<<static_cast<unsigned>(blocks), kThreads, 0, a.stream>>>(
+  cutlass_grouped_fill_kernel<Config, kLayout>
+      <<<static_cast<unsigned>(blocks), kThreads, 0, a.stream>>>(
       a.offsets, p.num_groups, p.k, p.n, static_cast<const Element*>(p.lhs),
       static_cast<const Element*>(p.rhs), static_cast<Element*>(p.out), shapes, ptr_a, ptr_b,
       ptr_d, stride_a, stride_b, stride_d);

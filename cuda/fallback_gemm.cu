@@ -251,19 +251,22 @@ struct TypeTag {
 };
 
 template <typename F>
-bool dispatch_dtype(DType d, F&& f) {
+void dispatch_dtype(DType d, F&& f) {
   switch (d) {
     case DType::kF32:
       f(TypeTag<float>{});
-      return true;
+      break;
     case DType::kBF16:
       f(TypeTag<__nv_bfloat16>{});
-      return true;
+      break;
     case DType::kF16:
       f(TypeTag<__half>{});
-      return true;
+      break;
   }
-  return false;
+}
+
+bool valid_dtype(DType d) {
+  return d == DType::kF32 || d == DType::kBF16 || d == DType::kF16;
 }
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -272,11 +275,13 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 const char* fallback_grouped_run(const GroupedGemmParams& p, const int64_t* offsets,
                                  cudaStream_t stream) {
+  if (!valid_dtype(p.in_dtype) || !valid_dtype(p.out_dtype)) {
+    return "moe_xla grouped_gemm (fallback): unsupported dtype";
+  }
   const dim3 block(kThreads);
-  bool dtype_ok = true;
-  dtype_ok &= dispatch_dtype(p.in_dtype, [&](auto in_tag) {
+  dispatch_dtype(p.in_dtype, [&](auto in_tag) {
     using TIn = typename decltype(in_tag)::type;
-    dtype_ok &= dispatch_dtype(p.out_dtype, [&](auto out_tag) {
+    dispatch_dtype(p.out_dtype, [&](auto out_tag) {
       using TOut = typename decltype(out_tag)::type;
       const TIn* lhs = static_cast<const TIn*>(p.lhs);
       const TIn* rhs = static_cast<const TIn*>(p.rhs);
@@ -302,7 +307,6 @@ const char* fallback_grouped_run(const GroupedGemmParams& p, const int64_t* offs
       }
     });
   });
-  if (!dtype_ok) return "moe_xla grouped_gemm (fallback): unsupported dtype";
   if (cudaGetLastError() != cudaSuccess) {
     return "moe_xla grouped_gemm (fallback): kernel launch failed";
   }

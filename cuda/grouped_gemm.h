@@ -50,6 +50,12 @@ GroupedGemmPath grouped_gemm_select_path(const GroupedGemmParams& p, int sm_coun
 size_t grouped_gemm_workspace_bytes(const GroupedGemmParams& p, int sm_count,
                                     GroupedGemmPath path = GroupedGemmPath::kAuto);
 
+// An upper bound of grouped_gemm_workspace_bytes over every dtype, layout, shape and path
+// for `num_groups` groups on GPUs with at most `max_sm_count` SMs: for callers that must
+// size the scratch before the device is known (e.g. a workspace buffer XLA allocates as an
+// extra custom-call result, whose address stays valid across CUDA-graph replays).
+size_t grouped_gemm_workspace_bytes_bound(int64_t num_groups, int max_sm_count);
+
 // Enqueues the grouped product on `stream`. Returns nullptr on success or a static error
 // message. `sm_count` is cudaDevAttrMultiProcessorCount of the current device.
 const char* grouped_gemm(const GroupedGemmParams& p, void* workspace, size_t workspace_bytes,

@@ -1,10 +1,11 @@
 // XLA FFI handler of permute (dispatch) on CUDA: decodes, validates, takes the sort's
-// workspace from XLA's scratch allocator and enqueues cuda::permute on XLA's stream (no
+// workspace from an extra result (ffi/workspace.h) and enqueues cuda::permute on XLA's stream (no
 // host sync; command-buffer compatible).
 #include <cuda_runtime_api.h>
 
 #include "cuda/routing.h"
 #include "ffi/routing_args.h"
+#include "ffi/workspace.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -12,13 +13,13 @@ namespace ffi = xla::ffi;
 namespace moe_xla {
 namespace {
 
-ffi::Error permute_cuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer x,
-                        ffi::Buffer<ffi::S32> expert_ids, ffi::Result<ffi::AnyBuffer> x_sorted,
-                        ffi::ResultBuffer<ffi::S32> group_sizes, ffi::ResultBuffer<ffi::S32> row_map) {
+ffi::Error permute_cuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> expert_ids,
+                        ffi::Result<ffi::AnyBuffer> x_sorted, ffi::ResultBuffer<ffi::S32> group_sizes,
+                        ffi::ResultBuffer<ffi::S32> row_map, ffi::Result<ffi::AnyBuffer> workspace_buffer) {
   auto p = ffi_args::decode_permute(x, expert_ids, *x_sorted, *group_sizes, *row_map);
   if (p.has_error()) return p.error();
   const size_t bytes = cuda::permute_workspace_bytes(*p);
-  auto workspace = ffi_args::scratch(scratch, bytes, "permute");
+  auto workspace = ffi_args::workspace(*workspace_buffer, bytes, "permute");
   if (workspace.has_error()) return workspace.error();
   return ffi_args::launch_status("permute", cuda::permute(*p, *workspace, bytes, stream));
 }
@@ -29,10 +30,20 @@ ffi::Error permute_cuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi:
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaPermuteCuda, moe_xla::permute_cuda,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::ScratchAllocator>()
                                   .Arg<ffi::AnyBuffer>()          // x [T, H]
                                   .Arg<ffi::Buffer<ffi::S32>>()   // expert_ids [T, k]
                                   .Ret<ffi::AnyBuffer>()          // x_sorted [T*k, H]
                                   .Ret<ffi::Buffer<ffi::S32>>()   // group_sizes [E]
-                                  .Ret<ffi::Buffer<ffi::S32>>(),  // row_map [T*k]
+                                  .Ret<ffi::Buffer<ffi::S32>>()   // row_map [T*k]
+                                  .Ret<ffi::AnyBuffer>(),         // workspace u8[MoeXlaPermuteWorkspaceBytes]
                               {ffi::Traits::kCmdBufferCompatible});
+
+// Workspace bytes of a permute call (called from Python through ctypes when lowering).
+extern "C" int64_t MoeXlaPermuteWorkspaceBytes(int64_t tokens, int64_t hidden, int64_t top_k, int64_t experts) {
+  moe_xla::PermuteParams p{};
+  p.tokens = tokens;
+  p.hidden = hidden;
+  p.top_k = top_k;
+  p.experts = experts;
+  return static_cast<int64_t>(moe_xla::cuda::permute_workspace_bytes(p));
+}

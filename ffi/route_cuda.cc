@@ -13,7 +13,7 @@ namespace ffi = xla::ffi;
 namespace moe_xla {
 namespace {
 
-ffi::Error route_cuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer logits,
+ffi::Error route_cuda(cudaStream_t stream, ffi::AnyBuffer logits,
                       ffi::Buffer<ffi::F32> bias, ffi::ResultBuffer<ffi::F32> weights,
                       ffi::ResultBuffer<ffi::S32> expert_ids, int64_t top_k, int64_t score, int64_t n_groups,
                       int64_t topk_groups, bool renormalize, float scale, bool has_bias) {
@@ -25,10 +25,7 @@ ffi::Error route_cuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
                                        std::to_string(cuda::kRouteMaxExperts) + " experts, got " +
                                        std::to_string(p->experts));
   }
-  const size_t bytes = cuda::route_workspace_bytes(*p);
-  auto workspace = ffi_args::scratch(scratch, bytes, "route");
-  if (workspace.has_error()) return workspace.error();
-  return ffi_args::launch_status("route", cuda::route(*p, *workspace, bytes, stream));
+  return ffi_args::launch_status("route", cuda::route(*p, nullptr, 0, stream));
 }
 
 }  // namespace
@@ -37,7 +34,6 @@ ffi::Error route_cuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaRouteCuda, moe_xla::route_cuda,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::ScratchAllocator>()
                                   .Arg<ffi::AnyBuffer>()          // logits [T, E]
                                   .Arg<ffi::Buffer<ffi::F32>>()   // bias [E]
                                   .Ret<ffi::Buffer<ffi::F32>>()   // weights [T, k]

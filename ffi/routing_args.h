@@ -188,18 +188,6 @@ inline ffi::Error launch_status(const char* what, const char* message) {
   return ffi::Error::Internal(std::string(what) + ": " + message);
 }
 
-// `bytes` of device scratch from XLA (nullptr when bytes == 0).
-inline ffi::ErrorOr<void*> scratch(ffi::ScratchAllocator& allocator, size_t bytes, const char* what) {
-  if (bytes == 0) return static_cast<void*>(nullptr);
-  std::optional<void*> ptr = allocator.Allocate(bytes, 256);
-  if (!ptr.has_value() || *ptr == nullptr) {
-    return unexpected(ffi::Error(ffi::ErrorCode::kResourceExhausted,
-                                 std::string(what) + ": could not allocate " + std::to_string(bytes) +
-                                     " bytes of scratch memory"));
-  }
-  return *ptr;
-}
-
 }  // namespace moe_xla::ffi_args
 
 #endif  // MOE_XLA_FFI_ROUTING_ARGS_H_

@@ -11,15 +11,12 @@ namespace ffi = xla::ffi;
 namespace moe_xla {
 namespace {
 
-ffi::Error unpermute_cuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer y_sorted,
+ffi::Error unpermute_cuda(cudaStream_t stream, ffi::AnyBuffer y_sorted,
                           ffi::Buffer<ffi::S32> row_map, ffi::Buffer<ffi::F32> weights,
                           ffi::Result<ffi::AnyBuffer> y) {
   auto p = ffi_args::decode_unpermute(y_sorted, row_map, weights, *y);
   if (p.has_error()) return p.error();
-  const size_t bytes = cuda::unpermute_workspace_bytes(*p);
-  auto workspace = ffi_args::scratch(scratch, bytes, "unpermute");
-  if (workspace.has_error()) return workspace.error();
-  return ffi_args::launch_status("unpermute", cuda::unpermute(*p, *workspace, bytes, stream));
+  return ffi_args::launch_status("unpermute", cuda::unpermute(*p, nullptr, 0, stream));
 }
 
 }  // namespace
@@ -28,7 +25,6 @@ ffi::Error unpermute_cuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ff
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaUnpermuteCuda, moe_xla::unpermute_cuda,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::ScratchAllocator>()
                                   .Arg<ffi::AnyBuffer>()          // y_sorted [T*k, H]
                                   .Arg<ffi::Buffer<ffi::S32>>()   // row_map [T*k]
                                   .Arg<ffi::Buffer<ffi::F32>>()   // weights [T, k]

@@ -1,7 +1,10 @@
 """moe_xla: dropless Mixture-of-Experts primitives for JAX, lowered to XLA FFI kernels."""
 
 from moe_xla.primitives.gmm import gmm
+from moe_xla.primitives.permute import permute
 from moe_xla.primitives.ragged_dot import ragged_dot
+from moe_xla.primitives.route import route
 from moe_xla.primitives.tgmm import tgmm
+from moe_xla.primitives.unpermute import unpermute
 
-__all__ = ["gmm", "ragged_dot", "tgmm"]
+__all__ = ["gmm", "permute", "ragged_dot", "route", "tgmm", "unpermute"]

@@ -75,6 +75,16 @@ def require_kernel(op: str, platform: str) -> str:
     return target_name(op, platform)
 
 
+def cuda_workspace_bytes(symbol: str, *sizes: int) -> int:
+    """Calls the library's `int64_t symbol(int64_t...)` sizing function of a CUDA handler's
+    workspace result (see ffi/workspace.h)."""
+    lib = _load()
+    fn = getattr(lib, symbol)
+    fn.argtypes = [ctypes.c_int64] * len(sizes)
+    fn.restype = ctypes.c_int64
+    return int(fn(*sizes))
+
+
 def use_reference() -> bool:
     """True when the pure-JAX reference lowering was asked for (MOE_XLA_IMPL=reference)."""
     impl = os.environ.get("MOE_XLA_IMPL", "kernel")

@@ -70,3 +70,69 @@ def tgmm(lhs, rhs, group_sizes, *, preferred_element_type=None):
         return jnp.dot(masked.T, rhs32, precision="highest")
 
     return jax.lax.map(one_group, jnp.arange(group_sizes.shape[0])).astype(out_dtype)
+
+
+SCORES = ("softmax", "sigmoid")
+
+
+def route_source(logits, score: str):
+    """The per-expert values weights are taken from: softmax(logits) or sigmoid(logits)."""
+    x = logits.astype(jnp.float32)
+    return jax.nn.softmax(x, axis=-1) if score == "softmax" else jax.nn.sigmoid(x)
+
+
+def route_weights(logits, expert_ids, *, score, renormalize, scale):
+    """weights[t, j] = source[t, expert_ids[t, j]], renormalised over j (when the sum is
+    > 0) and scaled. Differentiable in logits for fixed expert_ids."""
+    w = jnp.take_along_axis(route_source(logits, score), expert_ids, axis=-1)
+    if renormalize:
+        total = jnp.sum(w, axis=-1, keepdims=True)
+        w = jnp.where(total > 0, w / jnp.where(total > 0, total, 1.0), w)
+    return w * jnp.float32(scale)
+
+
+def route(logits, *, top_k, score="softmax", bias=None, n_groups=1, topk_groups=1, renormalize=True, scale=1.0):
+    """Top-k expert selection (common/routing.h): logits [T, E] -> (weights [T, k] f32,
+    expert_ids [T, k] int32), ids in descending selection score, ties to the lower index."""
+    source = route_source(logits, score)
+    select = source if score == "softmax" or bias is None else source + bias.astype(jnp.float32)
+    select = jnp.where(jnp.isnan(select), -jnp.inf, select)
+    t, e = select.shape
+    if n_groups > 1:
+        per_group = select.reshape(t, n_groups, e // n_groups)
+        group_score = jnp.sum(jax.lax.top_k(per_group, min(2, e // n_groups))[0], axis=-1)
+        group_score = jnp.where(jnp.isnan(group_score), -jnp.inf, group_score)
+        kept = jax.lax.top_k(group_score, topk_groups)[1]
+        keep = jnp.zeros((t, n_groups), bool).at[jnp.arange(t)[:, None], kept].set(True)
+        select = jnp.where(jnp.repeat(keep, e // n_groups, axis=1), select, -jnp.inf)
+    expert_ids = jax.lax.top_k(select, top_k)[1].astype(jnp.int32)
+    weights = route_weights(logits, expert_ids, score=score, renormalize=renormalize, scale=scale)
+    return weights, expert_ids
+
+
+def permute(x, expert_ids, num_experts: int):
+    """Stable counting sort of the T*k assignments by expert (common/routing.h):
+    -> (x_sorted [T*k, H], group_sizes [E] int32, row_map [T*k] int32)."""
+    t, k = expert_ids.shape
+    flat = expert_ids.reshape(-1)
+    valid = (flat >= 0) & (flat < num_experts)
+    key = jnp.where(valid, flat, num_experts)
+    order = jnp.argsort(key, stable=True).astype(jnp.int32)  # slot -> assignment
+    row_map = jnp.zeros((t * k,), jnp.int32).at[order].set(jnp.arange(t * k, dtype=jnp.int32))
+    group_sizes = jnp.sum(key[:, None] == jnp.arange(num_experts)[None, :], axis=0, dtype=jnp.int32)
+    x_sorted = x[order // k] if t * k else jnp.zeros((0, x.shape[1]), x.dtype)
+    return x_sorted, group_sizes, row_map
+
+
+def unpermute(y_sorted, row_map, weights):
+    """y[t] = sum_j weights[t, j] * y_sorted[row_map[t*k + j]], in float32, j in order;
+    row_map entries outside [0, T*k) contribute 0."""
+    t, k = weights.shape
+    n = y_sorted.shape[0]
+    valid = (row_map >= 0) & (row_map < n)
+    rows = jnp.where(valid[:, None], y_sorted[jnp.clip(row_map, 0, max(n - 1, 0))].astype(jnp.float32), 0.0)
+    rows = rows.reshape(t, k, -1)
+    y = jnp.zeros((t, y_sorted.shape[1]), jnp.float32)
+    for j in range(k):
+        y = y + weights[:, j, None] * rows[:, j]
+    return y.astype(y_sorted.dtype)

@@ -5,17 +5,21 @@ from __future__ import annotations
 from typing import Callable
 
 import jax
+import numpy as np
 from jax.interpreters import mlir
 
 from moe_xla import _lib
 
 
-def register(prim, op: str, reference: Callable, attributes: Callable[..., dict]) -> None:
+def register(prim, op: str, reference: Callable, attributes: Callable[..., dict],
+             cuda_workspace: Callable[..., int] | None = None) -> None:
     """Lowers `prim` to the FFI target of `op` on cpu and cuda.
 
     `reference(*args, **params)` is the pure-JAX definition, lowered instead when
     MOE_XLA_IMPL=reference; `attributes(**params)` maps the primitive's params to the
-    typed FFI attributes of the call.
+    typed FFI attributes of the call. `cuda_workspace(*avals_in, **params)`, if given,
+    is the byte size of the uint8 workspace result the CUDA handler takes last
+    (ffi/workspace.h); it is dropped from the primitive's outputs.
     """
     reference_lowering = mlir.lower_fun(reference, multiple_results=prim.multiple_results)
 
@@ -25,6 +29,17 @@ def register(prim, op: str, reference: Callable, attributes: Callable[..., dict]
             if _lib.use_reference():
                 return reference_lowering(ctx, *args, **params)
             target = _lib.require_kernel(op, _platform)
-            return jax.ffi.ffi_lowering(target)(ctx, *args, **attributes(**params))
+            call = jax.ffi.ffi_lowering(target)
+            if _platform != "cuda" or cuda_workspace is None:
+                return call(ctx, *args, **attributes(**params))
+            nbytes = max(1, cuda_workspace(*ctx.avals_in, **params))
+            workspace = jax.core.ShapedArray((nbytes,), np.uint8)
+            results = call(ctx.replace(avals_out=[*ctx.avals_out, workspace]), *args, **attributes(**params))
+            return results[:-1]
 
         mlir.register_lowering(prim, lowering, platform=platform)
+
+
+def grouped_gemm_workspace(lhs, rhs, group_sizes, **_) -> int:
+    """Workspace bytes of the CUDA gmm / tgmm handlers: a bound that depends on G only."""
+    return _lib.cuda_workspace_bytes("MoeXlaGmmWorkspaceBytes", group_sizes.shape[0])

@@ -20,7 +20,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching
 
 from moe_xla import reference
-from moe_xla.primitives import _batching, _checks, _lowering
+from moe_xla.primitives import _ad, _batching, _checks, _lowering
 from moe_xla.primitives import tgmm as tgmm_lib
 
 gmm_p = Primitive("moe_xla_gmm")
@@ -56,7 +56,7 @@ def _jvp(primals, tangents, *, transpose_rhs, preferred_element_type):
     if type(d_rhs) is not ad.Zero:
         terms.append(gmm_p.bind(lhs, d_rhs, group_sizes, **params))
     if not terms:
-        return out, ad.Zero.from_primal_value(out)
+        return out, _ad.zero_tangent(out)
     return out, terms[0] if len(terms) == 1 else terms[0] + terms[1]
 
 
@@ -102,4 +102,5 @@ gmm_p.def_abstract_eval(_abstract_eval)
 ad.primitive_jvps[gmm_p] = _jvp
 ad.primitive_transposes[gmm_p] = _transpose
 batching.primitive_batchers[gmm_p] = _batch
-_lowering.register(gmm_p, "gmm", _reference, lambda transpose_rhs, **_: {"transpose_rhs": transpose_rhs})
+_lowering.register(gmm_p, "gmm", _reference, lambda transpose_rhs, **_: {"transpose_rhs": transpose_rhs},
+                   cuda_workspace=_lowering.grouped_gemm_workspace)

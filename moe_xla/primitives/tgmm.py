@@ -20,7 +20,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching
 
 from moe_xla import reference
-from moe_xla.primitives import _batching, _checks, _lowering
+from moe_xla.primitives import _ad, _batching, _checks, _lowering
 
 tgmm_p = Primitive("moe_xla_tgmm")
 
@@ -51,7 +51,7 @@ def _jvp(primals, tangents, *, preferred_element_type):
     if type(d_rhs) is not ad.Zero:
         terms.append(tgmm_p.bind(lhs, d_rhs, group_sizes, preferred_element_type=preferred_element_type))
     if not terms:
-        return out, ad.Zero.from_primal_value(out)
+        return out, _ad.zero_tangent(out)
     return out, terms[0] if len(terms) == 1 else terms[0] + terms[1]
 
 
@@ -94,4 +94,4 @@ tgmm_p.def_abstract_eval(_abstract_eval)
 ad.primitive_jvps[tgmm_p] = _jvp
 ad.primitive_transposes[tgmm_p] = _transpose
 batching.primitive_batchers[tgmm_p] = _batch
-_lowering.register(tgmm_p, "tgmm", _reference, lambda **_: {})
+_lowering.register(tgmm_p, "tgmm", _reference, lambda **_: {}, cuda_workspace=_lowering.grouped_gemm_workspace)

@@ -1,0 +1,103 @@
+// XLA FFI handlers of gmm and tgmm on CUDA.
+//
+// They decode and validate the buffers (ffi/grouped_gemm_args.h), use the workspace
+// result (ffi/workspace.h) and enqueue moe_xla::cuda::grouped_gemm on XLA's stream. Group
+// sizes are never copied to the host, nothing synchronises and nothing is cached between
+// calls, so the handlers are command-buffer (CUDA graph) compatible.
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <optional>
+#include <string>
+
+#include "common/grouped_gemm.h"
+#include "cuda/grouped_gemm.h"
+#include "ffi/grouped_gemm_args.h"
+#include "ffi/workspace.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace moe_xla {
+namespace {
+
+// Upper bound of the SM count the workspace is sized for at lowering time.
+constexpr int kMaxSmCount = 1024;
+
+ffi::Error cuda_error(const char* what, cudaError_t err) {
+  cudaGetLastError();  // clear a non-sticky error so later launches are not blamed for it
+  return ffi::Error::Internal(std::string("moe_xla: ") + what + ": " + cudaGetErrorString(err));
+}
+
+ffi::Error run(cudaStream_t stream, ffi::AnyBuffer workspace_buffer, ffi::ErrorOr<GroupedGemmParams> params) {
+  if (params.has_error()) return params.error();
+  const GroupedGemmParams& p = *params;
+
+  int device = 0;
+  if (cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) {
+    return cuda_error("cudaGetDevice failed", err);
+  }
+  int sm_count = 0;
+  if (cudaError_t err =
+          cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device);
+      err != cudaSuccess) {
+    return cuda_error("cudaDeviceGetAttribute(MultiProcessorCount) failed", err);
+  }
+
+  if (sm_count > kMaxSmCount) {
+    return ffi::Error::Internal("moe_xla: the gmm workspace is sized for at most " +
+                                std::to_string(kMaxSmCount) + " SMs, the device has " + std::to_string(sm_count));
+  }
+  const size_t workspace_bytes = cuda::grouped_gemm_workspace_bytes(p, sm_count);
+  auto workspace = ffi_args::workspace(workspace_buffer, workspace_bytes, "gmm");
+  if (workspace.has_error()) return workspace.error();
+
+  if (const char* err = cuda::grouped_gemm(p, *workspace, workspace_bytes, sm_count, stream)) {
+    return ffi::Error::Internal(err);
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error gmm_cuda(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
+                    ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> out,
+                    ffi::Result<ffi::AnyBuffer> workspace, bool transpose_rhs) {
+  return run(stream, *workspace,
+             ffi_args::decode(ffi_args::gmm_layout(transpose_rhs), lhs, rhs, group_sizes, *out));
+}
+
+ffi::Error tgmm_cuda(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
+                     ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> out,
+                     ffi::Result<ffi::AnyBuffer> workspace) {
+  return run(stream, *workspace,
+             ffi_args::decode(GroupedLayout::kTgmm, lhs, rhs, group_sizes, *out));
+}
+
+}  // namespace
+}  // namespace moe_xla
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaGmmCuda, moe_xla::gmm_cuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
+                                  .Arg<ffi::AnyBuffer>()                     // lhs [M, K]
+                                  .Arg<ffi::AnyBuffer>()  // rhs [G, K, N] or [G, N, K]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // group_sizes [G]
+                                  .Ret<ffi::AnyBuffer>()         // out [M, N]
+                                  .Ret<ffi::AnyBuffer>()         // workspace u8[MoeXlaGmmWorkspaceBytes(G)]
+                                  .Attr<bool>("transpose_rhs"),  // transpose_rhs
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaTgmmCuda, moe_xla::tgmm_cuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
+                                  .Arg<ffi::AnyBuffer>()                     // lhs [M, K]
+                                  .Arg<ffi::AnyBuffer>()                     // rhs [M, N]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // group_sizes [G]
+                                  .Ret<ffi::AnyBuffer>()         // out [G, K, N]
+                                  .Ret<ffi::AnyBuffer>(),        // workspace u8[MoeXlaGmmWorkspaceBytes(G)]
+                              {ffi::Traits::kCmdBufferCompatible});
+
+// Workspace bytes of a gmm / tgmm call with `num_groups` groups, any shape and dtype
+// (called from Python through ctypes when lowering).
+extern "C" int64_t MoeXlaGmmWorkspaceBytes(int64_t num_groups) {
+  return static_cast<int64_t>(moe_xla::cuda::grouped_gemm_workspace_bytes_bound(num_groups, moe_xla::kMaxSmCount));
+}

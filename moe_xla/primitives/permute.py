@@ -1,0 +1,104 @@
+"""permute: dispatch of MoE tokens into expert order (definition in common/routing.h).
+
+    x [T, H], expert_ids [T, k] int32, num_experts E
+      -> x_sorted [T*k, H], group_sizes [E] int32, row_map [T*k] int32
+    x_sorted[row_map[t*k + j]] = x[t]; rows grouped by expert, in token order within an
+    expert (a stable counting sort); assignments to ids outside [0, E) go past every group.
+
+permute is linear in x (for fixed expert_ids):
+    d x[t] = sum_j ct[row_map[t*k + j]] = unpermute(ct, row_map, ones)
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching
+
+from moe_xla import _lib, reference
+from moe_xla.primitives import _ad, _checks, _lowering
+
+permute_p = Primitive("moe_xla_permute")
+permute_p.multiple_results = True
+
+
+def permute(x, expert_ids, num_experts):
+    """Groups the T*k (token, expert) assignments by expert. See the module docstring."""
+    if not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"permute: expected a positive int num_experts, got {num_experts!r}")
+    return tuple(permute_p.bind(x, expert_ids, num_experts=num_experts))
+
+
+def _abstract_eval(x, expert_ids, *, num_experts):
+    _checks.rank("permute", "x", x, 2, "[T, H]")
+    _checks.rank("permute", "expert_ids", expert_ids, 2, "[T, k]")
+    _checks.float_dtype("permute", "x", x)
+    if jnp.dtype(expert_ids.dtype) != jnp.int32:
+        raise TypeError(f"permute: expected int32 expert_ids, got {expert_ids.dtype}")
+    _checks.dim("permute", "expert_ids.shape[0] (T of x [T, H])", x.shape[0], expert_ids.shape[0])
+    rows = expert_ids.shape[0] * expert_ids.shape[1]
+    return [jax.core.ShapedArray((rows, x.shape[1]), x.dtype),
+            jax.core.ShapedArray((num_experts,), jnp.int32),
+            jax.core.ShapedArray((rows,), jnp.int32)]
+
+
+def _jvp(primals, tangents, *, num_experts):
+    x, expert_ids = primals
+    d_x, _ = tangents
+    x_sorted, group_sizes, row_map = permute_p.bind(x, expert_ids, num_experts=num_experts)
+    if type(d_x) is ad.Zero:
+        d_sorted = _ad.zero_tangent(x_sorted)
+    else:
+        d_sorted = permute_p.bind(d_x, expert_ids, num_experts=num_experts)[0]
+    return ((x_sorted, group_sizes, row_map),
+            (d_sorted, _ad.zero_tangent(group_sizes), _ad.zero_tangent(row_map)))
+
+
+def _transpose(cts, x, expert_ids, *, num_experts):
+    from moe_xla.primitives.unpermute import unpermute_p  # unpermute's rules use permute
+
+    ct_sorted = cts[0]
+    if type(ct_sorted) is ad.Zero:
+        return ad.Zero(x.aval), None
+    t, k = expert_ids.shape
+    # row_map again, from a zero-width permute: the sort alone, no rows to move.
+    row_map = permute_p.bind(jnp.zeros((t, 0), x.aval.dtype), expert_ids, num_experts=num_experts)[2]
+    return unpermute_p.bind(ct_sorted, row_map, jnp.ones((t, k), jnp.float32)), None
+
+
+def _batch(args, dims, *, num_experts):
+    x, expert_ids = args
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    x = jnp.moveaxis(x, dims[0], 0) if dims[0] is not None else jnp.broadcast_to(x, (size,) + x.shape)
+    ids = jnp.moveaxis(expert_ids, dims[1], 0) if dims[1] is not None else \
+        jnp.broadcast_to(expert_ids, (size,) + expert_ids.shape)
+    b, t, k = ids.shape
+    # Batch element b owns experts [b (E+1), (b+1) (E+1)); its last one collects the
+    # invalid assignments, so each element's rows stay in its own block of T*k rows.
+    valid = (ids >= 0) & (ids < num_experts)
+    offset = (jnp.arange(b, dtype=jnp.int32) * (num_experts + 1))[:, None, None]
+    folded = jnp.where(valid, ids, num_experts) + offset
+    x_sorted, group_sizes, row_map = permute_p.bind(
+        x.reshape(b * t, x.shape[-1]), folded.reshape(b * t, k), num_experts=b * (num_experts + 1))
+    rows = t * k
+    row_map = row_map.reshape(b, rows) - (jnp.arange(b, dtype=jnp.int32) * rows)[:, None]
+    return [x_sorted.reshape(b, rows, -1), group_sizes.reshape(b, num_experts + 1)[:, :num_experts],
+            row_map], [0, 0, 0]
+
+
+def _cuda_workspace(x, expert_ids, *, num_experts):
+    return _lib.cuda_workspace_bytes("MoeXlaPermuteWorkspaceBytes", x.shape[0], x.shape[1],
+                                     expert_ids.shape[1], num_experts)
+
+
+def _reference(x, expert_ids, *, num_experts):
+    return list(reference.permute(x, expert_ids, num_experts))
+
+
+permute_p.def_impl(lambda *args, **params: jax.jit(lambda *a: permute_p.bind(*a, **params))(*args))
+permute_p.def_abstract_eval(_abstract_eval)
+ad.primitive_jvps[permute_p] = _jvp
+ad.primitive_transposes[permute_p] = _transpose
+batching.primitive_batchers[permute_p] = _batch
+_lowering.register(permute_p, "permute", _reference, lambda **_: {}, cuda_workspace=_cuda_workspace)

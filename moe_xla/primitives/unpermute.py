@@ -1,0 +1,106 @@
+"""unpermute: the weighted combine of MoE expert outputs (definition in common/routing.h).
+
+    y[t] = sum_{j < k} weights[t, j] * y_sorted[row_map[t*k + j]]
+
+y_sorted [T*k, H], row_map [T*k] int32, weights [T, k] float32 -> y [T, H] (dtype of
+y_sorted), accumulated in float32 in j order: bitwise reproducible. Entries of row_map
+outside [0, T*k) contribute 0.
+
+unpermute is bilinear in (y_sorted, weights):
+    d y_sorted[row_map[t*k + j]] = weights[t, j] * ct[t]     (row_map is a permutation)
+    d weights[t, j] = <ct[t], y_sorted[row_map[t*k + j]]>
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching
+
+from moe_xla import reference
+from moe_xla.primitives import _ad, _checks, _lowering
+
+unpermute_p = Primitive("moe_xla_unpermute")
+
+
+def unpermute(y_sorted, row_map, weights):
+    """Weighted combine of the k expert outputs of every token. See the module docstring."""
+    return unpermute_p.bind(y_sorted, row_map, weights)
+
+
+def _abstract_eval(y_sorted, row_map, weights):
+    _checks.rank("unpermute", "y_sorted", y_sorted, 2, "[T*k, H]")
+    _checks.rank("unpermute", "weights", weights, 2, "[T, k]")
+    _checks.float_dtype("unpermute", "y_sorted", y_sorted)
+    if jnp.dtype(weights.dtype) != jnp.float32:
+        raise TypeError(f"unpermute: expected float32 weights, got {weights.dtype}")
+    if jnp.dtype(row_map.dtype) != jnp.int32:
+        raise TypeError(f"unpermute: expected int32 row_map, got {row_map.dtype}")
+    rows = weights.shape[0] * weights.shape[1]
+    if tuple(row_map.shape) != (rows,):
+        raise ValueError(f"unpermute: expected row_map of shape ({rows},) (T*k of weights [T, k]), "
+                         f"got {tuple(row_map.shape)}")
+    _checks.dim("unpermute", "y_sorted.shape[0] (T*k of weights [T, k])", rows, y_sorted.shape[0])
+    return jax.core.ShapedArray((weights.shape[0], y_sorted.shape[1]), y_sorted.dtype)
+
+
+def _jvp(primals, tangents):
+    y_sorted, row_map, weights = primals
+    d_sorted, _, d_weights = tangents
+    out = unpermute_p.bind(y_sorted, row_map, weights)
+    terms = []
+    if type(d_sorted) is not ad.Zero:
+        terms.append(unpermute_p.bind(d_sorted, row_map, weights))
+    if type(d_weights) is not ad.Zero:
+        terms.append(unpermute_p.bind(y_sorted, row_map, d_weights))
+    if not terms:
+        return out, _ad.zero_tangent(out)
+    return out, terms[0] if len(terms) == 1 else terms[0] + terms[1]
+
+
+def _source_rows(row_map, k):
+    """For each sorted row s, the assignment i with row_map[i] = s (inverse permutation)."""
+    n = row_map.shape[0]
+    return jnp.zeros((n,), jnp.int32).at[row_map].set(jnp.arange(n, dtype=jnp.int32), unique_indices=True,
+                                                      mode="drop")
+
+
+def _transpose(ct, y_sorted, row_map, weights):
+    if ad.is_undefined_primal(row_map):
+        raise ValueError("unpermute: row_map is integer and cannot be differentiated")
+    t, k = (weights.aval if ad.is_undefined_primal(weights) else weights).shape
+    if ad.is_undefined_primal(y_sorted):
+        if type(ct) is ad.Zero:
+            return ad.Zero(y_sorted.aval), None, None
+        src = _source_rows(row_map, k)
+        rows = ct[src // k].astype(jnp.float32) * weights.reshape(-1)[src][:, None]
+        return rows.astype(y_sorted.aval.dtype), None, None
+    if type(ct) is ad.Zero:
+        return None, None, ad.Zero(weights.aval)
+    n = y_sorted.shape[0]
+    valid = (row_map >= 0) & (row_map < n)
+    picked = jnp.where(valid[:, None], y_sorted[jnp.clip(row_map, 0, max(n - 1, 0))], 0)
+    d_weights = jnp.einsum("tkh,th->tk", picked.reshape(t, k, -1).astype(jnp.float32),
+                           ct.astype(jnp.float32))
+    return None, None, d_weights
+
+
+def _batch(args, dims):
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    y_sorted, row_map, weights = (jnp.moveaxis(a, d, 0) if d is not None else jnp.broadcast_to(a, (size,) + a.shape)
+                                  for a, d in zip(args, dims))
+    b, t, k = weights.shape
+    rows = t * k
+    valid = (row_map >= 0) & (row_map < rows)
+    folded = jnp.where(valid, row_map + (jnp.arange(b, dtype=jnp.int32) * rows)[:, None], -1)
+    y = unpermute_p.bind(y_sorted.reshape(b * rows, -1), folded.reshape(-1), weights.reshape(b * t, k))
+    return y.reshape(b, t, -1), 0
+
+
+unpermute_p.def_impl(lambda *args, **params: jax.jit(lambda *a: unpermute_p.bind(*a, **params))(*args))
+unpermute_p.def_abstract_eval(_abstract_eval)
+ad.primitive_jvps[unpermute_p] = _jvp
+ad.primitive_transposes[unpermute_p] = _transpose
+batching.primitive_batchers[unpermute_p] = _batch
+_lowering.register(unpermute_p, "unpermute", reference.unpermute, lambda **_: {})
