@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# One GPU visit: kernel self-checks, the pytest suite on the GPU, then benchmarks.
+# Usage (on the H200 machine, from the repo root): benchmarks/gpu_check.sh [selftest|pytest|sanitize|bench-gmm|bench-moe]...
+# Logs and JSON go to $OUT (or ./.out).
+set -uo pipefail
+OUT="${OUT:-$PWD/.out}"; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 MOE_XLA_LIBRARY="$PWD/moe_xla/_native/libmoe_xla.so"
+status=0
+for step in "$@"; do
+  echo "=== $step"
+  case "$step" in
+    selftest)
+      .devbin/grouped_gemm_selftest > "$OUT/grouped_gemm_selftest.log" 2>&1; rc=$?
+      grep -E "FAIL|error" "$OUT/grouped_gemm_selftest.log" | head -20; tail -3 "$OUT/grouped_gemm_selftest.log"; echo "grouped_gemm_selftest rc=$rc"
+      .devbin/routing_selftest > "$OUT/routing_selftest.log" 2>&1; rc2=$?
+      grep -E "FAIL|error" "$OUT/routing_selftest.log" | head -20; tail -8 "$OUT/routing_selftest.log"; echo "routing_selftest rc=$rc2"
+      [ $rc = 0 ] && [ $rc2 = 0 ] || status=1 ;;
+    sanitize)
+      for b in grouped_gemm_selftest routing_selftest; do
+        compute-sanitizer --tool memcheck --print-limit 20 .devbin/$b > "$OUT/memcheck_$b.log" 2>&1; rc=$?
+        tail -4 "$OUT/memcheck_$b.log"; echo "memcheck $b rc=$rc"; [ $rc = 0 ] || status=1
+      done ;;
+    pytest)
+      python3 -m pytest -x -q -p no:cacheprovider tests > "$OUT/pytest_gpu.log" 2>&1; rc=$?
+      tail -25 "$OUT/pytest_gpu.log"; echo "pytest rc=$rc"; [ $rc = 0 ] || status=1 ;;
+    pytest-memcheck)
+      compute-sanitizer --tool memcheck --print-limit 20 python3 -m pytest -x -q -p no:cacheprovider tests -k "gpu or cuda" \
+        > "$OUT/pytest_memcheck.log" 2>&1; rc=$?
+      tail -8 "$OUT/pytest_memcheck.log"; echo "pytest memcheck rc=$rc"; [ $rc = 0 ] || status=1 ;;
+    bench-gmm)
+      python3 benchmarks/gmm.py --out "$OUT" > "$OUT/bench_gmm.log" 2>&1 || status=1; tail -14 "$OUT/bench_gmm.log" ;;
+    bench-moe)
+      python3 benchmarks/moe_layer.py --out "$OUT" > "$OUT/bench_moe.log" 2>&1 || status=1; tail -10 "$OUT/bench_moe.log" ;;
+  esac
+done
+exit $status
