@@ -269,7 +269,9 @@ void check_route(const RouteCase& c, std::mt19937& rng, cudaStream_t stream) {
     }
     for (int64_t j = 0; j < c.k && ok && compare_weights; ++j) {
       const float a = w_gpu[t * c.k + j], b = w_cpu[t * c.k + j];
-      if (!close(a, b, 1e-5f, 1e-7f)) ok = false;
+      // Two float32 sums over up to E terms (softmax, renormalisation), rounded differently
+      // on the GPU and the host.
+      if (!close(a, b, 1e-4f, 1e-7f)) ok = false;
       if (!std::isnan(a) && !std::isnan(b) && a != b) {
         max_rel = std::max(max_rel, std::fabs(a - b) / std::max(std::fabs(b), 1e-30f));
       }
@@ -507,8 +509,9 @@ void graph_checks(std::mt19937& rng, cudaStream_t stream) {
     std::string why;
     cudaGraphExec_t exec = capture(stream, [&] { return moe_xla::cuda::route(q, nullptr, 0, stream); }, why);
     if (exec) {
-      in = make_route_inputs(c, rng);  // new logits after capture
+      in = make_route_inputs(c, rng);  // new logits and bias after capture
       logits.upload(in.logits.data());
+      bias.upload(in.bias.data());
       CHECK_CUDA(cudaGraphLaunch(exec, stream));
       CHECK_CUDA(cudaStreamSynchronize(stream));
       std::vector<float> w_cpu(c.T * c.k);
@@ -522,7 +525,7 @@ void graph_checks(std::mt19937& rng, cudaStream_t stream) {
       const auto ids_gpu = ids.download<int32_t>();
       const auto w_gpu = w.download<float>();
       int64_t differ = 0;
-      for (int64_t i = 0; i < c.T * c.k; ++i) differ += ids_gpu[i] != ids_cpu[i] || !close(w_gpu[i], w_cpu[i], 1e-5f, 1e-7f);
+      for (int64_t i = 0; i < c.T * c.k; ++i) differ += ids_gpu[i] != ids_cpu[i] || !close(w_gpu[i], w_cpu[i], 1e-4f, 1e-7f);
       // Near-ties are checked by the main cases; here a handful of differences is tolerated.
       if (differ > c.T * c.k / 100) why += " " + std::to_string(differ) + " entries differ after replay;";
       cudaGraphExecDestroy(exec);

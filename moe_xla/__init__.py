@@ -1,5 +1,6 @@
 """moe_xla: dropless Mixture-of-Experts primitives for JAX, lowered to XLA FFI kernels."""
 
+from moe_xla.moe import MoeAux, moe
 from moe_xla.primitives.gmm import gmm
 from moe_xla.primitives.permute import permute
 from moe_xla.primitives.ragged_dot import ragged_dot
@@ -7,4 +8,4 @@ from moe_xla.primitives.route import route
 from moe_xla.primitives.tgmm import tgmm
 from moe_xla.primitives.unpermute import unpermute
 
-__all__ = ["gmm", "permute", "ragged_dot", "route", "tgmm", "unpermute"]
+__all__ = ["MoeAux", "gmm", "moe", "permute", "ragged_dot", "route", "tgmm", "unpermute"]

@@ -136,3 +136,25 @@ def unpermute(y_sorted, row_map, weights):
     for j in range(k):
         y = y + weights[:, j, None] * rows[:, j]
     return y.astype(y_sorted.dtype)
+
+
+def moe(x, router_logits, w_in, w_out, *, top_k, activation="swiglu", score="softmax", bias=None, n_groups=None,
+        topk_groups=None, renormalize=True, scale=1.0, shared_experts=None):
+    """The MoE layer as a loop over experts (no dispatch): every expert runs on every token
+    and its output is weighted by the routing weight (0 where the token did not pick it)."""
+    from moe_xla.moe import activate  # the activation definitions live with moe()
+
+    hidden, experts = x.shape[-1], w_in.shape[0]
+    x2 = x.reshape(-1, hidden).astype(jnp.float32)
+    weights, ids = route(router_logits.reshape(-1, experts), top_k=top_k, score=score, bias=bias,
+                         n_groups=n_groups or 1, topk_groups=topk_groups or 1, renormalize=renormalize, scale=scale)
+    y = jnp.zeros_like(x2)
+    for e in range(experts):
+        h = jnp.dot(x2, w_in[e].astype(jnp.float32), precision="highest")
+        y_e = jnp.dot(activate(h, activation), w_out[e].astype(jnp.float32), precision="highest")
+        coef = jnp.sum(jnp.where(ids == e, weights, 0.0), axis=-1)
+        y = y + coef[:, None] * y_e
+    if shared_experts is not None:
+        s_in, s_out = (w.astype(jnp.float32) for w in shared_experts)
+        y = y + jnp.dot(activate(jnp.dot(x2, s_in, precision="highest"), activation), s_out, precision="highest")
+    return y.reshape(x.shape).astype(x.dtype)

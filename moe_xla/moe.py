@@ -1,0 +1,136 @@
+"""moe(): a dropless Mixture-of-Experts layer from the moe_xla primitives.
+
+    weights, ids = route(router_logits)                       # [T, k] each
+    x_sorted, group_sizes, row_map = permute(x, ids, E)       # rows grouped by expert
+    h = gmm(x_sorted, w_in, group_sizes)                      # [T*k, 2F] (gated) or [T*k, F]
+    a = act(h)                                                # swiglu: silu(h[:, :F]) * h[:, F:]
+    y_sorted = gmm(a, w_out, group_sizes)                     # [T*k, H]
+    y = unpermute(y_sorted, row_map, weights)                 # sum_j weights[t, j] * y_e_j(x[t])
+    (+ shared expert: act(x @ shared_in) @ shared_out, added to every token)
+
+Every routed (token, expert) pair is computed: no capacity, no padding, no dropped
+token, no host synchronisation. Each stage runs under jax.named_scope("moe_xla/<stage>").
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from moe_xla.primitives import _checks
+from moe_xla.primitives.gmm import gmm
+from moe_xla.primitives.permute import permute
+from moe_xla.primitives.route import route
+from moe_xla.primitives.unpermute import unpermute
+
+GATED = {"swiglu": jax.nn.silu, "geglu": lambda g: jax.nn.gelu(g, approximate=True)}
+PLAIN = {"gelu": lambda h: jax.nn.gelu(h, approximate=True), "silu": jax.nn.silu, "relu": jax.nn.relu}
+ACTIVATIONS = tuple(GATED) + tuple(PLAIN)
+
+
+class MoeAux(NamedTuple):
+    """Training statistics of one moe() call.
+
+    tokens_per_expert: [E] int32, routed (token, expert) pairs per expert.
+    load_balance_loss: E * sum_e f_e * P_e (Switch Transformer), f_e the fraction of the
+        T*k assignments that went to e and P_e the mean router probability of e
+        (softmax of the logits; for sigmoid scores, the scores normalised per token).
+    z_loss: mean over tokens of logsumexp(router_logits)^2 (ST-MoE router z-loss).
+    """
+
+    tokens_per_expert: jax.Array
+    load_balance_loss: jax.Array
+    z_loss: jax.Array
+
+
+def activate(h, activation: str):
+    """The expert activation on [rows, 2F] (gated: act(gate) * up) or [rows, F]."""
+    if activation in GATED:
+        gate, up = jnp.split(h, 2, axis=-1)
+        return (GATED[activation](gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(h.dtype)
+    return PLAIN[activation](h.astype(jnp.float32)).astype(h.dtype)
+
+
+def _check(x, router_logits, w_in, w_out, top_k, activation, shared_experts):
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"moe: expected activation in {ACTIVATIONS}, got {activation!r}")
+    if x.ndim < 2:
+        raise ValueError(f"moe: expected x of rank >= 2 [..., H], got shape {x.shape}")
+    _checks.float_dtype("moe", "x", x)
+    tokens, hidden = x.size // x.shape[-1], x.shape[-1]
+    _checks.rank("moe", "w_in", w_in, 3, "[E, H, 2F] or [E, H, F]")
+    _checks.rank("moe", "w_out", w_out, 3, "[E, F, H]")
+    experts = w_in.shape[0]
+    if router_logits.shape != x.shape[:-1] + (experts,):
+        raise ValueError(f"moe: expected router_logits of shape {x.shape[:-1] + (experts,)} (x's leading dims, E), "
+                         f"got {router_logits.shape}")
+    _checks.dim("moe", "w_in.shape[1] (H of x)", hidden, w_in.shape[1])
+    f = w_in.shape[2] // 2 if activation in GATED else w_in.shape[2]
+    if activation in GATED and w_in.shape[2] % 2:
+        raise ValueError(f"moe: gated activation {activation!r} needs w_in [E, H, 2F] (gate | up), "
+                         f"got an odd last dim {w_in.shape[2]}")
+    if w_out.shape != (experts, f, hidden):
+        raise ValueError(f"moe: expected w_out of shape {(experts, f, hidden)} [E, F, H], got {w_out.shape}")
+    _checks.same_dtype("moe", "x", x, "w_in", w_in)
+    _checks.same_dtype("moe", "x", x, "w_out", w_out)
+    if shared_experts is not None:
+        s_in, s_out = shared_experts
+        fs = s_in.shape[1] // 2 if activation in GATED else s_in.shape[1]
+        if s_in.ndim != 2 or s_in.shape[0] != hidden or s_out.shape != (fs, hidden):
+            raise ValueError(f"moe: expected shared_experts = (w [H, 2Fs or Fs], w [Fs, H]) with H = {hidden}, got "
+                             f"{s_in.shape} and {s_out.shape}")
+    return tokens, hidden, experts
+
+
+def moe(x, router_logits, w_in, w_out, *, top_k, activation="swiglu", score="softmax", bias=None, n_groups=None,
+        topk_groups=None, renormalize=True, scale=1.0, shared_experts=None, return_aux=False):
+    """Dropless MoE layer: y = sum_j weights_j * expert_{e_j}(x) (+ shared expert).
+
+    x [..., H]; router_logits [..., E]; w_in [E, H, 2F] (gate | up) for gated
+    activations ("swiglu", "geglu") or [E, H, F] ("gelu", "silu", "relu"); w_out [E, F, H].
+    Routing options are route()'s; shared_experts = (w_in [H, 2Fs], w_out [Fs, H]) adds a
+    dense expert every token passes through. Returns y [..., H] in x.dtype, and MoeAux
+    when return_aux.
+    """
+    tokens, hidden, experts = _check(x, router_logits, w_in, w_out, top_k, activation, shared_experts)
+    lead = x.shape[:-1]
+    x2 = x.reshape(tokens, hidden)
+    logits2 = router_logits.reshape(tokens, experts)
+    with jax.named_scope("moe_xla/route"):
+        weights, ids = route(logits2, top_k, score=score, bias=bias, n_groups=n_groups, topk_groups=topk_groups,
+                             renormalize=renormalize, scale=scale)
+    with jax.named_scope("moe_xla/dispatch"):
+        x_sorted, group_sizes, row_map = permute(x2, ids, experts)
+    with jax.named_scope("moe_xla/gmm_in"):
+        h = gmm(x_sorted, w_in, group_sizes)
+    with jax.named_scope("moe_xla/act"):
+        a = activate(h, activation)
+    with jax.named_scope("moe_xla/gmm_out"):
+        y_sorted = gmm(a, w_out, group_sizes)
+    with jax.named_scope("moe_xla/combine"):
+        y = unpermute(y_sorted, row_map, weights)
+    if shared_experts is not None:
+        with jax.named_scope("moe_xla/shared"):
+            s_in, s_out = shared_experts
+            y = y + activate(x2 @ s_in, activation) @ s_out
+    y = y.reshape(lead + (hidden,))
+    if not return_aux:
+        return y
+    with jax.named_scope("moe_xla/aux"):
+        return y, _aux(logits2, group_sizes, score, top_k)
+
+
+def _aux(logits, group_sizes, score: str, top_k: int) -> MoeAux:
+    x = logits.astype(jnp.float32)
+    tokens, experts = x.shape
+    if score == "softmax":
+        probs = jax.nn.softmax(x, axis=-1)
+    else:
+        s = jax.nn.sigmoid(x)
+        probs = s / jnp.sum(s, axis=-1, keepdims=True)
+    fraction = group_sizes.astype(jnp.float32) / max(tokens * top_k, 1)
+    balance = experts * jnp.sum(fraction * jnp.mean(probs, axis=0))
+    z = jnp.mean(jax.nn.logsumexp(x, axis=-1) ** 2)
+    return MoeAux(group_sizes, balance, z)
