@@ -1,0 +1,172 @@
+"""route, permute and unpermute against the reference, with autodiff, vmap and errors."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+import moe_xla
+from moe_xla import reference
+from conftest import assert_close, normal
+
+ROUTE_CASES = [
+    dict(top_k=2, score="softmax"),
+    dict(top_k=1, score="softmax", renormalize=False),
+    dict(top_k=16, score="softmax"),                       # top_k = E
+    dict(top_k=4, score="sigmoid", bias=True, scale=2.5),
+    dict(top_k=3, score="sigmoid", renormalize=False),
+    dict(top_k=4, score="sigmoid", bias=True, n_groups=4, topk_groups=2),
+    dict(top_k=2, score="softmax", n_groups=8, topk_groups=1),
+]
+
+
+def _route_args(rng, case, e=16):
+    kw = dict(case)
+    if kw.pop("bias", False):
+        kw["bias"] = normal(rng, (e,), jnp.float32) * 0.5
+    return kw
+
+
+@pytest.mark.parametrize("case", ROUTE_CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_route_matches_reference(rng, case, dtype):
+    t, e = 77, 16
+    logits = normal(rng, (t, e), dtype)
+    kw = _route_args(rng, case, e)
+    w, ids = jax.jit(lambda l: moe_xla.route(l, **kw))(logits)
+    w_ref, ids_ref = reference.route(logits, **{**kw, "n_groups": kw.get("n_groups", 1),
+                                                "topk_groups": kw.get("topk_groups", 1)})
+    assert w.dtype == jnp.float32 and ids.dtype == jnp.int32 and ids.shape == (t, case["top_k"])
+    np.testing.assert_array_equal(ids, ids_ref)
+    np.testing.assert_allclose(w, w_ref, rtol=1e-5, atol=1e-7)
+    if case.get("n_groups"):
+        group = np.asarray(ids) // (e // case["n_groups"])
+        assert all(len(set(row)) <= case["topk_groups"] for row in group)
+
+
+def test_route_ties_nan_and_inf_rows():
+    logits = jnp.array([[1.0, 3.0, 3.0, 1.0], [np.nan] * 4, [-np.inf] * 4, [0.0, np.nan, 5.0, np.nan]])
+    w, ids = moe_xla.route(logits, 2)
+    np.testing.assert_array_equal(ids[0], [1, 2])          # tie -> lower index first
+    assert np.all((np.asarray(ids) >= 0) & (np.asarray(ids) < 4))
+    np.testing.assert_array_equal(ids[2], [0, 1])
+    np.testing.assert_array_equal(ids[3], [0, 1])          # a NaN logit makes the softmax row NaN
+    ws, ids_s = moe_xla.route(logits, 2, score="sigmoid")
+    np.testing.assert_array_equal(ids_s[3], [2, 0])        # NaN counts as -inf in selection
+    assert np.isnan(np.asarray(w[1])).all() and np.isfinite(np.asarray(ws[3])).all()
+
+
+def test_route_grad_matches_reference(rng):
+    logits = normal(rng, (20, 8), jnp.float32)
+    bias = normal(rng, (8,), jnp.float32)
+    for kw in (dict(top_k=3), dict(top_k=2, score="sigmoid", bias=bias, scale=1.7), dict(top_k=2, renormalize=False)):
+        ct = normal(rng, (20, kw["top_k"]), jnp.float32)
+        ours = jax.grad(lambda l: jnp.sum(moe_xla.route(l, **kw)[0] * ct))(logits)
+        ref = jax.grad(lambda l: jnp.sum(reference.route(l, **kw)[0] * ct))(logits)
+        assert_close(ours, ref, jnp.float32)
+    # Numerical derivatives need a selection that a step of eps cannot change: logits a
+    # permutation of 0..7 (gaps of 1) plus small noise.
+    spaced = jnp.asarray(np.stack([rng.permutation(8) for _ in range(20)]), jnp.float32) + logits * 0.01
+    for kw in (dict(top_k=3), dict(top_k=2, score="sigmoid", scale=1.7)):
+        check_grads(lambda l: moe_xla.route(l, **kw)[0], (spaced,), order=1, modes=("fwd", "rev"), eps=1e-3)
+
+
+def test_route_vmap(rng):
+    logits = normal(rng, (3, 10, 8), jnp.float32)
+    w, ids = jax.vmap(lambda l: moe_xla.route(l, 2))(logits)
+    w_ref, ids_ref = jax.vmap(lambda l: reference.route(l, top_k=2))(logits)
+    np.testing.assert_array_equal(ids, ids_ref)
+    np.testing.assert_allclose(w, w_ref, rtol=1e-6)
+    bias = normal(rng, (3, 8), jnp.float32)
+    w, ids = jax.vmap(lambda l, b: moe_xla.route(l, 2, score="sigmoid", bias=b))(logits, bias)
+    _, ids_ref = jax.vmap(lambda l, b: reference.route(l, top_k=2, score="sigmoid", bias=b))(logits, bias)
+    np.testing.assert_array_equal(ids, ids_ref)
+
+
+@pytest.mark.parametrize("kw,exc,match", [
+    (dict(top_k=0), ValueError, r"top_k in \[1, 8\]"),
+    (dict(top_k=9), ValueError, r"top_k in \[1, 8\]"),
+    (dict(top_k=2, score="relu"), ValueError, "score in"),
+    (dict(top_k=2, n_groups=3, topk_groups=1), ValueError, "n_groups to divide the 8 experts, got 3"),
+    (dict(top_k=2, n_groups=4), ValueError, "n_groups and topk_groups go together"),
+    (dict(top_k=2, n_groups=4, topk_groups=5), ValueError, "topk_groups <= n_groups"),
+    (dict(top_k=5, n_groups=4, topk_groups=2), ValueError, "top_k = 5 needs more"),
+    (dict(top_k=2, bias=jnp.zeros(8)), ValueError, "only defined with score='sigmoid'"),
+    (dict(top_k=2, score="sigmoid", bias=jnp.zeros(7)), ValueError, r"bias of shape \(8,\) float32"),
+])
+def test_route_bad_input(kw, exc, match):
+    with pytest.raises(exc, match=match):
+        moe_xla.route(jnp.zeros((4, 8)), **kw)
+
+
+@pytest.mark.parametrize("t,h,k,e,invalid", [(50, 12, 2, 8, 0.0), (33, 7, 3, 5, 0.2), (64, 16, 8, 8, 0.0),
+                                             (9, 5, 1, 1, 0.0), (0, 4, 2, 4, 0.0)])
+def test_permute_matches_reference(rng, t, h, k, e, invalid):
+    x = normal(rng, (t, h), jnp.float32)
+    ids = rng.integers(0, e, size=(t, k)).astype(np.int32)
+    ids[rng.random((t, k)) < invalid] = rng.choice([-1, e, e + 7, -2**31])
+    xs, gs, rm = jax.jit(lambda x, i: moe_xla.permute(x, i, e))(x, jnp.asarray(ids))
+    xs_ref, gs_ref, rm_ref = reference.permute(x, jnp.asarray(ids), e)
+    np.testing.assert_array_equal(gs, gs_ref)
+    np.testing.assert_array_equal(rm, rm_ref)
+    np.testing.assert_array_equal(xs, xs_ref)
+    assert sorted(np.asarray(rm).tolist()) == list(range(t * k)), "row_map is a permutation"
+
+
+def test_unpermute_matches_reference_and_skips_bad_rows(rng):
+    t, k, h = 30, 3, 10
+    ys = normal(rng, (t * k, h), jnp.float32)
+    rm = jnp.asarray(rng.permutation(t * k).astype(np.int32))
+    w = normal(rng, (t, k), jnp.float32)
+    np.testing.assert_allclose(moe_xla.unpermute(ys, rm, w), reference.unpermute(ys, rm, w), rtol=1e-6, atol=1e-6)
+    bad = rm.at[0].set(-5).at[4].set(t * k)
+    np.testing.assert_allclose(moe_xla.unpermute(ys, bad, w), reference.unpermute(ys, bad, w), rtol=1e-6, atol=1e-6)
+
+
+def test_dispatch_combine_grads(rng):
+    t, k, e, h = 20, 2, 5, 6
+    x = normal(rng, (t, h), jnp.float32)
+    ids = jnp.asarray(rng.integers(0, e, size=(t, k)).astype(np.int32))
+    w = normal(rng, (t, k), jnp.float32)
+    scale = normal(rng, (t * k, h), jnp.float32)
+
+    def f(mod, x, w):
+        xs, _, rm = mod.permute(x, ids, e)
+        return mod.unpermute(jnp.sin(xs) * scale, rm, w)
+
+    ours = jax.jit(jax.grad(lambda x, w: jnp.sum(f(moe_xla, x, w) ** 2), (0, 1)))(x, w)
+    ref = jax.grad(lambda x, w: jnp.sum(f(reference, x, w) ** 2), (0, 1))(x, w)
+    for o, r in zip(ours, ref):
+        assert_close(o, r, jnp.float32)
+    check_grads(lambda x, w: f(moe_xla, x, w), (x, w), order=2, modes=("fwd", "rev"), eps=1e-3)
+
+
+def test_permute_unpermute_vmap(rng):
+    b, t, k, e, h = 3, 11, 2, 4, 5
+    x = normal(rng, (b, t, h), jnp.float32)
+    ids = rng.integers(0, e, size=(b, t, k)).astype(np.int32)
+    ids[1, 3, 0] = -1  # an invalid id stays inside its batch element
+    ids = jnp.asarray(ids)
+    ours = jax.vmap(lambda x, i: moe_xla.permute(x, i, e))(x, ids)
+    ref = jax.vmap(lambda x, i: reference.permute(x, i, e))(x, ids)
+    for o, r in zip(ours, ref):
+        np.testing.assert_array_equal(o, r)
+    w = normal(rng, (b, t, k), jnp.float32)
+    np.testing.assert_allclose(jax.vmap(moe_xla.unpermute)(ours[0], ours[2], w),
+                               jax.vmap(reference.unpermute)(ref[0], ref[2], w), rtol=1e-6, atol=1e-6)
+
+
+def test_permute_and_unpermute_bad_input():
+    with pytest.raises(TypeError, match="int32 expert_ids, got int16"):
+        moe_xla.permute(jnp.zeros((4, 2)), jnp.zeros((4, 2), jnp.int16), 3)
+    with pytest.raises(ValueError, match=r"expert_ids.shape\[0\] .* = 4, got 5"):
+        moe_xla.permute(jnp.zeros((4, 2)), jnp.zeros((5, 2), jnp.int32), 3)
+    with pytest.raises(ValueError, match="positive int num_experts"):
+        moe_xla.permute(jnp.zeros((4, 2)), jnp.zeros((4, 2), jnp.int32), 0)
+    with pytest.raises(ValueError, match=r"row_map of shape \(8,\)"):
+        moe_xla.unpermute(jnp.zeros((8, 3)), jnp.zeros((7,), jnp.int32), jnp.zeros((4, 2)))
+    with pytest.raises(TypeError, match="float32 weights, got bfloat16"):
+        moe_xla.unpermute(jnp.zeros((8, 3)), jnp.zeros((8,), jnp.int32), jnp.zeros((4, 2), jnp.bfloat16))
