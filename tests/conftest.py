@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 
 jax.config.update("jax_enable_x64", False)
+# References are evaluated at full float32 precision (no TF32 on GPUs).
+jax.config.update("jax_default_matmul_precision", "highest")
 
 TOLERANCE = {jnp.dtype(jnp.float32): 1e-5, jnp.dtype(jnp.bfloat16): 1e-2, jnp.dtype(jnp.float16): 2e-3}
 ON_GPU = jax.default_backend() == "gpu"
