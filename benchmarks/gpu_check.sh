@@ -6,6 +6,7 @@ set -uo pipefail
 OUT="${OUT:-$PWD/.out}"; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 MOE_XLA_LIBRARY="$PWD/moe_xla/_native/libmoe_xla.so"
 status=0
+DEMO_ARGS=(--steps 300 --batch 32 --seq 256 --hidden 512 --heads 8 --experts 32 --top-k 4 --layers 4 --dtype bfloat16)
 for step in "$@"; do
   echo "=== $step"
   case "$step" in
@@ -27,6 +28,11 @@ for step in "$@"; do
       compute-sanitizer --tool memcheck --print-limit 20 python3 -m pytest -x -q -p no:cacheprovider tests -k "gpu or cuda" \
         > "$OUT/pytest_memcheck.log" 2>&1; rc=$?
       tail -8 "$OUT/pytest_memcheck.log"; echo "pytest memcheck rc=$rc"; [ $rc = 0 ] || status=1 ;;
+    bench-cutlass)
+      .devbin/grouped_gemm_bench > "$OUT/grouped_gemm_bench.log" 2>&1 || status=1
+      grep -E "^BEST|geomean|speed-up|OK|FAILED" "$OUT/grouped_gemm_bench.log" | tail -60 ;;
+    demo)
+      python3 -m moe_xla.demo --out "$OUT/demo" "${DEMO_ARGS[@]}" > "$OUT/demo.log" 2>&1 || status=1; tail -30 "$OUT/demo.log" ;;
     bench-gmm)
       python3 benchmarks/gmm.py --out "$OUT" > "$OUT/bench_gmm.log" 2>&1 || status=1; tail -14 "$OUT/bench_gmm.log" ;;
     bench-moe)

@@ -1,4 +1,5 @@
-// CUTLASS 4 sm90 ptr-array grouped GEMM, templated on (dtype, layout, tile config).
+// CUTLASS 4 sm90 ptr-array grouped GEMM, templated on (dtype, layout, tile config); the
+// tile scheduler's raster order comes at run time (CutlassGroupedArgs).
 //
 // Only the cutlass_*.cu files include this header, each instantiating exactly one
 // combination with MOE_XLA_INSTANTIATE_CUTLASS_GROUPED so that the ~100 s compiles run in
@@ -35,6 +36,7 @@
 #include "cutlass/gemm/dispatch_policy.hpp"
 #include "cutlass/gemm/group_array_problem_shape.hpp"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "cutlass/gemm/kernel/tile_scheduler_detail.hpp"
 #include "cutlass/kernel_hardware_info.hpp"
 #include "cutlass/numeric_types.h"
 
@@ -80,27 +82,48 @@ struct CutlassLayouts<GroupedLayout::kTgmm> {
   using B = cutlass::layout::RowMajor;
 };
 
+// Kernel schedule, CTA tile and cluster of one configuration. Cooperative: both consumer
+// warp groups share one tile (split along M). Pingpong: each consumer warp group owns a
+// tile and their mainloops and epilogues alternate, which hides the epilogue.
+// A cluster of cm x cn CTAs multicasts B tiles across its cm CTAs (same N, consecutive M)
+// and A tiles across its cn CTAs; the scheduler rounds every group's tile count up to
+// whole clusters, so cm > 1 pads each group's rows to cm * tile M.
+template <int kTileM, int kTileN, int kTileK, int kClusterM, int kClusterN, bool kPingpong>
+struct CutlassTileTraits {
+  using TileShape = cute::Shape<cute::Int<kTileM>, cute::Int<kTileN>, cute::Int<kTileK>>;
+  using ClusterShape = cute::Shape<cute::Int<kClusterM>, cute::Int<kClusterN>, cute::_1>;
+  using KernelSchedule =
+      std::conditional_t<kPingpong, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
+                         cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>;
+  using EpilogueSchedule =
+      std::conditional_t<kPingpong, cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong,
+                         cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
+};
+
 template <TileConfig kTile>
 struct CutlassTile;
 // Few rows per group (decode, many experts) or narrow N: 64-row tiles so that small groups
-// waste little, two consumer warp groups ping-ponging between tiles, no cluster (a 2x1
-// cluster would round every group up to 128 rows).
+// waste little, no cluster (a 2x1 cluster would round every group up to 128 rows).
 template <>
-struct CutlassTile<TileConfig::kSmall> {
-  using TileShape = cute::Shape<cute::_64, cute::_128, cute::_128>;
-  using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
-  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
-  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
-};
+struct CutlassTile<TileConfig::kSmall> : CutlassTileTraits<64, 128, 128, 1, 1, true> {};
 // Many rows per group (training, prefill): large cooperative tiles, B tiles multicast to
-// the two CTAs of a 2x1 cluster.
+// the two CTAs of a 2x1 cluster (groups padded to 256 rows).
 template <>
-struct CutlassTile<TileConfig::kLarge> {
-  using TileShape = cute::Shape<cute::_128, cute::_256, cute::_64>;
-  using ClusterShape = cute::Shape<cute::_2, cute::_1, cute::_1>;
-  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
-  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
-};
+struct CutlassTile<TileConfig::kLarge> : CutlassTileTraits<128, 256, 64, 2, 1, false> {};
+// The large tile without a cluster: groups padded to 128 rows only, no multicast.
+template <>
+struct CutlassTile<TileConfig::kCoop128x256Cluster1x1>
+    : CutlassTileTraits<128, 256, 64, 1, 1, false> {};
+// The large tile with A tiles multicast along N: groups padded to 128 rows (N must fill
+// pairs of 256-column tiles to avoid padding in N).
+template <>
+struct CutlassTile<TileConfig::kCoop128x256Cluster1x2>
+    : CutlassTileTraits<128, 256, 64, 1, 2, false> {};
+// Pingpong (epilogue hidden behind the other warp group's mainloop) with B multicast over
+// a 2x1 cluster of 64-row tiles: groups padded to 128 rows.
+template <>
+struct CutlassTile<TileConfig::kPingpong64x256Cluster2x1>
+    : CutlassTileTraits<64, 256, 64, 2, 1, true> {};
 
 template <DType kDType, GroupedLayout kLayout, TileConfig kTile>
 struct CutlassGroupedGemm {
@@ -219,7 +242,8 @@ __global__ void cutlass_grouped_fill_kernel(
 
 template <class Config>
 typename Config::Arguments make_cutlass_arguments(
-    int64_t num_groups, int sm_count, typename Config::UnderlyingShape* shapes,
+    int64_t num_groups, int sm_count, RasterOrder raster, int max_swizzle,
+    typename Config::UnderlyingShape* shapes,
     const typename Config::Element** ptr_a, const typename Config::Element** ptr_b,
     typename Config::Element** ptr_d, typename Config::StrideA* stride_a,
     typename Config::StrideB* stride_b, typename Config::StrideD* stride_d) {
@@ -240,6 +264,11 @@ typename Config::Arguments make_cutlass_arguments(
   args.epilogue.dD = stride_d;
   args.hw_info.device_id = 0;  // only used when sm_count <= 0, which we never pass
   args.hw_info.sm_count = sm_count;
+  // Persistent group tile scheduler (runtime options; its workspace does not depend on them).
+  using RasterOptions = cutlass::gemm::kernel::detail::RasterOrderOptions;
+  args.scheduler.raster_order =
+      raster == RasterOrder::kAlongN ? RasterOptions::AlongN : RasterOptions::AlongM;
+  args.scheduler.max_swizzle_size = max_swizzle;
   return args;
 }
 
@@ -247,8 +276,9 @@ template <DType kDType, GroupedLayout kLayout, TileConfig kTile>
 size_t cutlass_grouped_workspace_bytes(int64_t num_groups, int sm_count) {
   using Config = CutlassGroupedGemm<kDType, kLayout, kTile>;
   typename Config::MetaLayout layout(num_groups);
-  auto args = make_cutlass_arguments<Config>(num_groups, sm_count, nullptr, nullptr, nullptr,
-                                             nullptr, nullptr, nullptr, nullptr);
+  auto args = make_cutlass_arguments<Config>(num_groups, sm_count, RasterOrder::kAlongM, 1,
+                                             nullptr, nullptr, nullptr, nullptr, nullptr,
+                                             nullptr, nullptr);
   return layout.total_meta + align_up(Config::Gemm::get_workspace_size(args), kWorkspaceAlign);
 }
 
@@ -284,8 +314,9 @@ const char* cutlass_grouped_run(const CutlassGroupedArgs& a) {
     return "moe_xla grouped_gemm (CUTLASS): launching the metadata kernel failed";
   }
 
-  auto args = make_cutlass_arguments<Config>(p.num_groups, a.sm_count, shapes, ptr_a, ptr_b,
-                                             ptr_d, stride_a, stride_b, stride_d);
+  auto args = make_cutlass_arguments<Config>(p.num_groups, a.sm_count, a.raster, a.max_swizzle,
+                                             shapes, ptr_a, ptr_b, ptr_d, stride_a, stride_b,
+                                             stride_d);
   typename Config::Gemm gemm;
   if (gemm.can_implement(args) != cutlass::Status::kSuccess) {
     return "moe_xla grouped_gemm (CUTLASS): can_implement rejected the arguments";

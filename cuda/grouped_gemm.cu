@@ -130,82 +130,136 @@ bool sizes_in_range(const GroupedGemmParams& p) {
   return lhs < kMaxElems && rhs < kMaxElems && out < kMaxElems;
 }
 
-// Whether a CUTLASS tile configuration can compute this product.
-bool cutlass_supported(const GroupedGemmParams& p, TileConfig tile) {
-  if (!valid_layout(p.layout) || !sizes_in_range(p)) return false;
-  if (p.in_dtype != p.out_dtype) return false;
-  if (p.in_dtype == DType::kF16) {
-    if (tile != TileConfig::kLarge) return false;  // only one f16 instantiation
-  } else if (p.in_dtype != DType::kBF16) {
-    return false;
+// The CUTLASS instantiations, one per cutlass_*.cu file: a path can run a product when
+// its (dtype, layout, tile) is listed here.
+struct CutlassInstance {
+  DType dtype;
+  GroupedLayout layout;
+  TileConfig tile;
+  size_t (*workspace_bytes)(int64_t num_groups, int sm_count);
+  const char* (*run)(const CutlassGroupedArgs& args);
+};
+
+#define MOE_XLA_CUTLASS_INSTANCE(DTYPE, LAYOUT, TILE)                                        \
+  CutlassInstance {                                                                          \
+    DType::DTYPE, GroupedLayout::LAYOUT, TileConfig::TILE,                                   \
+        &detail::cutlass_grouped_workspace_bytes<DType::DTYPE, GroupedLayout::LAYOUT,        \
+                                                 TileConfig::TILE>,                          \
+        &detail::cutlass_grouped_run<DType::DTYPE, GroupedLayout::LAYOUT, TileConfig::TILE> \
   }
-  if (p.m <= 0 || p.k <= 0 || p.n <= 0 || p.num_groups <= 0) return false;
-  if (p.m > INT32_MAX || p.k > INT32_MAX || p.n > INT32_MAX || p.num_groups > INT32_MAX) {
-    return false;
+
+constexpr CutlassInstance kCutlassInstances[] = {
+    MOE_XLA_CUTLASS_INSTANCE(kBF16, kGmm, kSmall),
+    MOE_XLA_CUTLASS_INSTANCE(kBF16, kGmm, kLarge),
+    MOE_XLA_CUTLASS_INSTANCE(kBF16, kGmm, kCoop128x256Cluster1x1),
+    MOE_XLA_CUTLASS_INSTANCE(kBF16, kGmm, kCoop128x256Cluster1x2),
+    MOE_XLA_CUTLASS_INSTANCE(kBF16, kGmm, kPingpong64x256Cluster2x1),
+    MOE_XLA_CUTLASS_INSTANCE(kBF16, kGmmTransposed, kSmall),
+    MOE_XLA_CUTLASS_INSTANCE(kBF16, kGmmTransposed, kLarge),
+    MOE_XLA_CUTLASS_INSTANCE(kBF16, kGmmTransposed, kCoop128x256Cluster1x1),
+    MOE_XLA_CUTLASS_INSTANCE(kBF16, kGmmTransposed, kCoop128x256Cluster1x2),
+    MOE_XLA_CUTLASS_INSTANCE(kBF16, kGmmTransposed, kPingpong64x256Cluster2x1),
+    MOE_XLA_CUTLASS_INSTANCE(kBF16, kTgmm, kSmall),
+    MOE_XLA_CUTLASS_INSTANCE(kBF16, kTgmm, kLarge),
+    MOE_XLA_CUTLASS_INSTANCE(kBF16, kTgmm, kCoop128x256Cluster1x2),
+    MOE_XLA_CUTLASS_INSTANCE(kBF16, kTgmm, kPingpong64x256Cluster2x1),
+    MOE_XLA_CUTLASS_INSTANCE(kF16, kGmm, kLarge),
+    MOE_XLA_CUTLASS_INSTANCE(kF16, kGmmTransposed, kLarge),
+    MOE_XLA_CUTLASS_INSTANCE(kF16, kTgmm, kLarge),
+};
+#undef MOE_XLA_CUTLASS_INSTANCE
+
+const CutlassInstance* find_cutlass_instance(DType d, GroupedLayout l, TileConfig t) {
+  for (const CutlassInstance& inst : kCutlassInstances) {
+    if (inst.dtype == d && inst.layout == l && inst.tile == t) return &inst;
   }
-  // TMA: 16-byte aligned base addresses and leading dimensions (8 elements of 16 bits).
-  // Group offsets move the bases by whole rows of K or N elements, which keeps them aligned.
-  if (p.k % 8 != 0 || p.n % 8 != 0) return false;
-  return aligned16(p.lhs) && aligned16(p.rhs) && aligned16(p.out);
+  return nullptr;
 }
 
-TileConfig tile_of(GroupedGemmPath path) {
-  return path == GroupedGemmPath::kCutlassSmall ? TileConfig::kSmall : TileConfig::kLarge;
-}
-
-bool is_cutlass(GroupedGemmPath path) {
-  return path == GroupedGemmPath::kCutlassSmall || path == GroupedGemmPath::kCutlassLarge;
-}
-
-// Calls f.template operator()<kDType, kLayout, kTile>() for the runtime combination; false if
-// it was not instantiated.
-template <typename F>
-bool with_cutlass_config(DType d, GroupedLayout l, TileConfig t, F&& f) {
-  using L = GroupedLayout;
-  using T = TileConfig;
-  if (d == DType::kBF16) {
-    if (t == T::kSmall) {
-      if (l == L::kGmm) return f.template operator()<DType::kBF16, L::kGmm, T::kSmall>(), true;
-      if (l == L::kGmmTransposed)
-        return f.template operator()<DType::kBF16, L::kGmmTransposed, T::kSmall>(), true;
-      if (l == L::kTgmm) return f.template operator()<DType::kBF16, L::kTgmm, T::kSmall>(), true;
-    } else {
-      if (l == L::kGmm) return f.template operator()<DType::kBF16, L::kGmm, T::kLarge>(), true;
-      if (l == L::kGmmTransposed)
-        return f.template operator()<DType::kBF16, L::kGmmTransposed, T::kLarge>(), true;
-      if (l == L::kTgmm) return f.template operator()<DType::kBF16, L::kTgmm, T::kLarge>(), true;
-    }
-  } else if (d == DType::kF16 && t == T::kLarge) {
-    if (l == L::kGmm) return f.template operator()<DType::kF16, L::kGmm, T::kLarge>(), true;
-    if (l == L::kGmmTransposed)
-      return f.template operator()<DType::kF16, L::kGmmTransposed, T::kLarge>(), true;
-    if (l == L::kTgmm) return f.template operator()<DType::kF16, L::kTgmm, T::kLarge>(), true;
+// The tile configuration of a CUTLASS path; false for kAuto and kFallback.
+bool tile_of(GroupedGemmPath path, TileConfig* tile) {
+  switch (path) {
+    case GroupedGemmPath::kCutlassSmall:
+      *tile = TileConfig::kSmall;
+      return true;
+    case GroupedGemmPath::kCutlassLarge:
+      *tile = TileConfig::kLarge;
+      return true;
+    case GroupedGemmPath::kCutlassCoop128x256Cluster1x1:
+      *tile = TileConfig::kCoop128x256Cluster1x1;
+      return true;
+    case GroupedGemmPath::kCutlassCoop128x256Cluster1x2:
+      *tile = TileConfig::kCoop128x256Cluster1x2;
+      return true;
+    case GroupedGemmPath::kCutlassPingpong64x256Cluster2x1:
+      *tile = TileConfig::kPingpong64x256Cluster2x1;
+      return true;
+    case GroupedGemmPath::kAuto:
+    case GroupedGemmPath::kFallback:
+      return false;
   }
   return false;
 }
 
-struct CutlassWorkspaceBytes {
-  int64_t groups;
-  int sm_count;
-  size_t* result;
-  template <DType D, GroupedLayout L, TileConfig T>
-  void operator()() const {
-    *result = detail::cutlass_grouped_workspace_bytes<D, L, T>(groups, sm_count);
+// The instantiation that computes this product on a CUTLASS path, or nullptr when the path
+// is not a CUTLASS one or cannot compute it (dtype/layout not instantiated, shapes,
+// alignment).
+const CutlassInstance* cutlass_instance_for(const GroupedGemmParams& p, GroupedGemmPath path) {
+  TileConfig tile;
+  if (!tile_of(path, &tile)) return nullptr;
+  if (!valid_layout(p.layout) || !sizes_in_range(p)) return nullptr;
+  if (p.in_dtype != p.out_dtype) return nullptr;
+  const CutlassInstance* inst = find_cutlass_instance(p.in_dtype, p.layout, tile);
+  if (inst == nullptr) return nullptr;
+  if (p.m <= 0 || p.k <= 0 || p.n <= 0 || p.num_groups <= 0) return nullptr;
+  if (p.m > INT32_MAX || p.k > INT32_MAX || p.n > INT32_MAX || p.num_groups > INT32_MAX) {
+    return nullptr;
   }
-};
-
-struct CutlassRun {
-  const CutlassGroupedArgs* args;
-  const char** result;
-  template <DType D, GroupedLayout L, TileConfig T>
-  void operator()() const {
-    *result = detail::cutlass_grouped_run<D, L, T>(*args);
-  }
-};
-
-GroupedGemmPath resolve_path(const GroupedGemmParams& p, int sm_count, GroupedGemmPath path) {
-  return path == GroupedGemmPath::kAuto ? grouped_gemm_select_path(p, sm_count) : path;
+  // TMA: 16-byte aligned base addresses and leading dimensions (8 elements of 16 bits).
+  // Group offsets move the bases by whole rows of K or N elements, which keeps them aligned.
+  if (p.k % 8 != 0 || p.n % 8 != 0) return nullptr;
+  if (!aligned16(p.lhs) || !aligned16(p.rhs) || !aligned16(p.out)) return nullptr;
+  return inst;
 }
+
+bool cutlass_supported(const GroupedGemmParams& p, GroupedGemmPath path) {
+  return cutlass_instance_for(p, path) != nullptr;
+}
+
+// ---------------------------------------------------------------------------------------
+// Tuning heuristics: the only place that maps shapes to kernels. Benchmark with
+// //cuda:grouped_gemm_bench before changing them.
+//
+// Path (bf16; f16 has only the large configuration):
+//  - gmm: small tiles when the average group has <= 128 rows (M / G) or N <= 128, as large
+//    128-row tiles (rounded up to 256 rows by the 2x1 cluster) would be mostly padding;
+//    large tiles otherwise (higher wgmma efficiency, B multicast).
+//  - tgmm: every group's output block is K x N whatever its rows, so the tile count is
+//    known: small tiles when K or N <= 128, or when the large tiles would not fill one wave
+//    of the SMs (G * ceil(K/128) * ceil(N/256) < sm_count); large tiles otherwise.
+GroupedGemmPath select_path(const GroupedGemmParams& p, int sm_count) {
+  if (!cutlass_supported(p, GroupedGemmPath::kCutlassLarge)) return GroupedGemmPath::kFallback;
+  if (!cutlass_supported(p, GroupedGemmPath::kCutlassSmall)) return GroupedGemmPath::kCutlassLarge;
+  bool small;
+  if (p.layout == GroupedLayout::kTgmm) {
+    const int64_t large_tiles = p.num_groups * ((p.k + 127) / 128) * ((p.n + 255) / 256);
+    small = p.k <= 128 || p.n <= 128 || large_tiles < std::max(sm_count, 1);
+  } else {
+    const int64_t avg_rows = p.m / p.num_groups;
+    small = avg_rows <= 128 || p.n <= 128;
+  }
+  return small ? GroupedGemmPath::kCutlassSmall : GroupedGemmPath::kCutlassLarge;
+}
+
+// Raster order of a CUTLASS path: CUTLASS's default (along M) everywhere for now.
+GroupedGemmRaster select_raster(const GroupedGemmParams& p, GroupedGemmPath path,
+                                int sm_count) {
+  (void)p;
+  (void)path;
+  (void)sm_count;
+  return GroupedGemmRaster::kAlongM;
+}
+// ---------------------------------------------------------------------------------------
 
 size_t offsets_bytes(int64_t num_groups) {
   return align_up(static_cast<size_t>(num_groups + 1) * sizeof(int64_t), kWorkspaceAlign);
@@ -223,53 +277,53 @@ const char* grouped_gemm_path_name(GroupedGemmPath path) {
       return "cutlass_small";
     case GroupedGemmPath::kCutlassLarge:
       return "cutlass_large";
+    case GroupedGemmPath::kCutlassCoop128x256Cluster1x1:
+      return "cutlass_coop128x256_1x1";
+    case GroupedGemmPath::kCutlassCoop128x256Cluster1x2:
+      return "cutlass_coop128x256_1x2";
+    case GroupedGemmPath::kCutlassPingpong64x256Cluster2x1:
+      return "cutlass_pingpong64x256_2x1";
+  }
+  return "unknown";
+}
+
+const char* grouped_gemm_raster_name(GroupedGemmRaster raster) {
+  switch (raster) {
+    case GroupedGemmRaster::kAuto:
+      return "auto";
+    case GroupedGemmRaster::kAlongM:
+      return "along_m";
+    case GroupedGemmRaster::kAlongN:
+      return "along_n";
   }
   return "unknown";
 }
 
 bool grouped_gemm_path_supported(const GroupedGemmParams& p, GroupedGemmPath path) {
-  switch (path) {
-    case GroupedGemmPath::kAuto:
-    case GroupedGemmPath::kFallback:
-      return true;
-    case GroupedGemmPath::kCutlassSmall:
-    case GroupedGemmPath::kCutlassLarge:
-      return cutlass_supported(p, tile_of(path));
-  }
-  return false;
+  if (path == GroupedGemmPath::kAuto || path == GroupedGemmPath::kFallback) return true;
+  return cutlass_supported(p, path);
 }
 
-// Heuristic (bf16; f16 has only the large configuration):
-//  - gmm: small tiles when the average group has <= 128 rows (M / G) or N <= 128, as large
-//    128-row tiles (rounded up to 256 rows by the 2x1 cluster) would be mostly padding;
-//    large tiles otherwise (higher wgmma efficiency, B multicast).
-//  - tgmm: every group's output block is K x N whatever its rows, so the tile count is
-//    known: small tiles when K or N <= 128, or when the large tiles would not fill one wave
-//    of the SMs (G * ceil(K/128) * ceil(N/256) < sm_count); large tiles otherwise.
 GroupedGemmPath grouped_gemm_select_path(const GroupedGemmParams& p, int sm_count) {
-  if (!cutlass_supported(p, TileConfig::kLarge)) return GroupedGemmPath::kFallback;
-  if (!cutlass_supported(p, TileConfig::kSmall)) return GroupedGemmPath::kCutlassLarge;
-  bool small;
-  if (p.layout == GroupedLayout::kTgmm) {
-    const int64_t large_tiles = p.num_groups * ((p.k + 127) / 128) * ((p.n + 255) / 256);
-    small = p.k <= 128 || p.n <= 128 || large_tiles < std::max(sm_count, 1);
-  } else {
-    const int64_t avg_rows = p.m / p.num_groups;
-    small = avg_rows <= 128 || p.n <= 128;
+  return select_path(p, sm_count);
+}
+
+GroupedGemmConfig grouped_gemm_select_config(const GroupedGemmParams& p, int sm_count,
+                                             GroupedGemmConfig config) {
+  if (config.path == GroupedGemmPath::kAuto) config.path = select_path(p, sm_count);
+  if (config.raster == GroupedGemmRaster::kAuto) {
+    config.raster = select_raster(p, config.path, sm_count);
   }
-  return small ? GroupedGemmPath::kCutlassSmall : GroupedGemmPath::kCutlassLarge;
+  return config;
 }
 
 size_t grouped_gemm_workspace_bytes(const GroupedGemmParams& p, int sm_count,
                                     GroupedGemmPath path) {
   if (!valid_layout(p.layout) || !sizes_in_range(p)) return 0;
   size_t bytes = kWorkspaceAlign /* slack to align the base */ + offsets_bytes(p.num_groups);
-  path = resolve_path(p, sm_count, path);
-  if (is_cutlass(path) && cutlass_supported(p, tile_of(path))) {
-    size_t cutlass_bytes = 0;
-    with_cutlass_config(p.in_dtype, p.layout, tile_of(path),
-                        CutlassWorkspaceBytes{p.num_groups, std::max(sm_count, 1), &cutlass_bytes});
-    bytes += align_up(cutlass_bytes, kWorkspaceAlign);
+  if (path == GroupedGemmPath::kAuto) path = select_path(p, sm_count);
+  if (const CutlassInstance* inst = cutlass_instance_for(p, path)) {
+    bytes += align_up(inst->workspace_bytes(p.num_groups, std::max(sm_count, 1)), kWorkspaceAlign);
   }
   return bytes;
 }
@@ -277,22 +331,22 @@ size_t grouped_gemm_workspace_bytes(const GroupedGemmParams& p, int sm_count,
 size_t grouped_gemm_workspace_bytes_bound(int64_t num_groups, int max_sm_count) {
   if (num_groups < 0) return 0;
   size_t cutlass_bytes = 0;
-  for (DType d : {DType::kBF16, DType::kF16}) {
-    for (GroupedLayout l :
-         {GroupedLayout::kGmm, GroupedLayout::kGmmTransposed, GroupedLayout::kTgmm}) {
-      for (TileConfig t : {TileConfig::kSmall, TileConfig::kLarge}) {
-        size_t bytes = 0;
-        with_cutlass_config(d, l, t,
-                            CutlassWorkspaceBytes{num_groups, std::max(max_sm_count, 1), &bytes});
-        cutlass_bytes = std::max(cutlass_bytes, bytes);
-      }
-    }
+  for (const CutlassInstance& inst : kCutlassInstances) {
+    cutlass_bytes =
+        std::max(cutlass_bytes, inst.workspace_bytes(num_groups, std::max(max_sm_count, 1)));
   }
   return kWorkspaceAlign + offsets_bytes(num_groups) + align_up(cutlass_bytes, kWorkspaceAlign);
 }
 
 const char* grouped_gemm(const GroupedGemmParams& p, void* workspace, size_t workspace_bytes,
                          int sm_count, cudaStream_t stream, GroupedGemmPath path) {
+  GroupedGemmConfig config;
+  config.path = path;
+  return grouped_gemm(p, workspace, workspace_bytes, sm_count, stream, config);
+}
+
+const char* grouped_gemm(const GroupedGemmParams& p, void* workspace, size_t workspace_bytes,
+                         int sm_count, cudaStream_t stream, const GroupedGemmConfig& requested) {
   if (!valid_layout(p.layout)) return "moe_xla grouped_gemm: invalid layout";
   if (!valid_dtype(p.in_dtype) || !valid_dtype(p.out_dtype)) {
     return "moe_xla grouped_gemm: invalid dtype (expected f32, bf16 or f16)";
@@ -302,6 +356,15 @@ const char* grouped_gemm(const GroupedGemmParams& p, void* workspace, size_t wor
   }
   if (!sizes_in_range(p)) return "moe_xla grouped_gemm: dimensions too large";
   if (sm_count <= 0) return "moe_xla grouped_gemm: sm_count must be positive";
+  if (requested.raster != GroupedGemmRaster::kAuto &&
+      requested.raster != GroupedGemmRaster::kAlongM &&
+      requested.raster != GroupedGemmRaster::kAlongN) {
+    return "moe_xla grouped_gemm: invalid raster order";
+  }
+  if (requested.max_swizzle != 1 && requested.max_swizzle != 2 && requested.max_swizzle != 4 &&
+      requested.max_swizzle != 8) {
+    return "moe_xla grouped_gemm: max_swizzle must be 1, 2, 4 or 8";
+  }
 
   const int64_t out_elems = out_elements(p);
   if (out_elems == 0) return nullptr;  // nothing to write
@@ -320,7 +383,8 @@ const char* grouped_gemm(const GroupedGemmParams& p, void* workspace, size_t wor
   if (p.lhs == nullptr || p.rhs == nullptr) return "moe_xla grouped_gemm: null input pointer";
   if (p.group_sizes == nullptr) return "moe_xla grouped_gemm: null group_sizes pointer";
 
-  path = resolve_path(p, sm_count, path);
+  const GroupedGemmConfig config = grouped_gemm_select_config(p, sm_count, requested);
+  const GroupedGemmPath path = config.path;
   if (!grouped_gemm_path_supported(p, path)) {
     return "moe_xla grouped_gemm: the requested path does not support these dtypes, shapes or "
            "alignments";
@@ -348,10 +412,15 @@ const char* grouped_gemm(const GroupedGemmParams& p, void* workspace, size_t wor
     return detail::fallback_grouped_run(p, offsets, stream);
   }
 
+  const CutlassInstance* inst = cutlass_instance_for(p, path);
+  if (inst == nullptr) {
+    return "moe_xla grouped_gemm: no CUTLASS instantiation for this configuration";
+  }
   CutlassGroupedArgs args{&p, offsets, base + off_bytes, usable - off_bytes, sm_count, stream};
-  const char* err = "moe_xla grouped_gemm: no CUTLASS instantiation for this configuration";
-  with_cutlass_config(p.in_dtype, p.layout, tile_of(path), CutlassRun{&args, &err});
-  if (err != nullptr) return err;
+  args.raster = config.raster == GroupedGemmRaster::kAlongN ? detail::RasterOrder::kAlongN
+                                                            : detail::RasterOrder::kAlongM;
+  args.max_swizzle = config.max_swizzle;
+  if (const char* err = inst->run(args)) return err;
 
   // Zero what CUTLASS leaves unwritten (16-bit output, whole 16-byte vectors, see above).
   constexpr int kZeroThreads = 256;

@@ -7,8 +7,8 @@
 //
 // Paths:
 //   - CUTLASS sm90 ptr-array grouped GEMM (TMA + wgmma, warp-specialised persistent
-//     kernels) for bf16 -> bf16 (two tile configurations) and f16 -> f16 (one), when K and
-//     N are multiples of 8 and the pointers are 16-byte aligned (TMA requirements).
+//     kernels) for bf16 -> bf16 (several tile configurations) and f16 -> f16 (one), when K
+//     and N are multiples of 8 and the pointers are 16-byte aligned (TMA requirements).
 //   - A shared-memory tiled SIMT fallback with f32 accumulation for everything else
 //     (f32, mixed output dtype, unaligned shapes).
 // Both start from a device-side inclusive scan of the clamped group sizes.
@@ -28,21 +28,65 @@ namespace cuda {
 // Which kernel family computes the product. kAuto lets a shape heuristic choose; the
 // others force a path (tests, benchmarks) and fail with an error message when the
 // product is not eligible for it (see grouped_gemm_path_supported).
+// CUTLASS paths are named by kernel schedule, CTA tile MxNxK and cluster MxN; the
+// layouts each one is instantiated for are listed in kCutlassInstances (grouped_gemm.cu).
 enum class GroupedGemmPath : int32_t {
   kAuto = 0,
   kFallback = 1,      // SIMT, every dtype/layout/shape
   kCutlassSmall = 2,  // bf16 only: pingpong 64x128x128 tiles, cluster 1x1
   kCutlassLarge = 3,  // bf16, f16: cooperative 128x256x64 tiles, cluster 2x1
+  kCutlassCoop128x256Cluster1x1 = 4,     // bf16 gmm, gmm_t
+  kCutlassCoop128x256Cluster1x2 = 5,     // bf16 gmm, gmm_t, tgmm
+  kCutlassPingpong64x256Cluster2x1 = 6,  // bf16 gmm, gmm_t, tgmm
 };
 
-// Short name of a path ("auto", "fallback", "cutlass_small", "cutlass_large").
+// Every concrete path (not kAuto), for tests and benchmarks that sweep them.
+inline constexpr GroupedGemmPath kGroupedGemmPaths[] = {
+    GroupedGemmPath::kFallback,
+    GroupedGemmPath::kCutlassSmall,
+    GroupedGemmPath::kCutlassLarge,
+    GroupedGemmPath::kCutlassCoop128x256Cluster1x1,
+    GroupedGemmPath::kCutlassCoop128x256Cluster1x2,
+    GroupedGemmPath::kCutlassPingpong64x256Cluster2x1,
+};
+
+// Order in which the CUTLASS persistent tile scheduler hands out the output tiles of a
+// group (a runtime argument of the same kernel). kAlongM: consecutive tiles go down M, so
+// the CTAs running at the same time share B tiles (one expert's weight columns) and each A
+// row block is re-read once per N tile; kAlongN: consecutive tiles go along N, so they
+// share A tiles and each row block is read once while it is hot in L2.
+enum class GroupedGemmRaster : int32_t { kAuto = 0, kAlongM = 1, kAlongN = 2 };
+
+// Everything that picks the kernel of one product. Fields left at kAuto are resolved by
+// grouped_gemm_select_config. Framework-free; the FFI handlers pass the default (all auto),
+// tests and benchmarks force fields.
+struct GroupedGemmConfig {
+  GroupedGemmPath path = GroupedGemmPath::kAuto;
+  GroupedGemmRaster raster = GroupedGemmRaster::kAuto;  // CUTLASS paths only
+  // CUTLASS max_swizzle_size (1, 2, 4, 8). CUTLASS 4.2's sm90 group scheduler derives the
+  // swizzle from a grid it sizes as sm_count x 1 tiles when problem shapes live on the
+  // device only (ours), which always yields swizzle 1: kept for benchmarks and later
+  // CUTLASS versions, no effect today.
+  int32_t max_swizzle = 1;
+};
+
+// Short name of a path ("auto", "fallback", "cutlass_small", "cutlass_large",
+// "cutlass_coop128x256_1x1", ...).
 const char* grouped_gemm_path_name(GroupedGemmPath path);
+
+// Short name of a raster order ("auto", "along_m", "along_n").
+const char* grouped_gemm_raster_name(GroupedGemmRaster raster);
 
 // Whether `path` can compute this product (kAuto and kFallback always can).
 bool grouped_gemm_path_supported(const GroupedGemmParams& p, GroupedGemmPath path);
 
 // The concrete path kAuto resolves to for these params on a GPU with `sm_count` SMs.
 GroupedGemmPath grouped_gemm_select_path(const GroupedGemmParams& p, int sm_count);
+
+// `config` with its kAuto fields resolved for these params (path first, then the raster
+// order for that path). Fields set by the caller are kept as they are.
+GroupedGemmConfig grouped_gemm_select_config(const GroupedGemmParams& p, int sm_count,
+                                             GroupedGemmConfig config = {});
 
 // Bytes of device scratch `grouped_gemm` needs for these params (group offsets, CUTLASS
 // per-group metadata and CUTLASS workspace, plus alignment slack). Any alignment of the
@@ -61,6 +105,11 @@ size_t grouped_gemm_workspace_bytes_bound(int64_t num_groups, int max_sm_count);
 const char* grouped_gemm(const GroupedGemmParams& p, void* workspace, size_t workspace_bytes,
                          int sm_count, cudaStream_t stream,
                          GroupedGemmPath path = GroupedGemmPath::kAuto);
+
+// As above with every tuning field (path, raster order, swizzle) under the caller's control;
+// the workspace is grouped_gemm_workspace_bytes(p, sm_count, config.path).
+const char* grouped_gemm(const GroupedGemmParams& p, void* workspace, size_t workspace_bytes,
+                         int sm_count, cudaStream_t stream, const GroupedGemmConfig& config);
 
 }  // namespace cuda
 }  // namespace moe_xla

@@ -20,11 +20,21 @@ constexpr size_t kWorkspaceAlign = 256;
 
 inline size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
-// CUTLASS tile configurations (see cutlass_grouped.cuh).
+// CUTLASS kernel configurations (see CutlassTile in cutlass_grouped.cuh). Names give the
+// kernel schedule, the CTA tile MxNxK and the cluster shape MxN.
 enum class TileConfig : int32_t {
-  kSmall = 0,  // KernelPtrArrayTmaWarpSpecializedPingpong, 64x128x128, cluster 1x1x1
-  kLarge = 1,  // KernelPtrArrayTmaWarpSpecializedCooperative, 128x256x64, cluster 2x1x1
+  kSmall = 0,                     // pingpong    64x128x128, cluster 1x1
+  kLarge = 1,                     // cooperative 128x256x64, cluster 2x1
+  kCoop128x256Cluster1x1 = 2,     // cooperative 128x256x64, cluster 1x1
+  kCoop128x256Cluster1x2 = 3,     // cooperative 128x256x64, cluster 1x2
+  kPingpong64x256Cluster2x1 = 4,  // pingpong    64x256x64,  cluster 2x1
 };
+
+// Order in which the persistent group tile scheduler walks the output tiles of a group
+// (CUTLASS RasterOrderOptions; a runtime argument, no recompile):
+//   kAlongM: consecutive tiles go down M (the CTAs running together share B tiles),
+//   kAlongN: consecutive tiles go along N (they share A tiles).
+enum class RasterOrder : int32_t { kAlongM = 0, kAlongN = 1 };
 
 struct CutlassGroupedArgs {
   const GroupedGemmParams* params;
@@ -35,10 +45,16 @@ struct CutlassGroupedArgs {
   size_t workspace_bytes;
   int sm_count;
   cudaStream_t stream;
+  RasterOrder raster = RasterOrder::kAlongM;
+  // CUTLASS max_swizzle_size (1, 2, 4 or 8). With problem shapes on the device only, the
+  // sm90 group scheduler sizes its swizzle from a 1-tile-wide grid and always ends up at 1,
+  // so this is passed through for completeness (CUTLASS 4.2).
+  int max_swizzle = 1;
 };
 
 // Defined in cutlass_grouped.cuh; each cutlass_*.cu file explicitly instantiates both for
-// exactly one (dtype, layout, tile) combination.
+// exactly one (dtype, layout, tile) combination, listed in kCutlassInstances
+// (grouped_gemm.cu).
 template <DType kDType, GroupedLayout kLayout, TileConfig kTile>
 size_t cutlass_grouped_workspace_bytes(int64_t num_groups, int sm_count);
 

@@ -2,7 +2,8 @@
 //
 // For every case (shapes with empty groups, a huge group, negative sizes, sum < M,
 // sum > M, M = 0, G = 1, odd K/N, many tiny groups) x layout x dtype combination x path
-// (auto, fallback, each CUTLASS tile configuration the product is eligible for) it:
+// (auto, fallback, each CUTLASS tile configuration the product is eligible for, the latter
+// with both tile scheduler raster orders) it:
 //   1. poisons the output with NaN and surrounds it with canaries,
 //   2. runs grouped_gemm with exactly grouped_gemm_workspace_bytes of (misaligned) scratch,
 //   3. compares with a host float64 reference: relative error max|out-ref| / max|ref|
@@ -33,7 +34,9 @@ namespace {
 using moe_xla::DType;
 using moe_xla::GroupedGemmParams;
 using moe_xla::GroupedLayout;
+using moe_xla::cuda::GroupedGemmConfig;
 using moe_xla::cuda::GroupedGemmPath;
+using moe_xla::cuda::GroupedGemmRaster;
 
 #define CHECK_CUDA(expr)                                                                 \
   do {                                                                                   \
@@ -246,6 +249,24 @@ Check compare(DType out_dtype, const std::vector<uint8_t>& got_with_canaries, si
   return c;
 }
 
+// kAuto, then every concrete path; CUTLASS paths with both tile scheduler raster orders.
+std::vector<GroupedGemmConfig> configs() {
+  std::vector<GroupedGemmConfig> out(1);  // all auto
+  for (GroupedGemmPath path : moe_xla::cuda::kGroupedGemmPaths) {
+    GroupedGemmConfig c;
+    c.path = path;
+    if (path == GroupedGemmPath::kFallback) {
+      out.push_back(c);
+      continue;
+    }
+    for (GroupedGemmRaster raster : {GroupedGemmRaster::kAlongM, GroupedGemmRaster::kAlongN}) {
+      c.raster = raster;
+      out.push_back(c);
+    }
+  }
+  return out;
+}
+
 struct Runner {
   int sm_count = 0;
   cudaStream_t stream = nullptr;
@@ -301,8 +322,8 @@ struct Runner {
     const double tol = (in == DType::kF32 && out_dtype == DType::kF32) ? 1e-5 : 1e-2;
     const GroupedGemmPath auto_path = moe_xla::cuda::grouped_gemm_select_path(p, sm_count);
 
-    for (GroupedGemmPath path : {GroupedGemmPath::kAuto, GroupedGemmPath::kFallback,
-                                 GroupedGemmPath::kCutlassSmall, GroupedGemmPath::kCutlassLarge}) {
+    for (const GroupedGemmConfig& config : configs()) {
+      const GroupedGemmPath path = config.path;
       if (!moe_xla::cuda::grouped_gemm_path_supported(p, path)) continue;
       ++cases;
       const size_t ws_bytes = moe_xla::cuda::grouped_gemm_workspace_bytes(p, sm_count, path);
@@ -327,7 +348,7 @@ struct Runner {
 
       // Direct call.
       poison(cs.sizes);
-      const char* err = moe_xla::cuda::grouped_gemm(p, ws, ws_bytes, sm_count, stream, path);
+      const char* err = moe_xla::cuda::grouped_gemm(p, ws, ws_bytes, sm_count, stream, config);
       Check direct;
       if (err != nullptr) {
         direct.ok = false;
@@ -349,7 +370,8 @@ struct Runner {
         cudaGraph_t graph = nullptr;
         cudaGraphExec_t exec = nullptr;
         CHECK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-        const char* cerr = moe_xla::cuda::grouped_gemm(p, ws, ws_bytes, sm_count, stream, path);
+        const char* cerr =
+            moe_xla::cuda::grouped_gemm(p, ws, ws_bytes, sm_count, stream, config);
         const cudaError_t end = cudaStreamEndCapture(stream, &graph);
         if (cerr != nullptr || end != cudaSuccess) {
           replay.ok = false;
@@ -381,10 +403,11 @@ struct Runner {
       if (!ok) ++failures;
       char line[512];
       std::snprintf(line, sizeof(line),
-                    "%s  %-5s %-4s->%-4s path=%-13s (auto=%s) M=%lld K=%lld N=%lld G=%lld  %-22s "
-                    "err=%.2e replay_err=%.2e",
+                    "%s  %-5s %-4s->%-4s path=%-26s %-7s (auto=%s) M=%lld K=%lld N=%lld "
+                    "G=%lld  %-22s err=%.2e replay_err=%.2e",
                     ok ? "PASS" : "FAIL", layout_name(layout), dtype_name(in),
                     dtype_name(out_dtype), moe_xla::cuda::grouped_gemm_path_name(path),
+                    moe_xla::cuda::grouped_gemm_raster_name(config.raster),
                     moe_xla::cuda::grouped_gemm_path_name(auto_path), (long long)m, (long long)k,
                     (long long)n, (long long)groups, cs.name.c_str(), direct.rel_err,
                     replay.rel_err);
