@@ -230,25 +230,39 @@ bool cutlass_supported(const GroupedGemmParams& p, GroupedGemmPath path) {
 // Tuning heuristics: the only place that maps shapes to kernels. Benchmark with
 // //cuda:grouped_gemm_bench before changing them.
 //
-// Path (bf16; f16 has only the large configuration):
-//  - gmm: small tiles when the average group has <= 128 rows (M / G) or N <= 128, as large
-//    128-row tiles (rounded up to 256 rows by the 2x1 cluster) would be mostly padding;
-//    large tiles otherwise (higher wgmma efficiency, B multicast).
-//  - tgmm: every group's output block is K x N whatever its rows, so the tile count is
-//    known: small tiles when K or N <= 128, or when the large tiles would not fill one wave
-//    of the SMs (G * ceil(K/128) * ceil(N/256) < sm_count); large tiles otherwise.
+// Path (bf16; f16 has only the large configuration). Small tiles (pingpong 64x128x128)
+// when they avoid padding: gmm with <= 128 rows per group on average or N <= 128; tgmm
+// when K or N <= 128 or the large tiles would not fill one wave. Otherwise, from
+// //cuda:grouped_gemm_bench on the H200 (benchmarks/results/LOG.md, 2026-11-29; TFLOP/s
+// of the chosen config vs cooperative 128x256 cluster 2x1, the previous default):
+//  - gmm (B = rhs[g] N-major): pingpong 64x256 when K <= 1024 (qwen3 down: 524-560 vs
+//    454-500: the epilogue is a large share with a short K), else cooperative 128x256
+//    cluster 2x1 (best or within 2% on every other case).
+//  - gmm with transposed rhs (K-major B; also d lhs in the backward): pingpong 64x256
+//    when K <= 2048 (+5-20%), else cooperative 128x256 cluster 1x1 (+3-12%).
+//  - tgmm (ragged K): pingpong 64x256 when G >= 16 (+2-30%); with few, huge groups
+//    (mixtral, G = 8) cooperative 128x256 cluster 2x1 (657 vs 631).
 GroupedGemmPath select_path(const GroupedGemmParams& p, int sm_count) {
   if (!cutlass_supported(p, GroupedGemmPath::kCutlassLarge)) return GroupedGemmPath::kFallback;
   if (!cutlass_supported(p, GroupedGemmPath::kCutlassSmall)) return GroupedGemmPath::kCutlassLarge;
   bool small;
+  GroupedGemmPath tuned;
   if (p.layout == GroupedLayout::kTgmm) {
     const int64_t large_tiles = p.num_groups * ((p.k + 127) / 128) * ((p.n + 255) / 256);
     small = p.k <= 128 || p.n <= 128 || large_tiles < std::max(sm_count, 1);
+    tuned = p.num_groups >= 16 ? GroupedGemmPath::kCutlassPingpong64x256Cluster2x1 : GroupedGemmPath::kCutlassLarge;
   } else {
     const int64_t avg_rows = p.m / p.num_groups;
     small = avg_rows <= 128 || p.n <= 128;
+    if (p.layout == GroupedLayout::kGmm) {
+      tuned = p.k <= 1024 ? GroupedGemmPath::kCutlassPingpong64x256Cluster2x1 : GroupedGemmPath::kCutlassLarge;
+    } else {
+      tuned = p.k <= 2048 ? GroupedGemmPath::kCutlassPingpong64x256Cluster2x1
+                          : GroupedGemmPath::kCutlassCoop128x256Cluster1x1;
+    }
   }
-  return small ? GroupedGemmPath::kCutlassSmall : GroupedGemmPath::kCutlassLarge;
+  if (small) return GroupedGemmPath::kCutlassSmall;
+  return cutlass_supported(p, tuned) ? tuned : GroupedGemmPath::kCutlassLarge;
 }
 
 // Raster order of a CUTLASS path: CUTLASS's default (along M) everywhere for now.
