@@ -103,3 +103,13 @@ def _fmt(v) -> str:
     if isinstance(v, float):
         return f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
     return "" if v is None else str(v)
+
+
+def compiled_memory_bytes(compiled) -> int | None:
+    """Peak-memory estimate of a compiled executable (`jax.jit(f).lower(...).compile()`):
+    memory_analysis() temp + argument + output bytes (aliasing not subtracted), or None
+    where the backend gives no analysis."""
+    stats = compiled.memory_analysis()
+    if stats is None:
+        return None
+    return int(stats.temp_size_in_bytes + stats.argument_size_in_bytes + stats.output_size_in_bytes)

@@ -25,8 +25,8 @@ for step in "$@"; do
       python3 -m pytest -x -q -p no:cacheprovider tests > "$OUT/pytest_gpu.log" 2>&1; rc=$?
       tail -25 "$OUT/pytest_gpu.log"; echo "pytest rc=$rc"; [ $rc = 0 ] || status=1 ;;
     pytest-memcheck)
-      XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 420 compute-sanitizer --tool memcheck --print-limit 20 \
-        python3 -m pytest -x -q -p no:cacheprovider tests/test_gmm.py tests/test_routing.py tests/test_moe.py \
+      XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${MEMCHECK_S:-420} compute-sanitizer --tool memcheck --print-limit 20 \
+        python3 -m pytest -x -q -p no:cacheprovider ${MEMCHECK_TESTS:-tests/test_gmm.py tests/test_routing.py tests/test_moe.py} \
         > "$OUT/pytest_memcheck.log" 2>&1; rc=$?
       tail -8 "$OUT/pytest_memcheck.log"; echo "pytest memcheck rc=$rc"; [ $rc = 0 ] || status=1 ;;
     bench-cutlass)
@@ -35,7 +35,7 @@ for step in "$@"; do
     demo)
       python3 -m moe_xla.demo --out "$OUT/demo" "${DEMO_ARGS[@]}" > "$OUT/demo.log" 2>&1 || status=1; tail -30 "$OUT/demo.log" ;;
     bench-gmm)
-      python3 benchmarks/gmm.py --out "$OUT" > "$OUT/bench_gmm.log" 2>&1 || status=1; tail -14 "$OUT/bench_gmm.log" ;;
+      python3 benchmarks/gmm.py --out "$OUT" ${GMM_ARGS:-} > "$OUT/bench_gmm.log" 2>&1 || status=1; tail -14 "$OUT/bench_gmm.log" ;;
     bench-moe)
       python3 benchmarks/moe_layer.py --out "$OUT" > "$OUT/bench_moe.log" 2>&1 || status=1; tail -10 "$OUT/bench_moe.log" ;;
   esac
