@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "common/grouped_gemm.h"
+#include "cuda/check_cuda.h"
 #include "cuda/grouped_gemm.h"
 
 namespace {
@@ -37,16 +38,6 @@ using moe_xla::GroupedLayout;
 using moe_xla::cuda::GroupedGemmConfig;
 using moe_xla::cuda::GroupedGemmPath;
 using moe_xla::cuda::GroupedGemmRaster;
-
-#define CHECK_CUDA(expr)                                                                 \
-  do {                                                                                   \
-    cudaError_t err_ = (expr);                                                           \
-    if (err_ != cudaSuccess) {                                                           \
-      std::fprintf(stderr, "CUDA error %s at %s:%d: %s\n", cudaGetErrorString(err_),     \
-                   __FILE__, __LINE__, #expr);                                           \
-      std::exit(2);                                                                      \
-    }                                                                                    \
-  } while (0)
 
 const char* dtype_name(DType d) {
   switch (d) {

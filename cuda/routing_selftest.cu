@@ -42,6 +42,7 @@
 #include "cpu/permute.h"
 #include "cpu/route.h"
 #include "cpu/unpermute.h"
+#include "cuda/check_cuda.h"
 #include "cuda/routing.h"
 
 namespace {
@@ -51,16 +52,6 @@ using moe_xla::PermuteParams;
 using moe_xla::RouteParams;
 using moe_xla::Score;
 using moe_xla::UnpermuteParams;
-
-#define CHECK_CUDA(expr)                                                                              \
-  do {                                                                                                \
-    cudaError_t err_ = (expr);                                                                        \
-    if (err_ != cudaSuccess) {                                                                        \
-      std::fprintf(stderr, "CUDA error %s at %s:%d: %s\n", cudaGetErrorString(err_), __FILE__, __LINE__, \
-                   #expr);                                                                            \
-      std::exit(2);                                                                                   \
-    }                                                                                                 \
-  } while (0)
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
 int failures = 0;
