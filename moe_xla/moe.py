@@ -38,11 +38,15 @@ class MoeAux(NamedTuple):
         T*k assignments that went to e and P_e the mean router probability of e
         (softmax of the logits; for sigmoid scores, the scores normalised per token).
     z_loss: mean over tokens of logsumexp(router_logits)^2 (ST-MoE router z-loss).
+    dispatched_rows: with expert parallelism, int32 rows sent over the expert axis, summed
+        over ranks: T*k without dedup, the distinct (token, destination rank) pairs with
+        it (a rank's rows to itself included); None on one device.
     """
 
     tokens_per_expert: jax.Array
     load_balance_loss: jax.Array
     z_loss: jax.Array
+    dispatched_rows: jax.Array | None = None
 
 
 def activate(h, activation: str):
@@ -85,7 +89,8 @@ def _check(x, router_logits, w_in, w_out, top_k, activation, shared_experts):
 
 
 def moe(x, router_logits, w_in, w_out, *, top_k, activation="swiglu", score="softmax", bias=None, n_groups=None,
-        topk_groups=None, renormalize=True, scale=1.0, shared_experts=None, return_aux=False):
+        topk_groups=None, renormalize=True, scale=1.0, shared_experts=None, return_aux=False, mesh=None,
+        expert_axis=None, data_axes=None, transport="auto", dedup=True, capacity_factor=None, chunks=2):
     """Dropless MoE layer: y = sum_j weights_j * expert_{e_j}(x) (+ shared expert).
 
     x [..., H]; router_logits [..., E]; w_in [E, H, 2F] (gate | up) for gated
@@ -93,8 +98,24 @@ def moe(x, router_logits, w_in, w_out, *, top_k, activation="swiglu", score="sof
     Routing options are route()'s; shared_experts = (w_in [H, 2Fs], w_out [Fs, H]) adds a
     dense expert every token passes through. Returns y [..., H] in x.dtype, and MoeAux
     when return_aux.
+
+    Expert parallelism (moe_xla/parallel.py), with expert_axis (and mesh, or the mesh of
+    jax.set_mesh): experts split over mesh axis expert_axis, tokens over data_axes (default:
+    the other mesh axes) and expert_axis; transport "padded" (all_to_all), "ragged"
+    (ragged_all_to_all) or "auto" (ragged on GPU); dedup sends a token once per
+    destination rank; capacity_factor sizes the exchange buffers for that multiple of the
+    balanced load and sends what overflows in further rounds (still dropless); chunks
+    splits each rank's tokens so communication and grouped GEMMs can overlap.
     """
     tokens, hidden, experts = _check(x, router_logits, w_in, w_out, top_k, activation, shared_experts)
+    if mesh is not None or expert_axis is not None:
+        from moe_xla.parallel import moe_ep  # parallel.py builds on this module
+
+        routing = dict(score=score, n_groups=n_groups, topk_groups=topk_groups, renormalize=renormalize, scale=scale)
+        return moe_ep(x, router_logits, w_in, w_out, top_k=top_k, activation=activation, routing=routing, bias=bias,
+                      shared_experts=shared_experts, return_aux=return_aux, mesh=mesh, expert_axis=expert_axis,
+                      data_axes=data_axes, transport=transport, dedup=dedup, capacity_factor=capacity_factor,
+                      chunks=chunks)
     lead = x.shape[:-1]
     x2 = x.reshape(tokens, hidden)
     logits2 = router_logits.reshape(tokens, experts)

@@ -1,0 +1,550 @@
+"""Expert parallelism (EP) for moe(): experts split over a mesh axis, tokens sent to them.
+
+Layout. On a mesh with an expert axis of size P (and data axes D), w_in / w_out [E, ...]
+are split over the expert axis (rank p holds experts [p E_l, (p+1) E_l), E_l = E / P)
+and replicated over D; tokens x [T, H] and router_logits [T, E] are split over
+D x expert axis. The layer is one jax.shard_map in which every collective is an
+all_to_all (or ragged_all_to_all) over the expert axis: no rank gathers weights or tokens.
+
+Per rank, for each of `chunks` slices of its tokens (independent of each other, so XLA
+may run the dispatch of one chunk while the grouped GEMMs of another run):
+
+  route     weights, ids = route(logits)                [T, k]; dest = ids // E_l, lid = ids % E_l
+  rows      one row per (token, j) without dedup; with dedup one row per (token,
+            destination), sent once however many of the token's experts live there:
+              x_rows, counts, row_map = permute(x, row_dest, P)      rows grouped by destination
+            each row carries the local experts it asks for, lids [mult] (E_l = none,
+            mult = min(k, E_l) with dedup, else 1) and, with dedup, their routing weights
+  dispatch  the rows of destination d go to rank d (a transport, in rounds, below)
+  experts   on the receiving rank, the (row, local expert) pairs in expert order:
+              _, group_sizes, slots = permute(zeros [N, 0], lids, E_l)   (the sort alone)
+              x_exp[slots[q, j]] = rows[q];  y_exp = gmm(act(gmm(x_exp, w_in)), w_out)
+              back[q] = sum_j w[q, j] y_exp[slots[q, j]]    (dedup: the rank's partial sum)
+              back[q] = y_exp[slots[q, 0]]                  (no dedup: the expert output)
+  return    back rows travel to their sender, into the places their rows left: y_rows
+  combine   y = unpermute(y_rows, row_map, c), accumulated in float32 in j order:
+            without dedup c = weights, so y[t] = sum_j weights[t, j] y_{e_j}(x[t]) is the
+            single-device sum, bitwise; with dedup c = 1 on the first j of each
+            destination, so y[t] adds the per-rank partial sums (equal to f32 rounding).
+  shared    the shared expert on the local tokens (no communication), added last as in moe().
+
+Buffers and rounds: static shapes, dropless, no host sync. One peer can send one rank
+at most W = T_c min(k, E_l) (token, expert) pairs in at most T_c rows with dedup (W
+without); T_c is the chunk's token count. Without capacity_factor the exchange is sized
+for that worst case and runs in one round. With capacity_factor f a round carries, per
+peer, at most C = f T_c k / P pairs and f times a balanced routing's rows
+(exchange_sizes); the rows bound for d are cut greedily into rounds, each taking from
+where the last stopped as many rows as fit both budgets, and R rounds cover any routing.
+Round 0 runs as part of the layer; rounds 1 .. R-1 run in a lax.while_loop that stops at
+the first round with no rows on any rank (a psum'd flag), so a step that fits costs one
+scalar all-reduce more; under reverse mode that loop is a custom_vjp that re-runs each
+round under jax.vjp, so no round's buffers are stacked or kept.
+
+Transports move the same rows between the same places:
+  padded  jax.lax.all_to_all of one [rows-per-peer] slab per peer; unused slots are
+          zero rows with no expert (lid E_l) that every grouped GEMM skips.
+  ragged  jax.lax.ragged_all_to_all: rows [start_d, start_d + size_d) of the grouped
+          rows go to slab `rank` of d's receive buffer; the return writes them back at
+          the sender's starts (exchanged once per chunk). Where XLA has no
+          ragged_all_to_all (XLA:CPU) the same offsets drive an all_to_all stand-in with
+          its exact semantics (ragged_all_to_all_by_all_to_all), used for testing.
+  "auto": ragged on GPU meshes, padded elsewhere.
+
+Autodiff is JAX's, through rules: all_to_all transposes to all_to_all, ragged_all_to_all to
+ragged_all_to_all, permute / unpermute / gmm by theirs, and the expansion of rows to pairs
+(expand_p) and the sum back (gather_sum_p) to each other, so gradients are deterministic.
+Forward mode (jax.jvp) works too, except through capacity rounds 1 .. R-1, whose loop is
+differentiable in reverse mode only.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.extend.core import Primitive
+from jax.interpreters import ad, mlir
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from moe_xla.moe import _aux, activate
+from moe_xla.primitives import _ad
+from moe_xla.primitives.gmm import gmm
+from moe_xla.primitives.permute import permute
+from moe_xla.primitives.route import route
+from moe_xla.primitives.unpermute import unpermute
+
+TRANSPORTS = ("auto", "padded", "ragged")
+
+
+class ExchangeSizes(NamedTuple):
+    """Static per-rank sizes of one chunk's exchange (see the module docstring).
+
+    tokens: T_c, tokens of the chunk; peers: P; local_experts: E_l = E / P.
+    mult: local experts one row can ask for: min(k, E_l) with dedup, else 1.
+    worst: W = T_c min(k, E_l), most (token, expert) pairs one peer can send one rank.
+    capacity: C, pairs per peer per round (W without capacity_factor).
+    rows: rows per peer per round, the slab of the transport (T_c with dedup, W without,
+        when there is no capacity_factor).
+    pairs: P C, the (row, local expert) pairs per rank per round: the grouped GEMMs' rows.
+    rounds: R, enough rounds for any routing.
+    """
+
+    tokens: int
+    peers: int
+    local_experts: int
+    mult: int
+    worst: int
+    capacity: int
+    rows: int
+    pairs: int
+    rounds: int
+
+
+def exchange_sizes(tokens, top_k, num_experts, peers, *, dedup=True, capacity_factor=None) -> ExchangeSizes:
+    """The buffer sizes of one chunk of `tokens` tokens per rank (ExchangeSizes).
+
+    With capacity_factor f the budgets are f times a balanced routing's load: C = f T_c k / P
+    pairs and f T_c h rows per peer, h the rows one token sends one peer on average: k / P,
+    or with dedup 1 - binom(E - E_l, k) / binom(E, k), the chance that k experts drawn
+    uniformly include one of the peer's.
+    """
+    local = num_experts // peers
+    per_rank = min(top_k, local)
+    worst = tokens * per_rank
+    mult, row_worst = (per_rank, tokens) if dedup else (1, worst)
+    if capacity_factor is None:
+        return ExchangeSizes(tokens, peers, local, mult, worst, worst, row_worst, peers * worst, 1)
+    hit = 1 - math.comb(num_experts - local, top_k) / math.comb(num_experts, top_k) if dedup else top_k / peers
+    capacity = min(worst, max(mult, math.ceil(capacity_factor * tokens * top_k / peers)))
+    rows = min(row_worst, capacity, max(1, math.ceil(capacity_factor * tokens * hit)))
+    if capacity == worst and rows == row_worst:
+        rounds = 1
+    elif mult == 1:  # a row is a pair: every round but the last is full
+        rounds = -(-worst // capacity)
+    else:  # every round but the last holds `rows` rows or more than C - mult pairs
+        rounds = tokens // rows + worst // (capacity - mult + 1) + 1
+    return ExchangeSizes(tokens, peers, local, mult, worst, capacity, rows, peers * capacity, rounds)
+
+
+class _Config(NamedTuple):
+    axis: str               # the expert axis: every collective runs over it
+    token_axes: tuple       # the axes tokens are split over (data axes, then the expert axis)
+    peers: int
+    experts: int
+    top_k: int
+    activation: str
+    routing: dict           # route() options other than bias
+    transport: str          # "padded" or "ragged"
+    native_ragged: bool     # the platform has ragged_all_to_all (else the all_to_all stand-in)
+    dedup: bool
+    capacity_factor: float | None
+    chunks: int
+
+
+def moe_ep(x, router_logits, w_in, w_out, *, top_k, activation, routing, bias, shared_experts, return_aux,
+           mesh, expert_axis, data_axes, transport, dedup, capacity_factor, chunks):
+    """moe() with its experts split over `expert_axis` of `mesh`. Arguments are moe()'s,
+    already checked by it; routing holds route()'s options other than bias."""
+    mesh = _mesh(mesh, expert_axis)
+    names = tuple(mesh.axis_names)
+    if expert_axis not in names:
+        raise ValueError(f"moe: expected expert_axis to be one of the mesh axes {names}, got {expert_axis!r}")
+    data_axes = tuple(a for a in names if a != expert_axis) if data_axes is None else tuple(data_axes)
+    if expert_axis in data_axes or any(a not in names for a in data_axes):
+        raise ValueError(f"moe: expected data_axes among the mesh axes {names} other than the expert axis "
+                         f"{expert_axis!r}, got {data_axes}")
+    if transport not in TRANSPORTS:
+        raise ValueError(f"moe: expected transport in {TRANSPORTS}, got {transport!r}")
+    if capacity_factor is not None and not capacity_factor > 0:
+        raise ValueError(f"moe: expected capacity_factor > 0 or None, got {capacity_factor!r}")
+    if not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"moe: expected a positive int chunks, got {chunks!r}")
+    hidden, experts = x.shape[-1], w_in.shape[0]
+    peers = mesh.shape[expert_axis]
+    if experts % peers:
+        raise ValueError(f"moe: expected the {experts} experts (w_in.shape[0]) to split evenly over expert_axis "
+                         f"{expert_axis!r} of size {peers}")
+    token_axes = data_axes + (expert_axis,)
+    shards = math.prod(mesh.shape[a] for a in token_axes)
+    tokens = x.size // hidden
+    if tokens % shards:
+        raise ValueError(f"moe: expected the {tokens} tokens of x to split evenly over the axes {token_axes} "
+                         f"({shards} devices)")
+    platform = mesh.devices.flat[0].platform if isinstance(mesh, Mesh) else mesh.abstract_device.platform
+    if transport == "auto":
+        transport = "ragged" if platform == "gpu" else "padded"
+    cfg = _Config(expert_axis, token_axes, peers, experts, top_k, activation, routing, transport, platform == "gpu",
+                  bool(dedup), capacity_factor, min(chunks, tokens // shards))
+
+    tok, rep = P(token_axes), P()
+    specs = (tok, tok, P(expert_axis), P(expert_axis), rep, rep)
+    logits = router_logits.reshape(tokens, experts)
+    inputs = (x.reshape(tokens, hidden), logits, w_in, w_out, bias, shared_experts)
+    # Explicit axes (jax.make_mesh's default) need every reshard spelled out; shard_map
+    # reshards arguments on Auto axes itself.
+    explicit = all(t == AxisType.Explicit for t in mesh.axis_types)
+    if explicit:
+        inputs = jax.reshard(inputs, tuple(NamedSharding(mesh, s) for s in specs))
+    layer = jax.shard_map(partial(_layer, cfg), mesh=mesh, in_specs=specs, out_specs=(tok, rep, rep),
+                          check_vma=False)
+    y, tokens_per_expert, dispatched = layer(*inputs)
+    if x.ndim > 2:
+        if explicit:  # tokens in x's layout: split like x's first dim, so the split reshape holds
+            y = jax.reshard(y, NamedSharding(mesh, P((tuple(jax.typeof(x).sharding.spec) + (None,))[0])))
+        y = y.reshape(x.shape)
+    if not return_aux:
+        return y
+    with jax.named_scope("moe_xla/aux"):
+        aux = _aux(logits, tokens_per_expert, routing["score"], top_k)
+    return y, aux._replace(dispatched_rows=dispatched)
+
+
+def _mesh(mesh, expert_axis):
+    if mesh is None:
+        mesh = jax.sharding.get_abstract_mesh()
+        if mesh.empty:
+            raise ValueError(f"moe: expert_axis={expert_axis!r} needs a mesh: pass mesh= or call under "
+                             f"jax.set_mesh(mesh)")
+    if expert_axis is None:
+        raise ValueError("moe: a mesh needs expert_axis, the mesh axis the experts are split over")
+    return mesh
+
+
+def _layer(cfg, x, logits, w_in, w_out, bias, shared):
+    """One rank's tokens: route, then every chunk through dispatch / experts / combine."""
+    with jax.named_scope("moe_xla/route"):
+        weights, ids = route(logits, cfg.top_k, bias=bias, **cfg.routing)
+    size, extra = divmod(x.shape[0], cfg.chunks)
+    bounds = [c * size + min(c, extra) for c in range(cfg.chunks + 1)]
+    outs = [_chunk(cfg, x[a:b], weights[a:b], ids[a:b], w_in, w_out) for a, b in zip(bounds, bounds[1:])]
+    y = jnp.concatenate([o[0] for o in outs])
+    if shared is not None:
+        with jax.named_scope("moe_xla/shared"):
+            s_in, s_out = shared
+            y = y + activate(x @ s_in, cfg.activation) @ s_out
+    tokens_per_expert = jnp.zeros((cfg.experts,), jnp.int32).at[ids.reshape(-1)].add(1)
+    dispatched = sum(o[1] for o in outs)
+    return y, jax.lax.psum(tokens_per_expert, cfg.token_axes), jax.lax.psum(dispatched, cfg.token_axes)
+
+
+class _Rows(NamedTuple):
+    """The rows one rank sends, grouped by destination rank."""
+
+    x: jax.Array        # [T*k, H] permute(x, row_dest, P): the rows of destination d, then d + 1, ...
+    lids: jax.Array     # [T*k, mult] int32 the local experts each row asks for; E_l: none
+    w: jax.Array | None  # [T*k, mult] float32 their routing weights (dedup), else None
+    pairs: jax.Array    # [T*k] int32 number of lids < E_l per row
+    counts: jax.Array   # [P] int32 rows per destination
+    row_map: jax.Array  # [T*k] int32 (token, j) -> row (permute's)
+    combine: jax.Array  # [T, k] float32 weights of the final unpermute
+
+
+def _rows_by_destination(x, weights, ids, sizes: ExchangeSizes, dedup: bool) -> _Rows:
+    t, k = ids.shape
+    local, mult = sizes.local_experts, sizes.mult
+    dest, lid = ids // local, ids % local
+    if dedup:
+        j = jnp.arange(k)
+        same = dest[:, :, None] == dest[:, None, :]                          # [T, k, k]
+        first = jnp.argmax(same, axis=-1) == j                               # j is its destination's first
+        pick = jnp.argsort(jnp.where(same, j, k + j), axis=-1)[..., :mult]   # that destination's j, in order
+        there = jnp.take_along_axis(same, pick, axis=-1)
+        lids = jnp.where(there, jnp.take_along_axis(jnp.broadcast_to(lid[:, None], (t, k, k)), pick, -1), local)
+        w = jnp.where(there, jnp.take_along_axis(jnp.broadcast_to(weights[:, None], (t, k, k)), pick, -1), 0.0)
+        row_dest, combine = jnp.where(first, dest, sizes.peers), first.astype(jnp.float32)
+    else:
+        lids, w, row_dest, combine = lid[..., None], None, dest, weights
+    x_rows, counts, row_map = permute(x, row_dest, sizes.peers)
+
+    def grouped(a):  # a [T, k, ...] per (token, j) -> the rows' order
+        flat = a.reshape((t * k,) + a.shape[2:])
+        return jnp.zeros_like(flat).at[row_map].set(flat, unique_indices=True)
+
+    lids = grouped(lids)
+    return _Rows(x_rows, lids, None if w is None else grouped(w), jnp.sum(lids < local, axis=-1, dtype=jnp.int32),
+                 counts, row_map, combine)
+
+
+def _round_starts(counts, pairs, sizes: ExchangeSizes):
+    """[R+1, P] int32: round r sends the grouped rows [starts[r, d], starts[r+1, d]) to d,
+    as many rows from where round r - 1 stopped as fit `rows` rows and `capacity` pairs."""
+    ends = jnp.cumsum(counts, dtype=jnp.int32)
+    offsets = ends - counts
+    before = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(pairs, dtype=jnp.int32)])  # pairs before row i
+
+    def next_start(start, _):
+        fits = jnp.searchsorted(before, before[start] + sizes.capacity, side="right").astype(jnp.int32) - 1
+        stop = jnp.minimum(jnp.minimum(start + sizes.rows, fits), ends)
+        return stop, stop
+
+    _, stops = jax.lax.scan(next_start, offsets, None, length=sizes.rounds)
+    return jnp.concatenate([offsets[None], stops])
+
+
+def _chunk(cfg: _Config, x, weights, ids, w_in, w_out):
+    """One chunk of one rank's tokens: -> (y [T_c, H], rows dispatched)."""
+    sizes = exchange_sizes(x.shape[0], cfg.top_k, cfg.experts, cfg.peers, dedup=cfg.dedup,
+                           capacity_factor=cfg.capacity_factor)
+    with jax.named_scope("moe_xla/dispatch"):
+        rows = _rows_by_destination(x, weights, ids, sizes, cfg.dedup)
+        starts = _round_starts(rows.counts, rows.pairs, sizes)
+        link = _link(cfg, sizes.rows, starts)
+    floats, ints = (rows.x, rows.w, w_in, w_out), (rows.lids, link.arrays)
+    y_rows = _round(cfg, sizes, 0, floats, ints)
+    if sizes.rounds > 1:
+        y_rows = _add_later_rounds(partial(_round, cfg, sizes), y_rows, floats, ints, sizes.rounds, cfg.axis)
+    with jax.named_scope("moe_xla/combine"):
+        y = unpermute(y_rows, rows.row_map, rows.combine)
+    return y, jnp.sum(rows.counts)
+
+
+def _round(cfg: _Config, sizes: ExchangeSizes, r, floats, ints):
+    """Round r of a chunk: its rows to their ranks, through the experts, and back into
+    their grouped places ([T*k, H], zero at the rows of other rounds)."""
+    x_rows, w_rows, w_in, w_out = floats
+    lids, arrays = ints
+    link = _link(cfg, sizes.rows, *arrays)
+    with jax.named_scope("moe_xla/dispatch"):
+        x_recv = link.send(x_rows, 0, r)
+        lids = link.send(lids, sizes.local_experts, r)
+        w = None if w_rows is None else link.send(w_rows, 0, r)
+    y = _experts(x_recv, lids, w, w_in, w_out, sizes, cfg.activation)
+    with jax.named_scope("moe_xla/combine"):
+        return link.back(y, r, x_rows.shape[0])
+
+
+def _add_later_rounds(round_fn, first, floats, ints, rounds: int, axis):
+    """first + sum_{r = 1 .. R-1} round_fn(r, floats, ints), in a lax.while_loop that stops
+    at the first round with no rows on any rank of `axis` (rounds fill in order). Reverse
+    mode runs the same loop over jax.vjp of each round (recomputed: nothing is stacked)."""
+    def loop(body, init, ints):
+        starts = ints[1][0]
+
+        def more(carry):
+            r = carry[0]
+            return (r < rounds) & (jax.lax.psum(jnp.sum(starts[r + 1] - starts[r]), axis) > 0)
+
+        return jax.lax.while_loop(more, lambda c: (c[0] + 1, body(c[0], c[1])), (jnp.int32(1), init))[1]
+
+    @jax.custom_vjp
+    def add_later(first, floats, ints):
+        return loop(lambda r, acc: acc + round_fn(r, floats, ints), first, ints)
+
+    def forward(first, floats, ints):
+        return add_later(first, floats, ints), (floats, ints)
+
+    def backward(saved, ct):
+        floats, ints = saved
+
+        def body(r, acc):
+            pull = jax.vjp(lambda f: round_fn(r, f, ints), floats)[1]
+            return jax.tree.map(jnp.add, acc, pull(ct)[0])
+
+        return ct, loop(body, jax.tree.map(jnp.zeros_like, floats), ints), None
+
+    add_later.defvjp(forward, backward)
+    return add_later(first, floats, ints)
+
+
+def _experts(x_recv, lids, w, w_in, w_out, sizes: ExchangeSizes, activation):
+    """The receiving rank: rows [N, H] asking for lids [N, mult] -> back rows [N, H]."""
+    n = lids.shape[0]
+    with jax.named_scope("moe_xla/dispatch"):
+        _, group_sizes, slots = permute(jnp.zeros((n, 0), x_recv.dtype), lids, sizes.local_experts)
+        slots = slots.reshape(lids.shape)
+        ones = jnp.ones(lids.shape, jnp.float32)
+        x_exp = expand_p.bind(x_recv, slots, ones, num_pairs=sizes.pairs)
+    with jax.named_scope("moe_xla/gmm_in"):
+        h = gmm(x_exp, w_in, group_sizes)
+    with jax.named_scope("moe_xla/act"):
+        a = activate(h, activation)
+    with jax.named_scope("moe_xla/gmm_out"):
+        y_exp = gmm(a, w_out, group_sizes)
+    with jax.named_scope("moe_xla/combine"):
+        return gather_sum_p.bind(y_exp, slots, ones if w is None else w)
+
+
+# The expansion of the received rows to their (row, local expert) pairs and the weighted
+# sum back are two primitives, bilinear in (data, weights) and each other's transpose:
+#   expand(rows, slots, w)[slots[q, j]] = w[q, j] rows[q]     [pairs, H], rows no slot names 0
+#   gather_sum(values, slots, w)[q] = sum_j w[q, j] values[slots[q, j]]   (float32, j order)
+# Both are gathers, so either direction is deterministic (no scatter-add) and builds one
+# array of the output's size; they lower through jnp on every platform.
+
+def _pair_sources(slots, num_pairs: int):
+    """For each of num_pairs pair rows: the flat (q, j) its slot came from, and whether any did."""
+    n, mult = slots.shape
+    flat = slots.reshape(-1)
+    src = jnp.zeros((num_pairs,), jnp.int32).at[flat].set(jnp.arange(n * mult, dtype=jnp.int32), mode="drop",
+                                                          unique_indices=True)
+    return src, jnp.zeros((num_pairs,), bool).at[flat].set(True, mode="drop", unique_indices=True)
+
+
+def _acc(dtype):
+    """The accumulation dtype: float32, or wider inputs' own."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def _expand_impl(rows, slots, weights, *, num_pairs):
+    src, named = _pair_sources(slots, num_pairs)
+    v = weights.reshape(-1)[src][:, None] * rows[src // slots.shape[1]].astype(_acc(rows.dtype))
+    return jnp.where(named[:, None], v, 0).astype(rows.dtype)
+
+
+def _picked(values, s):
+    """values[s] in the accumulation dtype, 0 where s is past the rows of values."""
+    m = values.shape[0]
+    return jnp.where((s < m)[:, None], values[jnp.minimum(s, m - 1)].astype(_acc(values.dtype)), 0)
+
+
+def _gather_sum_impl(values, slots, weights):
+    acc = jnp.zeros((slots.shape[0], values.shape[1]), _acc(values.dtype))
+    for j in range(slots.shape[1]):
+        acc = acc + weights[:, j, None] * _picked(values, slots[:, j])
+    return acc.astype(values.dtype)
+
+
+def _pair_dots(a, b, slots):
+    """[N, mult]: <a[q], b[slots[q, j]]> (0 for slots past b): a weight's cotangent."""
+    a = a.astype(_acc(a.dtype))
+    return jnp.stack([jnp.sum(a * _picked(b, slots[:, j]), axis=-1) for j in range(slots.shape[1])], axis=-1)
+
+
+expand_p = Primitive("moe_xla_ep_expand")
+gather_sum_p = Primitive("moe_xla_ep_gather_sum")
+expand_p.def_abstract_eval(lambda rows, slots, weights, *, num_pairs: jax.core.ShapedArray(
+    (num_pairs, rows.shape[1]), rows.dtype))
+gather_sum_p.def_abstract_eval(lambda values, slots, weights: jax.core.ShapedArray(
+    (slots.shape[0], values.shape[1]), values.dtype))
+
+
+def _bilinear_rules(prim, data_transpose, weights_transpose):
+    """JVP and transpose of prim(data, slots, weights), linear in data and in weights."""
+
+    def jvp(primals, tangents, **params):
+        data, slots, weights = primals
+        d_data, _, d_weights = tangents
+        out = prim.bind(data, slots, weights, **params)
+        terms = []
+        if type(d_data) is not ad.Zero:
+            terms.append(prim.bind(d_data, slots, weights, **params))
+        if type(d_weights) is not ad.Zero:
+            terms.append(prim.bind(data, slots, d_weights, **params))
+        if not terms:
+            return out, _ad.zero_tangent(out)
+        return out, terms[0] if len(terms) == 1 else terms[0] + terms[1]
+
+    def transpose(ct, data, slots, weights, **params):
+        if ad.is_undefined_primal(data):
+            d = ad.Zero(data.aval) if type(ct) is ad.Zero else data_transpose(ct, slots, weights, data.aval)
+            return d, None, None
+        d = ad.Zero(weights.aval) if type(ct) is ad.Zero else weights_transpose(ct, data, slots)
+        return None, None, d
+
+    ad.primitive_jvps[prim] = jvp
+    ad.primitive_transposes[prim] = transpose
+
+
+for _prim, _impl in ((expand_p, _expand_impl), (gather_sum_p, _gather_sum_impl)):
+    _prim.def_impl(_impl)
+    mlir.register_lowering(_prim, mlir.lower_fun(_impl, multiple_results=False))
+_bilinear_rules(expand_p, lambda ct, slots, w, aval: gather_sum_p.bind(ct, slots, w),
+                lambda ct, rows, slots: _pair_dots(rows, ct, slots))
+_bilinear_rules(gather_sum_p, lambda ct, slots, w, aval: expand_p.bind(ct, slots, w, num_pairs=aval.shape[0]),
+                lambda ct, values, slots: _pair_dots(ct, values, slots))
+
+
+def _slabs(rows, starts, sizes, block: int, fill):
+    """[P*block, ...]: slab d holds rows [starts[d], starts[d] + sizes[d]), then `fill`."""
+    pos = jnp.arange(block, dtype=jnp.int32)
+    idx = jnp.clip(starts[:, None] + pos, 0, rows.shape[0] - 1).reshape(-1)
+    valid = (pos < sizes[:, None]).reshape((-1,) + (1,) * (rows.ndim - 1))
+    return jnp.where(valid, rows[idx], jnp.asarray(fill, rows.dtype))
+
+
+def _unslab(out, slabs, starts, sizes, block: int):
+    """out with rows [starts[d], starts[d] + sizes[d]) replaced by the head of slab d."""
+    pos = jnp.arange(block, dtype=jnp.int32)
+    peers = starts.shape[0]
+    beyond = out.shape[0] + jnp.arange(peers * block, dtype=jnp.int32).reshape(peers, block)  # distinct, dropped
+    idx = jnp.where(pos < sizes[:, None], starts[:, None] + pos, beyond).reshape(-1)
+    return out.at[idx].set(slabs, mode="drop", unique_indices=True)
+
+
+def ragged_all_to_all_by_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
+                                    axis_name, block):
+    """jax.lax.ragged_all_to_all (one slice per peer, send sizes <= block) from all_to_all:
+    slice d of operand travels in a [block] slab to peer d, which writes its head into
+    output at the offset output_offsets[d] the sender chose. For XLA:CPU, which has no
+    ragged-all-to-all, and as the ragged transport's test double."""
+    slabs = jax.lax.all_to_all(_slabs(operand, input_offsets, send_sizes, block, 0), axis_name, 0, 0, tiled=True)
+    at = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)
+    return _unslab(output, slabs, at, recv_sizes, block)
+
+
+def _link(cfg: _Config, block: int, starts, theirs=None):
+    """The chunk's transport; `theirs` (ragged) is recomputed from starts when not given."""
+    if cfg.transport == "padded":
+        return _Padded(cfg.axis, block, starts)
+    return _Ragged(cfg.axis, block, starts, cfg.native_ragged, theirs)
+
+
+class _Link:
+    """A chunk's transport over `axis`: round r sends the grouped rows [starts[r, d],
+    starts[r+1, d]) to rank d, into a [block] slab of its receive buffer [P*block, ...].
+
+    send(rows, fill, r): round r of the grouped rows [T*k, ...] -> the receive buffer
+        (slab s from rank s; unused slots hold `fill`).
+    back(y, r, num_rows): results [P*block, H] of round r -> [num_rows, H], each at the
+        place its row left on its sender, 0 elsewhere.
+    arrays: the arrays the link is rebuilt from (_link(cfg, block, *arrays)).
+    """
+
+    def __init__(self, axis, block, starts):
+        self.axis, self.block, self.starts = axis, block, starts
+        self.arrays = (starts,)
+
+    def _sent(self, r):
+        return self.starts[r], self.starts[r + 1] - self.starts[r]
+
+
+class _Padded(_Link):
+    """all_to_all of one [block] slab per peer and round."""
+
+    def send(self, rows, fill, r):
+        return jax.lax.all_to_all(_slabs(rows, *self._sent(r), self.block, fill), self.axis, 0, 0, tiled=True)
+
+    def back(self, y, r, num_rows):
+        slabs = jax.lax.all_to_all(y, self.axis, 0, 0, tiled=True)
+        return _unslab(jnp.zeros((num_rows,) + y.shape[1:], y.dtype), slabs, *self._sent(r), self.block)
+
+
+class _Ragged(_Link):
+    """ragged_all_to_all: only the rows of the round travel."""
+
+    def __init__(self, axis, block, starts, native: bool, theirs=None):
+        super().__init__(axis, block, starts)
+        peers = starts.shape[1]
+        self.collective = partial(jax.lax.ragged_all_to_all, axis_name=axis) if native else \
+            partial(ragged_all_to_all_by_all_to_all, axis_name=axis, block=block)
+        if theirs is None:  # [P, R+1]: peer s's starts for this rank
+            theirs = jax.lax.all_to_all(starts.T, axis, 0, 0, tiled=True)
+        self.theirs = theirs
+        self.arrays = (starts, theirs)
+        self.mine = jnp.full((peers,), jax.lax.axis_index(axis) * block, jnp.int32)  # my slab on every peer
+        self.slabs = jnp.arange(peers, dtype=jnp.int32) * block
+
+    def _received(self, r):
+        return self.theirs[:, r + 1] - self.theirs[:, r]
+
+    def send(self, rows, fill, r):
+        out = jnp.full((self.slabs.shape[0] * self.block,) + rows.shape[1:], fill, rows.dtype)
+        return self.collective(rows, out, *self._sent(r), self.mine, self._received(r))
+
+    def back(self, y, r, num_rows):
+        out = jnp.zeros((num_rows,) + y.shape[1:], y.dtype)
+        return self.collective(y, out, self.slabs, self._received(r), self.theirs[:, r], self._sent(r)[1])

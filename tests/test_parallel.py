@@ -1,0 +1,279 @@
+"""Expert parallelism (moe_xla/parallel.py) on 8 CPU devices against the single-device moe().
+
+Without dedup the EP forward pass sums exactly as moe() does and must match it bitwise;
+with dedup (per-rank partial sums) and in every backward pass it must match to f32 rounding.
+"""
+
+from __future__ import annotations
+
+import re
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import jax.test_util
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+import moe_xla
+from moe_xla import parallel, reference
+from conftest import assert_close, normal
+
+T, H, F, E = 64, 16, 8, 8  # 64 tokens: 8 per device on 8 devices, two chunks of 4
+
+
+def _mesh(peers, data=1):
+    """A (data x) ep mesh; 1-D meshes use Auto axes, 2-D meshes jax.make_mesh's Explicit ones."""
+    devices = jax.devices()[: peers * data]
+    if data == 1:
+        return Mesh(np.array(devices), ("ep",))
+    return jax.make_mesh((data, peers), ("data", "ep"), devices=devices)
+
+
+def _routing(rng, case, top_k):
+    logits = normal(rng, (T, E), jnp.float32)
+    if case == "balanced":  # token t picks t, t+1, ..., t+k-1 (mod E): every expert gets T k / E
+        rank = (jnp.arange(E)[None, :] - jnp.arange(T)[:, None]) % E
+        logits = -rank.astype(jnp.float32) + 0.3 * jax.nn.sigmoid(logits)
+    elif case == "one_expert":  # every token picks expert 5 first
+        logits = logits.at[:, 5].add(100.0)
+    return logits
+
+
+def _weights(rng, shared=False):
+    w_in = normal(rng, (E, H, 2 * F), jnp.float32) / np.sqrt(H)
+    w_out = normal(rng, (E, F, H), jnp.float32) / np.sqrt(F)
+    if not shared:
+        return w_in, w_out, {}
+    return w_in, w_out, {"shared_experts": (normal(rng, (H, 24), jnp.float32) / 4,
+                                            normal(rng, (12, H), jnp.float32) / 4)}
+
+
+def _distinct_destinations(logits, top_k, peers):
+    """Distinct (token, destination rank) pairs of the routing: dedup's dispatched rows."""
+    _, ids = reference.route(logits, top_k=top_k)
+    dest = np.asarray(ids) // (E // peers)
+    return sum(len(set(row)) for row in dest)
+
+
+def test_eight_cpu_devices():
+    assert jax.device_count() == 8
+
+
+FORWARD = [(1, "balanced", 2), (2, "balanced", 2), (4, "balanced", 2), (8, "balanced", 2),
+           (2, "one_expert", 2), (8, "one_expert", 2), (4, "top_k_is_E", E), (8, "top_k_is_E", E)]
+
+
+@pytest.mark.parametrize("peers,case,top_k", FORWARD, ids=[f"ep{p}-{c}" for p, c, _ in FORWARD])
+def test_ep_forward_matches_one_device(rng, peers, case, top_k):
+    x = normal(rng, (T, H), jnp.float32)
+    logits = _routing(rng, case, top_k)
+    w_in, w_out, _ = _weights(rng)
+    mesh = _mesh(peers)
+
+    @jax.jit
+    def run(*args):
+        plain = moe_xla.moe(*args, top_k=top_k, mesh=mesh, expert_axis="ep", dedup=False, return_aux=True)
+        dedup = moe_xla.moe(*args, top_k=top_k, mesh=mesh, expert_axis="ep", dedup=True, return_aux=True)
+        return plain, dedup
+
+    first = run(x, logits, w_in, w_out)
+    for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(run(x, logits, w_in, w_out))):
+        np.testing.assert_array_equal(a, b)  # bitwise run to run
+    (y, aux), (y_dedup, aux_dedup) = first
+    y_one, aux_one = jax.jit(lambda *a: moe_xla.moe(*a, top_k=top_k, return_aux=True))(x, logits, w_in, w_out)
+    np.testing.assert_array_equal(y, y_one)
+    assert_close(y_dedup, y_one, jnp.float32)
+    np.testing.assert_array_equal(aux.tokens_per_expert, aux_one.tokens_per_expert)
+    np.testing.assert_allclose(aux.load_balance_loss, aux_one.load_balance_loss, rtol=1e-6)
+    assert int(aux.dispatched_rows) == T * top_k
+    assert int(aux_dedup.dispatched_rows) == _distinct_destinations(logits, top_k, peers)
+
+
+def _grads(fn, args, ct):
+    return jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a) * ct), argnums=(0, 1, 2, 3)))(*args)
+
+
+@pytest.mark.parametrize("peers,data,dedup", [(2, 1, True), (8, 1, False), (4, 2, True)])
+def test_ep_gradients_and_shared_experts(rng, peers, data, dedup):
+    x = normal(rng, (T, H), jnp.float32)
+    logits = _routing(rng, "random", 3)
+    w_in, w_out, shared = _weights(rng, shared=True)
+    ct = normal(rng, (T, H), jnp.float32)
+    args = (x, logits, w_in, w_out)
+    mesh = _mesh(peers, data)
+    ep = lambda *a: moe_xla.moe(*a, top_k=3, mesh=mesh, expert_axis="ep", dedup=dedup, **shared)  # noqa: E731
+    one = lambda *a: moe_xla.moe(*a, top_k=3, **shared)  # noqa: E731
+    # The shared expert is an XLA dot, whose CPU kernel rounds differently for other row
+    # counts: to f32 rounding even without dedup.
+    assert_close(jax.jit(ep)(*args), jax.jit(one)(*args), jnp.float32)
+    for name, g, g_one in zip(("x", "router_logits", "w_in", "w_out"), _grads(ep, args, ct), _grads(one, args, ct)):
+        assert g.shape == g_one.shape, name
+        assert_close(g, g_one, jnp.float32, scale=10)
+
+
+def test_ep_routing_options_and_batched_input(rng):
+    x = normal(rng, (4, 16, H), jnp.float32)
+    logits = normal(rng, (4, 16, E), jnp.float32)
+    w_in, w_out, _ = _weights(rng)
+    kw = dict(top_k=3, score="sigmoid", bias=normal(rng, (E,), jnp.float32), n_groups=4, topk_groups=2, scale=2.0)
+    mesh = _mesh(4, 2)
+    ep = jax.jit(lambda *a: moe_xla.moe(*a, mesh=mesh, expert_axis="ep", dedup=False, chunks=3, **kw))
+    y = ep(x, logits, w_in, w_out)
+    assert y.shape == x.shape
+    np.testing.assert_array_equal(y, jax.jit(lambda *a: moe_xla.moe(*a, **kw))(x, logits, w_in, w_out))
+
+
+def test_capacity_overflow_is_sent_in_further_rounds(rng):
+    peers, top_k = 4, 2
+    x = normal(rng, (T, H), jnp.float32)
+    logits = _routing(rng, "one_expert", top_k)  # rank 2 gets every token: 4x its balanced load
+    w_in, w_out, _ = _weights(rng)
+    tokens = T // peers // 2  # a chunk: each of its tokens sends rank 2 a row
+    for dedup in (False, True):
+        sizes = parallel.exchange_sizes(tokens, top_k, E, peers, dedup=dedup, capacity_factor=1.25)
+        assert sizes.rows < tokens and sizes.rounds > 1
+    mesh = _mesh(peers)
+    args = (x, logits, w_in, w_out)
+    ct = normal(rng, (T, H), jnp.float32)
+    one = lambda *a: moe_xla.moe(*a, top_k=top_k)  # noqa: E731
+
+    def ep(*a, dedup=True):
+        return moe_xla.moe(*a, top_k=top_k, mesh=mesh, expert_axis="ep", dedup=dedup, capacity_factor=1.25)
+
+    y_one = jax.jit(one)(*args)
+    np.testing.assert_array_equal(jax.jit(partial(ep, dedup=False))(*args), y_one)
+    assert_close(jax.jit(ep)(*args), y_one, jnp.float32)
+    grads = jax.jit(jax.value_and_grad(lambda *a: jnp.sum(ep(*a) * ct), argnums=(0, 1, 2, 3)))
+    first = grads(*args)
+    for g, g_one in zip(first[1], _grads(one, args, ct)):
+        assert_close(g, g_one, jnp.float32, scale=10)
+    for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(grads(*args))):
+        np.testing.assert_array_equal(a, b)  # bitwise run to run, overflow rounds included
+
+
+def test_padded_and_ragged_transports_agree(rng):
+    x = normal(rng, (T, H), jnp.float32)
+    logits = _routing(rng, "one_expert", 3)
+    w_in, w_out, _ = _weights(rng)
+    mesh = _mesh(8)
+
+    @jax.jit
+    def run(*args):
+        return [moe_xla.moe(*args, top_k=3, mesh=mesh, expert_axis="ep", transport=t, capacity_factor=cf)
+                for t in ("padded", "ragged") for cf in (None, 1.0)]
+
+    padded, *others = run(x, logits, w_in, w_out)
+    for y in others:
+        np.testing.assert_array_equal(y, padded)
+
+
+def test_ragged_stand_in_has_ragged_all_to_all_semantics():
+    # The example of jax.lax.ragged_all_to_all's docstring, on two devices.
+    operand = jnp.array([1, 2, 2, 3, 4, 0], jnp.float32)
+    per_device = dict(input_offsets=[[0, 1], [0, 1]], send_sizes=[[1, 2], [1, 1]], output_offsets=[[0, 0], [1, 2]],
+                      recv_sizes=[[1, 1], [2, 1]])
+    args = [jnp.array(v, jnp.int32).reshape(-1) for v in per_device.values()]
+
+    def one(op, *offsets_and_sizes):
+        return parallel.ragged_all_to_all_by_all_to_all(op, jnp.zeros((4,), op.dtype), *offsets_and_sizes,
+                                                        axis_name="ep", block=2)
+
+    spec = jax.sharding.PartitionSpec("ep")
+    out = jax.jit(jax.shard_map(one, mesh=_mesh(2), in_specs=spec, out_specs=spec))(operand, *args)
+    np.testing.assert_array_equal(out, [1, 3, 0, 0, 2, 2, 4, 0])
+
+
+def test_ep_hlo_has_all_to_all_and_kernels_and_no_gather(rng):
+    x = normal(rng, (T, H), jnp.float32)
+    logits = _routing(rng, "random", 2)
+    w_in, w_out, _ = _weights(rng)
+    mesh = _mesh(4, 2)
+    fn = jax.grad(lambda *a: jnp.sum(moe_xla.moe(*a, top_k=2, mesh=mesh, expert_axis="ep", capacity_factor=2.0)),
+                  argnums=(0, 2, 3))
+    hlo = jax.jit(fn).lower(x, logits, w_in, w_out).compile().as_text()
+    assert re.search(r"\ball-to-all\(", hlo)
+    for op in ("route", "permute", "gmm", "tgmm", "unpermute"):
+        assert f'custom_call_target="moe_xla_{op}_cpu_v1"' in hlo, op
+    for stage in ("route", "dispatch", "gmm_in", "act", "gmm_out", "combine"):
+        assert f"moe_xla/{stage}" in hlo, stage
+    assert "all-gather" not in hlo and "collective-permute" not in hlo
+
+
+def test_ep_forward_mode(rng):
+    x = normal(rng, (T, H), jnp.float32)
+    logits = _routing(rng, "random", 3)
+    w_in, w_out, _ = _weights(rng)
+    d_x, d_w = normal(rng, x.shape, jnp.float32), normal(rng, w_in.shape, jnp.float32)
+    mesh = _mesh(4)
+
+    def tangent(**kw):
+        f = lambda x, w: moe_xla.moe(x, logits, w, w_out, top_k=3, **kw)  # noqa: E731
+        return jax.jit(lambda *a: jax.jvp(f, a, (d_x, d_w))[1])(x, w_in)
+
+    assert_close(tangent(mesh=mesh, expert_axis="ep", chunks=1), tangent(), jnp.float32)
+
+
+def test_pair_primitives_are_each_others_transpose(rng):
+    n, mult, local = 7, 3, 4
+    lids = jnp.asarray(rng.integers(0, local + 1, (n, mult)), jnp.int32)  # local: no expert
+    slots = moe_xla.permute(jnp.zeros((n, 0), jnp.float32), lids, local)[2].reshape(n, mult)
+    pairs = int(jnp.sum(lids < local)) + 2
+    with jax.enable_x64(True):
+        rows, values, w = (jnp.asarray(rng.standard_normal(shape), jnp.float64)
+                           for shape in ((n, 5), (pairs, 5), (n, mult)))
+        expand = lambda r, w: parallel.expand_p.bind(r, slots, w, num_pairs=pairs)  # noqa: E731
+        gather_sum = lambda v, w: parallel.gather_sum_p.bind(v, slots, w)  # noqa: E731
+        np.testing.assert_allclose(jnp.vdot(expand(rows, w), values), jnp.vdot(rows, gather_sum(values, w)),
+                                   rtol=1e-12)
+        for fn, args in ((expand, (rows, w)), (gather_sum, (values, w))):
+            jax.test_util.check_grads(fn, args, order=2, modes=("fwd", "rev"))
+
+
+@pytest.mark.parametrize("dedup,cf", [(False, None), (False, 0.5), (True, None), (True, 0.3), (True, 1.25)])
+def test_rounds_cover_any_routing_within_budgets(rng, dedup, cf):
+    tokens, top_k, experts, peers = 24, 6, 16, 4
+    sizes = parallel.exchange_sizes(tokens, top_k, experts, peers, dedup=dedup, capacity_factor=cf)
+    assert (sizes.rounds == 1) == (cf is None)
+    # Destination 0 gets the most rows it can (every token, with all its pairs), 2 and 3 less.
+    most = tokens if dedup else sizes.worst
+    counts = np.array([most, 5, 0, tokens * top_k - most - 5 if not dedup else 3], np.int32)
+    n = int(counts.sum())
+    pairs = rng.integers(1, sizes.mult + 1, n).astype(np.int32)
+    pairs[: tokens // 2] = sizes.mult  # the heaviest rows first
+    starts = np.asarray(jax.jit(parallel._round_starts, static_argnums=2)(counts, pairs, sizes))
+    offsets = np.concatenate([[0], np.cumsum(counts)])
+    np.testing.assert_array_equal(starts[0], offsets[:-1])
+    np.testing.assert_array_equal(starts[-1], offsets[1:])  # every row sent
+    before = np.concatenate([[0], np.cumsum(pairs)])
+    rows = np.diff(starts, axis=0)
+    assert rows.min() >= 0 and rows.max() <= sizes.rows
+    assert (before[starts[1:]] - before[starts[:-1]]).max() <= sizes.capacity
+    if cf is not None:
+        assert rows[0, 0] < counts[0]  # destination 0 overflowed into further rounds
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(mesh=None, expert_axis="ep"), "needs a mesh"),
+    (dict(), "needs expert_axis"),
+    (dict(expert_axis="model"), r"expert_axis to be one of the mesh axes \('ep',\)"),
+    (dict(expert_axis="ep", transport="nccl"), "transport in"),
+    (dict(expert_axis="ep", capacity_factor=0.0), "capacity_factor > 0"),
+    (dict(expert_axis="ep", chunks=0), "positive int chunks"),
+])
+def test_ep_bad_options(rng, kw, match):
+    args = (normal(rng, (T, H), jnp.float32), normal(rng, (T, E), jnp.float32)) + _weights(rng)[:2]
+    kw = {"mesh": _mesh(4), **kw}
+    with pytest.raises(ValueError, match=match):
+        moe_xla.moe(*args, top_k=2, **kw)
+
+
+def test_ep_bad_shapes(rng):
+    x, logits = normal(rng, (T, H), jnp.float32), normal(rng, (T, 6), jnp.float32)
+    w_in, w_out = normal(rng, (6, H, 2 * F), jnp.float32), normal(rng, (6, F, H), jnp.float32)
+    with pytest.raises(ValueError, match=r"6 experts .* of size 4"):
+        moe_xla.moe(x, logits, w_in, w_out, top_k=2, mesh=_mesh(4), expert_axis="ep")
+    x, logits = normal(rng, (12, H), jnp.float32), normal(rng, (12, E), jnp.float32)
+    with pytest.raises(ValueError, match=r"12 tokens of x .* \(8 devices\)"):
+        moe_xla.moe(x, logits, *_weights(rng)[:2], top_k=2, mesh=_mesh(8), expert_axis="ep")
