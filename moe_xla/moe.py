@@ -57,6 +57,17 @@ def activate(h, activation: str):
     return PLAIN[activation](h.astype(jnp.float32)).astype(h.dtype)
 
 
+def expert_mlp(x_sorted, w_in, w_out, group_sizes, activation: str):
+    """The experts on rows grouped by expert: out[rows of e] = act(x[rows of e] @ w_in[e]) @ w_out[e];
+    rows past sum(group_sizes) give 0."""
+    with jax.named_scope("moe_xla/gmm_in"):
+        h = gmm(x_sorted, w_in, group_sizes)
+    with jax.named_scope("moe_xla/act"):
+        a = activate(h, activation)
+    with jax.named_scope("moe_xla/gmm_out"):
+        return gmm(a, w_out, group_sizes)
+
+
 def _check(x, router_logits, w_in, w_out, top_k, activation, shared_experts):
     if activation not in ACTIVATIONS:
         raise ValueError(f"moe: expected activation in {ACTIVATIONS}, got {activation!r}")
@@ -124,12 +135,7 @@ def moe(x, router_logits, w_in, w_out, *, top_k, activation="swiglu", score="sof
                              renormalize=renormalize, scale=scale)
     with jax.named_scope("moe_xla/dispatch"):
         x_sorted, group_sizes, row_map = permute(x2, ids, experts)
-    with jax.named_scope("moe_xla/gmm_in"):
-        h = gmm(x_sorted, w_in, group_sizes)
-    with jax.named_scope("moe_xla/act"):
-        a = activate(h, activation)
-    with jax.named_scope("moe_xla/gmm_out"):
-        y_sorted = gmm(a, w_out, group_sizes)
+    y_sorted = expert_mlp(x_sorted, w_in, w_out, group_sizes, activation)
     with jax.named_scope("moe_xla/combine"):
         y = unpermute(y_sorted, row_map, weights)
     if shared_experts is not None:

@@ -70,9 +70,8 @@ from jax.interpreters import ad, mlir
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from moe_xla.moe import _aux, activate
+from moe_xla.moe import _aux, activate, expert_mlp
 from moe_xla.primitives import _ad
-from moe_xla.primitives.gmm import gmm
 from moe_xla.primitives.permute import permute
 from moe_xla.primitives.route import route
 from moe_xla.primitives.unpermute import unpermute
@@ -358,12 +357,7 @@ def _experts(x_recv, lids, w, w_in, w_out, sizes: ExchangeSizes, activation):
         slots = slots.reshape(lids.shape)
         ones = jnp.ones(lids.shape, jnp.float32)
         x_exp = expand_p.bind(x_recv, slots, ones, num_pairs=sizes.pairs)
-    with jax.named_scope("moe_xla/gmm_in"):
-        h = gmm(x_exp, w_in, group_sizes)
-    with jax.named_scope("moe_xla/act"):
-        a = activate(h, activation)
-    with jax.named_scope("moe_xla/gmm_out"):
-        y_exp = gmm(a, w_out, group_sizes)
+    y_exp = expert_mlp(x_exp, w_in, w_out, group_sizes, activation)
     with jax.named_scope("moe_xla/combine"):
         return gather_sum_p.bind(y_exp, slots, ones if w is None else w)
 
@@ -425,19 +419,6 @@ gather_sum_p.def_abstract_eval(lambda values, slots, weights: jax.core.ShapedArr
 def _bilinear_rules(prim, data_transpose, weights_transpose):
     """JVP and transpose of prim(data, slots, weights), linear in data and in weights."""
 
-    def jvp(primals, tangents, **params):
-        data, slots, weights = primals
-        d_data, _, d_weights = tangents
-        out = prim.bind(data, slots, weights, **params)
-        terms = []
-        if type(d_data) is not ad.Zero:
-            terms.append(prim.bind(d_data, slots, weights, **params))
-        if type(d_weights) is not ad.Zero:
-            terms.append(prim.bind(data, slots, d_weights, **params))
-        if not terms:
-            return out, _ad.zero_tangent(out)
-        return out, terms[0] if len(terms) == 1 else terms[0] + terms[1]
-
     def transpose(ct, data, slots, weights, **params):
         if ad.is_undefined_primal(data):
             d = ad.Zero(data.aval) if type(ct) is ad.Zero else data_transpose(ct, slots, weights, data.aval)
@@ -445,7 +426,7 @@ def _bilinear_rules(prim, data_transpose, weights_transpose):
         d = ad.Zero(weights.aval) if type(ct) is ad.Zero else weights_transpose(ct, data, slots)
         return None, None, d
 
-    ad.primitive_jvps[prim] = jvp
+    ad.primitive_jvps[prim] = _ad.bilinear_jvp(prim, 0, 2)
     ad.primitive_transposes[prim] = transpose
 
 

@@ -45,21 +45,6 @@ def _abstract_eval(lhs, rhs, group_sizes, *, transpose_rhs, preferred_element_ty
     return jax.core.ShapedArray((lhs.shape[0], n), preferred_element_type)
 
 
-def _jvp(primals, tangents, *, transpose_rhs, preferred_element_type):
-    lhs, rhs, group_sizes = primals
-    d_lhs, d_rhs, _ = tangents
-    params = dict(transpose_rhs=transpose_rhs, preferred_element_type=preferred_element_type)
-    out = gmm_p.bind(lhs, rhs, group_sizes, **params)
-    terms = []
-    if type(d_lhs) is not ad.Zero:
-        terms.append(gmm_p.bind(d_lhs, rhs, group_sizes, **params))
-    if type(d_rhs) is not ad.Zero:
-        terms.append(gmm_p.bind(lhs, d_rhs, group_sizes, **params))
-    if not terms:
-        return out, _ad.zero_tangent(out)
-    return out, terms[0] if len(terms) == 1 else terms[0] + terms[1]
-
-
 def _transpose(ct, lhs, rhs, group_sizes, *, transpose_rhs, preferred_element_type):
     if ad.is_undefined_primal(group_sizes):
         raise ValueError("gmm: group_sizes are integers and cannot be differentiated")
@@ -99,7 +84,7 @@ def _reference(lhs, rhs, group_sizes, *, transpose_rhs, preferred_element_type):
 
 gmm_p.def_impl(lambda *args, **params: jax.jit(lambda *a: gmm_p.bind(*a, **params))(*args))
 gmm_p.def_abstract_eval(_abstract_eval)
-ad.primitive_jvps[gmm_p] = _jvp
+ad.primitive_jvps[gmm_p] = _ad.bilinear_jvp(gmm_p, 0, 1)
 ad.primitive_transposes[gmm_p] = _transpose
 batching.primitive_batchers[gmm_p] = _batch
 _lowering.register(gmm_p, "gmm", _reference, lambda transpose_rhs, **_: {"transpose_rhs": transpose_rhs},

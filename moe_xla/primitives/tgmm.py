@@ -41,20 +41,6 @@ def _abstract_eval(lhs, rhs, group_sizes, *, preferred_element_type):
     return jax.core.ShapedArray((group_sizes.shape[0], lhs.shape[1], rhs.shape[1]), preferred_element_type)
 
 
-def _jvp(primals, tangents, *, preferred_element_type):
-    lhs, rhs, group_sizes = primals
-    d_lhs, d_rhs, _ = tangents
-    out = tgmm_p.bind(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type)
-    terms = []
-    if type(d_lhs) is not ad.Zero:
-        terms.append(tgmm_p.bind(d_lhs, rhs, group_sizes, preferred_element_type=preferred_element_type))
-    if type(d_rhs) is not ad.Zero:
-        terms.append(tgmm_p.bind(lhs, d_rhs, group_sizes, preferred_element_type=preferred_element_type))
-    if not terms:
-        return out, _ad.zero_tangent(out)
-    return out, terms[0] if len(terms) == 1 else terms[0] + terms[1]
-
-
 def _transpose(ct, lhs, rhs, group_sizes, *, preferred_element_type):
     from moe_xla.primitives.gmm import gmm_p  # gmm's rules use tgmm and vice versa
 
@@ -91,7 +77,7 @@ def _reference(lhs, rhs, group_sizes, *, preferred_element_type):
 
 tgmm_p.def_impl(lambda *args, **params: jax.jit(lambda *a: tgmm_p.bind(*a, **params))(*args))
 tgmm_p.def_abstract_eval(_abstract_eval)
-ad.primitive_jvps[tgmm_p] = _jvp
+ad.primitive_jvps[tgmm_p] = _ad.bilinear_jvp(tgmm_p, 0, 1)
 ad.primitive_transposes[tgmm_p] = _transpose
 batching.primitive_batchers[tgmm_p] = _batch
 _lowering.register(tgmm_p, "tgmm", _reference, lambda **_: {}, cuda_workspace=_lowering.grouped_gemm_workspace)

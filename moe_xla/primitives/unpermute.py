@@ -45,20 +45,6 @@ def _abstract_eval(y_sorted, row_map, weights):
     return jax.core.ShapedArray((weights.shape[0], y_sorted.shape[1]), y_sorted.dtype)
 
 
-def _jvp(primals, tangents):
-    y_sorted, row_map, weights = primals
-    d_sorted, _, d_weights = tangents
-    out = unpermute_p.bind(y_sorted, row_map, weights)
-    terms = []
-    if type(d_sorted) is not ad.Zero:
-        terms.append(unpermute_p.bind(d_sorted, row_map, weights))
-    if type(d_weights) is not ad.Zero:
-        terms.append(unpermute_p.bind(y_sorted, row_map, d_weights))
-    if not terms:
-        return out, _ad.zero_tangent(out)
-    return out, terms[0] if len(terms) == 1 else terms[0] + terms[1]
-
-
 def _source_rows(row_map, k):
     """For each sorted row s, the assignment i with row_map[i] = s (inverse permutation)."""
     n = row_map.shape[0]
@@ -100,7 +86,7 @@ def _batch(args, dims):
 
 unpermute_p.def_impl(lambda *args, **params: jax.jit(lambda *a: unpermute_p.bind(*a, **params))(*args))
 unpermute_p.def_abstract_eval(_abstract_eval)
-ad.primitive_jvps[unpermute_p] = _jvp
+ad.primitive_jvps[unpermute_p] = _ad.bilinear_jvp(unpermute_p, 0, 2)
 ad.primitive_transposes[unpermute_p] = _transpose
 batching.primitive_batchers[unpermute_p] = _batch
 _lowering.register(unpermute_p, "unpermute", reference.unpermute, lambda **_: {})
