@@ -9,25 +9,30 @@ import numpy as np
 from jax.interpreters import mlir
 
 from moe_xla import _lib
+from moe_xla.primitives import _sharding
 
 
 def register(prim, op: str, reference: Callable, attributes: Callable[..., dict],
-             cuda_workspace: Callable[..., int] | None = None) -> None:
+             cuda_workspace: Callable[..., int] | None = None, sharding=None) -> None:
     """Lowers `prim` to the FFI target of `op` on cpu and cuda.
 
     `reference(*args, **params)` is the pure-JAX definition, lowered instead when
     MOE_XLA_IMPL=reference; `attributes(**params)` maps the primitive's params to the
     typed FFI attributes of the call. `cuda_workspace(*avals_in, **params)`, if given,
     is the byte size of the uint8 workspace result the CUDA handler takes last
-    (ffi/workspace.h); it is dropped from the primitive's outputs.
+    (ffi/workspace.h); it is dropped from the primitive's outputs. `sharding`, a
+    `_sharding.Rule`, partitions the call over a mesh without gathering (see _sharding).
     """
     reference_lowering = mlir.lower_fun(reference, multiple_results=prim.multiple_results)
+    partitioned_lowering = None if sharding is None else _sharding.lowering(prim, sharding)
 
     for platform in ("cpu", "cuda"):
 
         def lowering(ctx, *args, _platform=platform, **params):
             if _lib.use_reference():
                 return reference_lowering(ctx, *args, **params)
+            if partitioned_lowering is not None and _sharding.needs_partitioning(ctx):
+                return partitioned_lowering(ctx, *args, **params)
             target = _lib.require_kernel(op, _platform)
             call = jax.ffi.ffi_lowering(target)
             if _platform != "cuda" or cuda_workspace is None:

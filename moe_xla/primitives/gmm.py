@@ -20,7 +20,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching
 
 from moe_xla import reference
-from moe_xla.primitives import _ad, _batching, _checks, _lowering
+from moe_xla.primitives import _ad, _batching, _checks, _lowering, _sharding
 from moe_xla.primitives import tgmm as tgmm_lib
 
 gmm_p = Primitive("moe_xla_gmm")
@@ -88,4 +88,5 @@ ad.primitive_jvps[gmm_p] = _ad.bilinear_jvp(gmm_p, 0, 1)
 ad.primitive_transposes[gmm_p] = _transpose
 batching.primitive_batchers[gmm_p] = _batch
 _lowering.register(gmm_p, "gmm", _reference, lambda transpose_rhs, **_: {"transpose_rhs": transpose_rhs},
-                   cuda_workspace=_lowering.grouped_gemm_workspace)
+                   cuda_workspace=_lowering.grouped_gemm_workspace,
+                   sharding=_sharding.GMM)

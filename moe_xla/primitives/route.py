@@ -21,7 +21,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching
 
 from moe_xla import reference
-from moe_xla.primitives import _ad, _checks, _lowering
+from moe_xla.primitives import _ad, _checks, _lowering, _sharding
 
 route_p = Primitive("moe_xla_route")
 route_p.multiple_results = True
@@ -108,4 +108,4 @@ route_p.def_impl(lambda *args, **params: jax.jit(lambda *a: route_p.bind(*a, **p
 route_p.def_abstract_eval(_abstract_eval)
 ad.primitive_jvps[route_p] = _jvp
 batching.primitive_batchers[route_p] = _batch
-_lowering.register(route_p, "route", _reference, _attributes)
+_lowering.register(route_p, "route", _reference, _attributes, sharding=_sharding.ROUTE)

@@ -20,7 +20,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching
 
 from moe_xla import reference
-from moe_xla.primitives import _ad, _batching, _checks, _lowering
+from moe_xla.primitives import _ad, _batching, _checks, _lowering, _sharding
 
 tgmm_p = Primitive("moe_xla_tgmm")
 
@@ -80,4 +80,5 @@ tgmm_p.def_abstract_eval(_abstract_eval)
 ad.primitive_jvps[tgmm_p] = _ad.bilinear_jvp(tgmm_p, 0, 1)
 ad.primitive_transposes[tgmm_p] = _transpose
 batching.primitive_batchers[tgmm_p] = _batch
-_lowering.register(tgmm_p, "tgmm", _reference, lambda **_: {}, cuda_workspace=_lowering.grouped_gemm_workspace)
+_lowering.register(tgmm_p, "tgmm", _reference, lambda **_: {}, cuda_workspace=_lowering.grouped_gemm_workspace,
+                   sharding=_sharding.TGMM)

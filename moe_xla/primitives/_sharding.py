@@ -1,0 +1,203 @@
+"""Sharding rules of the moe_xla primitives (issue 4, item 6).
+
+Under `jax.jit` with sharded inputs on a mesh of several devices (and outside a fully
+manual `shard_map`), a primitive's FFI call is wrapped in
+`jax.experimental.custom_partitioning`: Shardy propagates shardings through it with a
+rule string (`sharding_rule`), and XLA's SPMD partitioner asks `partition` for the
+per-shard program, which is the same primitive on local shapes (lowered to the same
+`moe_xla_<op>_<platform>_v1` custom call) followed, for a sharded contraction factor,
+by one `psum` over the mesh axes of that factor. Everywhere else (one device, inside
+shard_map, the per-shard program itself) the FFI call is emitted directly.
+
+AD and vmap stay on the primitives (their JVP / transpose / batching rules bind the
+primitives again), so every derivative is partitioned by the same rules.
+
+A rule is a `Rule`: an einsum-like Shardy rule string and `specs(arg_specs, **params)`,
+which maps the operands' PartitionSpecs to the specs the op runs with
+(operands, results, and the mesh axes to sum the results over).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.interpreters import mlir
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+# Private JAX APIs (checked on 0.10.2): the lowering contexts that carry the mesh, and the
+# registry of primitives that get the device assignment while lowering. Where a JAX
+# version lacks them, the primitives lower without sharding rules (XLA then gathers
+# around the calls) instead of failing to import.
+try:
+    from jax._src import dispatch as _dispatch
+    from jax._src import sharding_impls as _sharding_impls
+
+    _DEVICES_DURING_LOWERING = _dispatch.prim_requires_devices_during_lowering
+    _SPMD_CONTEXT = _sharding_impls.SPMDAxisContext
+    _SHARDING_CONTEXT = _sharding_impls.ShardingContext
+except (ImportError, AttributeError):
+    _DEVICES_DURING_LOWERING = None
+
+Axes = tuple  # mesh axis names of one dimension, () when replicated
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    sharding_rule: Callable[..., str]          # (**params) -> Shardy rule string
+    specs: Callable                            # (arg_axes, **params) -> (in_axes, out_axes, sum_axes)
+    need_replication: tuple[str, ...] = ()
+    reduction: tuple[str, ...] = ()
+
+
+def axes(entry) -> Axes:
+    """The mesh axes of one PartitionSpec entry, as a tuple."""
+    if entry is None:
+        return ()
+    if isinstance(entry, str):
+        return (entry,)
+    return tuple(entry)
+
+
+def entry(ax: Axes):
+    return None if not ax else ax[0] if len(ax) == 1 else tuple(ax)
+
+
+def _arg_axes(arg_shapes):
+    out = []
+    for a in arg_shapes:
+        spec = tuple(a.sharding.spec) if isinstance(a.sharding, NamedSharding) else ()
+        spec = spec + (None,) * (len(a.shape) - len(spec))
+        out.append(tuple(axes(e) for e in spec))
+    return out
+
+
+def needs_partitioning(ctx) -> bool:
+    """Whether the call is lowered for SPMD partitioning over several devices.
+
+    Mirrors jax's custom_partitioning lowering, which inlines its body on one device
+    and in a fully manual context; there the FFI call is emitted directly.
+    """
+    if _DEVICES_DURING_LOWERING is None:
+        return False
+    axis_context = ctx.module_context.axis_context
+    if isinstance(axis_context, _SPMD_CONTEXT):
+        if set(axis_context.manual_axes) == set(axis_context.mesh.axis_names):
+            return False
+        devices = axis_context.mesh._flat_devices_tuple
+    elif isinstance(axis_context, _SHARDING_CONTEXT):
+        devices = axis_context.device_assignment
+    else:
+        devices = None
+    return bool(devices) and len(devices) > 1
+
+
+def _named(mesh, ax_per_dim):
+    return NamedSharding(mesh, P(*(entry(a) for a in ax_per_dim)))
+
+
+@functools.lru_cache(maxsize=None)
+def partitioned(prim, rule: Rule, params: tuple):
+    """A custom_partitioning function binding `prim` with `params` (sorted items)."""
+    params = dict(params)
+    multiple = prim.multiple_results
+
+    def body(*args):
+        out = prim.bind(*args, **params)
+        return tuple(out) if multiple else out
+
+    fn = custom_partitioning(body)
+
+    def plan(arg_shapes):
+        return rule.specs(_arg_axes(arg_shapes), **params)
+
+    def shardings(mesh, out_axes):
+        out = tuple(_named(mesh, a) for a in out_axes)
+        return out if multiple else out[0]
+
+    def infer(mesh, arg_shapes, result_shape):
+        return shardings(mesh, plan(arg_shapes)[1])
+
+    def partition(mesh, arg_shapes, result_shape):
+        in_axes, out_axes, sum_axes = plan(arg_shapes)
+        local_params = dict(params)
+        out_dtype = params.get("preferred_element_type")
+        if sum_axes and out_dtype is not None and jnp.dtype(out_dtype).itemsize < 4:
+            local_params["preferred_element_type"] = jnp.dtype(jnp.float32)  # sum partials in f32
+
+        def lower(*args):
+            out = prim.bind(*args, **local_params)
+            if sum_axes:
+                out = jax.lax.psum(out, sum_axes)
+                if out_dtype is not None:
+                    out = out.astype(out_dtype)
+            return tuple(out) if multiple else out
+
+        return mesh, lower, shardings(mesh, out_axes), tuple(_named(mesh, a) for a in in_axes)
+
+    fn.def_partition(partition=partition, infer_sharding_from_operands=infer,
+                     sharding_rule=rule.sharding_rule(**params),
+                     need_replication_factors=rule.need_replication,
+                     reduction_factors=rule.reduction)
+    return fn
+
+
+def lowering(prim, rule: Rule):
+    """The lowering of `prim` that partitions it with `rule` (used when needs_partitioning)."""
+    # custom_partitioning needs the device assignment while lowering, which jit passes
+    # only for the primitives in this registry (jax's cuDNN attention does the same).
+    if _DEVICES_DURING_LOWERING is not None:
+        _DEVICES_DURING_LOWERING.add(prim)
+
+    def lower(ctx, *args, **params):
+        fn = partitioned(prim, rule, tuple(sorted(params.items())))
+        return mlir.lower_fun(fn, multiple_results=prim.multiple_results)(ctx, *args)
+
+    return lower
+
+
+# --- the rules --------------------------------------------------------------------------
+
+def _gmm_specs(arg_axes, *, transpose_rhs, **_):
+    lhs, rhs, _gs = arg_axes
+    n_dim, k_dim = (1, 2) if transpose_rhs else (2, 1)
+    n = rhs[n_dim]
+    k = lhs[1] or rhs[k_dim]
+    if set(k) & set(n):
+        k = ()
+    rhs_out = [(), (), ()]
+    rhs_out[n_dim], rhs_out[k_dim] = n, k
+    return ([((), k), tuple(rhs_out), ((),)], [((), n)], k)
+
+
+# M rows and groups stay whole: groups are contiguous global row ranges.
+GMM = Rule(
+    sharding_rule=lambda transpose_rhs, **_: "m k, g n k, g -> m n" if transpose_rhs else "m k, g k n, g -> m n",
+    specs=_gmm_specs, need_replication=("m", "g"), reduction=("k",))
+
+
+def _tgmm_specs(arg_axes, **_):
+    lhs, rhs, _gs = arg_axes
+    k, n = lhs[1], rhs[1]
+    if set(k) & set(n):
+        n = ()
+    return ([((), k), ((), n), ((),)], [((), k, n)], ())
+
+
+TGMM = Rule(sharding_rule=lambda **_: "m k, m n, g -> g k n", specs=_tgmm_specs,
+            need_replication=("m", "g"))
+
+
+def _route_specs(arg_axes, **_):
+    t = arg_axes[0][0]
+    return ([(t, ()), ((),)], [(t, ()), (t, ())], ())
+
+
+# Tokens are independent: split along T, experts and the top_k slots stay whole.
+ROUTE = Rule(sharding_rule=lambda **_: "t e, e -> t k, t k", specs=_route_specs,
+             need_replication=("e", "k"))
