@@ -115,8 +115,10 @@ def _assert_close(out, ref, tol, name):
 
 
 # (devices per process, data axis size): a 1-D ep mesh of 4 over 2 processes, and a
-# 2 x 4 data x ep mesh whose expert axis itself spans both processes.
-MESHES = [(2, 1), (4, 2)]
+# 2 x 2 data x ep mesh whose expert axis itself spans both processes. (A 2 x 4 mesh with 4
+# CPU devices per process hung now and then inside XLA:CPU's gloo collectives, in about
+# one run of five here; two devices per process did not in 20 runs.)
+MESHES = [(2, 1), (2, 2)]
 
 
 def test_multiprocess_ep_matches_one_device(tmp_path):
