@@ -23,15 +23,26 @@ inline ffi::Unexpected<ffi::Error> invalid(std::string message) {
   return ffi::Unexpected<ffi::Error>(ffi::Error::InvalidArgument(std::move(message)));
 }
 
+inline std::string type_name(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::F32: return "float32";
+    case ffi::DataType::BF16: return "bfloat16";
+    case ffi::DataType::F16: return "float16";
+    case ffi::DataType::F64: return "float64";
+    case ffi::DataType::S32: return "int32";
+    case ffi::DataType::S64: return "int64";
+    default: return "type code " + std::to_string(static_cast<int>(t));
+  }
+}
+
+// The storage dtype of a float array argument, or an error naming it.
 inline ffi::ErrorOr<DType> to_dtype(ffi::DataType t, const char* what) {
   switch (t) {
     case ffi::DataType::F32: return DType::kF32;
     case ffi::DataType::BF16: return DType::kBF16;
     case ffi::DataType::F16: return DType::kF16;
     default:
-      return invalid(std::string(what) +
-                                         ": expected dtype float32, bfloat16 or float16, got type code " +
-                                         std::to_string(static_cast<int>(t)));
+      return invalid(std::string(what) + ": expected dtype float32, bfloat16 or float16, got " + type_name(t));
   }
 }
 
@@ -61,9 +72,8 @@ inline ffi::ErrorOr<GroupedGemmParams> decode(GroupedLayout layout, ffi::AnyBuff
                                        shape_string(group_sizes.dimensions()));
   }
   if (lhs.element_type() != rhs.element_type()) {
-    return invalid("rhs: expected the dtype of lhs (type code " +
-                                       std::to_string(static_cast<int>(lhs.element_type())) + "), got " +
-                                       std::to_string(static_cast<int>(rhs.element_type())));
+    return invalid("rhs: expected the dtype of lhs (" + type_name(lhs.element_type()) + "), got " +
+                   type_name(rhs.element_type()));
   }
   GroupedGemmParams p{};
   p.layout = layout;

@@ -10,7 +10,7 @@
 #include <string>
 
 #include "common/routing.h"
-#include "ffi/grouped_gemm_args.h"  // shape_string, invalid, expect_shape
+#include "ffi/grouped_gemm_args.h"  // shape_string, type_name, to_dtype, invalid, expect_shape
 #include "xla/ffi/api/ffi.h"
 
 namespace moe_xla::ffi_args {
@@ -18,29 +18,6 @@ namespace moe_xla::ffi_args {
 namespace ffi = xla::ffi;
 
 inline ffi::Unexpected<ffi::Error> unexpected(ffi::Error e) { return ffi::Unexpected<ffi::Error>(std::move(e)); }
-
-inline std::string type_name(ffi::DataType t) {
-  switch (t) {
-    case ffi::DataType::F32: return "float32";
-    case ffi::DataType::BF16: return "bfloat16";
-    case ffi::DataType::F16: return "float16";
-    case ffi::DataType::F64: return "float64";
-    case ffi::DataType::S32: return "int32";
-    case ffi::DataType::S64: return "int64";
-    default: return "type code " + std::to_string(static_cast<int>(t));
-  }
-}
-
-// The storage dtype of a float array argument, or an error naming it.
-inline ffi::ErrorOr<DType> float_dtype(ffi::DataType t, const char* what) {
-  switch (t) {
-    case ffi::DataType::F32: return DType::kF32;
-    case ffi::DataType::BF16: return DType::kBF16;
-    case ffi::DataType::F16: return DType::kF16;
-    default:
-      return invalid(std::string(what) + ": expected dtype float32, bfloat16 or float16, got " + type_name(t));
-  }
-}
 
 // route: logits [T, E] (f32 / bf16 / f16), bias [E] f32, weights [T, k] f32,
 // expert_ids [T, k] s32. bias is used only when has_bias (and only by sigmoid scoring).
@@ -52,7 +29,7 @@ inline ffi::ErrorOr<RouteParams> decode_route(ffi::AnyBuffer logits, ffi::Buffer
   const auto dims = logits.dimensions();
   if (dims.size() != 2) return invalid("logits: expected rank 2 [T, E], got shape " + shape_string(dims));
   const int64_t T = dims[0], E = dims[1];
-  auto dtype = float_dtype(logits.element_type(), "logits");
+  auto dtype = to_dtype(logits.element_type(), "logits");
   if (dtype.has_error()) return unexpected(dtype.error());
   if (E < 1) return invalid("logits: expected at least one expert, got shape " + shape_string(dims));
   if (E > std::numeric_limits<int32_t>::max()) {
@@ -108,7 +85,7 @@ inline ffi::ErrorOr<PermuteParams> decode_permute(ffi::AnyBuffer x, ffi::Buffer<
   const auto x_dims = x.dimensions();
   if (x_dims.size() != 2) return invalid("x: expected rank 2 [T, H], got shape " + shape_string(x_dims));
   const int64_t T = x_dims[0], H = x_dims[1];
-  auto dtype = float_dtype(x.element_type(), "x");
+  auto dtype = to_dtype(x.element_type(), "x");
   if (dtype.has_error()) return unexpected(dtype.error());
   const auto id_dims = expert_ids.dimensions();
   if (id_dims.size() != 2 || id_dims[0] != T) {
@@ -159,7 +136,7 @@ inline ffi::ErrorOr<UnpermuteParams> decode_unpermute(ffi::AnyBuffer y_sorted, f
                    shape_string(ys_dims));
   }
   const int64_t H = ys_dims[1];
-  auto dtype = float_dtype(y_sorted.element_type(), "y_sorted");
+  auto dtype = to_dtype(y_sorted.element_type(), "y_sorted");
   if (dtype.has_error()) return unexpected(dtype.error());
   if (T * k > std::numeric_limits<int32_t>::max()) {
     return invalid("weights: T * k = " + std::to_string(T * k) + " does not fit the int32 row_map");
