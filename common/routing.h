@@ -37,6 +37,24 @@ namespace moe_xla {
 
 enum class Score : int32_t { kSoftmax = 0, kSigmoid = 1 };
 
+// Score of one expert group for group-limited routing: the sum of its two highest
+// selection values (its one value for a group of one); NaN (inf + -inf) counts as -inf.
+MOE_XLA_HOST_DEVICE inline float group_score(const float* select, int64_t size) {
+  const float neg_inf = -__builtin_huge_valf();
+  float best = neg_inf, second = neg_inf;
+  for (int64_t e = 0; e < size; ++e) {
+    const float v = select[e];
+    if (v > best) {
+      second = best;
+      best = v;
+    } else if (v > second) {
+      second = v;
+    }
+  }
+  const float s = size == 1 ? best : best + second;
+  return s != s ? neg_inf : s;
+}
+
 struct RouteParams {
   const void* logits;      // [T, E], logits_dtype
   DType logits_dtype;

@@ -71,18 +71,7 @@ void route(const RouteParams& p) {
 
     if (groups > 1) {
       for (int64_t g = 0; g < groups; ++g) {
-        float best = kNegInf, second = kNegInf;
-        for (int64_t e = g * group_size; e < (g + 1) * group_size; ++e) {
-          const float v = select[e];
-          if (v > best) {
-            second = best;
-            best = v;
-          } else if (v > second) {
-            second = v;
-          }
-        }
-        const float s = group_size == 1 ? best : best + second;
-        group_score[g] = std::isnan(s) ? kNegInf : s;  // inf + -inf
+        group_score[g] = moe_xla::group_score(select.data() + g * group_size, group_size);
       }
       std::iota(group_order.begin(), group_order.end(), 0);
       std::partial_sort(group_order.begin(), group_order.begin() + keep_groups, group_order.end(),

@@ -147,20 +147,7 @@ __global__ void __launch_bounds__(kWarp* kMaxWarpsPerBlock) route_kernel(RouteAr
   // 2. Group limit.
   if (a.groups > 1) {
     const int gs = a.group_size;
-    for (int g = lane; g < a.groups; g += kWarp) {
-      float best = -INFINITY, second = -INFINITY;
-      for (int e = g * gs; e < (g + 1) * gs; ++e) {
-        const float v = select[e];
-        if (v > best) {
-          second = best;
-          best = v;
-        } else if (v > second) {
-          second = v;
-        }
-      }
-      const float s = gs == 1 ? best : best + second;
-      group_score[g] = isnan(s) ? -INFINITY : s;  // inf + -inf
-    }
+    for (int g = lane; g < a.groups; g += kWarp) group_score[g] = moe_xla::group_score(select + g * gs, gs);
     __syncwarp();
     for (int r = 0; r < a.keep_groups; ++r) {
       float bv;
