@@ -1,6 +1,7 @@
 """Sharding rules of the primitives (issue 4 item 6): jit over NamedSharding'd inputs,
 no shard_map. gmm along N needs no communication, along K one all-reduce; tgmm follows
-K / N; route splits along tokens."""
+K / N; route splits along tokens; permute and unpermute along the hidden dimension
+(along tokens they gather, and still give the exact result)."""
 
 from __future__ import annotations
 
@@ -107,6 +108,49 @@ def test_route_splits_tokens():
     assert collectives(hlo) == dict.fromkeys(COLLECTIVES, 0), hlo
     assert custom_call_shapes(hlo, "route")[0].startswith(f"(f32[{t // 4},2]"), hlo
     assert w.sharding.is_equivalent_to(NamedSharding(mesh, P("x", None)), 2)
+
+
+@pytest.fixture(scope="module")
+def dispatch():
+    t, h, e, k = 24, 16, 4, 2
+    keys = jax.random.split(jax.random.key(3), 3)
+    x = jax.random.normal(keys[0], (t, h), jnp.float32)
+    ids = jax.random.randint(keys[1], (t, k), 0, e, jnp.int32)
+    weights = jax.random.uniform(keys[2], (t, k), jnp.float32)
+    return x, ids, weights, e
+
+
+def _permute_combine(x, ids, weights, e):
+    x_sorted, group_sizes, row_map = moe_xla.permute(x, ids, e)
+    return x_sorted, group_sizes, row_map, moe_xla.unpermute(jnp.sin(x_sorted), row_map, weights)
+
+
+def test_permute_unpermute_split_hidden(dispatch):
+    x, ids, weights, e = dispatch
+    mesh = jax.make_mesh((4,), ("x",))
+    args = put(x, mesh, P(None, "x")), put(ids, mesh, P()), put(weights, mesh, P())
+    c, hlo = compiled(lambda a, i, w: _permute_combine(a, i, w, e), *args)
+    x_sorted, group_sizes, row_map, y = c(*args)
+    r_sorted, r_sizes, r_map = reference.permute(x, ids, e)
+    np.testing.assert_array_equal(x_sorted, r_sorted)
+    np.testing.assert_array_equal(group_sizes, r_sizes)
+    np.testing.assert_array_equal(row_map, r_map)
+    np.testing.assert_allclose(y, reference.unpermute(jnp.sin(r_sorted), r_map, weights), rtol=1e-6, atol=1e-6)
+    assert collectives(hlo) == dict.fromkeys(COLLECTIVES, 0), hlo
+    t, h = x.shape
+    assert custom_call_shapes(hlo, "permute")[0].startswith(f"(f32[{t * ids.shape[1]},{h // 4}]"), hlo
+    assert custom_call_shapes(hlo, "unpermute") == [f"f32[{t},{h // 4}]{{1,0}}"], hlo
+    assert y.sharding.is_equivalent_to(NamedSharding(mesh, P(None, "x")), 2)
+
+
+def test_permute_unpermute_token_sharded_inputs_exact(dispatch):
+    x, ids, weights, e = dispatch
+    mesh = jax.make_mesh((4,), ("x",))
+    args = put(x, mesh, P("x", None)), put(ids, mesh, P("x", None)), put(weights, mesh, P("x", None))
+    outs = jax.jit(lambda a, i, w: _permute_combine(a, i, w, e))(*args)
+    refs = jax.jit(lambda a, i, w: _permute_combine(a, i, w, e))(x, ids, weights)
+    for out, ref in zip(outs, refs):
+        np.testing.assert_array_equal(out, ref)
 
 
 def test_grad_column_parallel(data):

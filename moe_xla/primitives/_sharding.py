@@ -1,5 +1,14 @@
 """Sharding rules of the moe_xla primitives (issue 4, item 6).
 
+What each op splits without communication:
+  gmm      along N (column-parallel expert weights); along K it ends in one all-reduce;
+  tgmm     along K and N of the weight gradient;
+  route    along tokens T;
+  permute, unpermute  along the hidden dimension H. Along tokens they cannot: x_sorted
+           is one sort of all T*k assignments by expert, so a token-split permute would
+           be a different op: the all-to-all dispatch of moe_xla.parallel (expert
+           parallelism). A T-sharded input is gathered (need_replication).
+
 Under `jax.jit` with sharded inputs on a mesh of several devices (and outside a fully
 manual `shard_map`), a primitive's FFI call is wrapped in
 `jax.experimental.custom_partitioning`: Shardy propagates shardings through it with a
@@ -201,3 +210,22 @@ def _route_specs(arg_axes, **_):
 # Tokens are independent: split along T, experts and the top_k slots stay whole.
 ROUTE = Rule(sharding_rule=lambda **_: "t e, e -> t k, t k", specs=_route_specs,
              need_replication=("e", "k"))
+
+
+def _permute_specs(arg_axes, **_):
+    h = arg_axes[0][1]
+    return ([((), h), ((), ())], [((), h), ((),), ((),)], ())
+
+
+# Split along H only; the sort (group_sizes, row_map) is replicated work on every shard.
+PERMUTE = Rule(sharding_rule=lambda **_: "t h, t k -> r h, e, r", specs=_permute_specs,
+               need_replication=("t", "k", "r", "e"))
+
+
+def _unpermute_specs(arg_axes, **_):
+    h = arg_axes[0][1]
+    return ([((), h), ((),), ((), ())], [((), h)], ())
+
+
+UNPERMUTE = Rule(sharding_rule=lambda **_: "r h, r, t k -> t h", specs=_unpermute_specs,
+                 need_replication=("r", "t", "k"))

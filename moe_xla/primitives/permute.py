@@ -17,7 +17,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching
 
 from moe_xla import _lib, reference
-from moe_xla.primitives import _ad, _checks, _lowering
+from moe_xla.primitives import _ad, _checks, _lowering, _sharding
 
 permute_p = Primitive("moe_xla_permute")
 permute_p.multiple_results = True
@@ -101,4 +101,5 @@ permute_p.def_abstract_eval(_abstract_eval)
 ad.primitive_jvps[permute_p] = _jvp
 ad.primitive_transposes[permute_p] = _transpose
 batching.primitive_batchers[permute_p] = _batch
-_lowering.register(permute_p, "permute", _reference, lambda **_: {}, cuda_workspace=_cuda_workspace)
+_lowering.register(permute_p, "permute", _reference, lambda **_: {}, cuda_workspace=_cuda_workspace,
+                   sharding=_sharding.PERMUTE)

@@ -19,7 +19,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching
 
 from moe_xla import reference
-from moe_xla.primitives import _ad, _checks, _lowering
+from moe_xla.primitives import _ad, _checks, _lowering, _sharding
 
 unpermute_p = Primitive("moe_xla_unpermute")
 
@@ -89,4 +89,5 @@ unpermute_p.def_abstract_eval(_abstract_eval)
 ad.primitive_jvps[unpermute_p] = _ad.bilinear_jvp(unpermute_p, 0, 2)
 ad.primitive_transposes[unpermute_p] = _transpose
 batching.primitive_batchers[unpermute_p] = _batch
-_lowering.register(unpermute_p, "unpermute", reference.unpermute, lambda **_: {})
+_lowering.register(unpermute_p, "unpermute", reference.unpermute, lambda **_: {},
+                   sharding=_sharding.UNPERMUTE)
