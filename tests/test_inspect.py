@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import jax
-import pytest
-
 from moe_xla import inspect as moe_inspect
+from conftest import requires_8_devices
 
-needs_8 = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices")
+pytestmark = requires_8_devices
 
 
-@needs_8
 def test_ep_layer_report():
     r = moe_inspect.inspect_moe(tokens=64, hidden=16, ffn=16, experts=8, top_k=2)
     assert r.count("all-to-all") >= 4  # dispatch and return of each of the two chunks
@@ -27,7 +24,6 @@ def test_ep_layer_report():
     assert any(c.stage == "combine" and c.before for c in r.collectives)
 
 
-@needs_8
 def test_cli_prints_schedule(capsys, tmp_path):
     dump = tmp_path / "moe.hlo"
     moe_inspect.main(["--mesh", "2x4", "--axes", "data,ep", "--tokens", "32", "--hidden", "16", "--ffn", "16",

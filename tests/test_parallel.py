@@ -18,7 +18,9 @@ from jax.sharding import Mesh
 
 import moe_xla
 from moe_xla import parallel, reference
-from conftest import assert_close, normal
+from conftest import assert_close, normal, requires_8_devices
+
+pytestmark = requires_8_devices
 
 T, H, F, E = 64, 16, 8, 8  # 64 tokens: 8 per device on 8 devices, two chunks of 4
 

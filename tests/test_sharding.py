@@ -16,6 +16,9 @@ from jax.sharding import PartitionSpec as P
 
 import moe_xla
 from moe_xla import reference
+from conftest import requires_8_devices
+
+pytestmark = requires_8_devices
 
 COLLECTIVES = ("all-gather", "all-reduce", "all-to-all", "collective-permute", "reduce-scatter")
 M, K, N, G = 64, 32, 48, 4

@@ -1,0 +1,67 @@
+"""The expert-parallel layer on one GPU: a one-device mesh with the ragged transport,
+which lowers to XLA's ragged_all_to_all (not implemented on XLA:CPU, so GPU only).
+
+With one rank every row is sent to itself, so in f32 (whose GEMMs sum in a fixed order
+whatever the row count) the layer must reproduce the single-device moe() bitwise in the
+forward pass without dedup, also when a small capacity_factor forces further rounds; in
+bf16 the grouped GEMM's tile choice depends on the buffer's row count, so to bf16
+rounding. Gradients to f32 rounding.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+import moe_xla
+from conftest import assert_close, normal, requires_gpu
+
+pytestmark = requires_gpu
+
+T, H, F, E = 256, 64, 32, 8
+
+
+def _inputs(rng, dtype):
+    x = normal(rng, (T, H), dtype)
+    logits = normal(rng, (T, E), jnp.float32).at[:, 3].add(1.5)  # skewed: expert 3 is popular
+    w_in = normal(rng, (E, H, 2 * F), dtype) / np.sqrt(H)
+    w_out = normal(rng, (E, F, H), dtype) / np.sqrt(F)
+    return x, logits, w_in, w_out
+
+
+def _ep(mesh, dedup, capacity_factor):
+    return lambda *a: moe_xla.moe(*a, top_k=2, mesh=mesh, expert_axis="ep", transport="ragged", dedup=dedup,
+                                  capacity_factor=capacity_factor)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("capacity_factor", [None, 0.5])
+def test_one_device_ragged_transport_matches(rng, dtype, capacity_factor):
+    args = _inputs(rng, dtype)
+    mesh = Mesh(np.array(jax.devices()[:1]), ("ep",))
+    ep = jax.jit(_ep(mesh, False, capacity_factor))
+    assert "@ragged_all_to_all" in ep.lower(*args).as_text()
+    y = ep(*args)
+    y_one = jax.jit(lambda *a: moe_xla.moe(*a, top_k=2))(*args)
+    if dtype == jnp.float32:
+        np.testing.assert_array_equal(y, y_one)
+    assert_close(y, y_one, dtype)
+    np.testing.assert_array_equal(ep(*args), y)  # run to run
+    assert_close(jax.jit(_ep(mesh, True, capacity_factor))(*args), y_one, dtype)
+
+
+def test_one_device_ragged_transport_gradients(rng):
+    args = _inputs(rng, jnp.float32)
+    ct = normal(rng, (T, H), jnp.float32)
+    mesh = Mesh(np.array(jax.devices()[:1]), ("ep",))
+
+    def grads(fn):
+        return jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a) * ct), argnums=(0, 1, 2, 3)))(*args)
+
+    one = grads(lambda *a: moe_xla.moe(*a, top_k=2))
+    for capacity_factor in (None, 0.5):
+        for g, g_one in zip(grads(_ep(mesh, True, capacity_factor)), one):
+            assert_close(g, g_one, jnp.float32, scale=10)
