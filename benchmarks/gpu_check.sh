@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # One GPU visit: kernel self-checks, the pytest suite on the GPU, then benchmarks.
-# Usage (on the H200 machine, from the repo root): benchmarks/gpu_check.sh [selftest|pytest|sanitize|bench-gmm|bench-moe]...
+# Usage (on the H200 machine, from the repo root):
+#   benchmarks/gpu_check.sh [selftest|sanitize|pytest|pytest-memcheck|bench-cutlass|demo|bench-gmm|gmm-trace|bench-moe]...
 # Logs and JSON go to $OUT (or ./.out).
 set -uo pipefail
 OUT="${OUT:-$PWD/.out}"; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 MOE_XLA_LIBRARY="$PWD/moe_xla/_native/libmoe_xla.so"
 status=0
+# The test files that run kernels on the GPU (the 8-device ones run on CPU devices in CI).
+GPU_TESTS="tests/test_gmm.py tests/test_gmm_autodiff.py tests/test_gmm_errors.py tests/test_gmm_lowering.py tests/test_routing.py tests/test_moe.py tests/test_parallel_gpu.py tests/test_demo.py"
 DEMO_ARGS=(--steps 300 --batch 32 --seq 256 --hidden 512 --heads 8 --experts 32 --top-k 4 --layers 4 --dtype bfloat16)
 for step in "$@"; do
   echo "=== $step"
@@ -24,18 +27,19 @@ for step in "$@"; do
     pytest)
       python3 -m pytest -x -q -p no:cacheprovider tests > "$OUT/pytest_gpu.log" 2>&1; rc=$?
       tail -25 "$OUT/pytest_gpu.log"; echo "pytest rc=$rc"; [ $rc = 0 ] || status=1 ;;
-    pytest-memcheck)
-      XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${MEMCHECK_S:-420} compute-sanitizer --tool memcheck --print-limit 20 \
-        python3 -m pytest -x -q -p no:cacheprovider ${MEMCHECK_TESTS:-tests/test_gmm.py tests/test_routing.py tests/test_moe.py} \
+    pytest-memcheck)  # the GPU test files under compute-sanitizer memcheck, in chunks (see the script)
+      python3 benchmarks/memcheck_pytest.py --out "$OUT/memcheck" ${MEMCHECK_ARGS:-} ${MEMCHECK_TESTS:-$GPU_TESTS} \
         > "$OUT/pytest_memcheck.log" 2>&1; rc=$?
-      tail -8 "$OUT/pytest_memcheck.log"; echo "pytest memcheck rc=$rc"; [ $rc = 0 ] || status=1 ;;
+      tail -40 "$OUT/pytest_memcheck.log"; echo "pytest memcheck rc=$rc"; [ $rc = 0 ] || status=1 ;;
     bench-cutlass)
-      .devbin/grouped_gemm_bench > "$OUT/grouped_gemm_bench.log" 2>&1 || status=1
+      .devbin/grouped_gemm_bench ${CUTLASS_ARGS:-} > "$OUT/grouped_gemm_bench.log" 2>&1 || status=1
       grep -E "^BEST|geomean|speed-up|OK|FAILED" "$OUT/grouped_gemm_bench.log" | tail -60 ;;
     demo)
       python3 -m moe_xla.demo --out "$OUT/demo" "${DEMO_ARGS[@]}" > "$OUT/demo.log" 2>&1 || status=1; tail -30 "$OUT/demo.log" ;;
     bench-gmm)
       python3 benchmarks/gmm.py --out "$OUT" ${GMM_ARGS:-} > "$OUT/bench_gmm.log" 2>&1 || status=1; tail -14 "$OUT/bench_gmm.log" ;;
+    gmm-trace)
+      python3 benchmarks/gmm_trace.py --out "$OUT" ${TRACE_ARGS:-} > "$OUT/gmm_trace.log" 2>&1 || status=1; tail -14 "$OUT/gmm_trace.log" ;;
     bench-moe)
       python3 benchmarks/moe_layer.py --out "$OUT" > "$OUT/bench_moe.log" 2>&1 || status=1; tail -10 "$OUT/bench_moe.log" ;;
   esac

@@ -1,0 +1,131 @@
+"""Where the time of one gmm forward goes: device kernels from a profiler trace, for
+moe_xla.gmm through JAX and for torch._grouped_mm, on the grouped_matmul cases.
+
+    python benchmarks/gmm_trace.py [--out DIR] [--cases NAME ...] [--groups uniform zipf1.2] [--calls 20] [--m-scale 1.0]
+
+Per case it reports, per call (ms): the wall time of back-to-back jitted calls
+(benchmarks/_timing.time_jax), the span on the device from the first kernel start to
+the last kernel end divided by the calls, the summed kernel time, the largest kernel
+(the grouped GEMM) and the rest (offset scan, metadata, zeroing), and for torch the
+CUDA-event time and its kernels' time from torch.profiler. The gap between span and
+kernel time is the device idling between kernels (launch latency, host work).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import tempfile
+from pathlib import Path
+
+from _timing import CASES, environment, group_sizes, time_jax, time_torch, write_results
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import moe_xla
+
+
+def _jax_kernels(fn, args, calls):
+    """(span, {kernel name: total us}) of `calls` back-to-back calls, from a jax.profiler trace."""
+    jax.block_until_ready(fn(*args))
+    with tempfile.TemporaryDirectory() as log_dir:
+        with jax.profiler.trace(log_dir, create_perfetto_trace=True):
+            for _ in range(calls):
+                out = fn(*args)
+            jax.block_until_ready(out)
+        trace = glob.glob(f"{log_dir}/**/perfetto_trace.json.gz", recursive=True)[0]
+        events = json.load(gzip.open(trace))
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    gpu = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+           and "GPU" in str(e["args"].get("name", ""))}
+    threads = {(e["pid"], e["tid"]): str(e["args"].get("name", "")) for e in events
+               if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    kernels = [e for e in events if e.get("ph") == "X" and e["pid"] in gpu
+               and "stream" in threads.get((e["pid"], e["tid"]), "").lower()]
+    totals = collections.Counter()
+    for e in kernels:
+        totals[e["name"]] += e["dur"]
+    span = (max(e["ts"] + e["dur"] for e in kernels) - min(e["ts"] for e in kernels)) if kernels else 0.0
+    return span, totals
+
+
+def _torch_kernels(fn, calls):
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    totals = collections.Counter()
+    for e in prof.events():
+        if e.device_type.name == "CUDA":
+            totals[e.name] += e.device_time
+    return totals
+
+
+def _short(name: str) -> str:
+    return name if len(name) < 70 else name[:67] + "..."
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--cases", nargs="*")
+    parser.add_argument("--groups", nargs="*", default=CASES["group_sizes"])
+    parser.add_argument("--calls", type=int, default=20)
+    parser.add_argument("--m-scale", type=float, default=1.0, help="scale M (for quick runs)")
+    args = parser.parse_args()
+    rng = np.random.default_rng(0)
+    rows = []
+    for case in CASES["grouped_matmul"]:
+        if args.cases and case["name"] not in args.cases:
+            continue
+        m, g, k, n = int(case["M"] * args.m_scale), case["G"], case["K"], case["N"]
+        lhs = jnp.asarray(rng.standard_normal((m, k), np.float32), jnp.bfloat16)
+        rhs = jnp.asarray(rng.standard_normal((g, k, n), np.float32) / np.sqrt(k), jnp.bfloat16)
+        for kind in args.groups:
+            gs = jnp.asarray(group_sizes(m, g, kind))
+            fwd = jax.jit(moe_xla.gmm).lower(lhs, rhs, gs).compile()
+            wall = time_jax(fwd, lhs, rhs, gs)
+            span, kernels = _jax_kernels(fwd, (lhs, rhs, gs), args.calls)
+            main_name, main_us = kernels.most_common(1)[0] if kernels else ("", 0.0)
+            row = {"case": case["name"], "groups": kind, "jax_wall_ms": wall * 1e3,
+                   "jax_span_ms": span / args.calls / 1e3,
+                   "jax_kernels_ms": sum(kernels.values()) / args.calls / 1e3,
+                   "jax_gemm_ms": main_us / args.calls / 1e3,
+                   "jax_other_ms": (sum(kernels.values()) - main_us) / args.calls / 1e3,
+                   "jax_gemm_kernel": _short(main_name),
+                   "jax_kernel_list": {_short(k_): v / args.calls for k_, v in kernels.items()}}
+            try:
+                import torch
+                a = torch.from_numpy(np.asarray(lhs.astype(jnp.float32))).to("cuda", torch.bfloat16)
+                b = torch.from_numpy(np.asarray(rhs.astype(jnp.float32))).to("cuda", torch.bfloat16)
+                b = b.transpose(1, 2).contiguous().transpose(1, 2)
+                offs = torch.from_numpy(np.cumsum(np.asarray(gs)).astype(np.int32)).to("cuda")
+                call = lambda: torch._grouped_mm(a, b, offs=offs, out_dtype=torch.bfloat16)  # noqa: E731
+                t_kernels = _torch_kernels(call, args.calls)
+                t_main, t_main_us = t_kernels.most_common(1)[0]
+                row.update(torch_event_ms=time_torch(call) * 1e3,
+                           torch_kernels_ms=sum(t_kernels.values()) / args.calls / 1e3,
+                           torch_gemm_ms=t_main_us / args.calls / 1e3, torch_gemm_kernel=_short(t_main))
+                row["gemm_kernel_vs_torch"] = row["torch_gemm_ms"] / row["jax_gemm_ms"] if main_us else None
+                del a, b
+            except ImportError:
+                pass
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    columns = ["case", "groups", "jax_wall_ms", "jax_span_ms", "jax_kernels_ms", "jax_gemm_ms", "jax_other_ms",
+               "torch_event_ms", "torch_kernels_ms", "torch_gemm_ms", "gemm_kernel_vs_torch"]
+    write_results(args.out, "gmm_trace", environment(), rows, columns)
+
+
+if __name__ == "__main__":
+    main()
