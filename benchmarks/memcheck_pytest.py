@@ -1,6 +1,6 @@
 """The GPU pytest suite under `compute-sanitizer --tool memcheck`, in chunks.
 
-    python3 benchmarks/memcheck_pytest.py [--chunk 10] [--jobs 2] [--timeout 120] [--out DIR] [TEST_PATH ...]
+    python3 benchmarks/memcheck_pytest.py [--chunk 10] [--jobs 2] [--timeout 120] [--only I ...] [--out DIR] [TEST_PATH ...]
 
 One sanitizer over one pytest process for the whole suite dies in the sanitizer's own
 host process after some tens of tests (session 1, LOG.md). This collects the test ids,
@@ -34,7 +34,7 @@ def collect(paths):
 
 def run_chunk(index, ids, args, env, attempt=1):
     cmd = ["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "86", "--print-limit", "20",
-           sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o",
+           sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=5", "-o",
            f"faulthandler_timeout={args.timeout // 2}", *ids]
     start = time.time()
     try:
@@ -61,17 +61,20 @@ def main():
     parser.add_argument("--chunk", type=int, default=10)
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--timeout", type=int, default=120)
+    parser.add_argument("--only", type=int, nargs="*", help="run only these chunk indexes")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".out")))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     ids = collect(args.paths)
-    chunks = [ids[i:i + args.chunk] for i in range(0, len(ids), args.chunk)]
+    chunks = list(enumerate(ids[i:i + args.chunk] for i in range(0, len(ids), args.chunk)))
+    if args.only:
+        chunks = [c for c in chunks if c[0] in args.only]
     # Several processes share the GPU: no preallocation of most of its memory by each.
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
     print(f"{len(ids)} tests in {len(chunks)} chunks, {args.jobs} at a time", flush=True)
     ok = True
     with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
-        for attempts in pool.map(lambda c: run_chunk(c[0], c[1], args, env), enumerate(chunks)):
+        for attempts in pool.map(lambda c: run_chunk(c[0], c[1], args, env), chunks):
             for r in attempts:
                 good = r["rc"] == 0 and r["sanitizer_errors"] == "0"
                 print(("ok  " if good else "BAD ") + " ".join(f"{k}={v}" for k, v in r.items()), flush=True)

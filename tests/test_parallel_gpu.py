@@ -27,8 +27,8 @@ T, H, F, E = 256, 64, 32, 8
 def _inputs(rng, dtype):
     x = normal(rng, (T, H), dtype)
     logits = normal(rng, (T, E), jnp.float32).at[:, 3].add(1.5)  # skewed: expert 3 is popular
-    w_in = normal(rng, (E, H, 2 * F), dtype) / np.sqrt(H)
-    w_out = normal(rng, (E, F, H), dtype) / np.sqrt(F)
+    w_in = (normal(rng, (E, H, 2 * F), jnp.float32) / np.sqrt(H)).astype(dtype)
+    w_out = (normal(rng, (E, F, H), jnp.float32) / np.sqrt(F)).astype(dtype)
     return x, logits, w_in, w_out
 
 
