@@ -1,6 +1,6 @@
 """The GPU pytest suite under `compute-sanitizer --tool memcheck`, in chunks.
 
-    python3 benchmarks/memcheck_pytest.py [--chunk 10] [--jobs 2] [--timeout 120] [--only I ...] [--out DIR] [TEST_PATH ...]
+    python3 benchmarks/memcheck_pytest.py [--chunk 10] [--jobs 2] [--timeout 120] [--only I,J,...] [--out DIR] [TEST_PATH ...]
 
 One sanitizer over one pytest process for the whole suite dies in the sanitizer's own
 host process after some tens of tests (session 1, LOG.md). This collects the test ids,
@@ -61,7 +61,7 @@ def main():
     parser.add_argument("--chunk", type=int, default=10)
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--timeout", type=int, default=120)
-    parser.add_argument("--only", type=int, nargs="*", help="run only these chunk indexes")
+    parser.add_argument("--only", type=lambda v: {int(i) for i in v.split(",")}, help="chunk indexes to run, as 3,7,9")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".out")))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
