@@ -69,8 +69,11 @@ def main():
     chunks = list(enumerate(ids[i:i + args.chunk] for i in range(0, len(ids), args.chunk)))
     if args.only:
         chunks = [c for c in chunks if c[0] in args.only]
-    # Several processes share the GPU: no preallocation of most of its memory by each.
-    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    # Several processes share the GPU: no preallocation of most of its memory by each. No
+    # XLA autotuning: under memcheck, timing every candidate of every XLA fusion (scan, grad
+    # tests) keeps one compile busy for minutes; it runs XLA's kernels, not ours.
+    flags = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_autotune_level=0").strip()
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", XLA_FLAGS=flags)
     print(f"{len(ids)} tests in {len(chunks)} chunks, {args.jobs} at a time", flush=True)
     ok = True
     with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
