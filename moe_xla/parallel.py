@@ -54,7 +54,8 @@ Autodiff is JAX's, through rules: all_to_all transposes to all_to_all, ragged_al
 ragged_all_to_all, permute / unpermute / gmm by theirs, and the expansion of rows to pairs
 (expand_p) and the sum back (gather_sum_p) to each other, so gradients are deterministic.
 Forward mode (jax.jvp) works too, except through capacity rounds 1 .. R-1, whose loop is
-differentiable in reverse mode only.
+differentiable in reverse mode only. jax.vmap of the layer folds the batch into rows
+(expand_p / gather_sum_p have batching rules like the other primitives).
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax.extend.core import Primitive
-from jax.interpreters import ad, mlir
+from jax.interpreters import ad, batching, mlir
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -430,6 +431,39 @@ def _bilinear_rules(prim, data_transpose, weights_transpose):
     ad.primitive_transposes[prim] = transpose
 
 
+def _batched(args, dims, size):
+    """args with the batch dimension first (broadcast where it has none)."""
+    return [jnp.moveaxis(a, d, 0) if d is not None else jnp.broadcast_to(a, (size,) + a.shape)
+            for a, d in zip(args, dims)]
+
+
+def _fold_slots(slots, per_batch: int):
+    """[B, N, mult] slots into rows of a [B * per_batch] array: batch b's slot s -> b per_batch + s;
+    slots past per_batch (no row) stay past every batch."""
+    b = slots.shape[0]
+    offset = (jnp.arange(b, dtype=slots.dtype) * per_batch)[:, None, None]
+    return jnp.where(slots < per_batch, slots + offset, b * per_batch).reshape(-1, slots.shape[-1])
+
+
+def _expand_batch(args, dims, *, num_pairs):
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    rows, slots, weights = _batched(args, dims, size)
+    out = expand_p.bind(rows.reshape(-1, rows.shape[-1]), _fold_slots(slots, num_pairs),
+                        weights.reshape(-1, weights.shape[-1]), num_pairs=size * num_pairs)
+    return out.reshape(size, num_pairs, -1), 0
+
+
+def _gather_sum_batch(args, dims):
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    values, slots, weights = _batched(args, dims, size)
+    n = slots.shape[1]
+    out = gather_sum_p.bind(values.reshape(-1, values.shape[-1]), _fold_slots(slots, values.shape[1]),
+                            weights.reshape(-1, weights.shape[-1]))
+    return out.reshape(size, n, -1), 0
+
+
+batching.primitive_batchers[expand_p] = _expand_batch
+batching.primitive_batchers[gather_sum_p] = _gather_sum_batch
 for _prim, _impl in ((expand_p, _expand_impl), (gather_sum_p, _gather_sum_impl)):
     _prim.def_impl(_impl)
     mlir.register_lowering(_prim, mlir.lower_fun(_impl, multiple_results=False))

@@ -115,6 +115,23 @@ def test_ep_gradients_and_shared_experts(rng, peers, data, dedup):
         assert_close(g, g_one, jnp.float32, scale=10)
 
 
+def test_ep_layer_under_vmap_and_its_gradient(rng):
+    x = normal(rng, (2, T, H), jnp.float32)
+    logits = _routing(rng, "one_expert", 2)[None].repeat(2, 0).at[1].multiply(-1.0)  # overflow rounds in one
+    w_in, w_out, _ = _weights(rng)
+    mesh = _mesh(4)
+    ep = lambda x, l, wi: moe_xla.moe(x, l, wi, w_out, top_k=2, mesh=mesh, expert_axis="ep",  # noqa: E731
+                                      capacity_factor=1.0)
+    one = lambda x, l, wi: moe_xla.moe(x, l, wi, w_out, top_k=2)  # noqa: E731
+    batched = (0, 0, None)
+    assert_close(jax.jit(jax.vmap(ep, batched))(x, logits, w_in), jax.jit(jax.vmap(one, batched))(x, logits, w_in),
+                 jnp.float32)
+    loss = lambda fn: lambda *a: jnp.sum(jnp.sin(jax.vmap(fn, batched)(*a)))  # noqa: E731
+    grads = jax.jit(jax.grad(loss(ep), argnums=(0, 2)))(x, logits, w_in)
+    for g, g_one in zip(grads, jax.jit(jax.grad(loss(one), argnums=(0, 2)))(x, logits, w_in)):
+        assert_close(g, g_one, jnp.float32, scale=10)
+
+
 def test_ep_routing_options_and_batched_input(rng):
     x = normal(rng, (4, 16, H), jnp.float32)
     logits = normal(rng, (4, 16, E), jnp.float32)
