@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import collections
 import datetime
+import glob
+import gzip
 import json
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -45,6 +49,32 @@ def time_jax(fn, *args, reps: int = 20, inner: int = 5) -> float:
         jax.block_until_ready(out)
         times.append((time.perf_counter() - t0) / inner)
     return statistics.median(times)
+
+
+def device_kernels(fn, args, calls: int):
+    """(span us, Counter {kernel name: total us}) on the GPUs of `calls` back-to-back calls of
+    fn(*args), from a jax.profiler trace (empty where the backend records no device kernels).
+    Call it before anything starts torch.profiler: the two cannot share CUPTI in one process."""
+    jax.block_until_ready(fn(*args))
+    with tempfile.TemporaryDirectory() as log_dir:
+        with jax.profiler.trace(log_dir, create_perfetto_trace=True):
+            for _ in range(calls):
+                out = fn(*args)
+            jax.block_until_ready(out)
+        trace = glob.glob(f"{log_dir}/**/perfetto_trace.json.gz", recursive=True)[0]
+        events = json.load(gzip.open(trace))
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    gpu = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+           and "GPU" in str(e["args"].get("name", ""))}
+    threads = {(e["pid"], e["tid"]): str(e["args"].get("name", "")) for e in events
+               if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    kernels = [e for e in events if e.get("ph") == "X" and e["pid"] in gpu
+               and "stream" in threads.get((e["pid"], e["tid"]), "").lower()]
+    totals = collections.Counter()
+    for e in kernels:
+        totals[e["name"]] += e["dur"]
+    span = (max(e["ts"] + e["dur"] for e in kernels) - min(e["ts"] for e in kernels)) if kernels else 0.0
+    return span, totals
 
 
 def time_torch(fn, reps: int = 20, inner: int = 5) -> float:

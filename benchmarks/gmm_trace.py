@@ -15,43 +15,16 @@ from __future__ import annotations
 
 import argparse
 import collections
-import glob
-import gzip
 import json
-import tempfile
 from pathlib import Path
 
-from _timing import CASES, environment, group_sizes, time_jax, time_torch, write_results
+from _timing import CASES, device_kernels, environment, group_sizes, time_jax, time_torch, write_results
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import moe_xla
-
-
-def _jax_kernels(fn, args, calls):
-    """(span, {kernel name: total us}) of `calls` back-to-back calls, from a jax.profiler trace."""
-    jax.block_until_ready(fn(*args))
-    with tempfile.TemporaryDirectory() as log_dir:
-        with jax.profiler.trace(log_dir, create_perfetto_trace=True):
-            for _ in range(calls):
-                out = fn(*args)
-            jax.block_until_ready(out)
-        trace = glob.glob(f"{log_dir}/**/perfetto_trace.json.gz", recursive=True)[0]
-        events = json.load(gzip.open(trace))
-    events = events["traceEvents"] if isinstance(events, dict) else events
-    gpu = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
-           and "GPU" in str(e["args"].get("name", ""))}
-    threads = {(e["pid"], e["tid"]): str(e["args"].get("name", "")) for e in events
-               if e.get("ph") == "M" and e.get("name") == "thread_name"}
-    kernels = [e for e in events if e.get("ph") == "X" and e["pid"] in gpu
-               and "stream" in threads.get((e["pid"], e["tid"]), "").lower()]
-    totals = collections.Counter()
-    for e in kernels:
-        totals[e["name"]] += e["dur"]
-    span = (max(e["ts"] + e["dur"] for e in kernels) - min(e["ts"] for e in kernels)) if kernels else 0.0
-    return span, totals
 
 
 def _torch_kernels(fn, calls):
@@ -91,7 +64,7 @@ def _inputs(args):
 def _jax_row(case, kind, lhs, rhs, gs, calls):
     fwd = jax.jit(moe_xla.gmm).lower(lhs, rhs, gs).compile()
     wall = time_jax(fwd, lhs, rhs, gs)
-    span, kernels = _jax_kernels(fwd, (lhs, rhs, gs), calls)
+    span, kernels = device_kernels(fwd, (lhs, rhs, gs), calls)
     main_name, main_us = kernels.most_common(1)[0] if kernels else ("", 0.0)
     total = sum(kernels.values())
     return {"case": case["name"], "groups": kind, "jax_wall_ms": wall * 1e3, "jax_span_ms": span / calls / 1e3,
