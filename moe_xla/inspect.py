@@ -395,6 +395,8 @@ def format_report(r: InspectReport) -> str:
         out.append("moe layer: " + ", ".join(f"{k}={v}" for k, v in r.config.items()))
     if r.platform:
         out.append(f"platform: {r.platform}")
+    if r.platform == "cpu" and str(r.config.get("dtype", "")) in ("bfloat16", "float16"):
+        out.append("note: XLA:CPU runs 16-bit collectives in float32, so their sizes below are twice what a GPU sends")
     out.append("")
     out.append(f"== moe_xla custom calls ({len(r.custom_calls)}) ==")
     for c in r.custom_calls:
