@@ -19,6 +19,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "cpu/dtype.h"
@@ -133,10 +134,19 @@ void load_tile_transposed(const void* src, DType t, int64_t ld_src, int64_t col0
   for (int64_t i = 0; i < rows; ++i) std::fill(dst + i * ld_dst + cols, dst + (i + 1) * ld_dst, 0.0f);
 }
 
+// dst[(row0 + r) * ld_dst + col0 + c] = src[r * ld_src + c] in dtype t, for r < rows, c < cols.
 void store_tile(void* dst, DType t, int64_t ld_dst, int64_t row0, int64_t rows, int64_t col0, int64_t cols,
                 const float* src, int64_t ld_src) {
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t c = 0; c < cols; ++c) store_from_float(dst, (row0 + r) * ld_dst + col0 + c, t, src[r * ld_src + c]);
+  auto rows_as = [&](auto* out, auto convert) {
+    for (int64_t r = 0; r < rows; ++r) {
+      auto* o = out + (row0 + r) * ld_dst + col0;
+      for (int64_t c = 0; c < cols; ++c) o[c] = convert(src[r * ld_src + c]);
+    }
+  };
+  switch (t) {
+    case DType::kF32: return rows_as(static_cast<float*>(dst), [](float v) { return v; });
+    case DType::kBF16: return rows_as(static_cast<uint16_t*>(dst), float_to_bf16);
+    case DType::kF16: return rows_as(static_cast<uint16_t*>(dst), float_to_f16);
   }
 }
 
@@ -155,17 +165,19 @@ struct Tile {
   int64_t row0, rows, col0, cols;
 };
 
-std::vector<int64_t> group_starts(const GroupedGemmParams& p, std::vector<int64_t>* sizes) {
-  std::vector<int64_t> starts(p.num_groups);
-  sizes->resize(p.num_groups);
-  int64_t start = 0;
-  for (int64_t g = 0; g < p.num_groups; ++g) {
-    starts[g] = start;
-    (*sizes)[g] = clamp_group_size(p.group_sizes[g], start, p.m);
-    start += (*sizes)[g];
+// The clamped row range [starts[g], starts[g] + sizes[g]) of every group (common/grouped_gemm.h).
+struct Groups {
+  std::vector<int64_t> starts, sizes;
+  int64_t covered = 0;  // rows in some group
+
+  explicit Groups(const GroupedGemmParams& p) : starts(p.num_groups), sizes(p.num_groups) {
+    for (int64_t g = 0; g < p.num_groups; ++g) {
+      starts[g] = covered;
+      sizes[g] = clamp_group_size(p.group_sizes[g], covered, p.m);
+      covered += sizes[g];
+    }
   }
-  return starts;
-}
+};
 
 void gmm_tile(const GroupedGemmParams& p, const Tile& t, Scratch& s) {
   const int64_t k = p.k, n = p.n;
@@ -209,18 +221,16 @@ void tgmm_tile(const GroupedGemmParams& p, const Tile& t, Scratch& s) {
   store_tile(p.out, p.out_dtype, n, t.group * k + t.row0, t.rows, t.col0, t.cols, c, cols_padded);
 }
 
-std::vector<Tile> tiles(const GroupedGemmParams& p) {
-  std::vector<int64_t> sizes;
-  const std::vector<int64_t> starts = group_starts(p, &sizes);
+std::vector<Tile> tiles(const GroupedGemmParams& p, const Groups& groups) {
   const bool tgmm = p.layout == GroupedLayout::kTgmm;
   std::vector<Tile> out;
   for (int64_t g = 0; g < p.num_groups; ++g) {
-    if (!tgmm && sizes[g] == 0) continue;
-    const int64_t row_begin = tgmm ? 0 : starts[g], row_end = tgmm ? p.k : starts[g] + sizes[g];
+    const int64_t start = groups.starts[g], size = groups.sizes[g];
+    if (!tgmm && size == 0) continue;
+    const int64_t row_begin = tgmm ? 0 : start, row_end = tgmm ? p.k : start + size;
     for (int64_t row0 = row_begin; row0 < row_end; row0 += kTileRows) {
       for (int64_t col0 = 0; col0 < p.n; col0 += kTileCols) {
-        out.push_back({g, starts[g], sizes[g], row0, std::min(kTileRows, row_end - row0), col0,
-                       std::min(kTileCols, p.n - col0)});
+        out.push_back({g, start, size, row0, std::min(kTileRows, row_end - row0), col0, std::min(kTileCols, p.n - col0)});
       }
     }
   }
@@ -231,7 +241,8 @@ std::vector<Tile> tiles(const GroupedGemmParams& p) {
 
 void grouped_gemm(const GroupedGemmParams& p, int64_t threads, const Schedule& schedule) {
   const bool tgmm = p.layout == GroupedLayout::kTgmm;
-  const std::vector<Tile> work = tiles(p);
+  const Groups groups(p);
+  const std::vector<Tile> work = tiles(p, groups);
   parallel_for<Scratch>(static_cast<int64_t>(work.size()), std::max<int64_t>(threads, 1), schedule,
                         [&](Scratch& s, int64_t i) {
                           if (tgmm) {
@@ -240,11 +251,9 @@ void grouped_gemm(const GroupedGemmParams& p, int64_t threads, const Schedule& s
                             gmm_tile(p, work[i], s);
                           }
                         });
-  if (!tgmm) {  // rows past the last group
-    std::vector<int64_t> sizes;
-    const std::vector<int64_t> starts = group_starts(p, &sizes);
-    const int64_t covered = p.num_groups ? starts.back() + sizes.back() : 0;
-    for (int64_t i = covered * p.n; i < p.m * p.n; ++i) store_from_float(p.out, i, p.out_dtype, 0.0f);
+  if (!tgmm && groups.covered < p.m) {  // rows past the last group: +0.0 is all zero bits in each dtype
+    const size_t elem = p.out_dtype == DType::kF32 ? 4 : 2;
+    std::memset(static_cast<char*>(p.out) + groups.covered * p.n * elem, 0, (p.m - groups.covered) * p.n * elem);
   }
 }
 
