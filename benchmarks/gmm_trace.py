@@ -8,7 +8,8 @@ Per case it reports, per call (ms): the wall time of back-to-back jitted calls
 the last kernel end divided by the calls, the summed kernel time, the largest kernel
 (the grouped GEMM) and the rest (offset scan, metadata, zeroing), and for torch the
 CUDA-event time and its kernels' time from torch.profiler. The gap between span and
-kernel time is the device idling between kernels (launch latency, host work).
+kernel time is the device idling between kernels (launch latency, host work). The JSON
+keeps the kernels' full (mangled) names, for cuobjdump / ncu on the same kernels.
 """
 
 from __future__ import annotations
@@ -44,10 +45,6 @@ def _torch_kernels(fn, calls):
     return totals
 
 
-def _short(name: str) -> str:
-    return name if len(name) < 70 else name[:67] + "..."
-
-
 def _inputs(args):
     """(case, kind, lhs, rhs, group_sizes) as benchmarks/gmm.py draws them; the same on every pass."""
     rng = np.random.default_rng(0)
@@ -69,8 +66,8 @@ def _jax_row(case, kind, lhs, rhs, gs, calls):
     total = sum(kernels.values())
     return {"case": case["name"], "groups": kind, "jax_wall_ms": wall * 1e3, "jax_span_ms": span / calls / 1e3,
             "jax_kernels_ms": total / calls / 1e3, "jax_gemm_ms": main_us / calls / 1e3,
-            "jax_other_ms": (total - main_us) / calls / 1e3, "jax_gemm_kernel": _short(main_name),
-            "jax_kernel_list": {_short(k): v / calls for k, v in kernels.items()}}
+            "jax_other_ms": (total - main_us) / calls / 1e3, "jax_gemm_kernel": main_name,
+            "jax_kernel_list": {k: v / calls for k, v in kernels.items()}}
 
 
 def _torch_row(lhs, rhs, gs, calls):
@@ -85,7 +82,7 @@ def _torch_row(lhs, rhs, gs, calls):
     kernels = _torch_kernels(call, calls)
     name, us = kernels.most_common(1)[0]
     return {"torch_event_ms": time_torch(call) * 1e3, "torch_kernels_ms": sum(kernels.values()) / calls / 1e3,
-            "torch_gemm_ms": us / calls / 1e3, "torch_gemm_kernel": _short(name)}
+            "torch_gemm_ms": us / calls / 1e3, "torch_gemm_kernel": name}
 
 
 def main():
