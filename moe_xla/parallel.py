@@ -37,8 +37,8 @@ peer, at most C = f T_c k / P pairs and f times a balanced routing's rows
 where the last stopped as many rows as fit both budgets, and R rounds cover any routing.
 Round 0 runs as part of the layer; rounds 1 .. R-1 run in a lax.while_loop that stops at
 the first round with no rows on any rank (a psum'd flag), so a step that fits costs one
-scalar all-reduce more; under reverse mode that loop is a custom_vjp that re-runs each
-round under jax.vjp, so no round's buffers are stacked or kept.
+scalar all-reduce more; under autodiff the same loop re-runs each round under jax.jvp
+(forward) or jax.vjp (reverse), so no round's buffers are stacked or kept.
 
 Transports move the same rows between the same places:
   padded  jax.lax.all_to_all of one [rows-per-peer] slab per peer; unused slots are
@@ -53,9 +53,9 @@ Transports move the same rows between the same places:
 Autodiff is JAX's, through rules: all_to_all transposes to all_to_all, ragged_all_to_all to
 ragged_all_to_all, permute / unpermute / gmm by theirs, and the expansion of rows to pairs
 (expand_p) and the sum back (gather_sum_p) to each other, so gradients are deterministic.
-Forward mode (jax.jvp) works too, except through capacity rounds 1 .. R-1, whose loop is
-differentiable in reverse mode only. jax.vmap of the layer folds the batch into rows
-(expand_p / gather_sum_p have batching rules like the other primitives).
+Forward mode (jax.jvp, jax.linearize) works too, through capacity rounds included (their
+tangent is one linear primitive, see _add_later_rounds). jax.vmap of the layer folds the
+batch into rows (expand_p / gather_sum_p have batching rules like the other primitives).
 """
 
 from __future__ import annotations
@@ -319,35 +319,114 @@ def _round(cfg: _Config, sizes: ExchangeSizes, r, floats, ints):
 
 def _add_later_rounds(round_fn, first, floats, ints, rounds: int, axis):
     """first + sum_{r = 1 .. R-1} round_fn(r, floats, ints), in a lax.while_loop that stops
-    at the first round with no rows on any rank of `axis` (rounds fill in order). Reverse
-    mode runs the same loop over jax.vjp of each round (recomputed: nothing is stacked)."""
-    def loop(body, init, ints):
-        starts = ints[1][0]
+    at the first round with no rows on any rank of `axis` (rounds fill in order).
 
-        def more(carry):
-            r = carry[0]
-            return (r < rounds) & (jax.lax.psum(jnp.sum(starts[r + 1] - starts[r]), axis) > 0)
+    A while_loop has no reverse-mode rule, and scanning all R rounds would keep every
+    round's buffers, so the rounds are a custom_jvp whose tangent, sum_r J_r d_floats
+    (J_r the Jacobian of round r in floats), is the linear primitive rounds_tangent_p:
+    forward mode runs the loop over jax.jvp of each round, reverse mode transposes the
+    primitive into the same loop over jax.vjp of each round (recomputed: nothing stacked).
+    """
+    spec = _RoundsSpec(round_fn, rounds, axis, jax.tree.structure(floats), jax.tree.structure(ints),
+                       jax.core.ShapedArray(first.shape, first.dtype))
 
-        return jax.lax.while_loop(more, lambda c: (c[0] + 1, body(c[0], c[1])), (jnp.int32(1), init))[1]
-
-    @jax.custom_vjp
+    @jax.custom_jvp
     def add_later(first, floats, ints):
-        return loop(lambda r, acc: acc + round_fn(r, floats, ints), first, ints)
+        return _rounds_loop(spec, ints, lambda r, acc: acc + round_fn(r, floats, ints), first)
 
-    def forward(first, floats, ints):
-        return add_later(first, floats, ints), (floats, ints)
+    @add_later.defjvp
+    def add_later_jvp(primals, tangents):  # tangents arrive instantiated (no symbolic zeros)
+        first, floats, ints = primals
+        d_first, d_floats, _ = tangents
+        args = jax.tree.leaves(floats) + jax.tree.leaves(ints) + jax.tree.leaves(d_floats)
+        return add_later(first, floats, ints), d_first + rounds_tangent_p.bind(*args, spec=spec, levels=0)
 
-    def backward(saved, ct):
-        floats, ints = saved
+    return add_later(first, floats, ints)
+
+
+class _RoundsSpec(NamedTuple):
+    """Static description of a chunk's rounds 1 .. R-1 (a hashable primitive parameter)."""
+
+    round_fn: object          # (r, floats, ints) -> [T*k, H]
+    rounds: int
+    axis: str
+    floats_tree: object       # pytree structures of floats and ints
+    ints_tree: object
+    out: jax.core.ShapedArray  # one round's result
+
+
+def _rounds_loop(spec: _RoundsSpec, ints, body, init):
+    """body(r, acc) over r = 1, 2, ... while r < R and some rank of the axis has rows in round r."""
+    starts = ints[1][0]
+
+    def more(carry):
+        r = carry[0]
+        return (r < spec.rounds) & (jax.lax.psum(jnp.sum(starts[r + 1] - starts[r]), spec.axis) > 0)
+
+    return jax.lax.while_loop(more, lambda c: (c[0] + 1, body(c[0], c[1])), (jnp.int32(1), init))[1]
+
+
+def _split_rounds_args(spec: _RoundsSpec, args):
+    n_f, n_i = spec.floats_tree.num_leaves, spec.ints_tree.num_leaves
+    floats = jax.tree.unflatten(spec.floats_tree, args[:n_f])
+    ints = jax.tree.unflatten(spec.ints_tree, args[n_f:n_f + n_i])
+    return floats, ints, args[n_f + n_i:]
+
+
+def _vmapped(fn, levels: int):
+    """fn vmapped over `levels` leading axes of every argument."""
+    for _ in range(levels):
+        fn = jax.vmap(fn)
+    return fn
+
+
+def _rounds_tangent_impl(*args, spec: _RoundsSpec, levels: int):
+    def one(*a):
+        floats, ints, d_leaves = _split_rounds_args(spec, a)
+        d_floats = jax.tree.unflatten(spec.floats_tree, d_leaves)
 
         def body(r, acc):
-            pull = jax.vjp(lambda f: round_fn(r, f, ints), floats)[1]
+            return acc + jax.jvp(lambda f: spec.round_fn(r, f, ints), (floats,), (d_floats,))[1]
+
+        return _rounds_loop(spec, ints, body, jnp.zeros(spec.out.shape, spec.out.dtype))
+
+    return _vmapped(one, levels)(*args)
+
+
+def _rounds_tangent_transpose(ct, *args, spec: _RoundsSpec, levels: int):
+    n_known = spec.floats_tree.num_leaves + spec.ints_tree.num_leaves
+    known = args[:n_known]
+    if any(ad.is_undefined_primal(a) for a in known):
+        raise ValueError("moe: the capacity rounds are linear in the tangents of their floats only")
+    d_avals = [a.aval for a in args[n_known:]]
+    if type(ct) is ad.Zero:
+        return [None] * n_known + [ad.Zero(a) for a in d_avals]
+
+    def one(ct, *a):
+        floats, ints, _ = _split_rounds_args(spec, a)
+
+        def body(r, acc):
+            pull = jax.vjp(lambda f: spec.round_fn(r, f, ints), floats)[1]
             return jax.tree.map(jnp.add, acc, pull(ct)[0])
 
-        return ct, loop(body, jax.tree.map(jnp.zeros_like, floats), ints), None
+        return jax.tree.leaves(_rounds_loop(spec, ints, body, jax.tree.map(jnp.zeros_like, floats)))
 
-    add_later.defvjp(forward, backward)
-    return add_later(first, floats, ints)
+    return [None] * n_known + list(_vmapped(one, levels)(ct, *known))
+
+
+def _rounds_tangent_batch(args, dims, *, spec: _RoundsSpec, levels: int):
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    args = _batched(args, dims, size)
+    return rounds_tangent_p.bind(*args, spec=spec, levels=levels + 1), 0
+
+
+rounds_tangent_p = Primitive("moe_xla_ep_rounds_tangent")
+rounds_tangent_p.def_impl(_rounds_tangent_impl)
+rounds_tangent_p.def_abstract_eval(lambda *args, spec, levels: jax.core.ShapedArray(
+    args[0].shape[:levels] + spec.out.shape, spec.out.dtype))
+ad.primitive_transposes[rounds_tangent_p] = _rounds_tangent_transpose
+batching.primitive_batchers[rounds_tangent_p] = _rounds_tangent_batch
+mlir.register_lowering(rounds_tangent_p, mlir.lower_fun(_rounds_tangent_impl, multiple_results=False))
 
 
 def _experts(x_recv, lids, w, w_in, w_out, sizes: ExchangeSizes, activation):

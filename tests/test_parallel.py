@@ -115,6 +115,27 @@ def test_ep_gradients_and_shared_experts(rng, peers, data, dedup):
         assert_close(g, g_one, jnp.float32, scale=10)
 
 
+def test_forward_mode_through_capacity_rounds(rng):
+    peers, top_k = 4, 2
+    x = normal(rng, (T, H), jnp.float32)
+    logits = _routing(rng, "one_expert", top_k)  # overflows capacity_factor 1.0: further rounds run
+    w_in, w_out, _ = _weights(rng)
+    primals = (x, logits, w_in, w_out)
+    tangents = tuple(normal(rng, a.shape, jnp.float32) for a in primals)
+    mesh = _mesh(peers)
+    ep = lambda *a: moe_xla.moe(*a, top_k=top_k, mesh=mesh, expert_axis="ep", capacity_factor=1.0)  # noqa: E731
+    one = lambda *a: moe_xla.moe(*a, top_k=top_k)  # noqa: E731
+    y, dy = jax.jit(lambda p, t: jax.jvp(ep, p, t))(primals, tangents)
+    y_one, dy_one = jax.jit(lambda p, t: jax.jvp(one, p, t))(primals, tangents)
+    assert_close(y, y_one, jnp.float32)
+    assert_close(dy, dy_one, jnp.float32, scale=10)
+    # vmap of the tangent map (jax.linearize's linear function over a batch of tangents)
+    lin = jax.linearize(ep, *primals)[1]
+    batch = tuple(jnp.stack([t, 2 * t]) for t in tangents)
+    dys = jax.jit(jax.vmap(lin))(*batch)
+    assert_close(dys[1], 2 * dy_one, jnp.float32, scale=10)
+
+
 def test_ep_layer_under_vmap_and_its_gradient(rng):
     x = normal(rng, (2, T, H), jnp.float32)
     logits = _routing(rng, "one_expert", 2)[None].repeat(2, 0).at[1].multiply(-1.0)  # overflow rounds in one
