@@ -36,6 +36,46 @@ def group_sizes(m: int, g: int, kind: str) -> np.ndarray:
     return rng.multinomial(m, p).astype(np.int32)
 
 
+def routing_options(case) -> dict:
+    """The moe_xla.moe / moe_xla.route routing arguments of a moe_layer case of cases.json."""
+    return dict(top_k=case["top_k"], score=case["score"], n_groups=case.get("n_groups"),
+                topk_groups=case.get("topk_groups"))
+
+
+def grouped_matmul_inputs(names=None, kinds=None, m_scale: float = 1.0):
+    """Yields (case, kind, lhs, rhs, group_sizes) for the grouped_matmul cases of cases.json
+    (those in `names`, default all) and group-size kinds (default all): bf16 lhs [M, K] ~ N(0, 1),
+    rhs [G, K, N] ~ N(0, 1/K), M scaled by m_scale. The same data on every call (seed 0)."""
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(0)
+    for case in CASES["grouped_matmul"]:
+        if names and case["name"] not in names:
+            continue
+        m, g, k, n = int(case["M"] * m_scale), case["G"], case["K"], case["N"]
+        lhs = jnp.asarray(rng.standard_normal((m, k), np.float32), jnp.bfloat16)
+        rhs = jnp.asarray(rng.standard_normal((g, k, n), np.float32) / np.sqrt(k), jnp.bfloat16)
+        for kind in kinds or CASES["group_sizes"]:
+            yield case, kind, lhs, rhs, jnp.asarray(group_sizes(m, g, kind))
+
+
+def torch_grouped_mm(lhs, rhs, gs):
+    """A no-argument call of torch._grouped_mm on copies of (lhs [M, K], rhs [G, K, N],
+    group sizes) on the GPU, the weights K-major per group (the layout it runs fastest);
+    None where torch, CUDA or _grouped_mm is missing."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available() or not hasattr(torch, "_grouped_mm"):
+        return None
+    a = torch.from_numpy(np.array(lhs, np.float32)).to("cuda", torch.bfloat16)
+    b = torch.from_numpy(np.array(rhs, np.float32)).to("cuda", torch.bfloat16)
+    b = b.transpose(1, 2).contiguous().transpose(1, 2)
+    offs = torch.from_numpy(np.cumsum(np.asarray(gs)).astype(np.int32)).to("cuda")
+    return lambda: torch._grouped_mm(a, b, offs=offs, out_dtype=torch.bfloat16)
+
+
 def time_jax(fn, *args, reps: int = 20, inner: int = 5) -> float:
     """Median seconds per call of a jitted fn: warm up, then `reps` timings of `inner`
     back-to-back calls (so host dispatch overlaps device work), each ended by a block."""

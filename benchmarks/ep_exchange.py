@@ -35,7 +35,7 @@ if "--help" not in sys.argv and "-h" not in sys.argv:
 
 from pathlib import Path  # noqa: E402
 
-from _timing import CASES, compiled_memory_bytes, environment, write_results  # noqa: E402
+from _timing import CASES, compiled_memory_bytes, environment, routing_options, write_results  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -51,8 +51,7 @@ MIB, GIB = 2**20, 2**30
 
 def _routing(case, tokens):
     logits = jax.random.normal(jax.random.key(0), (tokens, case["E"]), jnp.float32)
-    _, ids = moe_xla.route(logits, case["top_k"], score=case["score"], n_groups=case.get("n_groups"),
-                           topk_groups=case.get("topk_groups"))
+    _, ids = moe_xla.route(logits, **routing_options(case))
     return np.asarray(ids)
 
 
@@ -77,8 +76,7 @@ def _memory(case, mesh, tokens, dedup, capacity_factor):
               jax.ShapeDtypeStruct((experts, ffn, hidden), jnp.bfloat16, sharding=split)]
 
     def layer(*a):
-        return moe_xla.moe(*a, top_k=case["top_k"], score=case["score"], n_groups=case.get("n_groups"),
-                           topk_groups=case.get("topk_groups"), mesh=mesh, expert_axis="ep", transport="padded",
+        return moe_xla.moe(*a, **routing_options(case), mesh=mesh, expert_axis="ep", transport="padded",
                            dedup=dedup, capacity_factor=capacity_factor)
 
     def loss(*a):

@@ -37,7 +37,8 @@ if "--help" not in sys.argv and "-h" not in sys.argv:
 
 from pathlib import Path  # noqa: E402
 
-from _timing import CASES, compiled_memory_bytes, device_kernels, environment, time_jax, write_results  # noqa: E402
+from _timing import (CASES, compiled_memory_bytes, device_kernels, environment, routing_options, time_jax,  # noqa: E402
+                     write_results)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -73,8 +74,7 @@ def _inputs(case, tokens, scale, routing, seed=0):
 
 
 def _layer(case, mesh=None, **ep):
-    kw = dict(top_k=case["top_k"], score=case["score"], n_groups=case.get("n_groups"),
-              topk_groups=case.get("topk_groups"))
+    kw = routing_options(case)
     if mesh is None:
         return lambda *a: moe_xla.moe(*a, **kw)
     return lambda *a: moe_xla.moe(*a, mesh=mesh, expert_axis="ep", **kw, **ep)

@@ -19,11 +19,10 @@ import collections
 import json
 from pathlib import Path
 
-from _timing import CASES, device_kernels, environment, group_sizes, time_jax, time_torch, write_results
+from _timing import (CASES, device_kernels, environment, grouped_matmul_inputs, time_jax, time_torch, torch_grouped_mm,
+                     write_results)
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
 import moe_xla
 
@@ -45,19 +44,6 @@ def _torch_kernels(fn, calls):
     return totals
 
 
-def _inputs(args):
-    """(case, kind, lhs, rhs, group_sizes) as benchmarks/gmm.py draws them; the same on every pass."""
-    rng = np.random.default_rng(0)
-    for case in CASES["grouped_matmul"]:
-        if args.cases and case["name"] not in args.cases:
-            continue
-        m, g, k, n = int(case["M"] * args.m_scale), case["G"], case["K"], case["N"]
-        lhs = jnp.asarray(rng.standard_normal((m, k), np.float32), jnp.bfloat16)
-        rhs = jnp.asarray(rng.standard_normal((g, k, n), np.float32) / np.sqrt(k), jnp.bfloat16)
-        for kind in args.groups:
-            yield case, kind, lhs, rhs, jnp.asarray(group_sizes(m, g, kind))
-
-
 def _jax_row(case, kind, lhs, rhs, gs, calls):
     fwd = jax.jit(moe_xla.gmm).lower(lhs, rhs, gs).compile()
     wall = time_jax(fwd, lhs, rhs, gs)
@@ -70,15 +56,7 @@ def _jax_row(case, kind, lhs, rhs, gs, calls):
             "jax_kernel_list": {k: v / calls for k, v in kernels.items()}}
 
 
-def _torch_row(lhs, rhs, gs, calls):
-    import torch
-
-    a = torch.from_numpy(np.array(lhs.astype(jnp.float32))).to("cuda", torch.bfloat16)
-    # K-major weights per group, the layout torch._grouped_mm runs fastest (as in gmm.py).
-    b = torch.from_numpy(np.array(rhs.astype(jnp.float32))).to("cuda", torch.bfloat16)
-    b = b.transpose(1, 2).contiguous().transpose(1, 2)
-    offs = torch.from_numpy(np.cumsum(np.asarray(gs)).astype(np.int32)).to("cuda")
-    call = lambda: torch._grouped_mm(a, b, offs=offs, out_dtype=torch.bfloat16)  # noqa: E731
+def _torch_row(call, calls):
     kernels = _torch_kernels(call, calls)
     name, us = kernels.most_common(1)[0]
     return {"torch_event_ms": time_torch(call) * 1e3, "torch_kernels_ms": sum(kernels.values()) / calls / 1e3,
@@ -93,15 +71,14 @@ def main():
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--m-scale", type=float, default=1.0, help="scale M (for quick runs)")
     args = parser.parse_args()
+    inputs = lambda: grouped_matmul_inputs(args.cases, args.groups, args.m_scale)  # noqa: E731
     # Every JAX trace first: once torch.profiler has subscribed to CUPTI, JAX's profiler cannot.
-    rows = [_jax_row(case, kind, lhs, rhs, gs, args.calls) for case, kind, lhs, rhs, gs in _inputs(args)]
-    try:
-        import torch  # noqa: F401
-        have_torch = True
-    except ImportError:
-        have_torch = False
-    for row, (_, _, lhs, rhs, gs) in zip(rows, _inputs(args) if have_torch else ()):
-        row.update(_torch_row(lhs, rhs, gs, args.calls))
+    rows = [_jax_row(case, kind, lhs, rhs, gs, args.calls) for case, kind, lhs, rhs, gs in inputs()]
+    for row, (_, _, lhs, rhs, gs) in zip(rows, inputs()):
+        call = torch_grouped_mm(lhs, rhs, gs)
+        if call is None:
+            break
+        row.update(_torch_row(call, args.calls))
         if row["jax_gemm_ms"]:
             row["gemm_kernel_vs_torch"] = row["torch_gemm_ms"] / row["jax_gemm_ms"]
         row["wall_vs_torch_event"] = row["torch_event_ms"] / row["jax_wall_ms"]

@@ -32,7 +32,7 @@ import gc
 import math
 from pathlib import Path
 
-from _timing import CASES, compiled_memory_bytes, environment, is_oom, time_jax, write_results
+from _timing import CASES, compiled_memory_bytes, environment, is_oom, routing_options, time_jax, write_results
 
 import jax
 import jax.numpy as jnp
@@ -66,8 +66,7 @@ def _route(logits, case):
 
 
 def moe_xla_layer(case):
-    return functools.partial(moe_xla.moe, top_k=case["top_k"], score=case["score"], n_groups=case.get("n_groups"),
-                             topk_groups=case.get("topk_groups"), activation="swiglu")
+    return functools.partial(moe_xla.moe, **routing_options(case), activation="swiglu")
 
 
 def ragged_dot_layer(case):

@@ -15,6 +15,7 @@
 #ifndef MOE_XLA_COMMON_GROUPED_GEMM_H_
 #define MOE_XLA_COMMON_GROUPED_GEMM_H_
 
+#include <cstddef>
 #include <cstdint>
 
 #if defined(__CUDACC__)
@@ -26,6 +27,14 @@
 namespace moe_xla {
 
 enum class DType : int32_t { kF32 = 0, kBF16 = 1, kF16 = 2 };
+
+// Bytes of one element of d.
+MOE_XLA_HOST_DEVICE inline size_t dtype_bytes(DType d) { return d == DType::kF32 ? 4 : 2; }
+
+// Short name of d for messages: "f32", "bf16", "f16".
+inline const char* dtype_name(DType d) {
+  return d == DType::kF32 ? "f32" : d == DType::kBF16 ? "bf16" : "f16";
+}
 
 enum class GroupedLayout : int32_t { kGmm = 0, kGmmTransposed = 1, kTgmm = 2 };
 

@@ -190,8 +190,7 @@ void gmm_tile(const GroupedGemmParams& p, const Tile& t, Scratch& s) {
   // the kBlockRows values of one step s from one cache line.
   load_tile_transposed(p.lhs, p.in_dtype, k, t.row0, t.rows, k, a, rows_padded);
   // b[kk, j] = B_g[kk, col0 + j]: rows of rhs[g] [K, N], or columns of rhs[g] [N, K].
-  const size_t elem = p.in_dtype == DType::kF32 ? 4 : 2;
-  const void* rhs_g = static_cast<const char*>(p.rhs) + t.group * k * n * elem;
+  const void* rhs_g = static_cast<const char*>(p.rhs) + t.group * k * n * dtype_bytes(p.in_dtype);
   if (transposed) {
     load_tile_transposed(rhs_g, p.in_dtype, k, t.col0, t.cols, k, b, cols_padded);
   } else {
@@ -252,7 +251,7 @@ void grouped_gemm(const GroupedGemmParams& p, int64_t threads, const Schedule& s
                           }
                         });
   if (!tgmm && groups.covered < p.m) {  // rows past the last group: +0.0 is all zero bits in each dtype
-    const size_t elem = p.out_dtype == DType::kF32 ? 4 : 2;
+    const size_t elem = dtype_bytes(p.out_dtype);
     std::memset(static_cast<char*>(p.out) + groups.covered * p.n * elem, 0, (p.m - groups.covered) * p.n * elem);
   }
 }

@@ -46,7 +46,7 @@ int check(GroupedLayout layout, DType dt, int64_t m, int64_t k, int64_t n, std::
           std::mt19937& rng) {
   const int64_t g = static_cast<int64_t>(sizes.size());
   const bool tgmm = layout == GroupedLayout::kTgmm;
-  const size_t width = dt == DType::kF32 ? 4 : 2;
+  const size_t width = dtype_bytes(dt);
   std::normal_distribution<float> normal;
   std::vector<unsigned char> lhs(m * k * width), rhs((tgmm ? m * n : g * k * n) * width);
   for (int64_t i = 0; i < m * k; ++i) store_from_float(lhs.data(), i, dt, normal(rng));

@@ -24,7 +24,7 @@ void permute(const PermuteParams& p) {
     next[e] = offset;
     offset += count;
   }
-  const size_t row_bytes = static_cast<size_t>(H) * (p.dtype == DType::kF32 ? 4 : 2);
+  const size_t row_bytes = static_cast<size_t>(H) * dtype_bytes(p.dtype);
   const auto* x = static_cast<const unsigned char*>(p.x);
   auto* x_sorted = static_cast<unsigned char*>(p.x_sorted);
   for (int64_t i = 0; i < n; ++i) {

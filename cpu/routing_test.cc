@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "common/routing.h"
+#include "cpu/route_case.h"
 #include "cpu/dtype.h"
 #include "cpu/permute.h"
 #include "cpu/route.h"
@@ -27,8 +28,6 @@ int failures = 0;
 
 bool same_float(float a, float b) { return (std::isnan(a) && std::isnan(b)) || a == b; }
 
-size_t width(DType d) { return d == DType::kF32 ? 4 : 2; }
-const char* name(DType d) { return d == DType::kF32 ? "f32" : d == DType::kBF16 ? "bf16" : "f16"; }
 
 // ---------------------------------------------------------------------------------- route
 
@@ -95,29 +94,10 @@ void route_direct(const RouteParams& p) {
   }
 }
 
-struct RouteCase {
-  int64_t T, E, k;
-  DType dtype;
-  Score score;
-  bool bias;
-  int64_t groups, keep_groups;
-  bool renormalize;
-  float scale;
-};
-
-std::string describe(const RouteCase& c) {
-  char buf[256];
-  std::snprintf(buf, sizeof buf, "route T=%lld E=%lld k=%lld %s %s bias=%d groups=%lld/%lld renorm=%d scale=%g",
-                (long long)c.T, (long long)c.E, (long long)c.k, name(c.dtype),
-                c.score == Score::kSoftmax ? "softmax" : "sigmoid", c.bias, (long long)c.keep_groups,
-                (long long)c.groups, c.renormalize, c.scale);
-  return buf;
-}
-
 void check_route(const RouteCase& c, std::mt19937& rng) {
   std::normal_distribution<float> normal(0.0f, 2.0f);
   std::uniform_int_distribution<int> kind(0, 9);
-  std::vector<unsigned char> logits(c.T * c.E * width(c.dtype));
+  std::vector<unsigned char> logits(c.T * c.E * dtype_bytes(c.dtype));
   for (int64_t t = 0; t < c.T; ++t) {
     const int k = kind(rng);
     for (int64_t e = 0; e < c.E; ++e) {
@@ -135,7 +115,7 @@ void check_route(const RouteCase& c, std::mt19937& rng) {
   std::vector<float> w(c.T * c.k, -1), w_ref(c.T * c.k, -2);
   std::vector<int32_t> ids(c.T * c.k, -1), ids_ref(c.T * c.k, -2);
   RouteParams p{logits.data(), c.dtype, c.bias ? bias.data() : nullptr, w.data(), ids.data(), c.T, c.E,
-                c.k, c.score, c.groups, c.keep_groups, c.renormalize, c.scale};
+                c.k, c.score, c.groups, c.keep, c.renormalize, c.scale};
   route(p);
   RouteParams q = p;
   q.weights = w_ref.data();
@@ -194,7 +174,7 @@ void route_hand_cases() {
 void check_permute(int64_t T, int64_t H, int64_t k, int64_t E, DType dtype, double invalid_fraction,
                    std::mt19937& rng) {
   const int64_t n = T * k;
-  const size_t row = H * width(dtype);
+  const size_t row = H * dtype_bytes(dtype);
   std::vector<unsigned char> x(T * row);
   for (auto& b : x) b = static_cast<unsigned char>(rng());
   std::uniform_int_distribution<int32_t> expert(0, static_cast<int32_t>(E - 1));
@@ -239,7 +219,7 @@ void check_permute(int64_t T, int64_t H, int64_t k, int64_t E, DType dtype, doub
   }
   for (char h : hit) bad += !h;
   std::printf("%s permute T=%lld H=%lld k=%lld E=%lld %s invalid=%.2f\n", bad ? "FAIL" : "ok  ", (long long)T,
-              (long long)H, (long long)k, (long long)E, name(dtype), invalid_fraction);
+              (long long)H, (long long)k, (long long)E, dtype_name(dtype), invalid_fraction);
   if (bad) ++failures;
 }
 
@@ -261,7 +241,7 @@ void permute_hand_case() {
 void check_unpermute(int64_t T, int64_t H, int64_t k, DType dtype, std::mt19937& rng) {
   const int64_t n = T * k;
   std::normal_distribution<float> normal;
-  std::vector<unsigned char> ys(n * H * width(dtype));
+  std::vector<unsigned char> ys(n * H * dtype_bytes(dtype));
   for (int64_t i = 0; i < n * H; ++i) store_from_float(ys.data(), i, dtype, normal(rng));
   std::vector<float> w(n);
   for (float& v : w) v = normal(rng);
@@ -269,7 +249,7 @@ void check_unpermute(int64_t T, int64_t H, int64_t k, DType dtype, std::mt19937&
   std::vector<int32_t> row_map(n);
   for (auto& r : row_map) r = slot(rng);
   if (n) row_map[0] = std::numeric_limits<int32_t>::min();
-  std::vector<unsigned char> y(T * H * width(dtype), 0xCD);
+  std::vector<unsigned char> y(T * H * dtype_bytes(dtype), 0xCD);
   UnpermuteParams p{ys.data(), dtype, row_map.data(), w.data(), y.data(), T, H, k};
   unpermute(p);
   int64_t bad = 0;
@@ -280,13 +260,13 @@ void check_unpermute(int64_t T, int64_t H, int64_t k, DType dtype, std::mt19937&
         const int32_t r = row_map[t * k + j];
         if (r >= 0 && r < n) acc = acc + w[t * k + j] * load_as_float(ys.data(), r * H + h, dtype);
       }
-      std::vector<unsigned char> want(width(dtype));
+      std::vector<unsigned char> want(dtype_bytes(dtype));
       store_from_float(want.data(), 0, dtype, acc);
-      bad += std::memcmp(want.data(), y.data() + (t * H + h) * width(dtype), width(dtype)) != 0;
+      bad += std::memcmp(want.data(), y.data() + (t * H + h) * dtype_bytes(dtype), dtype_bytes(dtype)) != 0;
     }
   }
   std::printf("%s unpermute T=%lld H=%lld k=%lld %s\n", bad ? "FAIL" : "ok  ", (long long)T, (long long)H,
-              (long long)k, name(dtype));
+              (long long)k, dtype_name(dtype));
   if (bad) ++failures;
 }
 

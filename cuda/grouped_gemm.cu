@@ -99,8 +99,6 @@ __global__ void zero_empty_groups_kernel(uint4* __restrict__ out,
   }
 }
 
-size_t dtype_bytes(DType d) { return d == DType::kF32 ? 4 : 2; }
-
 bool valid_dtype(DType d) {
   return d == DType::kF32 || d == DType::kBF16 || d == DType::kF16;
 }

@@ -33,23 +33,13 @@
 namespace {
 
 using moe_xla::DType;
+using moe_xla::dtype_bytes;
+using moe_xla::dtype_name;
 using moe_xla::GroupedGemmParams;
 using moe_xla::GroupedLayout;
 using moe_xla::cuda::GroupedGemmConfig;
 using moe_xla::cuda::GroupedGemmPath;
 using moe_xla::cuda::GroupedGemmRaster;
-
-const char* dtype_name(DType d) {
-  switch (d) {
-    case DType::kF32:
-      return "f32";
-    case DType::kBF16:
-      return "bf16";
-    case DType::kF16:
-      return "f16";
-  }
-  return "?";
-}
 
 const char* layout_name(GroupedLayout l) {
   switch (l) {
@@ -62,8 +52,6 @@ const char* layout_name(GroupedLayout l) {
   }
   return "?";
 }
-
-size_t dtype_bytes(DType d) { return d == DType::kF32 ? 4 : 2; }
 
 // Rounds through the dtype and returns the stored bits (little-endian, dtype_bytes wide).
 double round_to(DType d, float v, uint8_t* bits) {

@@ -37,8 +37,6 @@ int key_bits(int64_t experts) {
   return bits;
 }
 
-size_t element_bytes(DType d) { return d == DType::kF32 ? 4 : 2; }
-
 struct Layout {
   size_t keys[2], values[2], temp, temp_bytes, total;
 };
@@ -122,7 +120,7 @@ __global__ void gather_rows(const V* __restrict__ x, V* __restrict__ x_sorted, c
 
 template <typename V>
 cudaError_t launch_gather(const PermuteParams& p, const int32_t* order, int64_t n, cudaStream_t stream) {
-  const int64_t row_vectors = p.hidden * static_cast<int64_t>(element_bytes(p.dtype)) / sizeof(V);
+  const int64_t row_vectors = p.hidden * static_cast<int64_t>(dtype_bytes(p.dtype)) / sizeof(V);
   int threads_per_row = 1;
   while (threads_per_row < kThreads && threads_per_row < row_vectors) threads_per_row *= 2;
   const int rows_per_block = kThreads / threads_per_row;
@@ -181,7 +179,7 @@ const char* permute(const PermuteParams& p, void* workspace, size_t workspace_by
   }
 
   // Widest copy unit that divides the row and both base addresses.
-  const size_t row_bytes = static_cast<size_t>(p.hidden) * element_bytes(p.dtype);
+  const size_t row_bytes = static_cast<size_t>(p.hidden) * dtype_bytes(p.dtype);
   const uintptr_t addresses = reinterpret_cast<uintptr_t>(p.x) | reinterpret_cast<uintptr_t>(p.x_sorted);
   auto fits = [&](size_t bytes) { return row_bytes % bytes == 0 && addresses % bytes == 0; };
   const int32_t* order = values.Current();

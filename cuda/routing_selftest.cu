@@ -41,6 +41,7 @@
 #include "cpu/dtype.h"
 #include "cpu/permute.h"
 #include "cpu/route.h"
+#include "cpu/route_case.h"
 #include "cpu/unpermute.h"
 #include "cuda/check_cuda.h"
 #include "cuda/routing.h"
@@ -48,7 +49,11 @@
 namespace {
 
 using moe_xla::DType;
+using moe_xla::dtype_bytes;
+using moe_xla::describe;
+using moe_xla::dtype_name;
 using moe_xla::PermuteParams;
+using moe_xla::RouteCase;
 using moe_xla::RouteParams;
 using moe_xla::Score;
 using moe_xla::UnpermuteParams;
@@ -56,8 +61,6 @@ using moe_xla::UnpermuteParams;
 constexpr float kInf = std::numeric_limits<float>::infinity();
 int failures = 0;
 
-const char* dtype_name(DType d) { return d == DType::kF32 ? "f32" : d == DType::kBF16 ? "bf16" : "f16"; }
-size_t dtype_bytes(DType d) { return d == DType::kF32 ? 4 : 2; }
 
 // Device allocation of `bytes` bytes whose usable pointer is offset by `misalign` bytes.
 struct DeviceBuffer {
@@ -111,25 +114,6 @@ void report(bool ok, const std::string& line) {
 }
 
 // ---------------------------------------------------------------------------------- route
-
-struct RouteCase {
-  int64_t T, E, k;
-  DType dtype;
-  Score score;
-  bool bias;
-  int64_t groups, keep;
-  bool renormalize;
-  float scale;
-};
-
-std::string describe(const RouteCase& c) {
-  char buf[256];
-  std::snprintf(buf, sizeof buf, "route T=%lld E=%lld k=%lld %s %s bias=%d groups=%lld/%lld renorm=%d scale=%g",
-                (long long)c.T, (long long)c.E, (long long)c.k, dtype_name(c.dtype),
-                c.score == Score::kSoftmax ? "softmax" : "sigmoid", c.bias, (long long)c.keep, (long long)c.groups,
-                c.renormalize, c.scale);
-  return buf;
-}
 
 struct RouteInputs {
   std::vector<unsigned char> logits;
@@ -201,7 +185,7 @@ void check_route(const RouteCase& c, std::mt19937& rng, cudaStream_t stream) {
                 c.T, c.E, c.k, c.score, c.groups, c.keep, c.renormalize, c.scale};
   moe_xla::cpu::route(p);
 
-  DeviceBuffer logits(in.logits.size(), c.dtype == DType::kF32 ? 4 : 2), bias(c.E * 4);
+  DeviceBuffer logits(in.logits.size(), dtype_bytes(c.dtype)), bias(c.E * 4);
   logits.upload(in.logits.data());
   bias.upload(in.bias.data());
   DeviceBuffer w1(n * 4), ids1(n * 4), w2(n * 4), ids2(n * 4);

@@ -21,16 +21,4 @@ ffi::Error route_cpu(ffi::AnyBuffer logits, ffi::Buffer<ffi::F32> bias, ffi::Res
 }  // namespace
 }  // namespace moe_xla
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaRouteCpu, moe_xla::route_cpu,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()          // logits [T, E]
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // bias [E]
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // weights [T, k]
-                                  .Ret<ffi::Buffer<ffi::S32>>()   // expert_ids [T, k]
-                                  .Attr<int64_t>("top_k")
-                                  .Attr<int64_t>("score")         // 0 softmax, 1 sigmoid
-                                  .Attr<int64_t>("n_groups")
-                                  .Attr<int64_t>("topk_groups")
-                                  .Attr<bool>("renormalize")
-                                  .Attr<float>("scale")
-                                  .Attr<bool>("has_bias"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaRouteCpu, moe_xla::route_cpu, moe_xla::ffi_args::bind_route(ffi::Ffi::Bind()));

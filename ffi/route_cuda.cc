@@ -32,17 +32,5 @@ ffi::Error route_cuda(cudaStream_t stream, ffi::AnyBuffer logits,
 }  // namespace moe_xla
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaRouteCuda, moe_xla::route_cuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()          // logits [T, E]
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // bias [E]
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // weights [T, k]
-                                  .Ret<ffi::Buffer<ffi::S32>>()   // expert_ids [T, k]
-                                  .Attr<int64_t>("top_k")
-                                  .Attr<int64_t>("score")         // 0 softmax, 1 sigmoid
-                                  .Attr<int64_t>("n_groups")
-                                  .Attr<int64_t>("topk_groups")
-                                  .Attr<bool>("renormalize")
-                                  .Attr<float>("scale")
-                                  .Attr<bool>("has_bias"),
+                              moe_xla::ffi_args::bind_route(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});

@@ -8,6 +8,7 @@
 #include <limits>
 #include <optional>
 #include <string>
+#include <utility>
 
 #include "common/routing.h"
 #include "ffi/grouped_gemm_args.h"  // shape_string, type_name, to_dtype, invalid, expect_shape
@@ -163,6 +164,25 @@ inline ffi::ErrorOr<UnpermuteParams> decode_unpermute(ffi::AnyBuffer y_sorted, f
 inline ffi::Error launch_status(const char* what, const char* message) {
   if (message == nullptr) return ffi::Error::Success();
   return ffi::Error::Internal(std::string(what) + ": " + message);
+}
+
+// The operands and attributes of the route handlers, appended to `binding` (the CPU and
+// CUDA handlers bind the same list, the CUDA one after its stream), in the order of
+// decode_route's parameters; the attribute names are those route.py's lowering passes.
+template <class Binding>
+auto bind_route(Binding&& binding) {
+  return std::move(binding)
+      .template Arg<ffi::AnyBuffer>()          // logits [T, E]
+      .template Arg<ffi::Buffer<ffi::F32>>()   // bias [E]
+      .template Ret<ffi::Buffer<ffi::F32>>()   // weights [T, k]
+      .template Ret<ffi::Buffer<ffi::S32>>()   // expert_ids [T, k]
+      .template Attr<int64_t>("top_k")
+      .template Attr<int64_t>("score")         // 0 softmax, 1 sigmoid
+      .template Attr<int64_t>("n_groups")
+      .template Attr<int64_t>("topk_groups")
+      .template Attr<bool>("renormalize")
+      .template Attr<float>("scale")
+      .template Attr<bool>("has_bias");
 }
 
 }  // namespace moe_xla::ffi_args

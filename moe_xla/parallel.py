@@ -73,6 +73,7 @@ from jax.sharding import PartitionSpec as P
 
 from moe_xla.moe import _aux, activate, expert_mlp
 from moe_xla.primitives import _ad
+from moe_xla.primitives._batching import all_to_front
 from moe_xla.primitives.permute import permute
 from moe_xla.primitives.route import route
 from moe_xla.primitives.unpermute import unpermute
@@ -415,9 +416,7 @@ def _rounds_tangent_transpose(ct, *args, spec: _RoundsSpec, levels: int):
 
 
 def _rounds_tangent_batch(args, dims, *, spec: _RoundsSpec, levels: int):
-    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
-    args = _batched(args, dims, size)
-    return rounds_tangent_p.bind(*args, spec=spec, levels=levels + 1), 0
+    return rounds_tangent_p.bind(*all_to_front(args, dims)[0], spec=spec, levels=levels + 1), 0
 
 
 rounds_tangent_p = Primitive("moe_xla_ep_rounds_tangent")
@@ -510,12 +509,6 @@ def _bilinear_rules(prim, data_transpose, weights_transpose):
     ad.primitive_transposes[prim] = transpose
 
 
-def _batched(args, dims, size):
-    """args with the batch dimension first (broadcast where it has none)."""
-    return [jnp.moveaxis(a, d, 0) if d is not None else jnp.broadcast_to(a, (size,) + a.shape)
-            for a, d in zip(args, dims)]
-
-
 def _fold_slots(slots, per_batch: int):
     """[B, N, mult] slots into rows of a [B * per_batch] array: batch b's slot s -> b per_batch + s;
     slots past per_batch (no row) stay past every batch."""
@@ -525,16 +518,14 @@ def _fold_slots(slots, per_batch: int):
 
 
 def _expand_batch(args, dims, *, num_pairs):
-    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
-    rows, slots, weights = _batched(args, dims, size)
+    (rows, slots, weights), size = all_to_front(args, dims)
     out = expand_p.bind(rows.reshape(-1, rows.shape[-1]), _fold_slots(slots, num_pairs),
                         weights.reshape(-1, weights.shape[-1]), num_pairs=size * num_pairs)
     return out.reshape(size, num_pairs, -1), 0
 
 
 def _gather_sum_batch(args, dims):
-    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
-    values, slots, weights = _batched(args, dims, size)
+    (values, slots, weights), size = all_to_front(args, dims)
     n = slots.shape[1]
     out = gather_sum_p.bind(values.reshape(-1, values.shape[-1]), _fold_slots(slots, values.shape[1]),
                             weights.reshape(-1, weights.shape[-1]))

@@ -1,4 +1,5 @@
-"""Folding a vmapped batch of grouped problems into one grouped problem."""
+"""Batching rules' shared steps: batch dimensions to the front, and folding a vmapped batch
+of grouped problems into one grouped problem."""
 
 from __future__ import annotations
 
@@ -7,11 +8,11 @@ import jax.numpy as jnp
 from moe_xla import reference
 
 
-def to_front(x, bdim, size: int):
-    """Moves the batch dimension of x to 0, broadcasting unbatched operands."""
-    if bdim is None:
-        return jnp.broadcast_to(x, (size,) + x.shape)
-    return jnp.moveaxis(x, bdim, 0)
+def all_to_front(args, dims):
+    """(args with their batch dimension first, unbatched ones broadcast; the batch size)."""
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    return [jnp.moveaxis(a, d, 0) if d is not None else jnp.broadcast_to(a, (size,) + a.shape)
+            for a, d in zip(args, dims)], size
 
 
 def folded_group_sizes(group_sizes, m: int):

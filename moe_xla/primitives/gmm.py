@@ -64,9 +64,7 @@ def _transpose(ct, lhs, rhs, group_sizes, *, transpose_rhs, preferred_element_ty
 
 
 def _batch(args, dims, *, transpose_rhs, preferred_element_type):
-    lhs, rhs, group_sizes = args
-    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
-    lhs, rhs, group_sizes = (_batching.to_front(a, d, size) for a, d in zip(args, dims))
+    (lhs, rhs, group_sizes), _ = _batching.all_to_front(args, dims)
     b, m, k = lhs.shape
     g = rhs.shape[1]
     # Each batch element gets one extra all-zero expert for its spacer group.

@@ -17,7 +17,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching
 
 from moe_xla import _lib, reference
-from moe_xla.primitives import _ad, _checks, _lowering, _sharding
+from moe_xla.primitives import _ad, _batching, _checks, _lowering, _sharding
 
 permute_p = Primitive("moe_xla_permute")
 permute_p.multiple_results = True
@@ -68,11 +68,7 @@ def _transpose(cts, x, expert_ids, *, num_experts):
 
 
 def _batch(args, dims, *, num_experts):
-    x, expert_ids = args
-    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
-    x = jnp.moveaxis(x, dims[0], 0) if dims[0] is not None else jnp.broadcast_to(x, (size,) + x.shape)
-    ids = jnp.moveaxis(expert_ids, dims[1], 0) if dims[1] is not None else \
-        jnp.broadcast_to(expert_ids, (size,) + expert_ids.shape)
+    (x, ids), _ = _batching.all_to_front(args, dims)
     b, t, k = ids.shape
     # Batch element b owns experts [b (E+1), (b+1) (E+1)); its last one collects the
     # invalid assignments, so each element's rows stay in its own block of T*k rows.

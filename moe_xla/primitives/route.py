@@ -21,7 +21,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching
 
 from moe_xla import reference
-from moe_xla.primitives import _ad, _checks, _lowering, _sharding
+from moe_xla.primitives import _ad, _batching, _checks, _lowering, _sharding
 
 route_p = Primitive("moe_xla_route")
 route_p.multiple_results = True
@@ -82,10 +82,8 @@ def _batch(args, dims, **params):
     logits, bias = args
     l_dim, b_dim = dims
     if b_dim is not None:  # a per-batch bias: one call per batch element
-        logits = jnp.moveaxis(logits, l_dim, 0) if l_dim is not None else \
-            jnp.broadcast_to(logits, (bias.shape[b_dim],) + logits.shape)
         out = jax.lax.map(lambda lb: tuple(route_p.bind(lb[0], lb[1], **params)),
-                          (logits, jnp.moveaxis(bias, b_dim, 0)))
+                          tuple(_batching.all_to_front(args, dims)[0]))
         return list(out), [0, 0]
     logits = jnp.moveaxis(logits, l_dim, 0)
     b, t, e = logits.shape

@@ -60,8 +60,7 @@ def _transpose(ct, lhs, rhs, group_sizes, *, preferred_element_type):
 
 
 def _batch(args, dims, *, preferred_element_type):
-    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
-    lhs, rhs, group_sizes = (_batching.to_front(a, d, size) for a, d in zip(args, dims))
+    (lhs, rhs, group_sizes), _ = _batching.all_to_front(args, dims)
     b, m, k = lhs.shape
     g = group_sizes.shape[1]
     out = tgmm_p.bind(lhs.reshape(b * m, k), rhs.reshape(b * m, rhs.shape[2]),

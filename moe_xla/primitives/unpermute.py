@@ -19,7 +19,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching
 
 from moe_xla import reference
-from moe_xla.primitives import _ad, _checks, _lowering, _sharding
+from moe_xla.primitives import _ad, _batching, _checks, _lowering, _sharding
 
 unpermute_p = Primitive("moe_xla_unpermute")
 
@@ -73,9 +73,7 @@ def _transpose(ct, y_sorted, row_map, weights):
 
 
 def _batch(args, dims):
-    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
-    y_sorted, row_map, weights = (jnp.moveaxis(a, d, 0) if d is not None else jnp.broadcast_to(a, (size,) + a.shape)
-                                  for a, d in zip(args, dims))
+    (y_sorted, row_map, weights), _ = _batching.all_to_front(args, dims)
     b, t, k = weights.shape
     rows = t * k
     valid = (row_map >= 0) & (row_map < rows)
