@@ -14,11 +14,12 @@ unless set). Sections, each over the moe_layer cases of cases.json:
             layer on one device, same global tokens (P x tokens-per-device): forward with
             dedup off bitwise (bitwise_fwd), and relative errors of y with dedup on and of
             the gradients w.r.t. x, router logits, w_in, w_out (dedup on).
-  scaling   weak scaling: forward+backward ms and tokens/s at each P with a fixed token
-            count per device (dedup on, default transport, 2 chunks); comm_ms: the summed
-            duration of collective kernels (names with nccl / all_to_all / alltoall) per
+  scaling   weak scaling: forward+backward ms and tokens/s at each P and transport with a
+            fixed token count per device (dedup on, 2 chunks); comm_ms: the summed
+            duration of collective kernels (names with nccl, all_to_all, alltoall or
+            MultiGpuBarrier, the barrier of XLA's ragged all-to-all) per
             call from a profiler trace, and their share of the wall time.
-  overlap   at the largest P, chunks 1, 2, 4: wall ms, summed collective and other kernel
+  overlap   at the largest P, per transport, chunks 1, 2, 4: wall ms, summed collective and other kernel
             ms per call; hidden = (kernels + collectives - wall) / collectives, clipped to
             [0, 1]: the part of the collectives' time that ran under other kernels.
   memory    at the largest P, compile-time memory_analysis() per device (temp + arguments
@@ -49,7 +50,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import moe_xla  # noqa: E402
 
 GIB = 2**30
-COLLECTIVE_MARKERS = ("nccl", "all_to_all", "alltoall", "all-to-all")
+COLLECTIVE_MARKERS = ("nccl", "all_to_all", "alltoall", "all-to-all", "multigpubarrier")
 
 
 def _dims(case, scale):
@@ -138,24 +139,30 @@ def _timed(case, mesh, args, **ep):
 
 def scaling(case, peers, args):
     mesh = Mesh(np.array(jax.devices()[:peers]), ("ep",))
-    ms, comm_ms, other_ms, top = _timed(case, mesh, args, chunks=2)
-    row = {"section": "scaling", "case": case["name"], "peers": peers, "tokens_per_device": args.tokens_per_device,
-           "fwd_bwd_ms": ms, "tokens_per_s": peers * args.tokens_per_device / ms * 1e3,
-           "comm_ms": comm_ms or None, "comm_share": comm_ms / ms if comm_ms else None, "kernels": top}
-    print(row, flush=True)
-    return [row]
+    rows = []
+    for transport in args.transports:
+        ms, comm_ms, other_ms, top = _timed(case, mesh, args, chunks=2, transport=transport)
+        row = {"section": "scaling", "case": case["name"], "peers": peers, "transport": transport,
+               "tokens_per_device": args.tokens_per_device, "fwd_bwd_ms": ms,
+               "tokens_per_s": peers * args.tokens_per_device / ms * 1e3, "comm_ms": comm_ms or None,
+               "comm_share": comm_ms / ms if comm_ms else None, "kernels": top}
+        rows.append(row)
+        print(row, flush=True)
+    return rows
 
 
 def overlap(case, peers, args):
     mesh = Mesh(np.array(jax.devices()[:peers]), ("ep",))
     rows = []
-    for chunks in args.chunks:
-        ms, comm_ms, other_ms, top = _timed(case, mesh, args, chunks=chunks)
-        hidden = min(1.0, max(0.0, (comm_ms + other_ms - ms) / comm_ms)) if comm_ms else None
-        row = {"section": "overlap", "case": case["name"], "peers": peers, "chunks": chunks, "fwd_bwd_ms": ms,
-               "comm_ms": comm_ms or None, "kernels_ms": other_ms or None, "hidden": hidden, "kernels": top}
-        rows.append(row)
-        print(row, flush=True)
+    for transport in args.transports:
+        for chunks in args.chunks:
+            ms, comm_ms, other_ms, top = _timed(case, mesh, args, chunks=chunks, transport=transport)
+            hidden = min(1.0, max(0.0, (comm_ms + other_ms - ms) / comm_ms)) if comm_ms else None
+            row = {"section": "overlap", "case": case["name"], "peers": peers, "transport": transport,
+                   "chunks": chunks, "fwd_bwd_ms": ms, "comm_ms": comm_ms or None, "kernels_ms": other_ms or None,
+                   "hidden": hidden, "kernels": top}
+            rows.append(row)
+            print(row, flush=True)
     return rows
 
 

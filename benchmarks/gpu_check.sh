@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU visit: kernel self-checks, the pytest suite on the GPU, then benchmarks.
 # Usage (on the H200 machine, from the repo root):
-#   benchmarks/gpu_check.sh [selftest|sanitize|pytest|pytest-memcheck|bench-cutlass|demo|bench-gmm|gmm-trace|kernel-resources|bench-moe]...
+#   benchmarks/gpu_check.sh [selftest|sanitize|pytest|pytest-memcheck|bench-cutlass|demo|bench-gmm|gmm-trace|kernel-resources|ncu-gmm|bench-moe]...
 # Logs and JSON go to $OUT (or ./.out).
 set -uo pipefail
 OUT="${OUT:-$PWD/.out}"; mkdir -p "$OUT"
@@ -38,12 +38,21 @@ for step in "$@"; do
       python3 -m moe_xla.demo --out "$OUT/demo" "${DEMO_ARGS[@]}" > "$OUT/demo.log" 2>&1 || status=1; tail -30 "$OUT/demo.log" ;;
     bench-gmm)
       python3 benchmarks/gmm.py --out "$OUT" ${GMM_ARGS:-} > "$OUT/bench_gmm.log" 2>&1 || status=1; tail -14 "$OUT/bench_gmm.log" ;;
-    kernel-resources)  # registers / shared memory / stack of the sm90 grouped GEMM kernels: ours and torch's
+    kernel-resources)  # registers / shared memory / stack of the sm90 grouped GEMM kernels, ours and torch's, names demangled
       for lib in moe_xla/_native/libmoe_xla.so "$(python3 -c 'import os, torch; print(os.path.dirname(torch.__file__))')/lib/libtorch_cuda.so"; do
-        echo "-- $lib"
-        cuobjdump --dump-resource-usage "$lib" 2>/dev/null | grep -A1 "GroupProblemShape" | grep -v "^--" \
-          | paste - - | sed -E 's/.*Function ([^:]*):.*(REG:[0-9]+ STACK:[0-9]+ SHARED:[0-9]+ LOCAL:[0-9]+).*/\2 \1/' \
-          | cut -c1-400 | tee -a "$OUT/kernel_resources.txt"
+        echo "-- $lib" | tee -a "$OUT/kernel_resources.txt"
+        cuobjdump --dump-resource-usage "$lib" 2>/dev/null | grep -A1 "GroupProblemShape" | grep -v "^--" | paste - - \
+          | sed -E 's/.*Function ([^:]*):.*(REG:[0-9]+ STACK:[0-9]+ SHARED:[0-9]+ LOCAL:[0-9]+).*/\2 \1/' \
+          | while read -r res name; do echo "$res $(echo "$name" | cu++filt)"; done >> "$OUT/kernel_resources.txt"
+      done
+      grep -c REG "$OUT/kernel_resources.txt" ;;
+    ncu-gmm)  # Nsight Compute on moe_xla's and torch's grouped GEMM kernel, same inputs (benchmarks/gmm_ncu.py)
+      for c in ${NCU_CASES:-qwen3-30b-a3b.down:uniform}; do
+        ncu --clock-control none -k regex:device_kernel -c 4 --section SpeedOfLight --section LaunchStats --section Occupancy \
+          --section WarpStateStats --section MemoryWorkloadAnalysis --section SchedulerStats \
+          python3 benchmarks/gmm_ncu.py --case "${c%%:*}" --groups "${c##*:}" > "$OUT/ncu_${c%%:*}_${c##*:}.txt" 2>&1 || status=1
+        grep -E "device_kernel|Duration|Registers Per|Dynamic Shared|Compute \(SM\) Throughput|Memory Throughput|Achieved Occupancy|Grid Size|Cluster Size" \
+          "$OUT/ncu_${c%%:*}_${c##*:}.txt" | cut -c1-160
       done ;;
     gmm-trace)
       python3 benchmarks/gmm_trace.py --out "$OUT" ${TRACE_ARGS:-} > "$OUT/gmm_trace.log" 2>&1 || status=1; tail -14 "$OUT/gmm_trace.log" ;;

@@ -1,15 +1,16 @@
 """The GPU pytest suite under `compute-sanitizer --tool memcheck`, in chunks.
 
-    python3 benchmarks/memcheck_pytest.py [--chunk 10] [--jobs 2] [--timeout 120] [--only I,J,...] [--out DIR] [TEST_PATH ...]
+    python3 benchmarks/memcheck_pytest.py [--chunk 10] [--jobs 2] [--timeout 120] [--attempts 2] [--only I,J,...] [--out DIR] [TEST_PATH ...]
 
 One sanitizer over one pytest process for the whole suite dies in the sanitizer's own
 host process after some tens of tests (session 1, LOG.md). This collects the test ids,
 runs them `--chunk` at a time, each chunk in its own `compute-sanitizer --tool memcheck
 --error-exitcode 86 python3 -m pytest ...`, `--jobs` chunks at once on the one GPU, and
 reports per chunk: pytest's summary, the sanitizer's ERROR SUMMARY and the exit status.
-A chunk that runs past --timeout is run once more (pytest's faulthandler_timeout puts the
-Python stacks of a stuck test in its log) and reported as such. Exit status 0 only when
-every chunk passed with 0 sanitizer errors. Logs of chunks that did not pass go to --out.
+A chunk that runs past --timeout is run again, up to --attempts runs in all (pytest's
+faulthandler_timeout puts the Python stacks of a stuck test in its log), and reported as
+such. Exit status 0 only when every chunk passed with 0 sanitizer errors. Logs of chunks
+that did not pass go to --out.
 """
 
 from __future__ import annotations
@@ -50,8 +51,8 @@ def run_chunk(index, ids, args, env, attempt=1):
               "seconds": round(time.time() - start)}
     if not (rc == 0 and result["sanitizer_errors"] == "0"):
         (args.out / f"memcheck_chunk{index:03d}_attempt{attempt}.log").write_text(text)
-    if rc == "timeout" and attempt == 1:
-        return [result] + run_chunk(index, ids, args, env, attempt=2)
+    if rc == "timeout" and attempt < args.attempts:
+        return [result] + run_chunk(index, ids, args, env, attempt=attempt + 1)
     return [result]
 
 
@@ -61,6 +62,7 @@ def main():
     parser.add_argument("--chunk", type=int, default=10)
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--timeout", type=int, default=120)
+    parser.add_argument("--attempts", type=int, default=2, help="runs of a chunk that times out")
     parser.add_argument("--only", type=lambda v: {int(i) for i in v.split(",")}, help="chunk indexes to run, as 3,7,9")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".out")))
     args = parser.parse_args()
@@ -71,8 +73,11 @@ def main():
         chunks = [c for c in chunks if c[0] in args.only]
     # Several processes share the GPU: no preallocation of most of its memory by each. No
     # XLA autotuning: under memcheck, timing every candidate of every XLA fusion (scan, grad
-    # tests) keeps one compile busy for minutes; it runs XLA's kernels, not ours.
-    flags = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_autotune_level=0").strip()
+    # tests) keeps one compile busy for minutes; it runs XLA's kernels, not ours. One
+    # compile thread and no command buffers: with XLA's parallel compilation, compiles of
+    # the grad / scan / EP tests never finished under the sanitizer (500 s; 3-37 s without).
+    flags = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_autotune_level=0"
+             " --xla_gpu_force_compilation_parallelism=1 --xla_gpu_enable_command_buffer=").strip()
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", XLA_FLAGS=flags)
     print(f"{len(ids)} tests in {len(chunks)} chunks, {args.jobs} at a time", flush=True)
     ok = True

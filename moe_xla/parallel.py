@@ -176,8 +176,8 @@ def moe_ep(x, router_logits, w_in, w_out, *, top_k, activation, routing, bias, s
         raise ValueError(f"moe: expected the {tokens} tokens of x to split evenly over the axes {token_axes} "
                          f"({shards} devices)")
     platform = mesh.devices.flat[0].platform if isinstance(mesh, Mesh) else mesh.abstract_device.platform
-    if transport == "auto":
-        transport = "ragged" if platform == "gpu" else "padded"
+    if transport == "auto":  # see moe(): XLA's ragged_all_to_all kernel was the slower one on an H200
+        transport = "padded"
     cfg = _Config(expert_axis, token_axes, peers, experts, top_k, activation, routing, transport, platform == "gpu",
                   bool(dedup), capacity_factor, min(chunks, tokens // shards))
 

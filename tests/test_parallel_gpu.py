@@ -1,5 +1,6 @@
-"""The expert-parallel layer on one GPU: a one-device mesh with the ragged transport,
-which lowers to XLA's ragged_all_to_all (not implemented on XLA:CPU, so GPU only).
+"""The expert-parallel layer on one GPU: a one-device mesh with each transport, the
+padded one (all_to_all, the default) and the ragged one (XLA's ragged_all_to_all, not
+implemented on XLA:CPU, so GPU only).
 
 With one rank every row is sent to itself, so in f32 (whose GEMMs sum in a fixed order
 whatever the row count) the layer must reproduce the single-device moe() bitwise in the
@@ -32,28 +33,31 @@ def _inputs(rng, dtype):
     return x, logits, w_in, w_out
 
 
-def _ep(mesh, dedup, capacity_factor):
-    return lambda *a: moe_xla.moe(*a, top_k=2, mesh=mesh, expert_axis="ep", transport="ragged", dedup=dedup,
+def _ep(mesh, dedup, capacity_factor, transport):
+    return lambda *a: moe_xla.moe(*a, top_k=2, mesh=mesh, expert_axis="ep", transport=transport, dedup=dedup,
                                   capacity_factor=capacity_factor)
 
 
+@pytest.mark.parametrize("transport", ["padded", "ragged"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("capacity_factor", [None, 0.5])
-def test_one_device_ragged_transport_matches(rng, dtype, capacity_factor):
+def test_one_device_transport_matches(rng, dtype, capacity_factor, transport):
     args = _inputs(rng, dtype)
     mesh = Mesh(np.array(jax.devices()[:1]), ("ep",))
-    ep = jax.jit(_ep(mesh, False, capacity_factor))
-    assert "@ragged_all_to_all" in ep.lower(*args).as_text()
+    ep = jax.jit(_ep(mesh, False, capacity_factor, transport))
+    # (the padded transport's all_to_all over a one-device axis is elided by JAX)
+    assert ("@ragged_all_to_all" in ep.lower(*args).as_text()) == (transport == "ragged")
     y = ep(*args)
     y_one = jax.jit(lambda *a: moe_xla.moe(*a, top_k=2))(*args)
     if dtype == jnp.float32:
         np.testing.assert_array_equal(y, y_one)
     assert_close(y, y_one, dtype)
     np.testing.assert_array_equal(ep(*args), y)  # run to run
-    assert_close(jax.jit(_ep(mesh, True, capacity_factor))(*args), y_one, dtype)
+    assert_close(jax.jit(_ep(mesh, True, capacity_factor, transport))(*args), y_one, dtype)
 
 
-def test_one_device_ragged_transport_gradients(rng):
+@pytest.mark.parametrize("transport", ["padded", "ragged"])
+def test_one_device_transport_gradients(rng, transport):
     args = _inputs(rng, jnp.float32)
     ct = normal(rng, (T, H), jnp.float32)
     mesh = Mesh(np.array(jax.devices()[:1]), ("ep",))
@@ -63,5 +67,5 @@ def test_one_device_ragged_transport_gradients(rng):
 
     one = grads(lambda *a: moe_xla.moe(*a, top_k=2))
     for capacity_factor in (None, 0.5):
-        for g, g_one in zip(grads(_ep(mesh, True, capacity_factor)), one):
+        for g, g_one in zip(grads(_ep(mesh, True, capacity_factor, transport)), one):
             assert_close(g, g_one, jnp.float32, scale=10)
