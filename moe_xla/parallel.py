@@ -111,20 +111,26 @@ def exchange_sizes(tokens, top_k, num_experts, peers, *, dedup=True, capacity_fa
     With capacity_factor f the budgets are f times a balanced routing's load: C = f T_c k / P
     pairs and f T_c h rows per peer, h the rows one token sends one peer on average: k / P,
     or with dedup 1 - binom(E - E_l, k) / binom(E, k), the chance that k experts drawn
-    uniformly include one of the peer's.
+    uniformly include one of the peer's. With overflow rounds a rank holds two rounds'
+    buffers (round 0's and the loop's), so budgets that do not halve the worst case (C >=
+    W / 2 and rows >= half the worst-case rows: few ranks) cost memory instead of saving
+    it; then the exchange is the worst-case one, in one round. Measured, qwen3-30b-a3b,
+    fwd+bwd per rank: EP 2 (W / C = 1.6) 2.19 GiB worst case vs 3.25 with rounds; EP 4
+    (W / C = 3.2) 3.80 vs 3.26 (benchmarks/results/LOG.md).
     """
     local = num_experts // peers
     per_rank = min(top_k, local)
     worst = tokens * per_rank
     mult, row_worst = (per_rank, tokens) if dedup else (1, worst)
+    one_round = ExchangeSizes(tokens, peers, local, mult, worst, worst, row_worst, peers * worst, 1)
     if capacity_factor is None:
-        return ExchangeSizes(tokens, peers, local, mult, worst, worst, row_worst, peers * worst, 1)
+        return one_round
     hit = 1 - math.comb(num_experts - local, top_k) / math.comb(num_experts, top_k) if dedup else top_k / peers
     capacity = min(worst, max(mult, math.ceil(capacity_factor * tokens * top_k / peers)))
     rows = min(row_worst, capacity, max(1, math.ceil(capacity_factor * tokens * hit)))
-    if capacity == worst and rows == row_worst:
-        rounds = 1
-    elif mult == 1:  # a row is a pair: every round but the last is full
+    if 2 * capacity >= worst and 2 * rows >= row_worst:
+        return one_round
+    if mult == 1:  # a row is a pair: every round but the last is full
         rounds = -(-worst // capacity)
     else:  # every round but the last holds `rows` rows or more than C - mult pairs
         rounds = tokens // rows + worst // (capacity - mult + 1) + 1

@@ -202,7 +202,7 @@ def test_padded_and_ragged_transports_agree(rng):
     @jax.jit
     def run(*args):
         return [moe_xla.moe(*args, top_k=3, mesh=mesh, expert_axis="ep", transport=t, capacity_factor=cf)
-                for t in ("padded", "ragged") for cf in (None, 1.0)]
+                for t in ("padded", "ragged") for cf in (None, 0.5)]
 
     padded, *others = run(x, logits, w_in, w_out)
     for y in others:
@@ -292,6 +292,17 @@ def test_rounds_cover_any_routing_within_budgets(rng, dedup, cf):
     assert (before[starts[1:]] - before[starts[:-1]]).max() <= sizes.capacity
     if cf is not None:
         assert rows[0, 0] < counts[0]  # destination 0 overflowed into further rounds
+
+
+def test_capacity_that_does_not_halve_the_worst_case_keeps_one_round():
+    # qwen3-like, dedup: at EP 2, 1.25 x the balanced load is 0.625 of the worst case (and
+    # every row), so the worst-case exchange in one round; at EP 4 and 8 budgeted rounds.
+    one = parallel.exchange_sizes(2048, 8, 128, 2, dedup=True)
+    assert parallel.exchange_sizes(2048, 8, 128, 2, dedup=True, capacity_factor=1.25) == one
+    assert one.rounds == 1 and one.rows == 2048 and one.capacity == one.worst
+    for peers in (4, 8):
+        sizes = parallel.exchange_sizes(2048, 8, 128, peers, dedup=True, capacity_factor=1.25)
+        assert 2 * sizes.capacity < sizes.worst and sizes.rounds > 1
 
 
 @pytest.mark.parametrize("kw,match", [
