@@ -33,7 +33,8 @@ at most W = T_c min(k, E_l) (token, expert) pairs in at most T_c rows with dedup
 without); T_c is the chunk's token count. Without capacity_factor the exchange is sized
 for that worst case and runs in one round. With capacity_factor f a round carries, per
 peer, at most C = f T_c k / P pairs and f times a balanced routing's rows
-(exchange_sizes); the rows bound for d are cut greedily into rounds, each taking from
+(exchange_sizes; where neither budget halves the worst case, the one worst-case round
+instead); the rows bound for d are cut greedily into rounds, each taking from
 where the last stopped as many rows as fit both budgets, and R rounds cover any routing.
 Round 0 runs as part of the layer; rounds 1 .. R-1 run in a lax.while_loop that stops at
 the first round with no rows on any rank (a psum'd flag), so a step that fits costs one
