@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU visit: kernel self-checks, the pytest suite on the GPU, then benchmarks.
 # Usage (on the H200 machine, from the repo root):
-#   benchmarks/gpu_check.sh [selftest|sanitize|pytest|pytest-memcheck|bench-cutlass|demo|bench-gmm|gmm-trace|kernel-resources|ncu-gmm|bench-moe]...
+#   benchmarks/gpu_check.sh [selftest|sanitize|pytest|pytest-memcheck|bench-cutlass|demo|bench-gmm|gmm-trace|gmm-sustained|kernel-resources|ncu-gmm|bench-moe]...
 # Logs and JSON go to $OUT (or ./.out).
 set -uo pipefail
 OUT="${OUT:-$PWD/.out}"; mkdir -p "$OUT"
@@ -54,6 +54,8 @@ for step in "$@"; do
         grep -E "device_kernel|Duration|Registers Per|Dynamic Shared|Compute \(SM\) Throughput|Memory Throughput|Achieved Occupancy|Grid Size|Cluster Size" \
           "$OUT/ncu_${c%%:*}_${c##*:}.txt" | cut -c1-160
       done ;;
+    gmm-sustained)  # gmm vs torch._grouped_mm in turns of seconds, with NVML clock and power
+      python3 benchmarks/gmm_sustained.py --out "$OUT" ${SUSTAIN_ARGS:-} > "$OUT/gmm_sustained.log" 2>&1 || status=1; tail -16 "$OUT/gmm_sustained.log" ;;
     gmm-trace)
       python3 benchmarks/gmm_trace.py --out "$OUT" ${TRACE_ARGS:-} > "$OUT/gmm_trace.log" 2>&1 || status=1; tail -14 "$OUT/gmm_trace.log" ;;
     bench-moe)
