@@ -13,15 +13,17 @@
 //      elements against a float64 dot product on the device,
 //   2. for every eligible (path, raster order[, swizzle]) variant: runs it once into a
 //      NaN-poisoned output and compares with the default output (max |diff| / max |ref|
-//      < 1e-2, no NaN), then `--warmup` untimed and `--reps` timed calls (one pair of CUDA
-//      events around each call, calls enqueued back to back), and keeps the median,
+//      < 1e-2, no NaN), then `--warmup` untimed calls, `--sustain-ms` of untimed calls
+//      back to back (default 0; short runs time a cool GPU, whose clock a longer load
+//      lowers) and `--reps` timed calls (one pair of CUDA events around each call, calls
+//      enqueued back to back), and keeps the median,
 //   3. prints TFLOP/s (2*M*K*N per product) per variant and case as one table per product,
 //      and at the end the best variant per case and product and, per product, each
 //      variant's geometric-mean speed-up over the default across the cases.
 // Times are of the whole grouped_gemm call (offset scan, metadata kernel, CUTLASS kernel,
 // zeroing kernel), as the FFI handler runs it.
 //
-// Usage: grouped_gemm_bench [--reps N] [--warmup N] [--case SUBSTR]... [--op NAME]...
+// Usage: grouped_gemm_bench [--reps N] [--warmup N] [--sustain-ms N] [--case SUBSTR]... [--op NAME]...
 //                           [--no-check]
 //   --case keeps cases whose "name groups" contains SUBSTR (e.g. qwen, zipf, "down uniform");
 //   --op keeps products by name (fwd, fwd_t, dlhs, drhs). Exit status 1 if a check failed.
@@ -265,6 +267,7 @@ struct Cell {
 struct Options {
   int reps = 20;
   int warmup = 2;
+  int sustain_ms = 0;  // back-to-back calls before the timed ones, to time a hot GPU
   bool check = true;
   std::vector<std::string> cases;
   std::vector<std::string> ops;
@@ -308,6 +311,16 @@ struct Bench {
         *why = err;
         return -1;
       }
+    }
+    // --sustain-ms: keep the GPU busy with this variant (clock and power settle under load)
+    // before timing; the stream is synchronised every 16 calls to bound the queue.
+    const auto hot_until =
+        std::chrono::steady_clock::now() + std::chrono::milliseconds(opt.sustain_ms);
+    while (std::chrono::steady_clock::now() < hot_until) {
+      for (int i = 0; i < 16; ++i) {
+        moe_xla::cuda::grouped_gemm(p, ws, ws_bytes, sm_count, stream, config);
+      }
+      CHECK_CUDA(cudaStreamSynchronize(stream));
     }
     std::vector<cudaEvent_t> start(opt.reps), stop(opt.reps);
     for (int r = 0; r < opt.reps; ++r) {
@@ -589,7 +602,8 @@ struct Bench {
         }
         // Calls per variant: check + warmup + reps; the default once more for the reference.
         const double ms_at_600 = 2.0 * bc.m * bc.k * bc.n / 600e12 * 1e3;
-        total_ms += ms_at_600 * ((eligible + 1) * (1 + opt.warmup + opt.reps));
+        total_ms += ms_at_600 * ((eligible + 1) * (1 + opt.warmup + opt.reps)) +
+                    (eligible + 1) * static_cast<double>(opt.sustain_ms);
         std::printf("    %-5s m=%lld k=%lld n=%lld  default %s/%s, %d variants\n",
                     kOpNames[oi], (long long)p.m, (long long)p.k, (long long)p.n,
                     moe_xla::cuda::grouped_gemm_path_name(c.path),
@@ -718,6 +732,8 @@ int main(int argc, char** argv) {
       bench.opt.reps = parse_int(value(), "--reps");
     } else if (a == "--warmup") {
       bench.opt.warmup = parse_int(value(), "--warmup");
+    } else if (a == "--sustain-ms") {
+      bench.opt.sustain_ms = parse_int(value(), "--sustain-ms");
     } else if (a == "--case") {
       bench.opt.cases.push_back(value());
     } else if (a == "--op") {
@@ -730,7 +746,7 @@ int main(int argc, char** argv) {
       bench.sm_count = parse_int(value(), "--sm-count");
     } else {
       std::fprintf(stderr,
-                   "usage: %s [--reps N] [--warmup N] [--case SUBSTR]... [--op NAME]... "
+                   "usage: %s [--reps N] [--warmup N] [--sustain-ms N] [--case SUBSTR]... [--op NAME]... "
                    "[--no-check] [--list [--sm-count N]]\n",
                    argv[0]);
       return 2;
@@ -776,8 +792,8 @@ int main(int argc, char** argv) {
   bench.auto_tflops.assign(kNumOps, std::vector<double>(kNumCases, kNotRun));
   std::printf("variants:");
   for (const Variant& v : bench.variants) std::printf(" %s", v.label.c_str());
-  std::printf("\nreps %d (median), warmup %d, checks %s\n\n", bench.opt.reps, bench.opt.warmup,
-              bench.opt.check ? "on" : "off");
+  std::printf("\nreps %d (median), warmup %d, sustain %d ms, checks %s\n\n", bench.opt.reps,
+              bench.opt.warmup, bench.opt.sustain_ms, bench.opt.check ? "on" : "off");
 
   const auto t0 = std::chrono::steady_clock::now();
   for (int ci : case_ids) bench.run_case(ci, kCases[ci]);
