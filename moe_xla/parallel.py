@@ -49,7 +49,8 @@ Transports move the same rows between the same places:
           the sender's starts (exchanged once per chunk). Where XLA has no
           ragged_all_to_all (XLA:CPU) the same offsets drive an all_to_all stand-in with
           its exact semantics (ragged_all_to_all_by_all_to_all), used for testing.
-  "auto": ragged on GPU meshes, padded elsewhere.
+  "auto": padded. On an H200 XLA's ragged_all_to_all kernel moved rows at ~30 GB/s (17.9
+  of the 20.6 ms of a qwen3 fwd+bwd step at EP 1, where it only copies to itself).
 
 Autodiff is JAX's, through rules: all_to_all transposes to all_to_all, ragged_all_to_all to
 ragged_all_to_all, permute / unpermute / gmm by theirs, and the expansion of rows to pairs
@@ -183,7 +184,7 @@ def moe_ep(x, router_logits, w_in, w_out, *, top_k, activation, routing, bias, s
         raise ValueError(f"moe: expected the {tokens} tokens of x to split evenly over the axes {token_axes} "
                          f"({shards} devices)")
     platform = mesh.devices.flat[0].platform if isinstance(mesh, Mesh) else mesh.abstract_device.platform
-    if transport == "auto":  # see moe(): XLA's ragged_all_to_all kernel was the slower one on an H200
+    if transport == "auto":  # see the module docstring
         transport = "padded"
     cfg = _Config(expert_axis, token_axes, peers, experts, top_k, activation, routing, transport, platform == "gpu",
                   bool(dedup), capacity_factor, min(chunks, tokens // shards))
