@@ -40,7 +40,7 @@ class MoeAux(NamedTuple):
     z_loss: mean over tokens of logsumexp(router_logits)^2 (ST-MoE router z-loss).
     dispatched_rows: with expert parallelism, int32 rows sent over the expert axis, summed
         over ranks: T*k without dedup, the distinct (token, destination rank) pairs with
-        it (a rank's rows to itself included); None on one device.
+        it (a rank's rows to itself included); None without an expert_axis.
     """
 
     tokens_per_expert: jax.Array
@@ -66,6 +66,13 @@ def expert_mlp(x_sorted, w_in, w_out, group_sizes, activation: str):
         a = activate(h, activation)
     with jax.named_scope("moe_xla/gmm_out"):
         return gmm(a, w_out, group_sizes)
+
+
+def shared_mlp(x, shared_experts, activation: str):
+    """The shared experts, a dense MLP every token passes through: act(x @ s_in) @ s_out."""
+    with jax.named_scope("moe_xla/shared"):
+        s_in, s_out = shared_experts
+        return activate(x @ s_in, activation) @ s_out
 
 
 def _check(x, router_logits, w_in, w_out, top_k, activation, shared_experts):
@@ -140,9 +147,7 @@ def moe(x, router_logits, w_in, w_out, *, top_k, activation="swiglu", score="sof
     with jax.named_scope("moe_xla/combine"):
         y = unpermute(y_sorted, row_map, weights)
     if shared_experts is not None:
-        with jax.named_scope("moe_xla/shared"):
-            s_in, s_out = shared_experts
-            y = y + activate(x2 @ s_in, activation) @ s_out
+        y = y + shared_mlp(x2, shared_experts, activation)
     y = y.reshape(lead + (hidden,))
     if not return_aux:
         return y

@@ -73,7 +73,7 @@ from jax.interpreters import ad, batching, mlir
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from moe_xla.moe import _aux, activate, expert_mlp
+from moe_xla.moe import _aux, expert_mlp, shared_mlp
 from moe_xla.primitives import _ad
 from moe_xla.primitives._batching import all_to_front
 from moe_xla.primitives.permute import permute
@@ -89,9 +89,9 @@ class ExchangeSizes(NamedTuple):
     tokens: T_c, tokens of the chunk; peers: P; local_experts: E_l = E / P.
     mult: local experts one row can ask for: min(k, E_l) with dedup, else 1.
     worst: W = T_c min(k, E_l), most (token, expert) pairs one peer can send one rank.
-    capacity: C, pairs per peer per round (W without capacity_factor).
-    rows: rows per peer per round, the slab of the transport (T_c with dedup, W without,
-        when there is no capacity_factor).
+    capacity: C, pairs per peer per round (W in a one-round exchange).
+    rows: rows per peer per round, the slab of the transport (in a one-round exchange T_c
+        with dedup, W without).
     pairs: P C, the (row, local expert) pairs per rank per round: the grouped GEMMs' rows.
     rounds: R, enough rounds for any routing.
     """
@@ -186,7 +186,7 @@ def moe_ep(x, router_logits, w_in, w_out, *, top_k, activation, routing, bias, s
     platform = mesh.devices.flat[0].platform if isinstance(mesh, Mesh) else mesh.abstract_device.platform
     if transport == "auto":  # see the module docstring
         transport = "padded"
-    cfg = _Config(expert_axis, token_axes, peers, experts, top_k, activation, routing, transport, platform == "gpu",
+    cfg = _Config(expert_axis, token_axes, peers, experts, top_k, activation, routing, transport, platform != "cpu",
                   bool(dedup), capacity_factor, min(chunks, tokens // shards))
 
     tok, rep = P(token_axes), P()
@@ -232,9 +232,7 @@ def _layer(cfg, x, logits, w_in, w_out, bias, shared):
     outs = [_chunk(cfg, x[a:b], weights[a:b], ids[a:b], w_in, w_out) for a, b in zip(bounds, bounds[1:])]
     y = jnp.concatenate([o[0] for o in outs])
     if shared is not None:
-        with jax.named_scope("moe_xla/shared"):
-            s_in, s_out = shared
-            y = y + activate(x @ s_in, cfg.activation) @ s_out
+        y = y + shared_mlp(x, shared, cfg.activation)
     tokens_per_expert = jnp.zeros((cfg.experts,), jnp.int32).at[ids.reshape(-1)].add(1)
     dispatched = sum(o[1] for o in outs)
     return y, jax.lax.psum(tokens_per_expert, cfg.token_axes), jax.lax.psum(dispatched, cfg.token_axes)

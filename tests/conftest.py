@@ -18,7 +18,7 @@ jax.config.update("jax_default_matmul_precision", "highest")
 TOLERANCE = {jnp.dtype(jnp.float32): 1e-5, jnp.dtype(jnp.bfloat16): 1e-2, jnp.dtype(jnp.float16): 2e-3}
 ON_GPU = jax.default_backend() == "gpu"
 requires_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device")
-# Meshes of 8 devices: CI's 8 CPU devices (the GPU check runs these files with JAX_PLATFORMS=cpu).
+# Meshes of 8 devices: CI's 8 CPU devices (XLA_FLAGS above); skipped on a one-GPU host.
 requires_8_devices = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")
 
 
