@@ -299,8 +299,8 @@ def _chunk(cfg: _Config, x, weights, ids, w_in, w_out):
     with jax.named_scope("moe_xla/dispatch"):
         rows = _rows_by_destination(x, weights, ids, sizes, cfg.dedup)
         starts = _round_starts(rows.counts, rows.pairs, sizes)
-        link = _link(cfg, sizes.rows, starts)
-    floats, ints = (rows.x, rows.w, w_in, w_out), (rows.lids, link.arrays)
+        arrays = _link_arrays(cfg, starts)
+    floats, ints = (rows.x, rows.w, w_in, w_out), (rows.lids, arrays)
     y_rows = _round(cfg, sizes, 0, floats, ints)
     if sizes.rounds > 1:
         y_rows = _add_later_rounds(partial(_round, cfg, sizes), y_rows, floats, ints, sizes.rounds, cfg.axis)
@@ -577,8 +577,16 @@ def ragged_all_to_all_by_all_to_all(operand, output, input_offsets, send_sizes, 
     return _unslab(output, slabs, at, recv_sizes, block)
 
 
+def _link_arrays(cfg: _Config, starts):
+    """What a chunk's link is built from (_link(cfg, block, *arrays)): its starts [R+1, P],
+    and for the ragged transport the starts of every peer for this rank [P, R+1]."""
+    if cfg.transport == "padded":
+        return (starts,)
+    return starts, jax.lax.all_to_all(starts.T, cfg.axis, 0, 0, tiled=True)
+
+
 def _link(cfg: _Config, block: int, starts, theirs=None):
-    """The chunk's transport; `theirs` (ragged) is recomputed from starts when not given."""
+    """The chunk's transport (theirs: the ragged transport's peer starts, _link_arrays)."""
     if cfg.transport == "padded":
         return _Padded(cfg.axis, block, starts)
     return _Ragged(cfg.axis, block, starts, cfg.native_ragged, theirs)
@@ -592,12 +600,10 @@ class _Link:
         (slab s from rank s; unused slots hold `fill`).
     back(y, r, num_rows): results [P*block, H] of round r -> [num_rows, H], each at the
         place its row left on its sender, 0 elsewhere.
-    arrays: the arrays the link is rebuilt from (_link(cfg, block, *arrays)).
     """
 
     def __init__(self, axis, block, starts):
         self.axis, self.block, self.starts = axis, block, starts
-        self.arrays = (starts,)
 
     def _sent(self, r):
         return self.starts[r], self.starts[r + 1] - self.starts[r]
@@ -617,15 +623,12 @@ class _Padded(_Link):
 class _Ragged(_Link):
     """ragged_all_to_all: only the rows of the round travel."""
 
-    def __init__(self, axis, block, starts, native: bool, theirs=None):
+    def __init__(self, axis, block, starts, native: bool, theirs):
         super().__init__(axis, block, starts)
         peers = starts.shape[1]
         self.collective = partial(jax.lax.ragged_all_to_all, axis_name=axis) if native else \
             partial(ragged_all_to_all_by_all_to_all, axis_name=axis, block=block)
-        if theirs is None:  # [P, R+1]: peer s's starts for this rank
-            theirs = jax.lax.all_to_all(starts.T, axis, 0, 0, tiled=True)
-        self.theirs = theirs
-        self.arrays = (starts, theirs)
+        self.theirs = theirs  # [P, R+1]: peer s's starts for this rank
         self.mine = jnp.full((peers,), jax.lax.axis_index(axis) * block, jnp.int32)  # my slab on every peer
         self.slabs = jnp.arange(peers, dtype=jnp.int32) * block
 
