@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import math
 import random
-import re
 import sys
 import time
 from collections import Counter
@@ -48,6 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import moe_xla
+from moe_xla.inspect import inspect_hlo
 
 LOAD_BALANCE_COEF = 0.01
 Z_LOSS_COEF = 0.001
@@ -329,9 +329,9 @@ def expert_load_chart(tokens_per_expert: np.ndarray, width: int = 40) -> str:
 
 
 def moe_custom_calls(hlo: str) -> dict[str, int]:
-    """Counts of the distinct moe_xla_* custom-call targets in an HLO text."""
-    targets = re.findall(r'custom_call_target="([^"]+)"', hlo)
-    return dict(sorted(Counter(t for t in targets if t.startswith("moe_xla_")).items()))
+    """Counts of the distinct moe_xla custom-call targets of an HLO module's text (read by
+    moe_xla.inspect: the computations the entry runs), sorted by target."""
+    return dict(sorted(Counter(c.target for c in inspect_hlo(hlo).custom_calls).items()))
 
 
 # ---------------------------------------------------------------------------- main

@@ -224,50 +224,73 @@ class InspectReport:
     custom_calls: list
     collectives: list
     schedule: list
-    hlo: str = field(repr=False, default="")
 
     def count(self, kind: str) -> int:
         """Number of collectives of one kind ("all-to-all", ...)."""
         return sum(c.kind == kind for c in self.collectives)
 
-    def targets(self) -> set:
-        return {c.target for c in self.custom_calls}
-
     def __str__(self) -> str:
         return format_report(self)
 
 
+# Roles of called computations whose instructions are part of the calling instruction: the
+# body of a fusion, the wrapped op of a long-form async-start. They are searched for custom
+# calls (GPU may wrap those), but not scheduled or searched for collectives of their own.
+_PART_OF_CALLER = ("fused", "wrapped")
+
+
 def _called(ins: Instruction):
-    """(role, computation) pairs an instruction runs; fusions and reducers are not listed."""
+    """(role, computation) pairs an instruction runs; the to_apply of a reduce, all-reduce,
+    sort, ... (reducers and comparators) is not listed."""
     out = []
     if ins.opcode == "while":
         out += [("condition", ins.attr("condition")), ("body", ins.attr("body"))]
-    elif ins.opcode in ("call", "async-start"):
-        out += [("called", ins.attr("to_apply") or ins.attr("calls"))]
+    elif ins.opcode == "call":
+        out += [("called", ins.attr("to_apply"))]
+    elif ins.opcode == "async-start":
+        out += [("wrapped", ins.attr("calls"))]
     elif ins.opcode == "conditional":
         m = re.search(r"branch_computations=\{([^}]*)\}", ins.attrs)
         names = re.findall(r"%?([\w.\-]+)", m.group(1)) if m else []
         names = names or [n for n in (ins.attr("true_computation"), ins.attr("false_computation")) if n]
         out += [(f"branch {i}", n) for i, n in enumerate(names)]
-    elif ins.opcode == "fusion":  # GPU may wrap custom calls in fusions; look inside those too
+    elif ins.opcode == "fusion":
         out += [("fused", ins.attr("calls"))]
     return [(r, c) for r, c in out if c]
 
 
-def _collective_kind(ins: Instruction, comps):
-    """(kind, phase) with phase 'sync', 'start' or 'done'; None if not a collective."""
+def _async_collectives(comps) -> dict:
+    """{name: wrapped collective} of every async-start, -update and -done of a collective in
+    the long form (`async-start(...), calls=%wrapped`, the -update/-done taking the previous
+    op of the chain as operand). XLA prints its async collectives in the short form
+    (all-to-all-start / all-to-all-done), which needs no such lookup."""
+    wrapped = {}
+    for comp in comps.values():
+        for ins in comp.instructions:
+            if ins.opcode == "async-start":
+                callee = comps.get(ins.attr("calls") or "")
+                inner = [i for i in callee.instructions if i.opcode in COLLECTIVES] if callee else []
+                if inner:
+                    wrapped[ins.name] = inner[0]
+            elif ins.opcode in ("async-update", "async-done") and ins.operands and ins.operands[0] in wrapped:
+                wrapped[ins.name] = wrapped[ins.operands[0]]
+    return wrapped
+
+
+def _collective_kind(ins: Instruction, async_collectives: dict):
+    """(kind, phase, op) of a collective: phase 'sync', 'start', 'update' or 'done'; op the
+    instruction whose attributes (replica_groups) describe it: the wrapped collective of a
+    long-form async op (async_collectives, see _async_collectives), else ins itself. None if
+    ins is no collective."""
     op = ins.opcode
     if op in COLLECTIVES:
-        return op, "sync"
+        return op, "sync", ins
     for suffix in ("-start", "-done"):
         if op.endswith(suffix) and op[: -len(suffix)] in COLLECTIVES:
-            return op[: -len(suffix)], suffix[1:]
-    if op in ("async-start", "async-done", "async-update"):
-        comp = comps.get(ins.attr("calls") or "")
-        if comp is not None:
-            for inner in comp.instructions:
-                if inner.opcode in COLLECTIVES:
-                    return inner.opcode, {"async-start": "start", "async-done": "done"}.get(op, "update")
+            return op[: -len(suffix)], suffix[1:], ins
+    inner = async_collectives.get(ins.name)
+    if inner is not None:
+        return inner.opcode, op[len("async-"):], inner
     return None
 
 
@@ -276,10 +299,11 @@ def inspect_hlo(text: str, config: dict | None = None, platform: str = "") -> In
     comps = parse_hlo(text)
     shapes = {i.name: i.shape for c in comps.values() for i in c.instructions}
     entry = next((c for c in comps.values() if c.entry), None)
+    asyncs = _async_collectives(comps)
 
-    # computations reached from the entry through while / call / conditional / async (and
-    # fusions, searched for custom calls only), with labels
-    labels, order, fused = {}, [], set()
+    # computations reached from the entry through while / call / conditional (and fusions and
+    # async-wrapped ops, searched for custom calls only), with labels
+    labels, order, part_of_caller = {}, [], set()
 
     def visit(comp, label):
         if comp.name in labels:
@@ -289,8 +313,8 @@ def inspect_hlo(text: str, config: dict | None = None, platform: str = "") -> In
         for ins in comp.instructions:
             for role, callee in _called(ins):
                 if callee in comps:
-                    if role == "fused":
-                        fused.add(callee)
+                    if role in _PART_OF_CALLER:
+                        part_of_caller.add(callee)
                     visit(comps[callee], f"{role} of %{ins.name} in %{comp.name}")
 
     if entry is not None:
@@ -328,18 +352,19 @@ def inspect_hlo(text: str, config: dict | None = None, platform: str = "") -> In
 
     collectives, schedule = [], []
     for comp in order:
-        if comp.name in fused:
+        if comp.name in part_of_caller:
             continue
         events, starts = [], {}
         gemm_pos = [(ins.index, g) for ins in comp.instructions for g in gemms_at(comp, ins)]
         for ins in comp.instructions:
-            kind = _collective_kind(ins, comps)
+            kind = _collective_kind(ins, asyncs)
             if kind is not None:
-                k, phase = kind
-                groups = re.search(r"replica_groups=(\{[^=]*?\}\}|\{\}|\[[^\]]*\]<=\[[^\]]*\][^,]*)", ins.attrs)
+                k, phase, op = kind
+                groups = re.search(r"replica_groups=(\{[^=]*?\}\}|\{\}|\[[^\]]*\]<=\[[^\]]*\][^,]*)", op.attrs)
                 groups = groups.group(1) if groups else ""
+                stage = ins.stage or op.stage
                 if phase == "sync":
-                    col = Collective(ins.name, k, False, None, ins.shape, shape_bytes(ins.shape), groups, ins.stage,
+                    col = Collective(ins.name, k, False, None, ins.shape, shape_bytes(ins.shape), groups, stage,
                                      comp.name, ins.index, ins.index)
                     before = [g for p, g in gemm_pos if p < ins.index]
                     after = [g for p, g in gemm_pos if p > ins.index]
@@ -348,11 +373,13 @@ def inspect_hlo(text: str, config: dict | None = None, platform: str = "") -> In
                     events.append(Event(ins.index, "collective", ins.name,
                                         f"{k} {_short_shape(ins.shape)} ({_fmt_bytes(col.bytes)})"))
                 elif phase == "start":
-                    col = Collective(ins.name, k, True, None, ins.shape, 0, groups, ins.stage, comp.name,
+                    col = Collective(ins.name, k, True, None, ins.shape, 0, groups, stage, comp.name,
                                      ins.index, ins.index)
                     starts[ins.name] = col
                     collectives.append(col)
                     events.append(Event(ins.index, "collective-start", ins.name, f"{k} start"))
+                elif phase == "update" and ins.operands[0] in starts:  # the -done takes the last -update
+                    starts[ins.name] = starts.pop(ins.operands[0])
                 elif phase == "done":
                     col = next((starts.pop(o) for o in ins.operands if o in starts), None)
                     if col is None:
@@ -369,22 +396,25 @@ def inspect_hlo(text: str, config: dict | None = None, platform: str = "") -> In
                                         f"{cc.target} -> {_short_shape(cc.shape)}" + (f"  [{cc.stage}]" if cc.stage
                                                                                       else "")))
             for role, callee in _called(ins):
-                if role != "fused" and callee in comps and _has_events(callee, comps, by_comp_calls):
+                if role not in _PART_OF_CALLER and callee in comps and _has_events(callee, comps, asyncs,
+                                                                                     by_comp_calls):
                     events.append(Event(ins.index, "call", ins.name, f"{ins.opcode} -> {role} %{callee}"))
         if events:
             schedule.append(ScheduledComputation(comp.name, labels[comp.name], events))
-    return InspectReport(config or {}, platform, custom_calls, collectives, schedule, text)
+    return InspectReport(config or {}, platform, custom_calls, collectives, schedule)
 
 
-def _has_events(name, comps, by_comp_calls, seen=()):
+def _has_events(name, comps, asyncs, by_comp_calls, seen=()):
+    """Whether a computation, or one it calls, holds a moe_xla custom call or a collective."""
     comp = comps[name]
     if by_comp_calls.get(name):
         return True
     for ins in comp.instructions:
-        if _collective_kind(ins, comps) is not None:
+        if _collective_kind(ins, asyncs) is not None:
             return True
         for _, callee in _called(ins):
-            if callee in comps and callee not in seen and _has_events(callee, comps, by_comp_calls, seen + (name,)):
+            if callee in comps and callee not in seen and _has_events(callee, comps, asyncs, by_comp_calls,
+                                                                      seen + (name,)):
                 return True
     return False
 
@@ -458,7 +488,9 @@ def inspect_moe(*, mesh=None, mesh_shape=None, axes=("ep",), expert_axis="ep", t
     if mesh is None:
         shape = tuple(mesh_shape) if mesh_shape is not None else (len(jax.devices()),)
         if len(shape) != len(axes):
-            raise ValueError(f"inspect: mesh shape {shape} and axes {axes} differ in length")
+            raise ValueError(f"inspect: the mesh shape {shape} (--mesh / mesh_shape; default: all devices on one "
+                             f"axis) and the axis names {axes} (--axes / axes) differ in length; "
+                             f"e.g. --mesh 2x4 --axes data,ep")
         need = int(np.prod(shape))
         if need > len(jax.devices()):
             raise ValueError(f"inspect: a {shape} mesh needs {need} devices, JAX has {len(jax.devices())} "
@@ -490,11 +522,11 @@ def inspect_moe(*, mesh=None, mesh_shape=None, axes=("ep",), expert_axis="ep", t
     if dump:
         with open(dump, "w") as fh:
             fh.write(text)
-    config = dict(mesh="x".join(str(mesh.shape[a]) for a in names), axes=",".join(names), expert_axis=expert_axis,
-                  tokens=tokens, hidden=hidden, ffn=ffn, experts=experts, top_k=top_k, dtype=dt.name,
-                  activation=activation, transport=transport, dedup=dedup, capacity_factor=capacity_factor,
-                  chunks=chunks, pass_="forward+backward" if grad else "forward")
-    config["pass"] = config.pop("pass_")
+    config = {"mesh": "x".join(str(mesh.shape[a]) for a in names), "axes": ",".join(names),
+              "expert_axis": expert_axis, "tokens": tokens, "hidden": hidden, "ffn": ffn, "experts": experts,
+              "top_k": top_k, "dtype": dt.name, "activation": activation, "transport": transport, "dedup": dedup,
+              "capacity_factor": capacity_factor, "chunks": chunks,
+              "pass": "forward+backward" if grad else "forward"}
     platform = mesh.devices.flat[0].platform
     return inspect_hlo(text, config, platform)
 
@@ -523,18 +555,21 @@ def _parser():
 
 
 def main(argv=None) -> InspectReport:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:  # read when JAX starts its CPU backend
         os.environ["XLA_FLAGS"] = (flags + f" --xla_force_host_platform_device_count={args.devices}").strip()
     axes = tuple(a for a in args.axes.split(",") if a)
     mesh_shape = tuple(int(n) for n in args.mesh.lower().split("x")) if args.mesh else None
-    if mesh_shape is None and len(axes) > 1:
-        raise SystemExit("inspect: --axes with several names needs --mesh, e.g. --mesh 2x4 --axes data,ep")
-    report = inspect_moe(mesh_shape=mesh_shape, axes=axes, expert_axis=args.expert_axis, tokens=args.tokens,
-                         hidden=args.hidden, ffn=args.ffn, experts=args.experts, top_k=args.top_k, dtype=args.dtype,
-                         activation=args.activation, transport=args.transport, dedup=args.dedup,
-                         capacity_factor=args.capacity_factor, chunks=args.chunks, grad=args.grad, dump=args.dump)
+    try:
+        report = inspect_moe(mesh_shape=mesh_shape, axes=axes, expert_axis=args.expert_axis, tokens=args.tokens,
+                             hidden=args.hidden, ffn=args.ffn, experts=args.experts, top_k=args.top_k,
+                             dtype=args.dtype, activation=args.activation, transport=args.transport,
+                             dedup=args.dedup, capacity_factor=args.capacity_factor, chunks=args.chunks,
+                             grad=args.grad, dump=args.dump)
+    except ValueError as err:  # bad sizes or mesh: a usage error, not a traceback
+        parser.error(str(err))
     print(report)
     if args.dump:
         print(f"\nfull HLO written to {args.dump}")

@@ -36,9 +36,12 @@ def test_demo_trains_and_dumps_hlo(tmp_path, capsys):
 
 
 def test_moe_custom_calls_counts_only_moe_xla_targets():
-    hlo = ('%a = f32[2] custom-call(%x), custom_call_target="moe_xla_gmm_cpu_v1"\n'
-           '%b = f32[2] custom-call(%a), custom_call_target="moe_xla_gmm_cpu_v1"\n'
-           '%c = f32[2] custom-call(%b), custom_call_target="__onednn$matmul"\n')
+    hlo = ('ENTRY %main (x: f32[2]) -> f32[2] {\n'
+           '  %x = f32[2] parameter(0)\n'
+           '  %a = f32[2] custom-call(%x), custom_call_target="moe_xla_gmm_cpu_v1"\n'
+           '  %b = f32[2] custom-call(%a), custom_call_target="moe_xla_gmm_cpu_v1"\n'
+           '  ROOT %c = f32[2] custom-call(%b), custom_call_target="__onednn$matmul"\n'
+           '}\n')
     assert demo.moe_custom_calls(hlo) == {"moe_xla_gmm_cpu_v1": 2}
 
 

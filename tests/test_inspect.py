@@ -66,3 +66,34 @@ def test_async_pairs_and_overlap():
     assert (ar.is_async, ar.before, ar.after) == (False, "g", "gmm.3")
     assert [s.label for s in r.schedule] == ["entry", "called of %call.2 in %main"]
     assert "overlaps %gmm.1, %g" in str(r)
+
+
+# The same all-to-all in XLA's long form: a generic async-start of a computation that wraps it.
+_LONG_ASYNC_HLO = """\
+HloModule m, is_scheduled=true
+
+%wrapped_all_to_all (p: f32[8,4]) -> f32[8,4] {
+  %p = f32[8,4]{1,0} parameter(0)
+  ROOT %all-to-all.1 = f32[8,4]{1,0} all-to-all(%p), channel_id=1, replica_groups={{0,1}}, dimensions={0}
+}
+
+ENTRY %main (a: f32[8,4], w: f32[2,4,4]) -> f32[8,4] {
+  %a = f32[8,4]{1,0} parameter(0)
+  %w = f32[2,4,4]{2,1,0} parameter(1)
+  %async-start = ((f32[8,4]{1,0}), f32[8,4]{1,0}, s32[]) async-start(%a), calls=%wrapped_all_to_all, metadata={op_name="jit(f)/moe_xla/dispatch/all_to_all"}
+  %gmm.1 = f32[8,4]{1,0} custom-call(%a, %w), custom_call_target="moe_xla_gmm_cuda_v1"
+  %async-update = ((f32[8,4]{1,0}), f32[8,4]{1,0}, s32[]) async-update(%async-start)
+  %async-done = f32[8,4]{1,0} async-done(%async-update)
+  ROOT %gmm.2 = f32[8,4]{1,0} custom-call(%async-done, %w), custom_call_target="moe_xla_gmm_cuda_v1"
+}
+"""
+
+
+def test_long_form_async_pair_counts_once():
+    r = moe_inspect.inspect_hlo(_LONG_ASYNC_HLO)
+    assert r.count("all-to-all") == 1, r.collectives  # not again as a sync op inside %wrapped_all_to_all
+    (a2a,) = r.collectives
+    assert (a2a.name, a2a.is_async, a2a.done, a2a.bytes, a2a.replica_groups, a2a.stage) == (
+        "async-start", True, "async-done", 128, "{{0,1}}", "dispatch")
+    assert a2a.overlapped == ["gmm.1"]
+    assert [s.label for s in r.schedule] == ["entry"]  # the wrapped computation is part of its async-start

@@ -16,16 +16,18 @@ from jax.sharding import PartitionSpec as P
 
 import moe_xla
 from moe_xla import reference
+from moe_xla.inspect import COLLECTIVES, inspect_hlo
 from conftest import requires_8_devices
 
 pytestmark = requires_8_devices
 
-COLLECTIVES = ("all-gather", "all-reduce", "all-to-all", "collective-permute", "reduce-scatter")
 M, K, N, G = 64, 32, 48, 4
 
 
 def collectives(hlo: str) -> dict:
-    return {c: len(re.findall(rf"= [^=]*\b{c}(-start)?\(", hlo)) for c in COLLECTIVES}
+    """{kind: count} of every collective kind (moe_xla.inspect.COLLECTIVES) in a compiled HLO text."""
+    report = inspect_hlo(hlo)
+    return {kind: report.count(kind) for kind in COLLECTIVES}
 
 
 def custom_call_shapes(hlo: str, op: str) -> list[str]:
