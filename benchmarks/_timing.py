@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import collections
 import datetime
+import functools
 import glob
 import gzip
 import json
+import math
 import platform
 import statistics
 import sys
@@ -18,6 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 CASES = json.loads((Path(__file__).parent / "cases.json").read_text())
@@ -46,8 +49,6 @@ def grouped_matmul_inputs(names=None, kinds=None, m_scale: float = 1.0):
     """Yields (case, kind, lhs, rhs, group_sizes) for the grouped_matmul cases of cases.json
     (those in `names`, default all) and group-size kinds (default all): bf16 lhs [M, K] ~ N(0, 1),
     rhs [G, K, N] ~ N(0, 1/K), M scaled by m_scale. The same data on every call (seed 0)."""
-    import jax.numpy as jnp
-
     rng = np.random.default_rng(0)
     for case in CASES["grouped_matmul"]:
         if names and case["name"] not in names:
@@ -57,6 +58,44 @@ def grouped_matmul_inputs(names=None, kinds=None, m_scale: float = 1.0):
         rhs = jnp.asarray(rng.standard_normal((g, k, n), np.float32) / np.sqrt(k), jnp.bfloat16)
         for kind in kinds or CASES["group_sizes"]:
             yield case, kind, lhs, rhs, jnp.asarray(group_sizes(m, g, kind))
+
+
+@functools.partial(jax.jit, static_argnames=("shape", "dtype", "scale"))
+def normal(key, shape, dtype, scale=1.0):
+    """N(0, scale^2) in dtype, made on the device; a 3-d array one leading slice at a time
+    so the f32 intermediate stays small."""
+    one = lambda k, s: (jax.random.normal(k, s, jnp.float32) * scale).astype(dtype)  # noqa: E731
+    if len(shape) == 3:
+        return jax.lax.map(lambda k: one(k, shape[1:]), jax.random.split(key, shape[0]))
+    return one(key, shape)
+
+
+def moe_inputs(key, tokens: int, hidden: int, ffn: int, experts: int):
+    """((x, router logits, w_in, w_out), ct) for moe_xla.moe and fwd_bwd: x [T, H] bf16 and
+    logits [T, E] f32 ~ N(0, 1), w_in [E, H, 2F] and w_out [E, F, H] bf16 ~ N(0, 1/fan_in),
+    the cotangent ct [T, H] f32 ~ N(0, 1)."""
+    keys = jax.random.split(key, 5)
+    inputs = (normal(keys[0], (tokens, hidden), jnp.bfloat16), normal(keys[1], (tokens, experts), jnp.float32),
+              normal(keys[2], (experts, hidden, 2 * ffn), jnp.bfloat16, 1.0 / math.sqrt(hidden)),
+              normal(keys[3], (experts, ffn, hidden), jnp.bfloat16, 1.0 / math.sqrt(ffn)))
+    return inputs, normal(keys[4], (tokens, hidden), jnp.float32)
+
+
+def moe_input_shapes(tokens: int, hidden: int, ffn: int, experts: int, sharding):
+    """moe_inputs' structure as ShapeDtypeStructs placed by `sharding`, nothing materialised
+    (for compile-only memory figures of full-size cases)."""
+    shapes = jax.eval_shape(lambda: moe_inputs(jax.random.key(0), tokens, hidden, ffn, experts))
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), shapes)
+
+
+def fwd_bwd(layer, n_inputs: int):
+    """jax.grad of sum(layer(*inputs).astype(f32) * ct) w.r.t. every input; ct is the last arg."""
+
+    def loss(*args):
+        *inputs, ct = args
+        return jnp.sum(layer(*inputs).astype(jnp.float32) * ct)
+
+    return jax.grad(loss, argnums=tuple(range(n_inputs)))
 
 
 def torch_grouped_mm(lhs, rhs, gs):
@@ -76,19 +115,27 @@ def torch_grouped_mm(lhs, rhs, gs):
     return lambda: torch._grouped_mm(a, b, offs=offs, out_dtype=torch.bfloat16)
 
 
-def time_jax(fn, *args, reps: int = 20, inner: int = 5) -> float:
-    """Median seconds per call of a jitted fn: warm up, then `reps` timings of `inner`
-    back-to-back calls (so host dispatch overlaps device work), each ended by a block."""
-    jax.block_until_ready(fn(*args))
-    jax.block_until_ready(fn(*args))
+def batch_times(call, sync, inner: int, reps: int = 0, seconds: float = 0.0) -> list[float]:
+    """Wall seconds per call of batches of `inner` back-to-back calls of call() (so host
+    dispatch overlaps device work), each ended by sync(last output): `reps` batches, and
+    more until `seconds` have passed."""
+    start = time.perf_counter()
     times = []
-    for _ in range(reps):
+    while len(times) < reps or time.perf_counter() - start < seconds:
         t0 = time.perf_counter()
         for _ in range(inner):
-            out = fn(*args)
-        jax.block_until_ready(out)
+            out = call()
+        sync(out)
         times.append((time.perf_counter() - t0) / inner)
-    return statistics.median(times)
+    return times
+
+
+def time_jax(fn, *args, reps: int = 20, inner: int = 5) -> float:
+    """Median seconds per call of a jitted fn: warm up, then `reps` batch_times of `inner`
+    calls, each ended by a block."""
+    jax.block_until_ready(fn(*args))
+    jax.block_until_ready(fn(*args))
+    return statistics.median(batch_times(lambda: fn(*args), jax.block_until_ready, inner, reps))
 
 
 def device_kernels(fn, args, calls: int):
@@ -183,3 +230,8 @@ def compiled_memory_bytes(compiled) -> int | None:
     if stats is None:
         return None
     return int(stats.temp_size_in_bytes + stats.argument_size_in_bytes + stats.output_size_in_bytes)
+
+
+def gib(nbytes):
+    """Bytes in GiB; None stays None (no memory analysis)."""
+    return None if nbytes is None else nbytes / 2**30

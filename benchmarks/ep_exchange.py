@@ -18,9 +18,10 @@ experts. These are the ragged transport's bytes; the padded transport sends whol
 of activations whatever the routing (padded_*: 2 chunks, both directions, other ranks).
 
 Memory per rank: XLA's compile-time memory_analysis() (temp + arguments + outputs) of the
-EP layer's forward and forward+backward programs on the mesh, per device, inputs split as
-the layer wants them (tokens and experts over the expert axis), for each (dedup,
-capacity_factor) setting; nothing is run, so full-size cases compile on CPU.
+EP layer's forward and forward+backward (jax.grad of sum(y * ct), the cotangent ct an f32
+argument) programs on the mesh, per device, inputs split as the layer wants them (tokens
+and experts over the expert axis), for each (dedup, capacity_factor) setting; nothing is
+run, so full-size cases compile on CPU.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ if "--help" not in sys.argv and "-h" not in sys.argv:
 
 from pathlib import Path  # noqa: E402
 
-from _timing import CASES, compiled_memory_bytes, environment, routing_options, write_results  # noqa: E402
+from _timing import (CASES, compiled_memory_bytes, environment, fwd_bwd, gib, moe_input_shapes,  # noqa: E402
+                     routing_options, write_results)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -46,7 +48,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import moe_xla  # noqa: E402
 from moe_xla import parallel  # noqa: E402
 
-MIB, GIB = 2**20, 2**30
+MIB = 2**20
 
 
 def _routing(case, tokens):
@@ -68,22 +70,14 @@ def wire_rows(ids, peers, num_experts):
 
 
 def _memory(case, mesh, tokens, dedup, capacity_factor):
-    hidden, ffn, experts = case["H"], case["F"], case["E"]
-    split = NamedSharding(mesh, P("ep"))
-    shapes = [jax.ShapeDtypeStruct((tokens, hidden), jnp.bfloat16, sharding=split),
-              jax.ShapeDtypeStruct((tokens, experts), jnp.float32, sharding=split),
-              jax.ShapeDtypeStruct((experts, hidden, 2 * ffn), jnp.bfloat16, sharding=split),
-              jax.ShapeDtypeStruct((experts, ffn, hidden), jnp.bfloat16, sharding=split)]
+    inputs, ct = moe_input_shapes(tokens, case["H"], case["F"], case["E"], NamedSharding(mesh, P("ep")))
 
     def layer(*a):
         return moe_xla.moe(*a, **routing_options(case), mesh=mesh, expert_axis="ep", transport="padded",
                            dedup=dedup, capacity_factor=capacity_factor)
 
-    def loss(*a):
-        return jnp.sum(layer(*a).astype(jnp.float32))
-
-    fwd = jax.jit(layer).lower(*shapes).compile()
-    bwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).lower(*shapes).compile()
+    fwd = jax.jit(layer).lower(*inputs).compile()
+    bwd = jax.jit(fwd_bwd(layer, 4)).lower(*inputs, ct).compile()
     return compiled_memory_bytes(fwd), compiled_memory_bytes(bwd)
 
 
@@ -120,8 +114,8 @@ def main():
             for name, on in (("no_dedup", False), ("dedup", True)):
                 for cf_name, cf in (("worst", None), (f"cf{args.capacity_factor:g}", args.capacity_factor)):
                     fwd, bwd = _memory(case, mesh, tokens, on, cf)
-                    row[f"mem_gib_fwd_{name}_{cf_name}"] = fwd / GIB if fwd is not None else None
-                    row[f"mem_gib_fwdbwd_{name}_{cf_name}"] = bwd / GIB if bwd is not None else None
+                    row[f"mem_gib_fwd_{name}_{cf_name}"] = gib(fwd)
+                    row[f"mem_gib_fwdbwd_{name}_{cf_name}"] = gib(bwd)
         rows.append(row)
         print(row, flush=True)
     columns = ["case", "rows_no_dedup", "rows_dedup", "wire_mib_per_rank_no_dedup", "wire_mib_per_rank_dedup",

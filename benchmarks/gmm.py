@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from _timing import (compiled_memory_bytes, environment, grouped_matmul_inputs, is_oom, time_jax, time_torch,
+from _timing import (compiled_memory_bytes, environment, gib, grouped_matmul_inputs, is_oom, time_jax, time_torch,
                      torch_grouped_mm, write_results)
 
 import jax
@@ -56,10 +56,6 @@ def _bench_torch(lhs, rhs, gs):
     return None if call is None else time_torch(call)
 
 
-def _gib(nbytes):
-    return None if nbytes is None else nbytes / 2**30
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
@@ -77,7 +73,7 @@ def main():
         row = {"case": case["name"], "groups": kind, "M": m, "K": k, "N": n, "G": g,
                "gmm_fwd_ms": fwd * 1e3, "gmm_fwd_tflops": flops / fwd / 1e12,
                "gmm_bwd_ms": bwd * 1e3, "gmm_bwd_tflops": 2 * flops / bwd / 1e12,
-               "gmm_fwd_mem_gib": _gib(ours["fwd_mem"]), "gmm_bwd_mem_gib": _gib(ours["bwd_mem"])}
+               "gmm_fwd_mem_gib": gib(ours["fwd_mem"]), "gmm_bwd_mem_gib": gib(ours["bwd_mem"])}
         torch_t = _bench_torch(lhs, rhs, gs)
         if torch_t is not None:
             row.update(torch_fwd_ms=torch_t * 1e3, torch_fwd_tflops=flops / torch_t / 1e12,
@@ -86,7 +82,7 @@ def main():
             rd = _bench_ragged_dot(lhs, rhs, gs)
             for name in ("fwd", "bwd"):
                 t = rd[name]
-                row[f"ragged_dot_{name}_mem_gib"] = _gib(rd.get(f"{name}_mem"))
+                row[f"ragged_dot_{name}_mem_gib"] = gib(rd.get(f"{name}_mem"))
                 row[f"ragged_dot_{name}_ms"] = t if isinstance(t, str) else t * 1e3
                 mine = fwd if name == "fwd" else bwd
                 row[f"{name}_vs_ragged_dot"] = "OOM" if isinstance(t, str) else t / mine

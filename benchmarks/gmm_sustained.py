@@ -21,7 +21,7 @@ import threading
 import time
 from pathlib import Path
 
-from _timing import CASES, environment, grouped_matmul_inputs, torch_grouped_mm, write_results
+from _timing import CASES, batch_times, environment, grouped_matmul_inputs, torch_grouped_mm, write_results
 
 import jax
 import jax.numpy as jnp
@@ -60,13 +60,7 @@ class Sampler(threading.Thread):
 def _turn(call, sync, seconds):
     """Per-call seconds of each batch after the first, and the turn's (start, end)."""
     start = time.perf_counter()
-    times = []
-    while time.perf_counter() - start < seconds or len(times) < 3:
-        t0 = time.perf_counter()
-        for _ in range(BATCH):
-            out = call()
-        sync(out)
-        times.append((time.perf_counter() - t0) / BATCH)
+    times = batch_times(call, sync, BATCH, reps=3, seconds=seconds)
     return times[1:], (start, time.perf_counter())
 
 

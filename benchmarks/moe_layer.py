@@ -32,7 +32,8 @@ import gc
 import math
 from pathlib import Path
 
-from _timing import CASES, compiled_memory_bytes, environment, is_oom, routing_options, time_jax, write_results
+from _timing import (CASES, compiled_memory_bytes, environment, fwd_bwd, gib, is_oom, moe_inputs, normal,
+                     routing_options, time_jax, write_results)
 
 import jax
 import jax.numpy as jnp
@@ -41,7 +42,6 @@ import moe_xla
 from moe_xla import reference
 
 BASELINES = ("ragged_dot", "capacity", "dense")
-GIB = 2**30
 F32 = jnp.float32
 DTYPE = jnp.bfloat16
 MEMORY_METRIC = "compiled memory_analysis(): temp + argument + output bytes (estimate, aliasing not subtracted)"
@@ -127,27 +127,7 @@ def dense_mlp(x, w1, w2):
     return _swiglu(x @ w1) @ w2
 
 
-def fwd_bwd(layer, n_inputs: int):
-    """jax.grad of sum(layer(*inputs).astype(f32) * ct) w.r.t. every input; ct is the last arg."""
-
-    def loss(*args):
-        *inputs, ct = args
-        return jnp.sum(layer(*inputs).astype(F32) * ct)
-
-    return jax.grad(loss, argnums=tuple(range(n_inputs)))
-
-
 # ---------------------------------------------------------------------------- measuring
-
-
-@functools.partial(jax.jit, static_argnames=("shape", "dtype", "scale"))
-def _normal(key, shape, dtype, scale=1.0):
-    """N(0, scale^2) in dtype, made on the device; a 3-d array one leading slice at a time
-    so the f32 intermediate stays small."""
-    one = lambda k, s: (jax.random.normal(k, s, F32) * scale).astype(dtype)  # noqa: E731
-    if len(shape) == 3:
-        return jax.lax.map(lambda k: one(k, shape[1:]), jax.random.split(key, shape[0]))
-    return one(key, shape)
 
 
 def _host_memory_available() -> int | None:
@@ -182,7 +162,7 @@ def _measure(fn, args, reps: int, inner: int) -> dict:
         compiled = jax.jit(fn).lower(*args).compile()
         mem = compiled_memory_bytes(compiled)
         if not _fits_host_memory(compiled):
-            return {"ms": "OOM (host estimate)", "mem_gib": None if mem is None else mem / GIB}
+            return {"ms": "OOM (host estimate)", "mem_gib": gib(mem)}
         ms = time_jax(compiled, *args, reps=reps, inner=inner) * 1e3
     except Exception as err:  # noqa: BLE001 - OOM is a result, anything else is re-raised
         if not is_oom(err):
@@ -190,7 +170,7 @@ def _measure(fn, args, reps: int, inner: int) -> dict:
         ms = "OOM"
     finally:
         gc.collect()
-    return {"ms": ms, "mem_gib": None if mem is None else mem / GIB}
+    return {"ms": ms, "mem_gib": gib(mem)}
 
 
 def _bench(name, layer, inputs, ct, flops, reps, inner, row, keep_output=False):
@@ -250,13 +230,8 @@ def main():
         t = max(1, int(case["T"] * args.t_scale))
         h, f, e, k = case["H"], case["F"], case["E"], case["top_k"]
         flops = 6.0 * t * k * h * f
-        keys = jax.random.split(jax.random.fold_in(key, len(rows)), 8)
-        x = _normal(keys[0], (t, h), DTYPE)
-        logits = _normal(keys[1], (t, e), F32)
-        w_in = _normal(keys[2], (e, h, 2 * f), DTYPE, 1.0 / math.sqrt(h))
-        w_out = _normal(keys[3], (e, f, h), DTYPE, 1.0 / math.sqrt(f))
-        ct = _normal(keys[4], (t, h), F32)
-        inputs = (x, logits, w_in, w_out)
+        layer_key, dense_key = jax.random.split(jax.random.fold_in(key, len(rows)))
+        inputs, ct = moe_inputs(layer_key, t, h, f, e)
         row = {"case": case["name"], "T": t, "H": h, "F": f, "E": e, "top_k": k, "score": case["score"],
                "gflop_fwd": flops / 1e9}
 
@@ -273,25 +248,26 @@ def main():
             del y_rd
 
         c = capacity(t, k, e, args.capacity_factor)
-        dispatch_gib = t * e * c * jnp.dtype(DTYPE).itemsize / GIB
+        dispatch_gib = gib(t * e * c * jnp.dtype(DTYPE).itemsize)
         row.update(capacity_C=c, capacity_dispatch_gib=dispatch_gib)
         if "capacity" in args.skip:
             _fill_skipped(row, "capacity", "skipped")
         elif dispatch_gib > args.max_dispatch_gib:
             _fill_skipped(row, "capacity", f"skipped (dispatch tensor {dispatch_gib:.0f} GiB)")
         else:
-            row["capacity_dropped_frac"] = capacity_dropped(case, logits, e, c)
+            row["capacity_dropped_frac"] = capacity_dropped(case, inputs[1], e, c)
             _bench("capacity", capacity_layer(case, c), inputs, ct, flops, reps, inner_slow, row)
 
-        del y_ref, inputs, x, logits, w_in, w_out, ct
+        del y_ref, inputs, ct
         gc.collect()
 
         if "dense" in args.skip:
             _fill_skipped(row, "dense", "skipped")
         else:  # the same FLOPs with no routing: [T*k, H] @ [H, 2F] -> swiglu -> @ [F, H]
-            dense_inputs = (_normal(keys[5], (t * k, h), DTYPE), _normal(keys[6], (h, 2 * f), DTYPE, 1.0 / math.sqrt(h)),
-                            _normal(keys[7], (f, h), DTYPE, 1.0 / math.sqrt(f)))
-            dense_ct = _normal(keys[4], (t * k, h), F32)
+            keys = jax.random.split(dense_key, 4)
+            dense_inputs = (normal(keys[0], (t * k, h), DTYPE), normal(keys[1], (h, 2 * f), DTYPE, 1.0 / math.sqrt(h)),
+                            normal(keys[2], (f, h), DTYPE, 1.0 / math.sqrt(f)))
+            dense_ct = normal(keys[3], (t * k, h), F32)
             _bench("dense", dense_mlp, dense_inputs, dense_ct, flops, reps, inner_fast, row)
             del dense_inputs, dense_ct
             gc.collect()

@@ -1,11 +1,15 @@
-// A route() test case, shared by the CPU test (cpu/routing_test.cc) and the CUDA
-// self-test (cuda/routing_selftest.cu) so both describe their cases alike.
+// A route() test case and the tests' reference group scores, shared by the CPU test
+// (cpu/routing_test.cc) and the CUDA self-test (cuda/routing_selftest.cu).
 #ifndef MOE_XLA_CPU_ROUTE_CASE_H_
 #define MOE_XLA_CPU_ROUTE_CASE_H_
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <limits>
 #include <string>
+#include <vector>
 
 #include "common/routing.h"
 
@@ -28,6 +32,22 @@ inline std::string describe(const RouteCase& c) {
                 c.score == Score::kSoftmax ? "softmax" : "sigmoid", c.bias, (long long)c.keep, (long long)c.groups,
                 c.renormalize, c.scale);
   return buf;
+}
+
+// Group scores of one token's selection scores `select` [E] (NaN already -inf): per group of
+// E / groups experts, the sum of its two largest scores (its one score for single-expert
+// groups), NaN as -inf. Written by sorting, independently of common/routing.h's
+// group_score, which it checks.
+inline std::vector<float> reference_group_scores(const std::vector<float>& select, int64_t groups) {
+  const int64_t size = static_cast<int64_t>(select.size()) / groups;
+  std::vector<float> scores(groups);
+  for (int64_t g = 0; g < groups; ++g) {
+    std::vector<float> v(select.begin() + g * size, select.begin() + (g + 1) * size);
+    std::sort(v.begin(), v.end(), [](float a, float b) { return a > b; });
+    const float s = size == 1 ? v[0] : v[0] + v[1];
+    scores[g] = std::isnan(s) ? -std::numeric_limits<float>::infinity() : s;
+  }
+  return scores;
 }
 
 }  // namespace moe_xla

@@ -14,10 +14,10 @@
 #include <vector>
 
 #include "common/routing.h"
-#include "cpu/route_case.h"
 #include "cpu/dtype.h"
 #include "cpu/permute.h"
 #include "cpu/route.h"
+#include "cpu/route_case.h"
 #include "cpu/unpermute.h"
 
 namespace moe_xla::cpu {
@@ -27,7 +27,6 @@ constexpr float kInf = std::numeric_limits<float>::infinity();
 int failures = 0;
 
 bool same_float(float a, float b) { return (std::isnan(a) && std::isnan(b)) || a == b; }
-
 
 // ---------------------------------------------------------------------------------- route
 
@@ -57,13 +56,7 @@ void route_direct(const RouteParams& p) {
     }
     for (float& v : select) v = std::isnan(v) ? -kInf : v;
     if (groups > 1) {
-      std::vector<float> score(groups);
-      for (int64_t g = 0; g < groups; ++g) {
-        std::vector<float> v(select.begin() + g * size, select.begin() + (g + 1) * size);
-        std::sort(v.begin(), v.end(), [](float a, float b) { return a > b; });
-        score[g] = size == 1 ? v[0] : v[0] + v[1];
-        if (std::isnan(score[g])) score[g] = -kInf;
-      }
+      const std::vector<float> score = reference_group_scores(select, groups);
       for (int64_t g = 0; g < groups; ++g) {
         int64_t ahead = 0;  // groups that rank before g
         for (int64_t h = 0; h < groups; ++h) {

@@ -13,9 +13,9 @@
 //      elements against a float64 dot product on the device,
 //   2. for every eligible (path, raster order[, swizzle]) variant: runs it once into a
 //      NaN-poisoned output and compares with the default output (max |diff| / max |ref|
-//      < 1e-2, no NaN), then `--warmup` untimed calls, `--sustain-ms` of untimed calls
-//      back to back (default 0; short runs time a cool GPU, whose clock a longer load
-//      lowers) and `--reps` timed calls (one pair of CUDA events around each call, calls
+//      < 1e-2, no NaN), then untimed calls back to back, `--warmup` of them and more until
+//      `--sustain-ms` has passed (default 0; short runs time a cool GPU, whose clock a
+//      longer load lowers), and `--reps` timed calls (one pair of CUDA events around each call, calls
 //      enqueued back to back), and keeps the median,
 //   3. prints TFLOP/s (2*M*K*N per product) per variant and case as one table per product,
 //      and at the end the best variant per case and product and, per product, each
@@ -305,22 +305,18 @@ struct Bench {
   // Median milliseconds of `reps` calls, or a negative value if a call failed.
   double time_ms(const GroupedGemmParams& p, const GroupedGemmConfig& config, void* ws,
                  size_t ws_bytes, std::string* why) {
-    for (int i = 0; i < opt.warmup; ++i) {
+    // Untimed calls: --warmup of them, and more until --sustain-ms has passed (keeps the GPU
+    // busy with this variant so clock and power settle under load); the stream is
+    // synchronised every 16 calls to bound the queue.
+    const auto hot_until =
+        std::chrono::steady_clock::now() + std::chrono::milliseconds(opt.sustain_ms);
+    for (int i = 0; i < opt.warmup || std::chrono::steady_clock::now() < hot_until; ++i) {
       if (const char* err =
               moe_xla::cuda::grouped_gemm(p, ws, ws_bytes, sm_count, stream, config)) {
         *why = err;
         return -1;
       }
-    }
-    // --sustain-ms: keep the GPU busy with this variant (clock and power settle under load)
-    // before timing; the stream is synchronised every 16 calls to bound the queue.
-    const auto hot_until =
-        std::chrono::steady_clock::now() + std::chrono::milliseconds(opt.sustain_ms);
-    while (std::chrono::steady_clock::now() < hot_until) {
-      for (int i = 0; i < 16; ++i) {
-        moe_xla::cuda::grouped_gemm(p, ws, ws_bytes, sm_count, stream, config);
-      }
-      CHECK_CUDA(cudaStreamSynchronize(stream));
+      if (i % 16 == 15) CHECK_CUDA(cudaStreamSynchronize(stream));
     }
     std::vector<cudaEvent_t> start(opt.reps), stop(opt.reps);
     for (int r = 0; r < opt.reps; ++r) {

@@ -61,7 +61,6 @@ using moe_xla::UnpermuteParams;
 constexpr float kInf = std::numeric_limits<float>::infinity();
 int failures = 0;
 
-
 // Device allocation of `bytes` bytes whose usable pointer is offset by `misalign` bytes.
 struct DeviceBuffer {
   char* base = nullptr;
@@ -164,14 +163,7 @@ void host_scores(const RouteCase& c, const RouteInputs& in, int64_t t, std::vect
     }
   }
   for (float& v : select) v = std::isnan(v) ? -kInf : v;
-  group_score.assign(c.groups, 0.0f);
-  const int64_t size = c.E / c.groups;
-  for (int64_t g = 0; g < c.groups; ++g) {
-    std::vector<float> v(select.begin() + g * size, select.begin() + (g + 1) * size);
-    std::sort(v.begin(), v.end(), [](float a, float b) { return a > b; });
-    const float s = size == 1 ? v[0] : v[0] + v[1];
-    group_score[g] = std::isnan(s) ? -kInf : s;
-  }
+  group_score = moe_xla::reference_group_scores(select, c.groups);
 }
 
 bool near(float a, float b) { return close(a, b, 4e-6f, 1e-30f); }
