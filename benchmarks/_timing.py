@@ -130,6 +130,25 @@ def batch_times(call, sync, inner: int, reps: int = 0, seconds: float = 0.0) -> 
     return times
 
 
+def alternating_times(impls: dict, seconds: float, rounds: int, inner: int = 20):
+    """Implementations taking turns on the device, for comparisons that do not favour
+    whichever runs first on a cooler GPU (under sustained load these GEMMs sit at the
+    power cap and the clock drops): impls = {name: (call, sync)}; `rounds` rounds in which
+    each runs `seconds` of batch_times batches of `inner` calls, the order rotating by one
+    every round. Returns ({name: per-call seconds of every batch but each turn's first},
+    {name: [(start, end) of each turn]})."""
+    names = list(impls)
+    times = {n: [] for n in names}
+    spans = {n: [] for n in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            call, sync = impls[name]
+            start = time.perf_counter()
+            times[name] += batch_times(call, sync, inner, reps=3, seconds=seconds)[1:]
+            spans[name].append((start, time.perf_counter()))
+    return times, spans
+
+
 def time_jax(fn, *args, reps: int = 20, inner: int = 5) -> float:
     """Median seconds per call of a jitted fn: warm up, then `reps` batch_times of `inner`
     calls, each ended by a block."""

@@ -8,20 +8,23 @@ per turn, `--rounds` turns each (the order rotates every round, so none always r
 hotter GPU): moe_xla.gmm with weights [G, K, N], moe_xla.gmm with transpose_rhs on the
 K-major copy [G, N, K] that torch gets, and torch._grouped_mm. Time per call is the wall
 time of batches of 20 calls ended by a device sync (the first batch of each turn is
-dropped); a thread samples NVML's SM clock and power every 10 ms. Reported per
-implementation: median ms per call, TFLOP/s (2 M K N), mean SM clock (MHz) and power (W)
-over its turns, and each one's time relative to torch's.
+dropped); a thread samples NVML's SM clock, power, temperature and clock-throttle reasons
+every 10 ms. Reported per implementation: median ms per call, TFLOP/s (2 M K N), mean SM
+clock (MHz), power (W) and temperature over its turns, the share of samples with the
+power cap (or a thermal slowdown) holding the clock down, and its speed relative to
+torch's (torch ms / ms).
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import statistics
 import threading
 import time
 from pathlib import Path
 
-from _timing import CASES, batch_times, environment, grouped_matmul_inputs, torch_grouped_mm, write_results
+from _timing import CASES, alternating_times, environment, grouped_matmul_inputs, torch_grouped_mm, write_results
 
 import jax
 import jax.numpy as jnp
@@ -32,36 +35,49 @@ BATCH = 20
 
 
 class Sampler(threading.Thread):
-    """(time, SM MHz, W) every `period` s from NVML, device 0, until stop()."""
+    """(time, SM MHz, W, degrees C, throttle-reason bits) of device 0 every `period` s, read
+    through libnvidia-ml with ctypes (no Python NVML package needed), until stop()."""
+
+    POWER_CAP = 0x4  # nvmlClocksThrottleReasonSwPowerCap
+    THERMAL = 0x20 | 0x40  # software / hardware thermal slowdown
 
     def __init__(self, period=0.01):
         super().__init__(daemon=True)
-        import pynvml
-
-        pynvml.nvmlInit()
-        self.nvml, self.handle, self.period = pynvml, pynvml.nvmlDeviceGetHandleByIndex(0), period
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+        self.handle = ctypes.c_void_p()
+        for status in (nvml.nvmlInit_v2(), nvml.nvmlDeviceGetHandleByIndex_v2(0, ctypes.byref(self.handle))):
+            if status:
+                raise RuntimeError(f"NVML error {status}")
+        self.nvml, self.period = nvml, period
         self.samples, self.done = [], threading.Event()
+
+    def _read(self):
+        clock, milliwatts, celsius, reasons = ctypes.c_uint(), ctypes.c_uint(), ctypes.c_uint(), ctypes.c_ulonglong()
+        self.nvml.nvmlDeviceGetClockInfo(self.handle, 1, ctypes.byref(clock))  # NVML_CLOCK_SM
+        self.nvml.nvmlDeviceGetPowerUsage(self.handle, ctypes.byref(milliwatts))
+        self.nvml.nvmlDeviceGetTemperature(self.handle, 0, ctypes.byref(celsius))  # NVML_TEMPERATURE_GPU
+        self.nvml.nvmlDeviceGetCurrentClocksThrottleReasons(self.handle, ctypes.byref(reasons))
+        return clock.value, milliwatts.value / 1e3, celsius.value, reasons.value
 
     def run(self):
         while not self.done.is_set():
-            clock = self.nvml.nvmlDeviceGetClockInfo(self.handle, self.nvml.NVML_CLOCK_SM)
-            watts = self.nvml.nvmlDeviceGetPowerUsage(self.handle) / 1e3
-            self.samples.append((time.perf_counter(), clock, watts))
+            self.samples.append((time.perf_counter(), *self._read()))
             time.sleep(self.period)
 
     def stop(self):
         self.done.set()
         self.join()
 
-    def between(self, t0, t1):
-        return [(c, w) for t, c, w in self.samples if t0 <= t < t1]
-
-
-def _turn(call, sync, seconds):
-    """Per-call seconds of each batch after the first, and the turn's (start, end)."""
-    start = time.perf_counter()
-    times = batch_times(call, sync, BATCH, reps=3, seconds=seconds)
-    return times[1:], (start, time.perf_counter())
+    def summary(self, spans):
+        """Mean SM MHz, W and degrees C, and the fractions of samples throttled by the power
+        cap and by temperature, over the samples inside any of the (start, end) spans."""
+        inside = [s[1:] for s in self.samples if any(t0 <= s[0] < t1 for t0, t1 in spans)]
+        if not inside:
+            return dict(sm_mhz=None, watts=None, temp_c=None, power_capped=None, thermal=None)
+        mean = lambda i: statistics.fmean(s[i] for s in inside)  # noqa: E731
+        share = lambda bits: sum(1 for s in inside if s[3] & bits) / len(inside)  # noqa: E731
+        return dict(sm_mhz=mean(0), watts=mean(1), temp_c=mean(2), power_capped=share(self.POWER_CAP),
+                    thermal=share(self.THERMAL))
 
 
 def _impls(lhs, rhs, gs):
@@ -88,28 +104,19 @@ def main():
     sampler.start()
     rows = []
     for case, kind, lhs, rhs, gs in grouped_matmul_inputs(args.cases, args.groups):
-        impls = _impls(lhs, rhs, gs)
-        names = list(impls)
-        times = {n: [] for n in names}
-        spans = {n: [] for n in names}
-        for r in range(args.rounds):
-            for name in names[r % len(names):] + names[:r % len(names)]:
-                t, span = _turn(*impls[name], args.seconds)
-                times[name] += t
-                spans[name].append(span)
+        times, spans = alternating_times(_impls(lhs, rhs, gs), args.seconds, args.rounds, BATCH)
         flops = 2 * lhs.shape[0] * lhs.shape[1] * rhs.shape[2]
         torch_ms = statistics.median(times["torch"]) * 1e3
-        for name in names:
-            samples = [s for t0, t1 in spans[name] for s in sampler.between(t0, t1)]
+        for name in times:
             ms = statistics.median(times[name]) * 1e3
             row = {"case": case["name"], "groups": kind, "impl": name, "ms": ms, "tflops": flops / ms / 1e9,
-                   "vs_torch": torch_ms / ms, "sm_mhz": statistics.fmean(c for c, _ in samples) if samples else None,
-                   "watts": statistics.fmean(w for _, w in samples) if samples else None}
+                   "vs_torch": torch_ms / ms, **sampler.summary(spans[name])}
             rows.append(row)
             print(row, flush=True)
     sampler.stop()
     write_results(args.out, "gmm_sustained", environment(), rows,
-                  ["case", "groups", "impl", "ms", "tflops", "vs_torch", "sm_mhz", "watts"])
+                  ["case", "groups", "impl", "ms", "tflops", "vs_torch", "sm_mhz", "watts", "temp_c", "power_capped",
+                   "thermal"])
 
 
 if __name__ == "__main__":

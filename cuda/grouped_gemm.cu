@@ -231,13 +231,15 @@ bool cutlass_supported(const GroupedGemmParams& p, GroupedGemmPath path) {
 // Path (bf16; f16 has only the large configuration). Small tiles (pingpong 64x128x128)
 // when they avoid padding: gmm with <= 128 rows per group on average or N <= 128; tgmm
 // when K or N <= 128 or the large tiles would not fill one wave. Otherwise, from
-// //cuda:grouped_gemm_bench on the H200 (benchmarks/results/LOG.md, 2026-11-29; TFLOP/s
-// of the chosen config vs cooperative 128x256 cluster 2x1, the previous default):
-//  - gmm (B = rhs[g] N-major): pingpong 64x256 when K <= 1024 (qwen3 down: 524-560 vs
-//    454-500: the epilogue is a large share with a short K), else cooperative 128x256
-//    cluster 2x1 (best or within 2% on every other case).
-//  - gmm with transposed rhs (K-major B; also d lhs in the backward): pingpong 64x256
-//    when K <= 2048 (+5-20%), else cooperative 128x256 cluster 1x1 (+3-12%).
+// //cuda:grouped_gemm_bench --sustain-ms 300 on the H200 (benchmarks/results/LOG.md,
+// session 4): back to back, these GEMMs hold the GPU at its 700 W power cap (SM clock
+// 1.3-1.6 GHz, not 1.98), which reorders configurations that a short burst on a cool GPU
+// had ranked, so they are ranked hot:
+//  - gmm, both rhs layouts (B N-major, or K-major with transpose_rhs): pingpong 64x256
+//    cluster 2x1 when K <= 1024 (qwen3 down, where the epilogue is a large share of a
+//    short K loop), else cooperative 128x256 with A multicast over a 1x2 cluster (best, or
+//    within 2% of the best, on every other case; +2-6% over cluster 2x1, whose groups are
+//    padded to 256 rows instead of 128).
 //  - tgmm (ragged K): pingpong 64x256 when G >= 16 (+2-30%); with few, huge groups
 //    (mixtral, G = 8) cooperative 128x256 cluster 2x1 (657 vs 631).
 GroupedGemmPath select_path(const GroupedGemmParams& p, int sm_count) {
@@ -252,12 +254,8 @@ GroupedGemmPath select_path(const GroupedGemmParams& p, int sm_count) {
   } else {
     const int64_t avg_rows = p.m / p.num_groups;
     small = avg_rows <= 128 || p.n <= 128;
-    if (p.layout == GroupedLayout::kGmm) {
-      tuned = p.k <= 1024 ? GroupedGemmPath::kCutlassPingpong64x256Cluster2x1 : GroupedGemmPath::kCutlassLarge;
-    } else {
-      tuned = p.k <= 2048 ? GroupedGemmPath::kCutlassPingpong64x256Cluster2x1
-                          : GroupedGemmPath::kCutlassCoop128x256Cluster1x1;
-    }
+    tuned = p.k <= 1024 ? GroupedGemmPath::kCutlassPingpong64x256Cluster2x1
+                        : GroupedGemmPath::kCutlassCoop128x256Cluster1x2;
   }
   if (small) return GroupedGemmPath::kCutlassSmall;
   return cutlass_supported(p, tuned) ? tuned : GroupedGemmPath::kCutlassLarge;
