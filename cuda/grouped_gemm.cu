@@ -238,8 +238,10 @@ bool cutlass_supported(const GroupedGemmParams& p, GroupedGemmPath path) {
 //  - gmm, both rhs layouts (B N-major, or K-major with transpose_rhs): pingpong 64x256
 //    cluster 2x1 when K <= 1024 (qwen3 down, where the epilogue is a large share of a
 //    short K loop), else cooperative 128x256 with A multicast over a 1x2 cluster (best, or
-//    within 2% of the best, on every other case; +2-6% over cluster 2x1, whose groups are
-//    padded to 256 rows instead of 128).
+//    within 3% of the best, on every other case; +2-6% over cluster 2x1, whose groups are
+//    padded to 256 rows instead of 128). The 1x2 cluster pairs 256-column tiles, so with
+//    an odd number of them (qwen3 down's d lhs, N = 768) it computes one tile of zeros per
+//    row of tiles: there cluster 1x1 (538-542 vs 431 TFLOP/s).
 //  - tgmm (ragged K): pingpong 64x256 when G >= 16 (+2-30%); with few, huge groups
 //    (mixtral, G = 8) cooperative 128x256 cluster 2x1 (657 vs 631).
 GroupedGemmPath select_path(const GroupedGemmParams& p, int sm_count) {
@@ -254,8 +256,10 @@ GroupedGemmPath select_path(const GroupedGemmParams& p, int sm_count) {
   } else {
     const int64_t avg_rows = p.m / p.num_groups;
     small = avg_rows <= 128 || p.n <= 128;
-    tuned = p.k <= 1024 ? GroupedGemmPath::kCutlassPingpong64x256Cluster2x1
-                        : GroupedGemmPath::kCutlassCoop128x256Cluster1x2;
+    const bool column_tile_pairs = (p.n + 255) / 256 % 2 == 0;
+    tuned = p.k <= 1024           ? GroupedGemmPath::kCutlassPingpong64x256Cluster2x1
+            : column_tile_pairs ? GroupedGemmPath::kCutlassCoop128x256Cluster1x2
+                                : GroupedGemmPath::kCutlassCoop128x256Cluster1x1;
   }
   if (small) return GroupedGemmPath::kCutlassSmall;
   return cutlass_supported(p, tuned) ? tuned : GroupedGemmPath::kCutlassLarge;
