@@ -73,9 +73,10 @@ from jax.interpreters import ad, batching, mlir
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from moe_xla import reference
 from moe_xla.moe import _aux, expert_mlp, shared_mlp
 from moe_xla.primitives import _ad
-from moe_xla.primitives._batching import all_to_front
+from moe_xla.primitives._batching import all_to_front, folded_rows
 from moe_xla.primitives.permute import permute
 from moe_xla.primitives.route import route
 from moe_xla.primitives.unpermute import unpermute
@@ -476,8 +477,7 @@ def _expand_impl(rows, slots, weights, *, num_pairs):
 
 def _picked(values, s):
     """values[s] in the accumulation dtype, 0 where s is past the rows of values."""
-    m = values.shape[0]
-    return jnp.where((s < m)[:, None], values[jnp.minimum(s, m - 1)].astype(_acc(values.dtype)), 0)
+    return reference.take_rows(values, s, _acc(values.dtype))
 
 
 def _gather_sum_impl(values, slots, weights):
@@ -515,17 +515,14 @@ def _bilinear_rules(prim, data_transpose, weights_transpose):
     ad.primitive_transposes[prim] = transpose
 
 
-def _fold_slots(slots, per_batch: int):
-    """[B, N, mult] slots into rows of a [B * per_batch] array: batch b's slot s -> b per_batch + s;
-    slots past per_batch (no row) stay past every batch."""
-    b = slots.shape[0]
-    offset = (jnp.arange(b, dtype=slots.dtype) * per_batch)[:, None, None]
-    return jnp.where(slots < per_batch, slots + offset, b * per_batch).reshape(-1, slots.shape[-1])
+def _folded_slots(slots, per_batch: int):
+    """[B, N, mult] slots into B blocks of per_batch rows -> [B N, mult] slots into the stack."""
+    return folded_rows(slots, per_batch).reshape(-1, slots.shape[-1])
 
 
 def _expand_batch(args, dims, *, num_pairs):
     (rows, slots, weights), size = all_to_front(args, dims)
-    out = expand_p.bind(rows.reshape(-1, rows.shape[-1]), _fold_slots(slots, num_pairs),
+    out = expand_p.bind(rows.reshape(-1, rows.shape[-1]), _folded_slots(slots, num_pairs),
                         weights.reshape(-1, weights.shape[-1]), num_pairs=size * num_pairs)
     return out.reshape(size, num_pairs, -1), 0
 
@@ -533,7 +530,7 @@ def _expand_batch(args, dims, *, num_pairs):
 def _gather_sum_batch(args, dims):
     (values, slots, weights), size = all_to_front(args, dims)
     n = slots.shape[1]
-    out = gather_sum_p.bind(values.reshape(-1, values.shape[-1]), _fold_slots(slots, values.shape[1]),
+    out = gather_sum_p.bind(values.reshape(-1, values.shape[-1]), _folded_slots(slots, values.shape[1]),
                             weights.reshape(-1, weights.shape[-1]))
     return out.reshape(size, n, -1), 0
 

@@ -124,14 +124,18 @@ def permute(x, expert_ids, num_experts: int):
     return x_sorted, group_sizes, row_map
 
 
+def take_rows(values, idx, dtype):
+    """values[idx] ([..., H] rows of values [R, H]) as dtype, 0 where idx is outside [0, R)."""
+    n = values.shape[0]
+    valid = (idx >= 0) & (idx < n)
+    return jnp.where(valid[..., None], values[jnp.clip(idx, 0, max(n - 1, 0))].astype(dtype), 0)
+
+
 def unpermute(y_sorted, row_map, weights):
     """y[t] = sum_j weights[t, j] * y_sorted[row_map[t*k + j]], in float32, j in order;
     row_map entries outside [0, T*k) contribute 0."""
     t, k = weights.shape
-    n = y_sorted.shape[0]
-    valid = (row_map >= 0) & (row_map < n)
-    rows = jnp.where(valid[:, None], y_sorted[jnp.clip(row_map, 0, max(n - 1, 0))].astype(jnp.float32), 0.0)
-    rows = rows.reshape(t, k, -1)
+    rows = take_rows(y_sorted, row_map, jnp.float32).reshape(t, k, -1)
     y = jnp.zeros((t, y_sorted.shape[1]), jnp.float32)
     for j in range(k):
         y = y + weights[:, j, None] * rows[:, j]

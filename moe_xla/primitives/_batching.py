@@ -1,5 +1,5 @@
 """Batching rules' shared steps: batch dimensions to the front, and folding a vmapped batch
-of grouped problems into one grouped problem."""
+of grouped problems (or of row indices) into one."""
 
 from __future__ import annotations
 
@@ -24,3 +24,12 @@ def folded_group_sizes(group_sizes, m: int):
     sizes = reference.clamped_group_sizes_batched(group_sizes, m)
     spacer = m - jnp.sum(sizes, axis=1, keepdims=True)
     return jnp.concatenate([sizes, spacer], axis=1).reshape(-1).astype(jnp.int32)
+
+
+def folded_rows(idx, per_batch: int):
+    """[B, ...] row indices into per-batch blocks of per_batch rows -> indices into the B
+    blocks stacked (batch b's row i -> b * per_batch + i); indices outside [0, per_batch),
+    which name no row, go to B * per_batch, past every block."""
+    b = idx.shape[0]
+    offset = (jnp.arange(b, dtype=idx.dtype) * per_batch).reshape((b,) + (1,) * (idx.ndim - 1))
+    return jnp.where((idx >= 0) & (idx < per_batch), idx + offset, b * per_batch)

@@ -64,11 +64,8 @@ def _transpose(ct, y_sorted, row_map, weights):
         return rows.astype(y_sorted.aval.dtype), None, None
     if type(ct) is ad.Zero:
         return None, None, ad.Zero(weights.aval)
-    n = y_sorted.shape[0]
-    valid = (row_map >= 0) & (row_map < n)
-    picked = jnp.where(valid[:, None], y_sorted[jnp.clip(row_map, 0, max(n - 1, 0))], 0)
-    d_weights = jnp.einsum("tkh,th->tk", picked.reshape(t, k, -1).astype(jnp.float32),
-                           ct.astype(jnp.float32))
+    picked = reference.take_rows(y_sorted, row_map, jnp.float32)
+    d_weights = jnp.einsum("tkh,th->tk", picked.reshape(t, k, -1), ct.astype(jnp.float32))
     return None, None, d_weights
 
 
@@ -76,8 +73,7 @@ def _batch(args, dims):
     (y_sorted, row_map, weights), _ = _batching.all_to_front(args, dims)
     b, t, k = weights.shape
     rows = t * k
-    valid = (row_map >= 0) & (row_map < rows)
-    folded = jnp.where(valid, row_map + (jnp.arange(b, dtype=jnp.int32) * rows)[:, None], -1)
+    folded = _batching.folded_rows(row_map, rows)
     y = unpermute_p.bind(y_sorted.reshape(b * rows, -1), folded.reshape(-1), weights.reshape(b * t, k))
     return y.reshape(b, t, -1), 0
 
