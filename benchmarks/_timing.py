@@ -133,13 +133,16 @@ def batch_times(call, sync, inner: int, reps: int = 0, seconds: float = 0.0) -> 
 def alternating_times(impls: dict, seconds: float, rounds: int, inner: int = 20):
     """Implementations taking turns on the device, for comparisons that do not favour
     whichever runs first on a cooler GPU (under sustained load these GEMMs sit at the
-    power cap and the clock drops): impls = {name: (call, sync)}; `rounds` rounds in which
-    each runs `seconds` of batch_times batches of `inner` calls, the order rotating by one
-    every round. Returns ({name: per-call seconds of every batch but each turn's first},
-    {name: [(start, end) of each turn]})."""
+    power cap and the clock drops): impls = {name: (call, sync)}; an untimed turn of each
+    (compiles, and heats the GPU so that no timed turn starts on an idle one), then `rounds`
+    rounds in which each runs `seconds` of batch_times batches of `inner` calls, the order
+    rotating by one every round. Returns ({name: per-call seconds of every batch but each
+    turn's first}, {name: [(start, end) of each timed turn]})."""
     names = list(impls)
     times = {n: [] for n in names}
     spans = {n: [] for n in names}
+    for name in names:
+        batch_times(*impls[name], inner, reps=1, seconds=seconds)
     for r in range(rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
             call, sync = impls[name]

@@ -4,12 +4,13 @@ power: is the gap in short back-to-back runs a power (clock) effect?
     python benchmarks/gmm_sustained.py [--cases NAME ...] [--groups uniform zipf1.2] [--seconds 2] [--rounds 3] [--out DIR]
 
 Per case, three implementations take turns, each for `--seconds` of back-to-back calls
-per turn, `--rounds` turns each (the order rotates every round, so none always runs on a
-hotter GPU): moe_xla.gmm with weights [G, K, N], moe_xla.gmm with transpose_rhs on the
+per turn, after one untimed turn each, `--rounds` timed turns each (the order rotates
+every round, so none always runs on a hotter GPU): moe_xla.gmm with weights [G, K, N], moe_xla.gmm with transpose_rhs on the
 K-major copy [G, N, K] that torch gets, and torch._grouped_mm. Time per call is the wall
 time of batches of 20 calls ended by a device sync (the first batch of each turn is
 dropped); a thread samples NVML's SM clock, power, temperature and clock-throttle reasons
-every 10 ms. Reported per implementation: median ms per call, TFLOP/s (2 M K N), mean SM
+every 10 ms (NVML's power reading averages over about a second, so a turn's mean power
+also holds some of the turn before it). Reported per implementation: median ms per call, TFLOP/s (2 M K N), mean SM
 clock (MHz), power (W) and temperature over its turns, the share of samples with the
 power cap (or a thermal slowdown) holding the clock down, and its speed relative to
 torch's (torch ms / ms).
