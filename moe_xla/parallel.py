@@ -73,7 +73,7 @@ from jax.interpreters import ad, batching, mlir
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from moe_xla import reference
+from moe_xla._rows import inverse_rows, take_rows
 from moe_xla.moe import _aux, expert_mlp, shared_mlp
 from moe_xla.primitives import _ad
 from moe_xla.primitives._batching import all_to_front, folded_rows
@@ -455,29 +455,20 @@ def _experts(x_recv, lids, w, w_in, w_out, sizes: ExchangeSizes, activation):
 # Both are gathers, so either direction is deterministic (no scatter-add) and builds one
 # array of the output's size; they lower through jnp on every platform.
 
-def _pair_sources(slots, num_pairs: int):
-    """For each of num_pairs pair rows: the flat (q, j) its slot came from, and whether any did."""
-    n, mult = slots.shape
-    flat = slots.reshape(-1)
-    src = jnp.zeros((num_pairs,), jnp.int32).at[flat].set(jnp.arange(n * mult, dtype=jnp.int32), mode="drop",
-                                                          unique_indices=True)
-    return src, jnp.zeros((num_pairs,), bool).at[flat].set(True, mode="drop", unique_indices=True)
-
-
 def _acc(dtype):
     """The accumulation dtype: float32, or wider inputs' own."""
     return jnp.promote_types(dtype, jnp.float32)
 
 
 def _expand_impl(rows, slots, weights, *, num_pairs):
-    src, named = _pair_sources(slots, num_pairs)
+    src, named = inverse_rows(slots.reshape(-1), num_pairs)
     v = weights.reshape(-1)[src][:, None] * rows[src // slots.shape[1]].astype(_acc(rows.dtype))
     return jnp.where(named[:, None], v, 0).astype(rows.dtype)
 
 
 def _picked(values, s):
     """values[s] in the accumulation dtype, 0 where s is past the rows of values."""
-    return reference.take_rows(values, s, _acc(values.dtype))
+    return take_rows(values, s, _acc(values.dtype))
 
 
 def _gather_sum_impl(values, slots, weights):

@@ -9,6 +9,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from moe_xla._rows import take_rows
+
 
 def group_ends(group_sizes, m: int):
     """Exclusive end row of each group after clamping (common/grouped_gemm.h):
@@ -122,13 +124,6 @@ def permute(x, expert_ids, num_experts: int):
     group_sizes = jnp.sum(key[:, None] == jnp.arange(num_experts)[None, :], axis=0, dtype=jnp.int32)
     x_sorted = x[order // k] if t * k else jnp.zeros((0, x.shape[1]), x.dtype)
     return x_sorted, group_sizes, row_map
-
-
-def take_rows(values, idx, dtype):
-    """values[idx] ([..., H] rows of values [R, H]) as dtype, 0 where idx is outside [0, R)."""
-    n = values.shape[0]
-    valid = (idx >= 0) & (idx < n)
-    return jnp.where(valid[..., None], values[jnp.clip(idx, 0, max(n - 1, 0))].astype(dtype), 0)
 
 
 def unpermute(y_sorted, row_map, weights):

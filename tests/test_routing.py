@@ -126,6 +126,32 @@ def test_unpermute_matches_reference_and_skips_bad_rows(rng):
     np.testing.assert_allclose(moe_xla.unpermute(ys, bad, w), reference.unpermute(ys, bad, w), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("batched", [False, True])
+def test_unpermute_bad_rows_forward_and_grads(rng, batched):
+    # row_map entries outside [0, T*k) name no row: they add nothing to y, their weights get
+    # 0 cotangent, and so do the rows no entry names (also under vmap, whose batching rule
+    # folds the batch into one row_map).
+    b, t, k, h = 3, 12, 2, 5
+    maps = np.stack([rng.permutation(t * k) for _ in range(b)]).astype(np.int32)
+    maps[:, 0], maps[:, 5], maps[1, 7], maps[2, 9] = -1, t * k, -7, 10**6
+    ys, w, ct = (normal(rng, s, jnp.float32) for s in ((b, t * k, h), (b, t, k), (b, t, h)))
+    rm = jnp.asarray(maps)
+    if not batched:
+        ys, rm, w, ct = ys[0], rm[0], w[0], ct[0]
+
+    def loss(mod):
+        combine = jax.vmap(mod.unpermute) if batched else mod.unpermute
+        return lambda ys, w: jnp.sum(combine(ys, rm, w) * ct)
+
+    ours = jax.jit(jax.value_and_grad(loss(moe_xla), (0, 1)))(ys, w)
+    ref = jax.value_and_grad(loss(reference), (0, 1))(ys, w)
+    for o, r in zip(jax.tree.leaves(ours), jax.tree.leaves(ref)):
+        np.testing.assert_allclose(o, r, rtol=1e-5, atol=1e-5)
+    for d, m in zip(np.asarray(ours[1][0]).reshape(-1, t * k, h), np.asarray(rm).reshape(-1, t * k)):
+        named = np.isin(np.arange(t * k), m)
+        assert np.all(d[~named] == 0) and np.all(np.abs(d[named]).sum(-1) > 0)
+
+
 def test_dispatch_combine_grads(rng):
     t, k, e, h = 20, 2, 5, 6
     x = normal(rng, (t, h), jnp.float32)

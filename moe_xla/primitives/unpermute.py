@@ -7,8 +7,11 @@ y_sorted), accumulated in float32 in j order: bitwise reproducible. Entries of r
 outside [0, T*k) contribute 0.
 
 unpermute is bilinear in (y_sorted, weights):
-    d y_sorted[row_map[t*k + j]] = weights[t, j] * ct[t]     (row_map is a permutation)
+    d y_sorted[row_map[t*k + j]] = weights[t, j] * ct[t]     (rows no entry names: 0)
     d weights[t, j] = <ct[t], y_sorted[row_map[t*k + j]]>
+d y_sorted is a gather through the inverse of row_map, so it holds where each row is named
+at most once (permute's row_map names each exactly once); a row named twice gets one of
+its two terms.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import jax.numpy as jnp
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching
 
-from moe_xla import reference
+from moe_xla import _rows, reference
 from moe_xla.primitives import _ad, _batching, _checks, _lowering, _sharding
 
 unpermute_p = Primitive("moe_xla_unpermute")
@@ -45,13 +48,6 @@ def _abstract_eval(y_sorted, row_map, weights):
     return jax.core.ShapedArray((weights.shape[0], y_sorted.shape[1]), y_sorted.dtype)
 
 
-def _source_rows(row_map, k):
-    """For each sorted row s, the assignment i with row_map[i] = s (inverse permutation)."""
-    n = row_map.shape[0]
-    return jnp.zeros((n,), jnp.int32).at[row_map].set(jnp.arange(n, dtype=jnp.int32), unique_indices=True,
-                                                      mode="drop")
-
-
 def _transpose(ct, y_sorted, row_map, weights):
     if ad.is_undefined_primal(row_map):
         raise ValueError("unpermute: row_map is integer and cannot be differentiated")
@@ -59,12 +55,12 @@ def _transpose(ct, y_sorted, row_map, weights):
     if ad.is_undefined_primal(y_sorted):
         if type(ct) is ad.Zero:
             return ad.Zero(y_sorted.aval), None, None
-        src = _source_rows(row_map, k)
+        src, named = _rows.inverse_rows(row_map, y_sorted.aval.shape[0])
         rows = ct[src // k].astype(jnp.float32) * weights.reshape(-1)[src][:, None]
-        return rows.astype(y_sorted.aval.dtype), None, None
+        return jnp.where(named[:, None], rows, 0).astype(y_sorted.aval.dtype), None, None
     if type(ct) is ad.Zero:
         return None, None, ad.Zero(weights.aval)
-    picked = reference.take_rows(y_sorted, row_map, jnp.float32)
+    picked = _rows.take_rows(y_sorted, row_map, jnp.float32)
     d_weights = jnp.einsum("tkh,th->tk", picked.reshape(t, k, -1), ct.astype(jnp.float32))
     return None, None, d_weights
 
