@@ -3,14 +3,16 @@ cases of cases.json, against jax.lax.ragged_dot (forward and backward) and
 torch._grouped_mm (when torch imports), in the same run on the same device.
 
     python benchmarks/gmm.py [--out benchmarks/results] [--cases NAME ...] [--m-scale 1.0]
+                             [--skip-ragged-dot] [--turn-seconds 0.5] [--rounds 4]
 
 TFLOP/s count 2*M*K*N per product (forward one product, backward two). Memory is the
 compiled program's memory_analysis() estimate (temp + arguments + outputs).
 
-The forward and torch._grouped_mm take turns (_timing.alternating_times: --turn-seconds
-per turn, --rounds rounds, the order rotating), both timed the same way (wall time of
-batches of calls ended by a device sync), so neither profits from running on a cooler GPU:
-at the H200's 700 W cap these GEMMs run at 1.3-1.6 GHz, not the 1.98 GHz of a short burst.
+Where torch runs, the forward and torch._grouped_mm take turns (_timing.alternating_times:
+--turn-seconds per turn, --rounds rounds, the order rotating), both timed the same way
+(wall time of batches of calls ended by a device sync), so neither profits from running on
+a cooler GPU: at the H200's 700 W cap these GEMMs run at 1.3-1.6 GHz, not the 1.98 GHz of
+a short burst.
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ import argparse
 import statistics
 from pathlib import Path
 
-from _timing import (alternating_times, compiled_memory_bytes, environment, gib, grouped_matmul_inputs, is_oom, time_jax,
-                     torch_grouped_mm, write_results)
+from _timing import (alternating_times, compiled_memory_bytes, environment, gib, grouped_matmul_inputs, is_oom,
+                     time_jax, torch_grouped_mm, write_results)
 
 import jax
 import jax.numpy as jnp
@@ -39,15 +41,16 @@ def _bench_moe_xla(lhs, rhs, gs, turn_seconds, rounds):
 
     ct = jnp.ones((lhs.shape[0], rhs.shape[2]), lhs.dtype) * 0.01
     fwd_c, bwd_c = fwd.lower(lhs, rhs, gs).compile(), bwd.lower(lhs, rhs, gs, ct).compile()
-    impls = {"moe_xla": (lambda: fwd_c(lhs, rhs, gs), jax.block_until_ready)}
     torch_call = torch_grouped_mm(lhs, rhs, gs)
-    if torch_call is not None:
+    if torch_call is None:
+        fwd_t, torch_t = time_jax(fwd_c, lhs, rhs, gs), None
+    else:
         import torch
 
-        impls["torch"] = (torch_call, lambda _: torch.cuda.synchronize())
-    times, _ = alternating_times(impls, turn_seconds, rounds)
-    return {"fwd": statistics.median(times["moe_xla"]), "bwd": time_jax(bwd_c, lhs, rhs, gs, ct),
-            "torch_fwd": statistics.median(times["torch"]) if "torch" in times else None,
+        times, _ = alternating_times({"moe_xla": (lambda: fwd_c(lhs, rhs, gs), jax.block_until_ready),
+                                      "torch": (torch_call, lambda _: torch.cuda.synchronize())}, turn_seconds, rounds)
+        fwd_t, torch_t = statistics.median(times["moe_xla"]), statistics.median(times["torch"])
+    return {"fwd": fwd_t, "bwd": time_jax(bwd_c, lhs, rhs, gs, ct), "torch_fwd": torch_t,
             "fwd_mem": compiled_memory_bytes(fwd_c), "bwd_mem": compiled_memory_bytes(bwd_c)}
 
 

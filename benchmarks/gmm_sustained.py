@@ -1,12 +1,14 @@
 """gmm forward against torch._grouped_mm under sustained load, with the GPU's clock and
 power: is the gap in short back-to-back runs a power (clock) effect?
 
-    python benchmarks/gmm_sustained.py [--cases NAME ...] [--groups uniform zipf1.2] [--seconds 2] [--rounds 3] [--out DIR]
+    python benchmarks/gmm_sustained.py [--cases NAME ...] [--groups uniform zipf1.2]
+                                       [--seconds 2] [--rounds 3] [--out DIR]
 
 Per case, three implementations take turns, each for `--seconds` of back-to-back calls
 per turn, after one untimed turn each, `--rounds` timed turns each (the order rotates
-every round, so none always runs on a hotter GPU): moe_xla.gmm with weights [G, K, N], moe_xla.gmm with transpose_rhs on the
-K-major copy [G, N, K] that torch gets, and torch._grouped_mm. Time per call is the wall
+every round, so none always runs on a hotter GPU): moe_xla.gmm with weights [G, K, N],
+moe_xla.gmm with transpose_rhs on the K-major copy [G, N, K] that torch gets, and
+torch._grouped_mm. Time per call is the wall
 time of batches of 20 calls ended by a device sync (the first batch of each turn is
 dropped); a thread samples NVML's SM clock, power, temperature and clock-throttle reasons
 every 10 ms (NVML's power reading averages over about a second, so a turn's mean power
@@ -36,8 +38,9 @@ BATCH = 20
 
 
 class Sampler(threading.Thread):
-    """(time, SM MHz, W, degrees C, throttle-reason bits) of device 0 every `period` s, read
-    through libnvidia-ml with ctypes (no Python NVML package needed), until stop()."""
+    """(time, SM MHz, W, degrees C, throttle-reason bits) of NVML's device 0 (CUDA_VISIBLE_DEVICES
+    does not apply: run on a one-GPU machine) every `period` s, read through libnvidia-ml with
+    ctypes (no Python NVML package needed), until stop()."""
 
     POWER_CAP = 0x4  # nvmlClocksThrottleReasonSwPowerCap
     THERMAL = 0x20 | 0x40  # software / hardware thermal slowdown
@@ -50,15 +53,20 @@ class Sampler(threading.Thread):
             if status:
                 raise RuntimeError(f"NVML error {status}")
         self.nvml, self.period = nvml, period
+        # Renamed "clocks event reasons" in newer drivers; the old name is kept as an alias.
+        self.reasons = getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or \
+            nvml.nvmlDeviceGetCurrentClocksThrottleReasons
         self.samples, self.done = [], threading.Event()
 
     def _read(self):
+        """SM MHz, W, degrees C, reason bits; None for any reading NVML refuses."""
         clock, milliwatts, celsius, reasons = ctypes.c_uint(), ctypes.c_uint(), ctypes.c_uint(), ctypes.c_ulonglong()
-        self.nvml.nvmlDeviceGetClockInfo(self.handle, 1, ctypes.byref(clock))  # NVML_CLOCK_SM
-        self.nvml.nvmlDeviceGetPowerUsage(self.handle, ctypes.byref(milliwatts))
-        self.nvml.nvmlDeviceGetTemperature(self.handle, 0, ctypes.byref(celsius))  # NVML_TEMPERATURE_GPU
-        self.nvml.nvmlDeviceGetCurrentClocksThrottleReasons(self.handle, ctypes.byref(reasons))
-        return clock.value, milliwatts.value / 1e3, celsius.value, reasons.value
+        ok = [self.nvml.nvmlDeviceGetClockInfo(self.handle, 1, ctypes.byref(clock)) == 0,  # NVML_CLOCK_SM
+              self.nvml.nvmlDeviceGetPowerUsage(self.handle, ctypes.byref(milliwatts)) == 0,
+              self.nvml.nvmlDeviceGetTemperature(self.handle, 0, ctypes.byref(celsius)) == 0,  # NVML_TEMPERATURE_GPU
+              self.reasons(self.handle, ctypes.byref(reasons)) == 0]
+        values = (clock.value, milliwatts.value / 1e3, celsius.value, reasons.value)
+        return tuple(v if good else None for v, good in zip(values, ok))
 
     def run(self):
         while not self.done.is_set():
@@ -73,10 +81,15 @@ class Sampler(threading.Thread):
         """Mean SM MHz, W and degrees C, and the fractions of samples throttled by the power
         cap and by temperature, over the samples inside any of the (start, end) spans."""
         inside = [s[1:] for s in self.samples if any(t0 <= s[0] < t1 for t0, t1 in spans)]
-        if not inside:
-            return dict(sm_mhz=None, watts=None, temp_c=None, power_capped=None, thermal=None)
-        mean = lambda i: statistics.fmean(s[i] for s in inside)  # noqa: E731
-        share = lambda bits: sum(1 for s in inside if s[3] & bits) / len(inside)  # noqa: E731
+
+        def mean(i):
+            got = [s[i] for s in inside if s[i] is not None]
+            return statistics.fmean(got) if got else None
+
+        def share(bits):
+            got = [s[3] for s in inside if s[3] is not None]
+            return sum(1 for r in got if r & bits) / len(got) if got else None
+
         return dict(sm_mhz=mean(0), watts=mean(1), temp_c=mean(2), power_capped=share(self.POWER_CAP),
                     thermal=share(self.THERMAL))
 

@@ -238,12 +238,13 @@ bool cutlass_supported(const GroupedGemmParams& p, GroupedGemmPath path) {
 //  - gmm, both rhs layouts (B N-major, or K-major with transpose_rhs): pingpong 64x256
 //    cluster 2x1 when K <= 1024 (qwen3 down, where the epilogue is a large share of a
 //    short K loop), else cooperative 128x256 with A multicast over a 1x2 cluster (best, or
-//    within 3% of the best, on every other case; +2-6% over cluster 2x1, whose groups are
-//    padded to 256 rows instead of 128). The 1x2 cluster pairs 256-column tiles, so with
-//    an odd number of them (qwen3 down's d lhs, N = 768) it computes one tile of zeros per
-//    row of tiles: there cluster 1x1 (538-542 vs 431 TFLOP/s).
-//  - tgmm (ragged K): pingpong 64x256 when G >= 16 (+2-30%); with few, huge groups
-//    (mixtral, G = 8) cooperative 128x256 cluster 2x1 (657 vs 631).
+//    within 3% of the best, on every other case; 0-9% faster than cluster 2x1, whose groups
+//    are padded to 256 rows instead of 128). The 1x2 cluster pairs 256-column tiles, so
+//    with an odd number of them (qwen3 down's d lhs, N = 768) it computes one tile of zeros
+//    per row of tiles: there cluster 1x1 (521-538 vs 431-432 TFLOP/s).
+//  - tgmm (ragged K): pingpong 64x256 when G >= 16, else cooperative 128x256 cluster 2x1.
+//    Ranked hot, pingpong is -6% to +3% against cluster 2x1 case by case (geometric mean
+//    equal) where G >= 16, and 7% slower on mixtral (G = 8: 610 vs 654).
 GroupedGemmPath select_path(const GroupedGemmParams& p, int sm_count) {
   if (!cutlass_supported(p, GroupedGemmPath::kCutlassLarge)) return GroupedGemmPath::kFallback;
   if (!cutlass_supported(p, GroupedGemmPath::kCutlassSmall)) return GroupedGemmPath::kCutlassLarge;
