@@ -48,14 +48,15 @@ def routing_options(case) -> dict:
 def grouped_matmul_inputs(names=None, kinds=None, m_scale: float = 1.0):
     """Yields (case, kind, lhs, rhs, group_sizes) for the grouped_matmul cases of cases.json
     (those in `names`, default all) and group-size kinds (default all): bf16 lhs [M, K] ~ N(0, 1),
-    rhs [G, K, N] ~ N(0, 1/K), M scaled by m_scale. The same data on every call (seed 0)."""
-    rng = np.random.default_rng(0)
-    for case in CASES["grouped_matmul"]:
+    rhs [G, K, N] ~ N(0, 1/K), M scaled by m_scale, made on the device (normal()). The same
+    data on every call (key 0)."""
+    for i, case in enumerate(CASES["grouped_matmul"]):
         if names and case["name"] not in names:
             continue
         m, g, k, n = int(case["M"] * m_scale), case["G"], case["K"], case["N"]
-        lhs = jnp.asarray(rng.standard_normal((m, k), np.float32), jnp.bfloat16)
-        rhs = jnp.asarray(rng.standard_normal((g, k, n), np.float32) / np.sqrt(k), jnp.bfloat16)
+        keys = jax.random.split(jax.random.fold_in(jax.random.key(0), i))
+        lhs = normal(keys[0], (m, k), jnp.bfloat16)
+        rhs = normal(keys[1], (g, k, n), jnp.bfloat16, 1.0 / math.sqrt(k))
         for kind in kinds or CASES["group_sizes"]:
             yield case, kind, lhs, rhs, jnp.asarray(group_sizes(m, g, kind))
 
