@@ -347,7 +347,7 @@ def _add_later_rounds(round_fn, first, floats, ints, rounds: int, axis):
         first, floats, ints = primals
         d_first, d_floats, _ = tangents
         args = jax.tree.leaves(floats) + jax.tree.leaves(ints) + jax.tree.leaves(d_floats)
-        return add_later(first, floats, ints), d_first + rounds_tangent_p.bind(*args, spec=spec, levels=0)
+        return add_later(first, floats, ints), d_first + rounds_tangent_p.bind(*args, spec=spec, levels=())
 
     return add_later(first, floats, ints)
 
@@ -381,14 +381,19 @@ def _split_rounds_args(spec: _RoundsSpec, args):
     return floats, ints, args[n_f + n_i:]
 
 
-def _vmapped(fn, levels: int):
-    """fn vmapped over `levels` leading axes of every argument."""
-    for _ in range(levels):
-        fn = jax.vmap(fn)
+# rounds_tangent_p under vmap: `levels`, outermost first, holds one (size, in_axes) per
+# vmap around it, in_axes[i] = 0 where argument i carries that level's batch axis (the
+# leading one of those it carries), None where it does not: unbatched arguments (the
+# expert weights, in vmap(linearize)) are not broadcast to the batch.
+
+def _vmapped(fn, levels, lead=()):
+    """fn vmapped over `levels`; `lead` are the in_axes of extra leading arguments."""
+    for _, in_axes in reversed(levels):
+        fn = jax.vmap(fn, in_axes=tuple(lead) + tuple(in_axes))
     return fn
 
 
-def _rounds_tangent_impl(*args, spec: _RoundsSpec, levels: int):
+def _rounds_tangent_impl(*args, spec: _RoundsSpec, levels):
     def one(*a):
         floats, ints, d_leaves = _split_rounds_args(spec, a)
         d_floats = jax.tree.unflatten(spec.floats_tree, d_leaves)
@@ -401,7 +406,7 @@ def _rounds_tangent_impl(*args, spec: _RoundsSpec, levels: int):
     return _vmapped(one, levels)(*args)
 
 
-def _rounds_tangent_transpose(ct, *args, spec: _RoundsSpec, levels: int):
+def _rounds_tangent_transpose(ct, *args, spec: _RoundsSpec, levels):
     n_known = spec.floats_tree.num_leaves + spec.ints_tree.num_leaves
     known = args[:n_known]
     if any(ad.is_undefined_primal(a) for a in known):
@@ -419,17 +424,25 @@ def _rounds_tangent_transpose(ct, *args, spec: _RoundsSpec, levels: int):
 
         return jax.tree.leaves(_rounds_loop(spec, ints, body, jax.tree.map(jnp.zeros_like, floats)))
 
-    return [None] * n_known + list(_vmapped(one, levels)(ct, *known))
+    known_levels = tuple((size, in_axes[:n_known]) for size, in_axes in levels)
+    d_floats = _vmapped(one, known_levels, lead=(0,))(ct, *known)  # batched at every level
+    # A tangent a level does not batch gets the sum of its cotangent over that level.
+    return [None] * n_known + [
+        jnp.sum(d, axis=tuple(i for i, (_, in_axes) in enumerate(levels) if in_axes[n_known + j] is None))
+        for j, d in enumerate(d_floats)]
 
 
-def _rounds_tangent_batch(args, dims, *, spec: _RoundsSpec, levels: int):
-    return rounds_tangent_p.bind(*all_to_front(args, dims)[0], spec=spec, levels=levels + 1), 0
+def _rounds_tangent_batch(args, dims, *, spec: _RoundsSpec, levels):
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    args = [a if d is None else jnp.moveaxis(a, d, 0) for a, d in zip(args, dims)]
+    in_axes = tuple(None if d is None else 0 for d in dims)
+    return rounds_tangent_p.bind(*args, spec=spec, levels=((size, in_axes),) + levels), 0
 
 
 rounds_tangent_p = Primitive("moe_xla_ep_rounds_tangent")
 rounds_tangent_p.def_impl(_rounds_tangent_impl)
 rounds_tangent_p.def_abstract_eval(lambda *args, spec, levels: jax.core.ShapedArray(
-    args[0].shape[:levels] + spec.out.shape, spec.out.dtype))
+    tuple(size for size, _ in levels) + spec.out.shape, spec.out.dtype))
 ad.primitive_transposes[rounds_tangent_p] = _rounds_tangent_transpose
 batching.primitive_batchers[rounds_tangent_p] = _rounds_tangent_batch
 mlir.register_lowering(rounds_tangent_p, mlir.lower_fun(_rounds_tangent_impl, multiple_results=False))

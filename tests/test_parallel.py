@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import jax.test_util
 import numpy as np
 import pytest
+from jax.extend.core import ClosedJaxpr, Jaxpr
 from jax.sharding import Mesh
 
 import moe_xla
@@ -134,6 +135,22 @@ def test_forward_mode_through_capacity_rounds(rng):
     batch = tuple(jnp.stack([t, 2 * t]) for t in tangents)
     dys = jax.jit(jax.vmap(lin))(*batch)
     assert_close(dys[1], 2 * dy_one, jnp.float32, scale=10)
+    # ... in which the rounds take the tangents batched and the primals (weights) as they are
+    levels = [e.params["levels"] for e in _eqns(jax.make_jaxpr(jax.vmap(lin))(*batch).jaxpr)
+              if e.primitive.name == "moe_xla_ep_rounds_tangent"]
+    assert levels and all(len(lv) == 1 and lv[0][0] == 2 and None in lv[0][1] and 0 in lv[0][1] for lv in levels)
+
+
+def _eqns(jaxpr):
+    """Every equation of jaxpr and of the jaxprs inside its equations' parameters."""
+    for e in jaxpr.eqns:
+        yield e
+        for v in e.params.values():
+            for sub in v if isinstance(v, (tuple, list)) else (v,):
+                if isinstance(sub, ClosedJaxpr):
+                    yield from _eqns(sub.jaxpr)
+                elif isinstance(sub, Jaxpr):
+                    yield from _eqns(sub)
 
 
 def test_ep_layer_under_vmap_and_its_gradient(rng):
