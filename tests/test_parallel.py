@@ -139,6 +139,14 @@ def test_forward_mode_through_capacity_rounds(rng):
     levels = [e.params["levels"] for e in _eqns(jax.make_jaxpr(jax.vmap(lin))(*batch).jaxpr)
               if e.primitive.name == "moe_xla_ep_rounds_tangent"]
     assert levels and all(len(lv) == 1 and lv[0][0] == 2 and None in lv[0][1] and 0 in lv[0][1] for lv in levels)
+    # Nested: an outer batch of x and w_in tangents around an inner batch of x and logits tangents.
+    tx, tl = normal(rng, (3, 2, T, H), jnp.float32), normal(rng, (2,) + logits.shape, jnp.float32)
+    twi = normal(rng, (3,) + w_in.shape, jnp.float32)
+    nested = jax.jit(jax.vmap(jax.vmap(lin, (0, 0, None, None)), (0, None, 0, None)))(tx, tl, twi, tangents[3])
+    lin_one = jax.jit(lin)
+    for a in range(3):
+        for b in range(2):
+            assert_close(nested[a, b], lin_one(tx[a, b], tl[b], twi[a], tangents[3]), jnp.float32)
 
 
 def _eqns(jaxpr):
