@@ -68,8 +68,8 @@ def tgmm(lhs, rhs, group_sizes, *, preferred_element_type=None):
     lhs32, rhs32 = lhs.astype(jnp.float32), rhs.astype(jnp.float32)
 
     def one_group(g):
-        masked = jnp.where((groups == g)[:, None], lhs32, 0.0)
-        return jnp.dot(masked.T, rhs32, precision="highest")
+        mine = (groups == g)[:, None]
+        return jnp.dot(jnp.where(mine, lhs32, 0.0).T, jnp.where(mine, rhs32, 0.0), precision="highest")
 
     return jax.lax.map(one_group, jnp.arange(group_sizes.shape[0])).astype(out_dtype)
 
@@ -130,8 +130,11 @@ def unpermute(y_sorted, row_map, weights):
     """y[t] = sum_j weights[t, j] * y_sorted[row_map[t*k + j]], in float32, j in order;
     row_map entries outside [0, T*k) contribute 0."""
     t, k = weights.shape
-    rows = take_rows(y_sorted, row_map, jnp.float32).reshape(t, k, -1)
-    y = jnp.zeros((t, y_sorted.shape[1]), jnp.float32)
+    h = y_sorted.shape[1]
+    rows = take_rows(y_sorted, row_map, jnp.float32).reshape(t, k, h)
+    named = ((row_map >= 0) & (row_map < y_sorted.shape[0])).reshape(t, k)
+    weights = jnp.where(named, weights, 0.0)  # an entry naming no row takes no part, whatever its weight
+    y = jnp.zeros((t, h), jnp.float32)
     for j in range(k):
         y = y + weights[:, j, None] * rows[:, j]
     return y.astype(y_sorted.dtype)

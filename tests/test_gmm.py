@@ -84,6 +84,22 @@ def test_group_sizes_out_of_range_are_clamped(rng, sizes):
     assert_close(moe_xla.tgmm(lhs, lhs, gs), reference.tgmm(lhs, lhs, gs), jnp.float32)
 
 
+def test_rows_outside_the_groups_take_no_part(rng):
+    # Rows past sum(group_sizes) give exactly 0 in gmm, also under vmap (whose batching rule
+    # folds them into a spacer group), and rows outside a group add nothing to its tgmm block,
+    # even where those rows hold inf.
+    lhs = normal(rng, (2, 6, 4), jnp.float32).at[:, 4:].set(jnp.inf)
+    rhs = normal(rng, (2, 3, 4, 5), jnp.float32)
+    sizes = jnp.asarray([[1, 0, 3], [2, 2, 0]], jnp.int32)
+    out = jax.vmap(moe_xla.gmm)(lhs, rhs, sizes)
+    assert np.all(out[:, 4:] == 0)
+    np.testing.assert_allclose(out, jax.vmap(reference.gmm)(lhs, rhs, sizes), rtol=1e-6, atol=1e-6)
+    other = normal(rng, (6, 5), jnp.float32).at[5].set(jnp.inf)
+    t = moe_xla.tgmm(lhs[0, :, :].at[4:].set(1.0), other, sizes[0])
+    assert np.all(np.isfinite(t))
+    np.testing.assert_allclose(t, reference.tgmm(lhs[0].at[4:].set(1.0), other, sizes[0]), rtol=1e-6, atol=1e-6)
+
+
 def test_ragged_dot_is_a_drop_in(rng):
     lhs, rhs = normal(rng, (64, 24), jnp.float32), normal(rng, (4, 24, 16), jnp.float32)
     gs = jnp.array([10, 0, 30, 20], jnp.int32)

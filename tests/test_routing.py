@@ -152,6 +152,26 @@ def test_unpermute_bad_rows_forward_and_grads(rng, batched):
         assert np.all(d[~named] == 0) and np.all(np.abs(d[named]).sum(-1) > 0)
 
 
+def test_empty_shapes_under_vmap_and_grad():
+    # No tokens, or an empty batch: the batching and transpose rules keep their shapes.
+    ids = lambda *s: jnp.zeros(s, jnp.int32)  # noqa: E731
+    assert jax.vmap(lambda x, i: moe_xla.permute(x, i, 3))(jnp.ones((2, 0, 5)), ids(2, 0, 2))[0].shape == (2, 0, 5)
+    assert jax.vmap(lambda x, i: moe_xla.permute(x, i, 3))(jnp.ones((0, 4, 5)), ids(0, 4, 2))[0].shape == (0, 8, 5)
+    assert jax.vmap(moe_xla.unpermute)(jnp.ones((2, 0, 5)), ids(2, 0), jnp.ones((2, 0, 2))).shape == (2, 0, 5)
+    assert jax.vmap(moe_xla.unpermute)(jnp.ones((0, 8, 5)), ids(0, 8), jnp.ones((0, 4, 2))).shape == (0, 4, 5)
+    assert jax.vmap(lambda l: moe_xla.route(l, 2))(jnp.ones((2, 0, 6)))[0].shape == (2, 0, 2)
+    assert jax.vmap(lambda l: moe_xla.route(l, 2))(jnp.ones((0, 4, 6)))[1].shape == (0, 4, 2)
+    d_w = jax.grad(lambda w: moe_xla.unpermute(jnp.ones((0, 5)), ids(0), w).sum())(jnp.ones((0, 2)))
+    assert d_w.shape == (0, 2)
+
+
+def test_unpermute_entries_naming_no_row_take_no_part():
+    ys, rm = jnp.ones((4, 2)), jnp.asarray([0, 1, 2, -1], jnp.int32)
+    w = jnp.asarray([[1.0, 1.0], [1.0, jnp.inf]])  # the inf weight belongs to the entry -1
+    for mod in (moe_xla, reference):
+        np.testing.assert_array_equal(mod.unpermute(ys, rm, w), [[2.0, 2.0], [1.0, 1.0]])
+
+
 def test_dispatch_combine_grads(rng):
     t, k, e, h = 20, 2, 5, 6
     x = normal(rng, (t, h), jnp.float32)

@@ -67,12 +67,15 @@ def _batch(args, dims, *, transpose_rhs, preferred_element_type):
     (lhs, rhs, group_sizes), _ = _batching.all_to_front(args, dims)
     b, m, k = lhs.shape
     g = rhs.shape[1]
-    # Each batch element gets one extra all-zero expert for its spacer group.
+    # Each batch element gets one extra all-zero expert for its spacer group, whose rows
+    # (past the element's groups) are then set to exactly 0: lhs @ 0 is NaN for inf rows.
     rhs = jnp.concatenate([rhs, jnp.zeros((b, 1) + rhs.shape[2:], rhs.dtype)], axis=1)
     out = gmm_p.bind(lhs.reshape(b * m, k), rhs.reshape((b * (g + 1),) + rhs.shape[2:]),
                      _batching.folded_group_sizes(group_sizes, m),
                      transpose_rhs=transpose_rhs, preferred_element_type=preferred_element_type)
-    return out.reshape(b, m, out.shape[-1]), 0
+    out = out.reshape(b, m, out.shape[-1])
+    covered = jnp.sum(reference.clamped_group_sizes_batched(group_sizes, m), axis=1, keepdims=True)
+    return jnp.where((jnp.arange(m) < covered)[..., None], out, jnp.zeros((), out.dtype)), 0
 
 
 def _reference(lhs, rhs, group_sizes, *, transpose_rhs, preferred_element_type):

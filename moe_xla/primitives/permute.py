@@ -79,7 +79,7 @@ def _batch(args, dims, *, num_experts):
         x.reshape(b * t, x.shape[-1]), folded.reshape(b * t, k), num_experts=b * (num_experts + 1))
     rows = t * k
     row_map = row_map.reshape(b, rows) - (jnp.arange(b, dtype=jnp.int32) * rows)[:, None]
-    return [x_sorted.reshape(b, rows, -1), group_sizes.reshape(b, num_experts + 1)[:, :num_experts],
+    return [x_sorted.reshape(b, rows, x.shape[-1]), group_sizes.reshape(b, num_experts + 1)[:, :num_experts],
             row_map], [0, 0, 0]
 
 

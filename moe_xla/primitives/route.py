@@ -88,7 +88,8 @@ def _batch(args, dims, **params):
     logits = jnp.moveaxis(logits, l_dim, 0)
     b, t, e = logits.shape
     weights, ids = route_p.bind(logits.reshape(b * t, e), bias, **params)
-    return [weights.reshape(b, t, -1), ids.reshape(b, t, -1)], [0, 0]
+    top_k = params["top_k"]
+    return [weights.reshape(b, t, top_k), ids.reshape(b, t, top_k)], [0, 0]
 
 
 def _reference(logits, bias, *, top_k, score, n_groups, topk_groups, renormalize, scale, has_bias):

@@ -61,7 +61,7 @@ def _transpose(ct, y_sorted, row_map, weights):
     if type(ct) is ad.Zero:
         return None, None, ad.Zero(weights.aval)
     picked = _rows.take_rows(y_sorted, row_map, jnp.float32)
-    d_weights = jnp.einsum("tkh,th->tk", picked.reshape(t, k, -1), ct.astype(jnp.float32))
+    d_weights = jnp.einsum("tkh,th->tk", picked.reshape(t, k, y_sorted.shape[1]), ct.astype(jnp.float32))
     return None, None, d_weights
 
 
@@ -70,8 +70,9 @@ def _batch(args, dims):
     b, t, k = weights.shape
     rows = t * k
     folded = _batching.folded_rows(row_map, rows)
-    y = unpermute_p.bind(y_sorted.reshape(b * rows, -1), folded.reshape(-1), weights.reshape(b * t, k))
-    return y.reshape(b, t, -1), 0
+    h = y_sorted.shape[-1]
+    y = unpermute_p.bind(y_sorted.reshape(b * rows, h), folded.reshape(b * rows), weights.reshape(b * t, k))
+    return y.reshape(b, t, h), 0
 
 
 unpermute_p.def_impl(lambda *args, **params: jax.jit(lambda *a: unpermute_p.bind(*a, **params))(*args))
