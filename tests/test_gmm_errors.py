@@ -47,6 +47,11 @@ def test_tgmm_bad_input(args, exc, match):
         trace(moe_xla.tgmm, *args)
 
 
+def test_ragged_dot_integer_operands():
+    with pytest.raises(TypeError, match="floating operands .* got int32 lhs and int32 rhs"):
+        moe_xla.ragged_dot(jnp.ones((4, 2), jnp.int32), jnp.ones((2, 2, 3), jnp.int32), jnp.asarray([2, 2]))
+
+
 def test_ragged_dot_bad_group_sizes():
     with pytest.raises(TypeError, match="integer group_sizes, got float32"):
         moe_xla.ragged_dot(jnp.ones((4, 2)), jnp.ones((2, 2, 3)), jnp.ones((2,)))

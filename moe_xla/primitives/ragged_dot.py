@@ -2,9 +2,9 @@
 
     out[rows of g] = lhs[rows of g] @ rhs[g]; rows past sum(group_sizes) are zero.
 
-lhs [M, K], rhs [G, K, N], group_sizes [G] (any integer dtype) -> [M, N]. Operand dtypes
-are promoted like jax.lax.ragged_dot; the output dtype is preferred_element_type or the
-promoted dtype. `precision` is accepted for compatibility: products are always taken on
+lhs [M, K], rhs [G, K, N], group_sizes [G] (any integer dtype) -> [M, N]. Operands are
+floating (bf16, f16, f32; other dtypes raise) and promoted to a common dtype; the output
+dtype is preferred_element_type or that dtype. `precision` is accepted for compatibility: products are always taken on
 the inputs as given, with float32 accumulation.
 """
 
@@ -27,6 +27,7 @@ def ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=Non
         raise TypeError(f"ragged_dot: expected integer group_sizes, got {group_sizes.dtype}")
     dtype = jnp.promote_types(lhs.dtype, rhs.dtype)
     if dtype not in _checks.FLOAT_DTYPES:
-        dtype = jnp.dtype(jnp.float32)
+        raise TypeError(f"ragged_dot: expected floating operands (bfloat16, float16, float32), got {lhs.dtype} "
+                        f"lhs and {rhs.dtype} rhs (jax.lax.ragged_dot computes other dtypes)")
     return gmm(lhs.astype(dtype), rhs.astype(dtype), group_sizes.astype(jnp.int32),
                preferred_element_type=preferred_element_type or dtype)
