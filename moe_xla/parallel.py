@@ -133,8 +133,8 @@ def exchange_sizes(tokens, top_k, num_experts, peers, *, dedup=True, capacity_fa
     rows = min(row_worst, capacity, max(1, math.ceil(capacity_factor * tokens * hit)))
     if 2 * capacity >= worst and 2 * rows >= row_worst:
         return one_round
-    if mult == 1:  # a row is a pair: every round but the last is full
-        rounds = -(-worst // capacity)
+    if mult == 1:  # a row is a pair: every round but the last holds `rows` (<= C) of them
+        rounds = -(-worst // rows)
     else:  # every round but the last holds `rows` rows or more than C - mult pairs
         rounds = tokens // rows + worst // (capacity - mult + 1) + 1
     return ExchangeSizes(tokens, peers, local, mult, worst, capacity, rows, peers * capacity, rounds)

@@ -296,14 +296,25 @@ def test_pair_primitives_are_each_others_transpose(rng):
             jax.test_util.check_grads(fn, args, order=2, modes=("fwd", "rev"))
 
 
-@pytest.mark.parametrize("dedup,cf", [(False, None), (False, 0.5), (True, None), (True, 0.3), (True, 1.25)])
-def test_rounds_cover_any_routing_within_budgets(rng, dedup, cf):
-    tokens, top_k, experts, peers = 24, 6, 16, 4
+@pytest.mark.parametrize("tokens,top_k,experts,peers,dedup,cf", [
+    (24, 6, 16, 4, False, None), (24, 6, 16, 4, False, 0.5), (24, 6, 16, 4, True, None), (24, 6, 16, 4, True, 0.3),
+    (24, 6, 16, 4, True, 1.25),
+    # One pair per row, where the row and pair budgets round apart (7 ranks: rows = C - 1).
+    (25, 2, 7, 7, True, 0.14), (7, 15, 21, 7, False, 0.2), (30, 3, 10, 5, False, 0.3)])
+def test_rounds_cover_any_routing_within_budgets(rng, tokens, top_k, experts, peers, dedup, cf):
     sizes = parallel.exchange_sizes(tokens, top_k, experts, peers, dedup=dedup, capacity_factor=cf)
     assert (sizes.rounds == 1) == (cf is None)
-    # Destination 0 gets the most rows it can (every token, with all its pairs), 2 and 3 less.
+    # Destination 0 gets the most rows it can (every token, with all its pairs), the others less.
     most = tokens if dedup else sizes.worst
-    counts = np.array([most, 5, 0, tokens * top_k - most - 5 if not dedup else 3], np.int32)
+    counts = np.zeros(peers, np.int32)
+    counts[0], counts[1] = most, 5
+    if dedup:
+        counts[-1] = 3
+    else:
+        rest = tokens * top_k - most - 5
+        for d in range(2, peers):
+            counts[d] = min(rest, sizes.worst)
+            rest -= counts[d]
     n = int(counts.sum())
     pairs = rng.integers(1, sizes.mult + 1, n).astype(np.int32)
     pairs[: tokens // 2] = sizes.mult  # the heaviest rows first
@@ -317,6 +328,21 @@ def test_rounds_cover_any_routing_within_budgets(rng, dedup, cf):
     assert (before[starts[1:]] - before[starts[:-1]]).max() <= sizes.capacity
     if cf is not None:
         assert rows[0, 0] < counts[0]  # destination 0 overflowed into further rounds
+
+
+def test_capacity_rounds_on_seven_ranks(rng):
+    # Every token picks expert 0 on a 7-rank axis: 25 one-pair rows per rank for rank 0, whose
+    # rounds hold 1 row each (the row budget rounds below the pair budget): 25 rounds needed.
+    peers, tokens = 7, 7 * 25
+    x = normal(rng, (tokens, H), jnp.float32)
+    logits = normal(rng, (tokens, peers), jnp.float32).at[:, 0].add(100.0)
+    w_in, w_out = 0.3 * normal(rng, (peers, H, 2 * F), jnp.float32), 0.3 * normal(rng, (peers, F, H), jnp.float32)
+    mesh = Mesh(np.array(jax.devices()[:peers]), ("ep",))
+    ep = lambda *a: moe_xla.moe(*a, top_k=2, mesh=mesh, expert_axis="ep", capacity_factor=0.14, chunks=1)  # noqa: E731
+    one = lambda *a: moe_xla.moe(*a, top_k=2)  # noqa: E731
+    assert_close(jax.jit(ep)(x, logits, w_in, w_out), jax.jit(one)(x, logits, w_in, w_out), jnp.float32)
+    loss = lambda fn: lambda wi: jnp.sum(jnp.sin(fn(x, logits, wi, w_out)))  # noqa: E731
+    assert_close(jax.jit(jax.grad(loss(ep)))(w_in), jax.jit(jax.grad(loss(one)))(w_in), jnp.float32, scale=10)
 
 
 def test_capacity_that_does_not_halve_the_worst_case_keeps_one_round():
