@@ -63,6 +63,7 @@ batch into rows (expand_p / gather_sum_p have batching rules like the other prim
 from __future__ import annotations
 
 import math
+import numbers
 from functools import partial
 from typing import NamedTuple
 
@@ -163,15 +164,18 @@ def moe_ep(x, router_logits, w_in, w_out, *, top_k, activation, routing, bias, s
     names = tuple(mesh.axis_names)
     if expert_axis not in names:
         raise ValueError(f"moe: expected expert_axis to be one of the mesh axes {names}, got {expert_axis!r}")
-    data_axes = tuple(a for a in names if a != expert_axis) if data_axes is None else tuple(data_axes)
-    if expert_axis in data_axes or any(a not in names for a in data_axes):
-        raise ValueError(f"moe: expected data_axes among the mesh axes {names} other than the expert axis "
-                         f"{expert_axis!r}, got {data_axes}")
+    if data_axes is None:
+        data_axes = tuple(a for a in names if a != expert_axis)
+    else:
+        data_axes = (data_axes,) if isinstance(data_axes, str) else tuple(data_axes)
+    if expert_axis in data_axes or any(a not in names for a in data_axes) or len(set(data_axes)) < len(data_axes):
+        raise ValueError(f"moe: expected distinct data_axes among the mesh axes {names} other than the expert "
+                         f"axis {expert_axis!r}, got {data_axes}")
     if transport not in TRANSPORTS:
         raise ValueError(f"moe: expected transport in {TRANSPORTS}, got {transport!r}")
-    if capacity_factor is not None and not capacity_factor > 0:
-        raise ValueError(f"moe: expected capacity_factor > 0 or None, got {capacity_factor!r}")
-    if not isinstance(chunks, int) or chunks < 1:
+    if capacity_factor is not None and not 0 < capacity_factor < math.inf:
+        raise ValueError(f"moe: expected a finite capacity_factor > 0 or None, got {capacity_factor!r}")
+    if not isinstance(chunks, numbers.Integral) or chunks < 1:
         raise ValueError(f"moe: expected a positive int chunks, got {chunks!r}")
     hidden, experts = x.shape[-1], w_in.shape[0]
     peers = mesh.shape[expert_axis]
@@ -188,7 +192,7 @@ def moe_ep(x, router_logits, w_in, w_out, *, top_k, activation, routing, bias, s
     if transport == "auto":  # see the module docstring
         transport = "padded"
     cfg = _Config(expert_axis, token_axes, peers, experts, top_k, activation, routing, transport, platform != "cpu",
-                  bool(dedup), capacity_factor, min(chunks, tokens // shards))
+                  bool(dedup), capacity_factor, max(1, min(int(chunks), tokens // shards)))
 
     tok, rep = P(token_axes), P()
     specs = (tok, tok, P(expert_axis), P(expert_axis), rep, rep)

@@ -362,6 +362,7 @@ def test_capacity_that_does_not_halve_the_worst_case_keeps_one_round():
     (dict(expert_axis="model"), r"expert_axis to be one of the mesh axes \('ep',\)"),
     (dict(expert_axis="ep", transport="nccl"), "transport in"),
     (dict(expert_axis="ep", capacity_factor=0.0), "capacity_factor > 0"),
+    (dict(expert_axis="ep", capacity_factor=float("inf")), "finite capacity_factor"),
     (dict(expert_axis="ep", chunks=0), "positive int chunks"),
 ])
 def test_ep_bad_options(rng, kw, match):
@@ -369,6 +370,18 @@ def test_ep_bad_options(rng, kw, match):
     kw = {"mesh": _mesh(4), **kw}
     with pytest.raises(ValueError, match=match):
         moe_xla.moe(*args, top_k=2, **kw)
+
+
+def test_ep_option_spellings_and_no_tokens(rng):
+    # A bare axis name for data_axes, a numpy integer for chunks, and no tokens at all.
+    args = (normal(rng, (T, H), jnp.float32), normal(rng, (T, E), jnp.float32)) + _weights(rng)[:2]
+    mesh = _mesh(2, 4)
+    y = moe_xla.moe(*args, top_k=2, mesh=mesh, expert_axis="ep", data_axes="data", chunks=np.int64(2))
+    assert_close(y, moe_xla.moe(*args, top_k=2), jnp.float32)
+    empty = (jnp.zeros((0, H)), jnp.zeros((0, E))) + args[2:]
+    assert jax.jit(lambda *a: moe_xla.moe(*a, top_k=2, mesh=mesh, expert_axis="ep"))(*empty).shape == (0, H)
+    with pytest.raises(ValueError, match=r"distinct data_axes .* \('data', 'data'\)"):
+        moe_xla.moe(*args, top_k=2, mesh=mesh, expert_axis="ep", data_axes=("data", "data"))
 
 
 def test_ep_bad_shapes(rng):
