@@ -196,20 +196,20 @@ def moe_ep(x, router_logits, w_in, w_out, *, top_k, activation, routing, bias, s
 
     tok, rep = P(token_axes), P()
     specs = (tok, tok, P(expert_axis), P(expert_axis), rep, rep)
-    logits = router_logits.reshape(tokens, experts)
-    inputs = (x.reshape(tokens, hidden), logits, w_in, w_out, bias, shared_experts)
-    # Explicit axes (jax.make_mesh's default) need every reshard spelled out; shard_map
-    # reshards arguments on Auto axes itself.
+    # Explicit axes (jax.make_mesh's default) need every reshard spelled out, the token
+    # flattening of x [..., H] included; shard_map reshards arguments on Auto axes itself.
     explicit = all(t == AxisType.Explicit for t in mesh.axis_types)
+    tokens_sharding = NamedSharding(mesh, tok) if explicit else None
+    logits = jnp.reshape(router_logits, (tokens, experts), out_sharding=tokens_sharding)
+    inputs = (jnp.reshape(x, (tokens, hidden), out_sharding=tokens_sharding), logits, w_in, w_out, bias,
+              shared_experts)
     if explicit:
         inputs = jax.reshard(inputs, tuple(NamedSharding(mesh, s) for s in specs))
     layer = jax.shard_map(partial(_layer, cfg), mesh=mesh, in_specs=specs, out_specs=(tok, rep, rep),
                           check_vma=False)
     y, tokens_per_expert, dispatched = layer(*inputs)
     if x.ndim > 2:
-        if explicit:  # tokens in x's layout: split like x's first dim, so the split reshape holds
-            y = jax.reshard(y, NamedSharding(mesh, P((tuple(jax.typeof(x).sharding.spec) + (None,))[0])))
-        y = y.reshape(x.shape)
+        y = jnp.reshape(y, x.shape, out_sharding=NamedSharding(mesh, jax.typeof(x).sharding.spec) if explicit else None)
     if not return_aux:
         return y
     with jax.named_scope("moe_xla/aux"):

@@ -15,7 +15,8 @@ import jax.test_util
 import numpy as np
 import pytest
 from jax.extend.core import ClosedJaxpr, Jaxpr
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import moe_xla
 from moe_xla import parallel, reference
@@ -382,6 +383,19 @@ def test_ep_option_spellings_and_no_tokens(rng):
     assert jax.jit(lambda *a: moe_xla.moe(*a, top_k=2, mesh=mesh, expert_axis="ep"))(*empty).shape == (0, H)
     with pytest.raises(ValueError, match=r"distinct data_axes .* \('data', 'data'\)"):
         moe_xla.moe(*args, top_k=2, mesh=mesh, expert_axis="ep", data_axes=("data", "data"))
+
+
+@pytest.mark.parametrize("spec", [P(None, "ep"), P(None, ("data", "ep")), P("data", "ep"), P()])
+def test_ep_explicit_mesh_any_token_layout(rng, spec):
+    # x [B, S, H] on an Explicit mesh, its sequence dim (or nothing) sharded: the layer
+    # flattens the tokens with an explicit output sharding and returns y in x's layout.
+    mesh = _mesh(4, 2)
+    x, logits = (jax.device_put(normal(rng, (2, 32, n), jnp.float32), NamedSharding(mesh, spec)) for n in (H, E))
+    w_in, w_out, _ = _weights(rng)
+    with jax.set_mesh(mesh):
+        y = jax.jit(lambda *a: moe_xla.moe(*a, top_k=2, expert_axis="ep"))(x, logits, w_in, w_out)
+    assert y.sharding.spec == P(*(tuple(spec) + (None,) * (3 - len(spec))))
+    assert_close(y, moe_xla.moe(np.asarray(x), np.asarray(logits), w_in, w_out, top_k=2), jnp.float32)
 
 
 def test_ep_bad_shapes(rng):
