@@ -77,7 +77,7 @@ from jax.sharding import PartitionSpec as P
 from moe_xla._rows import inverse_rows, take_rows
 from moe_xla.moe import _aux, expert_mlp, shared_mlp
 from moe_xla.primitives import _ad
-from moe_xla.primitives._batching import all_to_front, folded_rows
+from moe_xla.primitives._batching import all_to_front, batched_to_front, folded_rows
 from moe_xla.primitives.permute import permute
 from moe_xla.primitives.route import route
 from moe_xla.primitives.unpermute import unpermute
@@ -437,8 +437,7 @@ def _rounds_tangent_transpose(ct, *args, spec: _RoundsSpec, levels):
 
 
 def _rounds_tangent_batch(args, dims, *, spec: _RoundsSpec, levels):
-    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
-    args = [a if d is None else jnp.moveaxis(a, d, 0) for a, d in zip(args, dims)]
+    args, size = batched_to_front(args, dims)
     in_axes = tuple(None if d is None else 0 for d in dims)
     return rounds_tangent_p.bind(*args, spec=spec, levels=((size, in_axes),) + levels), 0
 
@@ -525,22 +524,23 @@ def _bilinear_rules(prim, data_transpose, weights_transpose):
 
 def _folded_slots(slots, per_batch: int):
     """[B, N, mult] slots into B blocks of per_batch rows -> [B N, mult] slots into the stack."""
-    return folded_rows(slots, per_batch).reshape(-1, slots.shape[-1])
+    return folded_rows(slots, per_batch).reshape(slots.shape[0] * slots.shape[1], slots.shape[2])
 
 
 def _expand_batch(args, dims, *, num_pairs):
     (rows, slots, weights), size = all_to_front(args, dims)
-    out = expand_p.bind(rows.reshape(-1, rows.shape[-1]), _folded_slots(slots, num_pairs),
-                        weights.reshape(-1, weights.shape[-1]), num_pairs=size * num_pairs)
-    return out.reshape(size, num_pairs, -1), 0
+    n, h = slots.shape[1], rows.shape[-1]
+    out = expand_p.bind(rows.reshape(size * n, h), _folded_slots(slots, num_pairs),
+                        weights.reshape(size * n, weights.shape[-1]), num_pairs=size * num_pairs)
+    return out.reshape(size, num_pairs, h), 0
 
 
 def _gather_sum_batch(args, dims):
     (values, slots, weights), size = all_to_front(args, dims)
-    n = slots.shape[1]
-    out = gather_sum_p.bind(values.reshape(-1, values.shape[-1]), _folded_slots(slots, values.shape[1]),
-                            weights.reshape(-1, weights.shape[-1]))
-    return out.reshape(size, n, -1), 0
+    n, h = slots.shape[1], values.shape[-1]
+    out = gather_sum_p.bind(values.reshape(size * values.shape[1], h), _folded_slots(slots, values.shape[1]),
+                            weights.reshape(size * n, weights.shape[-1]))
+    return out.reshape(size, n, h), 0
 
 
 batching.primitive_batchers[expand_p] = _expand_batch

@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from moe_xla._rows import take_rows
+from moe_xla._rows import names_row, take_rows
 
 
 def group_ends(group_sizes, m: int):
@@ -132,7 +132,7 @@ def unpermute(y_sorted, row_map, weights):
     t, k = weights.shape
     h = y_sorted.shape[1]
     rows = take_rows(y_sorted, row_map, jnp.float32).reshape(t, k, h)
-    named = ((row_map >= 0) & (row_map < y_sorted.shape[0])).reshape(t, k)
+    named = names_row(row_map, y_sorted.shape[0]).reshape(t, k)
     weights = jnp.where(named, weights, 0.0)  # an entry naming no row takes no part, whatever its weight
     y = jnp.zeros((t, h), jnp.float32)
     for j in range(k):

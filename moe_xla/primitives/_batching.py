@@ -5,14 +5,19 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from moe_xla import reference
+from moe_xla import _rows, reference
+
+
+def batched_to_front(args, dims):
+    """(args with their batch dimension first, unbatched ones as they are; the batch size)."""
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    return [a if d is None else jnp.moveaxis(a, d, 0) for a, d in zip(args, dims)], size
 
 
 def all_to_front(args, dims):
     """(args with their batch dimension first, unbatched ones broadcast; the batch size)."""
-    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
-    return [jnp.moveaxis(a, d, 0) if d is not None else jnp.broadcast_to(a, (size,) + a.shape)
-            for a, d in zip(args, dims)], size
+    args, size = batched_to_front(args, dims)
+    return [a if d is not None else jnp.broadcast_to(a, (size,) + a.shape) for a, d in zip(args, dims)], size
 
 
 def folded_group_sizes(group_sizes, m: int):
@@ -32,4 +37,4 @@ def folded_rows(idx, per_batch: int):
     which name no row, go to B * per_batch, past every block."""
     b = idx.shape[0]
     offset = (jnp.arange(b, dtype=idx.dtype) * per_batch).reshape((b,) + (1,) * (idx.ndim - 1))
-    return jnp.where((idx >= 0) & (idx < per_batch), idx + offset, b * per_batch)
+    return jnp.where(_rows.names_row(idx, per_batch), idx + offset, b * per_batch)

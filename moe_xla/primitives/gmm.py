@@ -70,11 +70,11 @@ def _batch(args, dims, *, transpose_rhs, preferred_element_type):
     # Each batch element gets one extra all-zero expert for its spacer group, whose rows
     # (past the element's groups) are then set to exactly 0: lhs @ 0 is NaN for inf rows.
     rhs = jnp.concatenate([rhs, jnp.zeros((b, 1) + rhs.shape[2:], rhs.dtype)], axis=1)
-    out = gmm_p.bind(lhs.reshape(b * m, k), rhs.reshape((b * (g + 1),) + rhs.shape[2:]),
-                     _batching.folded_group_sizes(group_sizes, m),
+    folded = _batching.folded_group_sizes(group_sizes, m)
+    out = gmm_p.bind(lhs.reshape(b * m, k), rhs.reshape((b * (g + 1),) + rhs.shape[2:]), folded,
                      transpose_rhs=transpose_rhs, preferred_element_type=preferred_element_type)
     out = out.reshape(b, m, out.shape[-1])
-    covered = jnp.sum(reference.clamped_group_sizes_batched(group_sizes, m), axis=1, keepdims=True)
+    covered = m - folded.reshape(b, g + 1)[:, g:]  # rows before the spacer group
     return jnp.where((jnp.arange(m) < covered)[..., None], out, jnp.zeros((), out.dtype)), 0
 
 

@@ -4,8 +4,8 @@
 
 lhs [M, K], rhs [G, K, N], group_sizes [G] (any integer dtype) -> [M, N]. Operands are
 floating (bf16, f16, f32; other dtypes raise) and promoted to a common dtype; the output
-dtype is preferred_element_type or that dtype. `precision` is accepted for compatibility: products are always taken on
-the inputs as given, with float32 accumulation.
+dtype is preferred_element_type or that dtype. `precision` is accepted for compatibility:
+products are always taken on the inputs as given, with float32 accumulation.
 """
 
 from __future__ import annotations
