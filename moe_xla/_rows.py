@@ -1,4 +1,13 @@
-"""Row gathers through index arrays in which an index outside [0, R) names no row."""
+"""Row gathers through index arrays in which an index outside [0, R) names no row.
+
+With slots [N, mult] naming rows of a [R, H] array (each row at most once), the two
+gathers below are bilinear in (data, weights) and each other's transpose:
+    expand_rows(rows, slots, w)[slots[q, j]] = w[q, j] rows[q]       [R, H], rows no slot names 0
+    gather_sum_rows(values, slots, w)[q] = sum_j w[q, j] values[slots[q, j]]    (j order)
+accumulated in float32 (or the inputs' wider dtype). unpermute is gather_sum_rows with
+slots = row_map.reshape(T, k), the EP layer's dispatch / combine are both; neither needs a
+scatter-add, so both directions are deterministic.
+"""
 
 from __future__ import annotations
 
@@ -28,3 +37,30 @@ def inverse_rows(idx, num_rows: int):
     src = jnp.zeros((num_rows,), jnp.int32).at[target].set(jnp.arange(n, dtype=jnp.int32), mode="drop",
                                                            unique_indices=True)
     return src, jnp.zeros((num_rows,), bool).at[target].set(True, mode="drop", unique_indices=True)
+
+
+def acc_dtype(dtype):
+    """The accumulation dtype: float32, or wider inputs' own."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def expand_rows(rows, slots, weights, *, num_pairs: int):
+    """[num_pairs, H]: row slots[q, j] is weights[q, j] * rows[q]; rows no slot names are 0."""
+    src, named = inverse_rows(slots.reshape(-1), num_pairs)
+    v = weights.reshape(-1)[src][:, None] * rows[src // slots.shape[1]].astype(acc_dtype(rows.dtype))
+    return jnp.where(named[:, None], v, 0).astype(rows.dtype)
+
+
+def gather_sum_rows(values, slots, weights):
+    """[N, H]: sum_j weights[q, j] * values[slots[q, j]], in j order (slots naming no row: 0)."""
+    acc = jnp.zeros((slots.shape[0], values.shape[1]), acc_dtype(values.dtype))
+    for j in range(slots.shape[1]):
+        acc = acc + weights[:, j, None] * take_rows(values, slots[:, j], acc_dtype(values.dtype))
+    return acc.astype(values.dtype)
+
+
+def row_dots(a, b, slots):
+    """[N, mult]: <a[q], b[slots[q, j]]> (0 for slots naming no row): the weights' cotangent."""
+    a = a.astype(acc_dtype(a.dtype))
+    return jnp.stack([jnp.sum(a * take_rows(b, slots[:, j], a.dtype), axis=-1) for j in range(slots.shape[1])],
+                     axis=-1)

@@ -74,7 +74,7 @@ from jax.interpreters import ad, batching, mlir
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from moe_xla._rows import inverse_rows, take_rows
+from moe_xla._rows import expand_rows, gather_sum_rows, row_dots
 from moe_xla.moe import _aux, expert_mlp, shared_mlp
 from moe_xla.primitives import _ad
 from moe_xla.primitives._batching import all_to_front, batched_to_front, folded_rows
@@ -465,40 +465,8 @@ def _experts(x_recv, lids, w, w_in, w_out, sizes: ExchangeSizes, activation):
 
 
 # The expansion of the received rows to their (row, local expert) pairs and the weighted
-# sum back are two primitives, bilinear in (data, weights) and each other's transpose:
-#   expand(rows, slots, w)[slots[q, j]] = w[q, j] rows[q]     [pairs, H], rows no slot names 0
-#   gather_sum(values, slots, w)[q] = sum_j w[q, j] values[slots[q, j]]   (float32, j order)
-# Both are gathers, so either direction is deterministic (no scatter-add) and builds one
-# array of the output's size; they lower through jnp on every platform.
-
-def _acc(dtype):
-    """The accumulation dtype: float32, or wider inputs' own."""
-    return jnp.promote_types(dtype, jnp.float32)
-
-
-def _expand_impl(rows, slots, weights, *, num_pairs):
-    src, named = inverse_rows(slots.reshape(-1), num_pairs)
-    v = weights.reshape(-1)[src][:, None] * rows[src // slots.shape[1]].astype(_acc(rows.dtype))
-    return jnp.where(named[:, None], v, 0).astype(rows.dtype)
-
-
-def _picked(values, s):
-    """values[s] in the accumulation dtype, 0 where s is past the rows of values."""
-    return take_rows(values, s, _acc(values.dtype))
-
-
-def _gather_sum_impl(values, slots, weights):
-    acc = jnp.zeros((slots.shape[0], values.shape[1]), _acc(values.dtype))
-    for j in range(slots.shape[1]):
-        acc = acc + weights[:, j, None] * _picked(values, slots[:, j])
-    return acc.astype(values.dtype)
-
-
-def _pair_dots(a, b, slots):
-    """[N, mult]: <a[q], b[slots[q, j]]> (0 for slots past b): a weight's cotangent."""
-    a = a.astype(_acc(a.dtype))
-    return jnp.stack([jnp.sum(a * _picked(b, slots[:, j]), axis=-1) for j in range(slots.shape[1])], axis=-1)
-
+# sum back are two primitives over _rows.expand_rows / gather_sum_rows (bilinear, each
+# other's transpose); they lower through jnp on every platform.
 
 expand_p = Primitive("moe_xla_ep_expand")
 gather_sum_p = Primitive("moe_xla_ep_gather_sum")
@@ -545,13 +513,13 @@ def _gather_sum_batch(args, dims):
 
 batching.primitive_batchers[expand_p] = _expand_batch
 batching.primitive_batchers[gather_sum_p] = _gather_sum_batch
-for _prim, _impl in ((expand_p, _expand_impl), (gather_sum_p, _gather_sum_impl)):
+for _prim, _impl in ((expand_p, expand_rows), (gather_sum_p, gather_sum_rows)):
     _prim.def_impl(_impl)
     mlir.register_lowering(_prim, mlir.lower_fun(_impl, multiple_results=False))
 _bilinear_rules(expand_p, lambda ct, slots, w, aval: gather_sum_p.bind(ct, slots, w),
-                lambda ct, rows, slots: _pair_dots(rows, ct, slots))
+                lambda ct, rows, slots: row_dots(rows, ct, slots))
 _bilinear_rules(gather_sum_p, lambda ct, slots, w, aval: expand_p.bind(ct, slots, w, num_pairs=aval.shape[0]),
-                lambda ct, values, slots: _pair_dots(ct, values, slots))
+                lambda ct, values, slots: row_dots(ct, values, slots))
 
 
 def _slabs(rows, starts, sizes, block: int, fill):
@@ -584,13 +552,13 @@ def ragged_all_to_all_by_all_to_all(operand, output, input_offsets, send_sizes, 
 
 def _link_arrays(cfg: _Config, starts):
     """What a chunk's link is built from (_link(cfg, block, *arrays)): its starts [R+1, P],
-    and for the ragged transport the starts of every peer for this rank [P, R+1]."""
+    and for the ragged transport the starts of every peer for this rank [P, R+1] (else None)."""
     if cfg.transport == "padded":
-        return (starts,)
+        return starts, None
     return starts, jax.lax.all_to_all(starts.T, cfg.axis, 0, 0, tiled=True)
 
 
-def _link(cfg: _Config, block: int, starts, theirs=None):
+def _link(cfg: _Config, block: int, starts, theirs):
     """The chunk's transport (theirs: the ragged transport's peer starts, _link_arrays)."""
     if cfg.transport == "padded":
         return _Padded(cfg.axis, block, starts)

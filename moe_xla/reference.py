@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from moe_xla._rows import names_row, take_rows
+from moe_xla._rows import gather_sum_rows, names_row
 
 
 def group_ends(group_sizes, m: int):
@@ -129,15 +129,9 @@ def permute(x, expert_ids, num_experts: int):
 def unpermute(y_sorted, row_map, weights):
     """y[t] = sum_j weights[t, j] * y_sorted[row_map[t*k + j]], in float32, j in order;
     row_map entries outside [0, T*k) contribute 0."""
-    t, k = weights.shape
-    h = y_sorted.shape[1]
-    rows = take_rows(y_sorted, row_map, jnp.float32).reshape(t, k, h)
-    named = names_row(row_map, y_sorted.shape[0]).reshape(t, k)
-    weights = jnp.where(named, weights, 0.0)  # an entry naming no row takes no part, whatever its weight
-    y = jnp.zeros((t, h), jnp.float32)
-    for j in range(k):
-        y = y + weights[:, j, None] * rows[:, j]
-    return y.astype(y_sorted.dtype)
+    slots = row_map.reshape(weights.shape)
+    # An entry naming no row takes no part, whatever its weight.
+    return gather_sum_rows(y_sorted, slots, jnp.where(names_row(slots, y_sorted.shape[0]), weights, 0.0))
 
 
 def moe(x, router_logits, w_in, w_out, *, top_k, activation="swiglu", score="softmax", bias=None, n_groups=None,

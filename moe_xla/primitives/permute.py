@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching
 
-from moe_xla import _lib, reference
+from moe_xla import _lib, _rows, reference
 from moe_xla.primitives import _ad, _batching, _checks, _lowering, _sharding
 
 permute_p = Primitive("moe_xla_permute")
@@ -72,9 +72,7 @@ def _batch(args, dims, *, num_experts):
     b, t, k = ids.shape
     # Batch element b owns experts [b (E+1), (b+1) (E+1)); its last one collects the
     # invalid assignments, so each element's rows stay in its own block of T*k rows.
-    valid = (ids >= 0) & (ids < num_experts)
-    offset = (jnp.arange(b, dtype=jnp.int32) * (num_experts + 1))[:, None, None]
-    folded = jnp.where(valid, ids, num_experts) + offset
+    folded = _batching.folded_rows(jnp.where(_rows.names_row(ids, num_experts), ids, num_experts), num_experts + 1)
     x_sorted, group_sizes, row_map = permute_p.bind(
         x.reshape(b * t, x.shape[-1]), folded.reshape(b * t, k), num_experts=b * (num_experts + 1))
     rows = t * k

@@ -55,14 +55,11 @@ def _transpose(ct, y_sorted, row_map, weights):
     if ad.is_undefined_primal(y_sorted):
         if type(ct) is ad.Zero:
             return ad.Zero(y_sorted.aval), None, None
-        src, named = _rows.inverse_rows(row_map, y_sorted.aval.shape[0])
-        rows = ct[src // k].astype(jnp.float32) * weights.reshape(-1)[src][:, None]
-        return jnp.where(named[:, None], rows, 0).astype(y_sorted.aval.dtype), None, None
+        d_rows = _rows.expand_rows(ct, row_map.reshape(t, k), weights, num_pairs=y_sorted.aval.shape[0])
+        return d_rows.astype(y_sorted.aval.dtype), None, None
     if type(ct) is ad.Zero:
         return None, None, ad.Zero(weights.aval)
-    picked = _rows.take_rows(y_sorted, row_map, jnp.float32)
-    d_weights = jnp.einsum("tkh,th->tk", picked.reshape(t, k, y_sorted.shape[1]), ct.astype(jnp.float32))
-    return None, None, d_weights
+    return None, None, _rows.row_dots(ct, y_sorted, row_map.reshape(t, k)).astype(weights.aval.dtype)
 
 
 def _batch(args, dims):
