@@ -99,6 +99,13 @@ def fwd_bwd(layer, n_inputs: int):
     return jax.grad(loss, argnums=tuple(range(n_inputs)))
 
 
+def torch_sync(_=None):
+    """Waits for the GPU work torch queued (a sync for batch_times / alternating_times)."""
+    import torch
+
+    torch.cuda.synchronize()
+
+
 def torch_grouped_mm(lhs, rhs, gs):
     """A no-argument call of torch._grouped_mm on copies of (lhs [M, K], rhs [G, K, N],
     group sizes) on the GPU, the weights K-major per group (the layout it runs fastest);

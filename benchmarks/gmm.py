@@ -22,7 +22,7 @@ import statistics
 from pathlib import Path
 
 from _timing import (alternating_times, compiled_memory_bytes, environment, gib, grouped_matmul_inputs, is_oom,
-                     time_jax, torch_grouped_mm, write_results)
+                     time_jax, torch_grouped_mm, torch_sync, write_results)
 
 import jax
 import jax.numpy as jnp
@@ -45,10 +45,8 @@ def _bench_moe_xla(lhs, rhs, gs, turn_seconds, rounds):
     if torch_call is None:
         fwd_t, torch_t = time_jax(fwd_c, lhs, rhs, gs), None
     else:
-        import torch
-
         times, _ = alternating_times({"moe_xla": (lambda: fwd_c(lhs, rhs, gs), jax.block_until_ready),
-                                      "torch": (torch_call, lambda _: torch.cuda.synchronize())}, turn_seconds, rounds)
+                                      "torch": (torch_call, torch_sync)}, turn_seconds, rounds)
         fwd_t, torch_t = statistics.median(times["moe_xla"]), statistics.median(times["torch"])
     return {"fwd": fwd_t, "bwd": time_jax(bwd_c, lhs, rhs, gs, ct), "torch_fwd": torch_t,
             "fwd_mem": compiled_memory_bytes(fwd_c), "bwd_mem": compiled_memory_bytes(bwd_c)}

@@ -27,7 +27,8 @@ import threading
 import time
 from pathlib import Path
 
-from _timing import CASES, alternating_times, environment, grouped_matmul_inputs, torch_grouped_mm, write_results
+from _timing import (CASES, alternating_times, environment, grouped_matmul_inputs, torch_grouped_mm, torch_sync,
+                     write_results)
 
 import jax
 import jax.numpy as jnp
@@ -95,15 +96,16 @@ class Sampler(threading.Thread):
 
 
 def _impls(lhs, rhs, gs):
-    import torch
-
+    torch_call = torch_grouped_mm(lhs, rhs, gs)
+    if torch_call is None:
+        raise SystemExit("gmm_sustained: torch._grouped_mm is not available (needs torch with CUDA)")
     rhs_t = jnp.swapaxes(rhs, 1, 2).copy()
     fwd = jax.jit(moe_xla.gmm)
     fwd_t = jax.jit(lambda a, b, g: moe_xla.gmm(a, b, g, transpose_rhs=True))
     jax_sync = jax.block_until_ready
     return {"moe_xla": (lambda: fwd(lhs, rhs, gs), jax_sync),
             "moe_xla_t": (lambda: fwd_t(lhs, rhs_t, gs), jax_sync),
-            "torch": (torch_grouped_mm(lhs, rhs, gs), lambda _: torch.cuda.synchronize())}
+            "torch": (torch_call, torch_sync)}
 
 
 def main():
