@@ -13,8 +13,9 @@
 //   kTgmm:          M = K, N = N, K = m_g. A = lhs + r_g*K read as lhs_block^T
 //                   (column-major, M-major, ld K), B = rhs + r_g*N ([m_g,N], N-major, ld N),
 //                   D = out + g*K*N (ld N)
-// Empty groups get M = 0 so they yield zero tiles; the dispatcher zeroes what CUTLASS
-// leaves unwritten (gmm rows past the last group, tgmm blocks of empty groups).
+// Empty groups get M = 0 so they yield zero tiles. What CUTLASS leaves unwritten is zeroed
+// by the prep kernel (gmm rows past the last group) or the dispatcher (tgmm blocks of empty
+// groups).
 // Problem shapes live only on the device (host problem shapes = nullptr): the persistent
 // group tile scheduler reads them, and TMA descriptors are rewritten on the device per
 // group.
@@ -23,6 +24,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <type_traits>
@@ -41,6 +43,7 @@
 #include "cutlass/numeric_types.h"
 
 #include "common/grouped_gemm.h"
+#include "cuda/group_offsets.cuh"
 #include "cuda/grouped_gemm_internal.h"
 
 #if !defined(CUTLASS_ARCH_MMA_SM90_SUPPORTED) || \
@@ -205,39 +208,60 @@ __device__ __forceinline__ Stride make_leading_stride(int64_t ld) {
   return s;
 }
 
-// One thread per group: CUTLASS problem shape, operand pointers and strides.
+// The one kernel before the GEMM. Block 0 scans the group sizes into offsets (kept in the
+// workspace for the dispatcher's tgmm zeroing) and writes every group's CUTLASS problem
+// shape, operand pointers and strides. For gmm every block runs the scan to learn the
+// covered rows, and the grid zeroes the output rows past them, which no tile of the GEMM
+// writes. Launched with kScanThreads threads per block.
 template <class Config, GroupedLayout kLayout>
-__global__ void cutlass_grouped_fill_kernel(
-    const int64_t* __restrict__ offsets, int64_t num_groups, int64_t k, int64_t n,
-    const typename Config::Element* lhs, const typename Config::Element* rhs,
-    typename Config::Element* out, typename Config::UnderlyingShape* shapes,
-    const typename Config::Element** ptr_a, const typename Config::Element** ptr_b,
-    typename Config::Element** ptr_d, typename Config::StrideA* stride_a,
-    typename Config::StrideB* stride_b, typename Config::StrideD* stride_d) {
-  const int64_t g = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (g >= num_groups) return;
-  const int64_t start = offsets[g];
-  const int64_t rows = offsets[g + 1] - start;  // >= 0 by construction of the scan
+__global__ void __launch_bounds__(kScanThreads) cutlass_grouped_prep_kernel(
+    const int32_t* __restrict__ group_sizes, int64_t num_groups, int64_t m, int64_t k,
+    int64_t n, const typename Config::Element* lhs, const typename Config::Element* rhs,
+    typename Config::Element* out, int64_t* __restrict__ offsets,
+    typename Config::UnderlyingShape* shapes, const typename Config::Element** ptr_a,
+    const typename Config::Element** ptr_b, typename Config::Element** ptr_d,
+    typename Config::StrideA* stride_a, typename Config::StrideB* stride_b,
+    typename Config::StrideD* stride_d) {
+  const bool writer = blockIdx.x == 0;
   const int ik = static_cast<int>(k), in = static_cast<int>(n);
-  if constexpr (kLayout == GroupedLayout::kTgmm) {
-    shapes[g] = rows > 0 ? cute::make_shape(ik, in, static_cast<int>(rows))
-                         : cute::make_shape(0, in, 0);
-    ptr_a[g] = lhs + start * k;
-    ptr_b[g] = rhs + start * n;
-    ptr_d[g] = out + g * k * n;
-    stride_a[g] = make_leading_stride<typename Config::StrideA>(k);
-    stride_b[g] = make_leading_stride<typename Config::StrideB>(n);
-    stride_d[g] = make_leading_stride<typename Config::StrideD>(n);
-  } else {
-    shapes[g] = cute::make_shape(static_cast<int>(rows), in, ik);
-    ptr_a[g] = lhs + start * k;
-    ptr_b[g] = rhs + g * k * n;
-    ptr_d[g] = out + start * n;
-    stride_a[g] = make_leading_stride<typename Config::StrideA>(k);
-    stride_b[g] = make_leading_stride<typename Config::StrideB>(
-        kLayout == GroupedLayout::kGmm ? n : k);
-    stride_d[g] = make_leading_stride<typename Config::StrideD>(n);
+  auto fill = [&](int64_t g, int64_t start, int64_t end) {
+    if (!writer) return;
+    const int64_t rows = end - start;
+    if constexpr (kLayout == GroupedLayout::kTgmm) {
+      shapes[g] = rows > 0 ? cute::make_shape(ik, in, static_cast<int>(rows))
+                           : cute::make_shape(0, in, 0);
+      ptr_a[g] = lhs + start * k;
+      ptr_b[g] = rhs + start * n;
+      ptr_d[g] = out + g * k * n;
+      stride_a[g] = make_leading_stride<typename Config::StrideA>(k);
+      stride_b[g] = make_leading_stride<typename Config::StrideB>(n);
+      stride_d[g] = make_leading_stride<typename Config::StrideD>(n);
+    } else {
+      shapes[g] = cute::make_shape(static_cast<int>(rows), in, ik);
+      ptr_a[g] = lhs + start * k;
+      ptr_b[g] = rhs + g * k * n;
+      ptr_d[g] = out + start * n;
+      stride_a[g] = make_leading_stride<typename Config::StrideA>(k);
+      stride_b[g] = make_leading_stride<typename Config::StrideB>(
+          kLayout == GroupedLayout::kGmm ? n : k);
+      stride_d[g] = make_leading_stride<typename Config::StrideD>(n);
+    }
+  };
+  const int64_t covered =
+      scan_group_offsets(group_sizes, num_groups, m, writer ? offsets : nullptr, fill);
+  if constexpr (kLayout != GroupedLayout::kTgmm) {
+    zero_rows_from(reinterpret_cast<uint4*>(out), covered, m, n / 8);
   }
+}
+
+// Blocks of the prep kernel: one for tgmm; for gmm enough to zero uncovered rows at full
+// bandwidth (at most two per SM), fewer when G is large, since each block reads all of
+// group_sizes.
+inline int64_t prep_blocks(const GroupedGemmParams& p, int sm_count) {
+  if (p.layout == GroupedLayout::kTgmm) return 1;
+  const int64_t vec_blocks = (p.m * (p.n / 8) + kScanThreads - 1) / kScanThreads;
+  const int64_t read_budget = std::max<int64_t>((int64_t{1} << 22) / std::max<int64_t>(p.num_groups, 1), 1);
+  return std::max<int64_t>(std::min({vec_blocks, 2 * int64_t{sm_count}, read_budget}), 1);
 }
 
 template <class Config>
@@ -303,13 +327,11 @@ const char* cutlass_grouped_run(const CutlassGroupedArgs& a) {
   auto* stride_b = reinterpret_cast<typename Config::StrideB*>(base + layout.stride_b);
   auto* stride_d = reinterpret_cast<typename Config::StrideD*>(base + layout.stride_d);
 
-  constexpr int kThreads = 256;
-  const int64_t blocks = (p.num_groups + kThreads - 1) / kThreads;
-  cutlass_grouped_fill_kernel<Config, kLayout>
-      <<<static_cast<unsigned>(blocks), kThreads, 0, a.stream>>>(
-      a.offsets, p.num_groups, p.k, p.n, static_cast<const Element*>(p.lhs),
-      static_cast<const Element*>(p.rhs), static_cast<Element*>(p.out), shapes, ptr_a, ptr_b,
-      ptr_d, stride_a, stride_b, stride_d);
+  cutlass_grouped_prep_kernel<Config, kLayout>
+      <<<static_cast<unsigned>(prep_blocks(p, a.sm_count)), kScanThreads, 0, a.stream>>>(
+      p.group_sizes, p.num_groups, p.m, p.k, p.n, static_cast<const Element*>(p.lhs),
+      static_cast<const Element*>(p.rhs), static_cast<Element*>(p.out), a.offsets, shapes, ptr_a,
+      ptr_b, ptr_d, stride_a, stride_b, stride_d);
   if (cudaGetLastError() != cudaSuccess) {
     return "moe_xla grouped_gemm (CUTLASS): launching the metadata kernel failed";
   }

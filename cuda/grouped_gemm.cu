@@ -1,6 +1,7 @@
 // Dispatcher of the CUDA grouped products: validation, path selection, workspace layout,
-// the group-offset scan and the small zeroing kernels. The heavy kernels live in
-// fallback_gemm.cu (SIMT) and cutlass_*.cu (one CUTLASS instantiation per file).
+// the group-offset scan of the SIMT path and the zeroing of tgmm's empty groups. The heavy
+// kernels live in fallback_gemm.cu (SIMT) and cutlass_*.cu (one CUTLASS instantiation per
+// file).
 #include "cuda/grouped_gemm.h"
 
 #include <cuda_runtime.h>
@@ -9,6 +10,7 @@
 #include <cstdint>
 
 #include "common/grouped_gemm.h"
+#include "cuda/group_offsets.cuh"
 #include "cuda/grouped_gemm_internal.h"
 
 namespace moe_xla {
@@ -18,73 +20,21 @@ namespace {
 using detail::align_up;
 using detail::CutlassGroupedArgs;
 using detail::kWorkspaceAlign;
+using detail::kScanThreads;
 using detail::TileConfig;
 
-constexpr int kScanThreads = 1024;
-
-// offsets[0] = 0, offsets[g+1] = min(M, sum_{i<=g} max(group_sizes[i], 0)).
-// This equals the sequential clamp of common/grouped_gemm.h:
-//   start_{g+1} = start_g + clamp(size_g, 0, M - start_g)
-// (by induction: min(min(M, P_g) + s, M) = min(P_g + s, M) for s >= 0).
-// One block, chunks of kScanThreads groups with a running carry; G is at most a few
-// thousand in practice, and the loop keeps any G correct.
+// Offsets for the SIMT path (see scan_group_offsets); the CUTLASS path computes them in
+// its prep kernel.
 __global__ void __launch_bounds__(kScanThreads)
     group_offsets_kernel(const int32_t* __restrict__ group_sizes, int64_t num_groups,
                          int64_t m, int64_t* __restrict__ offsets) {
-  __shared__ int64_t warp_totals[kScanThreads / 32];
-  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-  constexpr int kWarps = kScanThreads / 32;
-  if (tid == 0) offsets[0] = 0;
-  int64_t carry = 0;
-  for (int64_t base = 0; base < num_groups; base += kScanThreads) {
-    const int64_t i = base + tid;
-    int64_t v = 0;
-    if (i < num_groups) {
-      const int32_t s = group_sizes[i];
-      v = s > 0 ? s : 0;
-    }
-#pragma unroll
-    for (int d = 1; d < 32; d <<= 1) {
-      const int64_t up = __shfl_up_sync(0xffffffffu, v, d);
-      if (lane >= d) v += up;
-    }
-    if (lane == 31) warp_totals[warp] = v;
-    __syncthreads();
-    if (warp == 0) {
-      int64_t w = warp_totals[lane];  // kWarps == 32
-#pragma unroll
-      for (int d = 1; d < 32; d <<= 1) {
-        const int64_t up = __shfl_up_sync(0xffffffffu, w, d);
-        if (lane >= d) w += up;
-      }
-      warp_totals[lane] = w;  // inclusive over warps
-    }
-    __syncthreads();
-    const int64_t inclusive = carry + v + (warp > 0 ? warp_totals[warp - 1] : 0);
-    if (i < num_groups) offsets[i + 1] = inclusive < m ? inclusive : m;
-    carry += warp_totals[kWarps - 1];
-    __syncthreads();  // warp_totals is rewritten by the next chunk
-  }
-}
-static_assert(kScanThreads == 32 * 32, "the two-level warp scan assumes 32 warps");
-
-// The zeroing kernels run after CUTLASS only, where the output is 16-bit, 16-byte aligned
-// and K % 8 == N % 8 == 0: every range they clear is a whole number of 16-byte vectors
-// (`row_vecs` = N / 8, `block_vecs` = K * N / 8), so they store uint4 zeros.
-
-// gmm: rows [offsets[G], M) belong to no group and must be zero.
-__global__ void zero_uncovered_rows_kernel(uint4* __restrict__ out,
-                                           const int64_t* __restrict__ covered_rows, int64_t m,
-                                           int64_t row_vecs) {
-  const int64_t begin = *covered_rows * row_vecs, end = m * row_vecs;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = begin + static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < end;
-       i += stride) {
-    out[i] = uint4{0u, 0u, 0u, 0u};
-  }
+  detail::scan_group_offsets(group_sizes, num_groups, m, offsets,
+                             [](int64_t, int64_t, int64_t) {});
 }
 
-// tgmm: out[g] of empty groups must be zero (CUTLASS gives them no tiles).
+// tgmm: out[g] of empty groups must be zero (CUTLASS gives them no tiles). Runs after
+// CUTLASS only (16-bit output, 16-byte aligned, K % 8 == N % 8 == 0), so it clears whole
+// 16-byte vectors, block_vecs = K * N / 8 per group.
 __global__ void zero_empty_groups_kernel(uint4* __restrict__ out,
                                          const int64_t* __restrict__ offsets, int64_t num_groups,
                                          int64_t block_vecs) {
@@ -266,13 +216,23 @@ GroupedGemmPath select_path(const GroupedGemmParams& p, int sm_count) {
   return cutlass_supported(p, tuned) ? tuned : GroupedGemmPath::kCutlassLarge;
 }
 
-// Raster order of a CUTLASS path: CUTLASS's default (along M) everywhere for now.
+// Raster order (gmm, both rhs layouts): along N when a row of output tiles is short
+// (at most 8 tiles of 256 columns) on the pingpong 2x1 and cooperative 1x1 paths, else
+// along M. Along N, the CTAs running together share one A row block and each group's B
+// (K x N) stays in L2 while the group's row blocks pass; along M a group much larger than
+// L2 has each A row block re-read once per N tile. Ranked hot on the H200 (sessions 4 and
+// 5, grouped_gemm_bench --sustain-ms 300): qwen3 down (N = 2048 forward, 768 for d lhs)
+// with zipf1.2 sizes +2.6% to +10.5% over along M; with uniform sizes -2.9% to +2.8%
+// (run-to-run spread). The 1x2 cluster already pairs tiles along N and stays along M
+// (qwen3 gate_up uniform along N: -7%); tgmm stays along M.
 GroupedGemmRaster select_raster(const GroupedGemmParams& p, GroupedGemmPath path,
                                 int sm_count) {
-  (void)p;
-  (void)path;
   (void)sm_count;
-  return GroupedGemmRaster::kAlongM;
+  const bool short_rows = (p.n + 255) / 256 <= 8;
+  const bool path_gains = path == GroupedGemmPath::kCutlassPingpong64x256Cluster2x1 ||
+                          path == GroupedGemmPath::kCutlassCoop128x256Cluster1x1;
+  return p.layout != GroupedLayout::kTgmm && short_rows && path_gains ? GroupedGemmRaster::kAlongN
+                                                                     : GroupedGemmRaster::kAlongM;
 }
 // ---------------------------------------------------------------------------------------
 
@@ -418,12 +378,12 @@ const char* grouped_gemm(const GroupedGemmParams& p, void* workspace, size_t wor
   int64_t* offsets = reinterpret_cast<int64_t*>(base);
   const size_t off_bytes = offsets_bytes(p.num_groups);
 
-  group_offsets_kernel<<<1, kScanThreads, 0, stream>>>(p.group_sizes, p.num_groups, p.m, offsets);
-  if (cudaGetLastError() != cudaSuccess) {
-    return "moe_xla grouped_gemm: launching the group offset scan failed";
-  }
-
   if (path == GroupedGemmPath::kFallback) {
+    group_offsets_kernel<<<1, kScanThreads, 0, stream>>>(p.group_sizes, p.num_groups, p.m,
+                                                        offsets);
+    if (cudaGetLastError() != cudaSuccess) {
+      return "moe_xla grouped_gemm: launching the group offset scan failed";
+    }
     return detail::fallback_grouped_run(p, offsets, stream);
   }
 
@@ -436,25 +396,15 @@ const char* grouped_gemm(const GroupedGemmParams& p, void* workspace, size_t wor
                                                             : detail::RasterOrder::kAlongM;
   args.max_swizzle = config.max_swizzle;
   if (const char* err = inst->run(args)) return err;
+  if (p.layout != GroupedLayout::kTgmm) return nullptr;  // the prep kernel zeroed the rest
 
-  // Zero what CUTLASS leaves unwritten (16-bit output, whole 16-byte vectors, see above).
   constexpr int kZeroThreads = 256;
-  constexpr int64_t kPerVec = 8;
-  uint4* out_vecs = static_cast<uint4*>(p.out);
-  if (p.layout == GroupedLayout::kTgmm) {
-    const int64_t block_vecs = p.k * p.n / kPerVec;
-    const int64_t x = std::min<int64_t>((block_vecs + kZeroThreads - 1) / kZeroThreads, 32);
-    const dim3 grid(static_cast<unsigned>(x),
-                    static_cast<unsigned>(std::min<int64_t>(p.num_groups, 65535)));
-    zero_empty_groups_kernel<<<grid, kZeroThreads, 0, stream>>>(out_vecs, offsets, p.num_groups,
-                                                                block_vecs);
-  } else {
-    const int64_t vecs = out_elems / kPerVec;
-    const int64_t blocks =
-        std::min<int64_t>((vecs + kZeroThreads - 1) / kZeroThreads, 8 * int64_t{sm_count});
-    zero_uncovered_rows_kernel<<<static_cast<unsigned>(blocks), kZeroThreads, 0, stream>>>(
-        out_vecs, offsets + p.num_groups, p.m, p.n / kPerVec);
-  }
+  const int64_t block_vecs = p.k * p.n / 8;
+  const int64_t x = std::min<int64_t>((block_vecs + kZeroThreads - 1) / kZeroThreads, 32);
+  const dim3 grid(static_cast<unsigned>(x),
+                  static_cast<unsigned>(std::min<int64_t>(p.num_groups, 65535)));
+  zero_empty_groups_kernel<<<grid, kZeroThreads, 0, stream>>>(static_cast<uint4*>(p.out),
+                                                              offsets, p.num_groups, block_vecs);
   if (cudaGetLastError() != cudaSuccess) {
     return "moe_xla grouped_gemm: launching the zeroing kernel failed";
   }

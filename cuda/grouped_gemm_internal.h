@@ -38,9 +38,9 @@ enum class RasterOrder : int32_t { kAlongM = 0, kAlongN = 1 };
 
 struct CutlassGroupedArgs {
   const GroupedGemmParams* params;
-  // offsets[g] = first row of group g, offsets[G] = rows covered by groups; device memory
-  // written by the scan kernel earlier on the same stream.
-  const int64_t* offsets;
+  // offsets[g] = first row of group g, offsets[G] = rows covered by groups: G + 1 int64 of
+  // device memory that the run's prep kernel writes from params->group_sizes.
+  int64_t* offsets;
   void* workspace;  // kWorkspaceAlign-aligned
   size_t workspace_bytes;
   int sm_count;
@@ -54,7 +54,8 @@ struct CutlassGroupedArgs {
 
 // Defined in cutlass_grouped.cuh; each cutlass_*.cu file explicitly instantiates both for
 // exactly one (dtype, layout, tile) combination, listed in kCutlassInstances
-// (grouped_gemm.cu).
+// (grouped_gemm.cu). The run enqueues two kernels: prep (offsets, per-group metadata, and
+// for gmm the zeroing of rows past the groups), then the GEMM.
 template <DType kDType, GroupedLayout kLayout, TileConfig kTile>
 size_t cutlass_grouped_workspace_bytes(int64_t num_groups, int sm_count);
 
