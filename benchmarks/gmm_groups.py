@@ -10,7 +10,8 @@ For each G, lhs [M, K] and rhs [G, K, N] of the case's M, K, N, with equal group
 multinomial 'uniform' sizes of cases.json too (whose groups end mid-tile). moe_xla.gmm
 and torch._grouped_mm (weights K-major, its fastest layout; skipped without torch) take
 turns as in benchmarks/gmm.py (_timing.alternating_times). Inputs are bf16 drawn on the
-device by each library, lhs ~ N(0, 1) and rhs ~ N(0, 1/K) as in the other benchmarks. Reported: ms per call, TFLOP/s (2 M K N), and moe_xla / torch.
+device by each library, lhs ~ N(0, 1) and rhs ~ N(0, 1/K) as in the other benchmarks.
+Reported: ms per call, TFLOP/s (2 M K N), and moe_xla / torch.
 """
 
 from __future__ import annotations
@@ -79,7 +80,6 @@ def main():
                        vs_torch=ms["torch"] / ms["moe_xla"])
         rows.append(row)
         print(row, flush=True)
-        del lhs, rhs, impls, torch_call
 
     columns = ["case", "G", "sizes", "rows_per_group", "moe_xla_ms", "moe_xla_tflops", "torch_ms", "torch_tflops",
                "vs_torch"]

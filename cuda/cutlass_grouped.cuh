@@ -260,7 +260,8 @@ __global__ void __launch_bounds__(kScanThreads) cutlass_grouped_prep_kernel(
 inline int64_t prep_blocks(const GroupedGemmParams& p, int sm_count) {
   if (p.layout == GroupedLayout::kTgmm) return 1;
   const int64_t vec_blocks = (p.m * (p.n / 8) + kScanThreads - 1) / kScanThreads;
-  const int64_t read_budget = std::max<int64_t>((int64_t{1} << 22) / std::max<int64_t>(p.num_groups, 1), 1);
+  const int64_t read_budget =
+      std::max<int64_t>((int64_t{1} << 22) / std::max<int64_t>(p.num_groups, 1), 1);
   return std::max<int64_t>(std::min({vec_blocks, 2 * int64_t{sm_count}, read_budget}), 1);
 }
 
