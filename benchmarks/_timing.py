@@ -262,6 +262,11 @@ def compiled_memory_bytes(compiled) -> int | None:
     return int(stats.temp_size_in_bytes + stats.argument_size_in_bytes + stats.output_size_in_bytes)
 
 
+def fwd_bwd_memory_bytes(layer, inputs, ct) -> int | None:
+    """compiled_memory_bytes of jax.jit(fwd_bwd(layer)) on (abstract or concrete) inputs and ct."""
+    return compiled_memory_bytes(jax.jit(fwd_bwd(layer, len(inputs))).lower(*inputs, ct).compile())
+
+
 def gib(nbytes):
     """Bytes in GiB; None stays None (no memory analysis)."""
     return None if nbytes is None else nbytes / 2**30

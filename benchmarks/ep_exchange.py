@@ -36,7 +36,7 @@ if "--help" not in sys.argv and "-h" not in sys.argv:
 
 from pathlib import Path  # noqa: E402
 
-from _timing import (CASES, compiled_memory_bytes, environment, fwd_bwd, gib, moe_input_shapes,  # noqa: E402
+from _timing import (CASES, compiled_memory_bytes, environment, fwd_bwd_memory_bytes, gib, moe_input_shapes,  # noqa: E402
                      routing_options, write_results)
 
 import jax  # noqa: E402
@@ -76,9 +76,7 @@ def _memory(case, mesh, tokens, dedup, capacity_factor):
         return moe_xla.moe(*a, **routing_options(case), mesh=mesh, expert_axis="ep", transport="padded",
                            dedup=dedup, capacity_factor=capacity_factor)
 
-    fwd = jax.jit(layer).lower(*inputs).compile()
-    bwd = jax.jit(fwd_bwd(layer, 4)).lower(*inputs, ct).compile()
-    return compiled_memory_bytes(fwd), compiled_memory_bytes(bwd)
+    return compiled_memory_bytes(jax.jit(layer).lower(*inputs).compile()), fwd_bwd_memory_bytes(layer, inputs, ct)
 
 
 def main():

@@ -38,7 +38,7 @@ if "--help" not in sys.argv and "-h" not in sys.argv:
 
 from pathlib import Path  # noqa: E402
 
-from _timing import (CASES, compiled_memory_bytes, device_kernels, environment, fwd_bwd, gib, moe_input_shapes,  # noqa: E402
+from _timing import (CASES, device_kernels, environment, fwd_bwd, fwd_bwd_memory_bytes, gib, moe_input_shapes,  # noqa: E402
                      moe_inputs, routing_options, time_jax, write_results)
 
 import jax  # noqa: E402
@@ -170,7 +170,7 @@ def memory(case, peers, args):
     row = {"section": "memory", "case": case["name"], "peers": peers}
     for name, cf in (("worst", None), (f"cf{args.capacity_factor:g}", args.capacity_factor)):
         layer = _layer(case, mesh, capacity_factor=cf)
-        row[f"fwd_bwd_gib_{name}"] = gib(compiled_memory_bytes(jax.jit(fwd_bwd(layer, 4)).lower(*inputs, ct).compile()))
+        row[f"fwd_bwd_gib_{name}"] = gib(fwd_bwd_memory_bytes(layer, inputs, ct))
     print(row, flush=True)
     return [row]
 

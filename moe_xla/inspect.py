@@ -331,24 +331,28 @@ def inspect_hlo(text: str, config: dict | None = None, platform: str = "") -> In
                     custom_calls.append(cc)
                     by_comp_calls.setdefault(comp.name, []).append(cc)
 
-    gemms_memo = {}
+    reach_memo = {}
 
-    def gemms_in(name, seen=()):
-        """GEMM custom calls of a computation and of everything it calls."""
-        if name in gemms_memo:
-            return gemms_memo[name]
-        found = [c.name for c in by_comp_calls.get(name, []) if c.is_gemm]
+    def reach(name, seen=()):
+        """(GEMM custom calls, whether any moe_xla custom call or collective) of a computation
+        and of everything it calls; one memoized walk of the call graph serves both."""
+        if name in reach_memo:
+            return reach_memo[name]
+        calls = by_comp_calls.get(name, [])
+        gemms, events = [c.name for c in calls if c.is_gemm], bool(calls)
         for ins in comps[name].instructions if name in comps else []:
+            events = events or _collective_kind(ins, asyncs) is not None
             for _, callee in _called(ins):
                 if callee in comps and callee not in seen:
-                    found += gemms_in(callee, seen + (name,))
-        gemms_memo[name] = found
-        return found
+                    callee_gemms, callee_events = reach(callee, seen + (name,))
+                    gemms, events = gemms + callee_gemms, events or callee_events
+        reach_memo[name] = (gemms, events)
+        return reach_memo[name]
 
     def gemms_at(comp, ins):
         if ins.opcode == "custom-call":
             return [c.name for c in by_comp_calls.get(comp.name, []) if c.name == ins.name and c.is_gemm]
-        return [g for _, callee in _called(ins) for g in gemms_in(callee)]
+        return [g for _, callee in _called(ins) if callee in comps for g in reach(callee)[0]]
 
     collectives, schedule = [], []
     for comp in order:
@@ -396,27 +400,11 @@ def inspect_hlo(text: str, config: dict | None = None, platform: str = "") -> In
                                         f"{cc.target} -> {_short_shape(cc.shape)}" + (f"  [{cc.stage}]" if cc.stage
                                                                                       else "")))
             for role, callee in _called(ins):
-                if role not in _PART_OF_CALLER and callee in comps and _has_events(callee, comps, asyncs,
-                                                                                     by_comp_calls):
+                if role not in _PART_OF_CALLER and callee in comps and reach(callee)[1]:
                     events.append(Event(ins.index, "call", ins.name, f"{ins.opcode} -> {role} %{callee}"))
         if events:
             schedule.append(ScheduledComputation(comp.name, labels[comp.name], events))
     return InspectReport(config or {}, platform, custom_calls, collectives, schedule)
-
-
-def _has_events(name, comps, asyncs, by_comp_calls, seen=()):
-    """Whether a computation, or one it calls, holds a moe_xla custom call or a collective."""
-    comp = comps[name]
-    if by_comp_calls.get(name):
-        return True
-    for ins in comp.instructions:
-        if _collective_kind(ins, asyncs) is not None:
-            return True
-        for _, callee in _called(ins):
-            if callee in comps and callee not in seen and _has_events(callee, comps, asyncs, by_comp_calls,
-                                                                      seen + (name,)):
-                return True
-    return False
 
 
 def format_report(r: InspectReport) -> str:

@@ -131,10 +131,10 @@ def moe(x, router_logits, w_in, w_out, *, top_k, activation="swiglu", score="sof
         from moe_xla.parallel import moe_ep  # parallel.py builds on this module
 
         routing = dict(score=score, n_groups=n_groups, topk_groups=topk_groups, renormalize=renormalize, scale=scale)
-        return moe_ep(x, router_logits, w_in, w_out, top_k=top_k, activation=activation, routing=routing, bias=bias,
-                      shared_experts=shared_experts, return_aux=return_aux, mesh=mesh, expert_axis=expert_axis,
-                      data_axes=data_axes, transport=transport, dedup=dedup, capacity_factor=capacity_factor,
-                      chunks=chunks)
+        return moe_ep(x, router_logits, w_in, w_out, dims=(tokens, hidden, experts), top_k=top_k,
+                      activation=activation, routing=routing, bias=bias, shared_experts=shared_experts,
+                      return_aux=return_aux, mesh=mesh, expert_axis=expert_axis, data_axes=data_axes,
+                      transport=transport, dedup=dedup, capacity_factor=capacity_factor, chunks=chunks)
     lead = x.shape[:-1]
     x2 = x.reshape(tokens, hidden)
     logits2 = router_logits.reshape(tokens, experts)

@@ -156,10 +156,11 @@ class _Config(NamedTuple):
     chunks: int
 
 
-def moe_ep(x, router_logits, w_in, w_out, *, top_k, activation, routing, bias, shared_experts, return_aux,
+def moe_ep(x, router_logits, w_in, w_out, *, dims, top_k, activation, routing, bias, shared_experts, return_aux,
            mesh, expert_axis, data_axes, transport, dedup, capacity_factor, chunks):
     """moe() with its experts split over `expert_axis` of `mesh`. Arguments are moe()'s,
-    already checked by it; routing holds route()'s options other than bias."""
+    already checked by it; dims = (tokens, hidden, experts) as moe() derived them; routing
+    holds route()'s options other than bias."""
     mesh = _mesh(mesh, expert_axis)
     names = tuple(mesh.axis_names)
     if expert_axis not in names:
@@ -177,14 +178,13 @@ def moe_ep(x, router_logits, w_in, w_out, *, top_k, activation, routing, bias, s
         raise ValueError(f"moe: expected a finite capacity_factor > 0 or None, got {capacity_factor!r}")
     if not isinstance(chunks, numbers.Integral) or chunks < 1:
         raise ValueError(f"moe: expected a positive int chunks, got {chunks!r}")
-    hidden, experts = x.shape[-1], w_in.shape[0]
+    tokens, hidden, experts = dims
     peers = mesh.shape[expert_axis]
     if experts % peers:
         raise ValueError(f"moe: expected the {experts} experts (w_in.shape[0]) to split evenly over expert_axis "
                          f"{expert_axis!r} of size {peers}")
     token_axes = data_axes + (expert_axis,)
     shards = math.prod(mesh.shape[a] for a in token_axes)
-    tokens = x.size // hidden
     if tokens % shards:
         raise ValueError(f"moe: expected the {tokens} tokens of x to split evenly over the axes {token_axes} "
                          f"({shards} devices)")
