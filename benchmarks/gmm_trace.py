@@ -6,7 +6,7 @@ moe_xla.gmm through JAX and for torch._grouped_mm, on the grouped_matmul cases.
 Per case it reports, per call (ms): the wall time of back-to-back jitted calls
 (benchmarks/_timing.time_jax), the span on the device from the first kernel start to
 the last kernel end divided by the calls, the summed kernel time, the largest kernel
-(the grouped GEMM) and the rest (offset scan, metadata, zeroing), and for torch the
+(the grouped GEMM) and the rest (the prep kernel: offsets, metadata, zeroing), and for torch the
 CUDA-event time and its kernels' time from torch.profiler. The gap between span and
 kernel time is the device idling between kernels (launch latency, host work). The JSON
 keeps the kernels' full (mangled) names, for cuobjdump / ncu on the same kernels.

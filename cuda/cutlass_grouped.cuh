@@ -334,7 +334,7 @@ const char* cutlass_grouped_run(const CutlassGroupedArgs& a) {
       static_cast<const Element*>(p.rhs), static_cast<Element*>(p.out), a.offsets, shapes, ptr_a,
       ptr_b, ptr_d, stride_a, stride_b, stride_d);
   if (cudaGetLastError() != cudaSuccess) {
-    return "moe_xla grouped_gemm (CUTLASS): launching the metadata kernel failed";
+    return "moe_xla grouped_gemm (CUTLASS): launching the prep kernel failed";
   }
 
   auto args = make_cutlass_arguments<Config>(p.num_groups, a.sm_count, a.raster, a.max_swizzle,

@@ -1,5 +1,5 @@
 // Device code shared by the grouped-GEMM kernels that turn group sizes into row offsets
-// (the SIMT path's scan kernel in grouped_gemm.cu and the CUTLASS metadata kernel in
+// (the SIMT path's scan kernel in grouped_gemm.cu and the CUTLASS prep kernel in
 // cutlass_grouped.cuh), and the zeroing of gmm rows that belong to no group.
 #ifndef MOE_XLA_CUDA_GROUP_OFFSETS_CUH_
 #define MOE_XLA_CUDA_GROUP_OFFSETS_CUH_

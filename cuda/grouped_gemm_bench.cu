@@ -20,8 +20,8 @@
 //   3. prints TFLOP/s (2*M*K*N per product) per variant and case as one table per product,
 //      and at the end the best variant per case and product and, per product, each
 //      variant's geometric-mean speed-up over the default across the cases.
-// Times are of the whole grouped_gemm call (offset scan, metadata kernel, CUTLASS kernel,
-// zeroing kernel), as the FFI handler runs it.
+// Times are of the whole grouped_gemm call (on the CUTLASS paths the prep kernel, the GEMM
+// and for tgmm the zeroing of empty groups), as the FFI handler runs it.
 // It ranks moe_xla's own configurations; torch._grouped_mm is measured against the library
 // in the same run by benchmarks/gmm.py and benchmarks/gmm_sustained.py.
 //
