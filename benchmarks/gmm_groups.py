@@ -9,8 +9,8 @@ For each G, lhs [M, K] and rhs [G, K, N] of the case's M, K, N, with equal group
 (whole 128-row tiles when G divides M / 128: no padded rows) and, for the case's own G, the
 multinomial 'uniform' sizes of cases.json too (whose groups end mid-tile). moe_xla.gmm
 and torch._grouped_mm (weights K-major, its fastest layout; skipped without torch) take
-turns as in benchmarks/gmm.py (_timing.alternating_times). Inputs are bf16 drawn on the
-device by each library, lhs ~ N(0, 1) and rhs ~ N(0, 1/K) as in the other benchmarks.
+turns as in benchmarks/gmm.py (_timing.alternating_times), on the same bf16 inputs, lhs ~ N(0, 1)
+and rhs ~ N(0, 1/K) as in the other benchmarks (torch gets copies, _timing.torch_grouped_mm).
 Reported: ms per call, TFLOP/s (2 M K N), and moe_xla / torch.
 """
 
@@ -22,26 +22,13 @@ import statistics
 from pathlib import Path
 
 import numpy as np
-from _timing import CASES, alternating_times, environment, group_sizes, normal, torch_sync, write_results
+from _timing import (CASES, alternating_times, environment, group_sizes, normal, torch_grouped_mm, torch_sync,
+                     write_results)
 
 import jax
 import jax.numpy as jnp
 
 import moe_xla
-
-
-def _torch_call(m, k, n, sizes):
-    """torch._grouped_mm on bf16 lhs ~ N(0, 1), rhs ~ N(0, 1/K) of these shapes; None without torch."""
-    try:
-        import torch
-    except ImportError:
-        return None
-    if not torch.cuda.is_available() or not hasattr(torch, "_grouped_mm"):
-        return None
-    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    b = (torch.randn(len(sizes), n, k, device="cuda") / math.sqrt(k)).to(torch.bfloat16).transpose(1, 2)
-    offs = torch.tensor(np.cumsum(sizes), dtype=torch.int32, device="cuda")
-    return lambda: torch._grouped_mm(a, b, offs=offs, out_dtype=torch.bfloat16)
 
 
 def main():
@@ -68,7 +55,7 @@ def main():
         rhs = normal(jax.random.fold_in(key, 1), (g, k, n), jnp.bfloat16, 1.0 / math.sqrt(k))
         gs = jnp.asarray(sizes, jnp.int32)
         impls = {"moe_xla": (lambda: fwd(lhs, rhs, gs), jax.block_until_ready)}
-        torch_call = _torch_call(m, k, n, sizes)
+        torch_call = torch_grouped_mm(lhs, rhs, sizes)
         if torch_call is not None:
             impls["torch"] = (torch_call, torch_sync)
         times, _ = alternating_times(impls, args.turn_seconds, args.rounds)

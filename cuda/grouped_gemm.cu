@@ -174,6 +174,9 @@ bool cutlass_supported(const GroupedGemmParams& p, GroupedGemmPath path) {
   return cutlass_instance_for(p, path) != nullptr;
 }
 
+// Output tiles of 256 columns in a row of the product's output.
+int64_t column_tiles_256(const GroupedGemmParams& p) { return (p.n + 255) / 256; }
+
 // ---------------------------------------------------------------------------------------
 // Tuning heuristics: the only place that maps shapes to kernels. Benchmark with
 // //cuda:grouped_gemm_bench before changing them.
@@ -207,7 +210,7 @@ GroupedGemmPath select_path(const GroupedGemmParams& p, int sm_count) {
   } else {
     const int64_t avg_rows = p.m / p.num_groups;
     small = avg_rows <= 128 || p.n <= 128;
-    const bool column_tile_pairs = (p.n + 255) / 256 % 2 == 0;
+    const bool column_tile_pairs = column_tiles_256(p) % 2 == 0;
     tuned = p.k <= 1024           ? GroupedGemmPath::kCutlassPingpong64x256Cluster2x1
             : column_tile_pairs ? GroupedGemmPath::kCutlassCoop128x256Cluster1x2
                                 : GroupedGemmPath::kCutlassCoop128x256Cluster1x1;
@@ -228,7 +231,7 @@ GroupedGemmPath select_path(const GroupedGemmParams& p, int sm_count) {
 GroupedGemmRaster select_raster(const GroupedGemmParams& p, GroupedGemmPath path,
                                 int sm_count) {
   (void)sm_count;
-  const bool short_rows = (p.n + 255) / 256 <= 8;
+  const bool short_rows = column_tiles_256(p) <= 8;
   const bool path_gains = path == GroupedGemmPath::kCutlassPingpong64x256Cluster2x1 ||
                           path == GroupedGemmPath::kCutlassCoop128x256Cluster1x1;
   return p.layout != GroupedLayout::kTgmm && short_rows && path_gains ? GroupedGemmRaster::kAlongN
