@@ -17,8 +17,8 @@
 // by the prep kernel (gmm rows past the last group) or the dispatcher (tgmm blocks of empty
 // groups).
 // Problem shapes live only on the device (host problem shapes = nullptr): the persistent
-// group tile scheduler reads them, and TMA descriptors are rewritten on the device per
-// group.
+// group tile scheduler (CUTLASS's, in the team order of team_scheduler.cuh) reads them,
+// and TMA descriptors are rewritten on the device per group.
 #ifndef MOE_XLA_CUDA_CUTLASS_GROUPED_CUH_
 #define MOE_XLA_CUDA_CUTLASS_GROUPED_CUH_
 
@@ -45,6 +45,7 @@
 #include "common/grouped_gemm.h"
 #include "cuda/group_offsets.cuh"
 #include "cuda/grouped_gemm_internal.h"
+#include "cuda/team_scheduler.cuh"
 
 #if !defined(CUTLASS_ARCH_MMA_SM90_SUPPORTED) || \
     !defined(CUTLASS_ARCH_MMA_MODIFIABLE_TMA_SM90_SUPPORTED)
@@ -138,7 +139,7 @@ struct CutlassGroupedGemm {
   static constexpr int kAlignment = 128 / cutlass::sizeof_bits<Element>::value;  // 16 bytes
 
   using Tile = CutlassTile<kTile>;
-  using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;
+  using ProblemShape = TeamGroupShape;  // selects the team tile scheduler
 
   // Sourceless epilogue (ElementC = void): D = 1 * accumulator, converted to Element.
   using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
@@ -267,14 +268,15 @@ inline int64_t prep_blocks(const GroupedGemmParams& p, int sm_count) {
 
 template <class Config>
 typename Config::Arguments make_cutlass_arguments(
-    int64_t num_groups, int sm_count, RasterOrder raster, int max_swizzle,
+    int64_t num_groups, int sm_count, RasterOrder raster, int team_clusters, int team_waves,
     typename Config::UnderlyingShape* shapes,
     const typename Config::Element** ptr_a, const typename Config::Element** ptr_b,
     typename Config::Element** ptr_d, typename Config::StrideA* stride_a,
     typename Config::StrideB* stride_b, typename Config::StrideD* stride_d) {
   typename Config::Arguments args{};
   args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
-  args.problem_shape = {static_cast<int>(num_groups), shapes, /*host_problem_shapes=*/nullptr};
+  args.problem_shape = {{static_cast<int>(num_groups), shapes, /*host_problem_shapes=*/nullptr},
+                        team_clusters, team_waves};
   args.mainloop.ptr_A = ptr_a;
   args.mainloop.dA = stride_a;
   args.mainloop.ptr_B = ptr_b;
@@ -293,7 +295,6 @@ typename Config::Arguments make_cutlass_arguments(
   using RasterOptions = cutlass::gemm::kernel::detail::RasterOrderOptions;
   args.scheduler.raster_order =
       raster == RasterOrder::kAlongN ? RasterOptions::AlongN : RasterOptions::AlongM;
-  args.scheduler.max_swizzle_size = max_swizzle;
   return args;
 }
 
@@ -301,7 +302,7 @@ template <DType kDType, GroupedLayout kLayout, TileConfig kTile>
 size_t cutlass_grouped_workspace_bytes(int64_t num_groups, int sm_count) {
   using Config = CutlassGroupedGemm<kDType, kLayout, kTile>;
   typename Config::MetaLayout layout(num_groups);
-  auto args = make_cutlass_arguments<Config>(num_groups, sm_count, RasterOrder::kAlongM, 1,
+  auto args = make_cutlass_arguments<Config>(num_groups, sm_count, RasterOrder::kAlongM, 1, 1,
                                              nullptr, nullptr, nullptr, nullptr, nullptr,
                                              nullptr, nullptr);
   return layout.total_meta + align_up(Config::Gemm::get_workspace_size(args), kWorkspaceAlign);
@@ -337,9 +338,9 @@ const char* cutlass_grouped_run(const CutlassGroupedArgs& a) {
     return "moe_xla grouped_gemm (CUTLASS): launching the prep kernel failed";
   }
 
-  auto args = make_cutlass_arguments<Config>(p.num_groups, a.sm_count, a.raster, a.max_swizzle,
-                                             shapes, ptr_a, ptr_b, ptr_d, stride_a, stride_b,
-                                             stride_d);
+  auto args = make_cutlass_arguments<Config>(p.num_groups, a.sm_count, a.raster,
+                                             a.team_clusters, a.team_waves, shapes, ptr_a, ptr_b,
+                                             ptr_d, stride_a, stride_b, stride_d);
   typename Config::Gemm gemm;
   if (gemm.can_implement(args) != cutlass::Status::kSuccess) {
     return "moe_xla grouped_gemm (CUTLASS): can_implement rejected the arguments";

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <utility>
 
 #include "common/grouped_gemm.h"
 #include "cuda/group_offsets.cuh"
@@ -237,6 +238,29 @@ GroupedGemmRaster select_raster(const GroupedGemmParams& p, GroupedGemmPath path
   return p.layout != GroupedLayout::kTgmm && short_rows && path_gains ? GroupedGemmRaster::kAlongN
                                                                      : GroupedGemmRaster::kAlongM;
 }
+
+// Team order of the tile scheduler (team_scheduler.cuh), as {clusters per team, waves per
+// block}: teams of 8 clusters in blocks of 8 waves for gmm (both rhs layouts) on the
+// pingpong 64x256 2x1 path (K <= 1024) when an average group has fewer output tiles than
+// the grid has clusters, else CUTLASS's order. There a tile's K loop is short, so the
+// TMA descriptor rewrite at each change of group is a large share of a tile, and in
+// CUTLASS's order a cluster changes group at almost every tile. Ranked hot on the H200
+// (grouped_gemm_bench --teams --sustain-ms 300, two runs, session 6): qwen3 down uniform
+// +7% forward and +4% to +5% with transpose_rhs; with zipf1.2 sizes -2% to +4%; every other
+// case and product within noise or slower, since a longer K loop hides the rewrite, and
+// teams lose L2 sharing. tgmm stays in CUTLASS's order: its tiles' work grows with their
+// group's rows, so contiguous stretches of tiles are uneven work (zipf1.2: up to -45%).
+std::pair<int32_t, int32_t> select_team(const GroupedGemmParams& p, GroupedGemmPath path,
+                                        int sm_count) {
+  constexpr std::pair<int32_t, int32_t> kCutlassOrder{kTeamWholeGrid, 1};
+  if (p.layout == GroupedLayout::kTgmm ||
+      path != GroupedGemmPath::kCutlassPingpong64x256Cluster2x1 || p.num_groups <= 0) {
+    return kCutlassOrder;
+  }
+  const int64_t row_blocks = (p.m / p.num_groups + 127) / 128;  // of the 2x1 cluster's 128 rows
+  const int64_t tiles_per_group = row_blocks * column_tiles_256(p);
+  return tiles_per_group < sm_count / 2 ? std::pair<int32_t, int32_t>{8, 8} : kCutlassOrder;
+}
 // ---------------------------------------------------------------------------------------
 
 size_t offsets_bytes(int64_t num_groups) {
@@ -292,6 +316,11 @@ GroupedGemmConfig grouped_gemm_select_config(const GroupedGemmParams& p, int sm_
   if (config.raster == GroupedGemmRaster::kAuto) {
     config.raster = select_raster(p, config.path, sm_count);
   }
+  if (config.team_clusters == kTeamAuto || config.team_waves == kTeamAuto) {
+    const std::pair<int32_t, int32_t> team = select_team(p, config.path, sm_count);
+    if (config.team_clusters == kTeamAuto) config.team_clusters = team.first;
+    if (config.team_waves == kTeamAuto) config.team_waves = team.second;
+  }
   return config;
 }
 
@@ -339,9 +368,9 @@ const char* grouped_gemm(const GroupedGemmParams& p, void* workspace, size_t wor
       requested.raster != GroupedGemmRaster::kAlongN) {
     return "moe_xla grouped_gemm: invalid raster order";
   }
-  if (requested.max_swizzle != 1 && requested.max_swizzle != 2 && requested.max_swizzle != 4 &&
-      requested.max_swizzle != 8) {
-    return "moe_xla grouped_gemm: max_swizzle must be 1, 2, 4 or 8";
+  if (requested.team_clusters < 0 || requested.team_waves < 0) {
+    return "moe_xla grouped_gemm: team_clusters and team_waves must be kTeamAuto (0) or "
+           "positive";
   }
 
   const int64_t out_elems = out_elements(p);
@@ -397,7 +426,8 @@ const char* grouped_gemm(const GroupedGemmParams& p, void* workspace, size_t wor
   CutlassGroupedArgs args{&p, offsets, base + off_bytes, usable - off_bytes, sm_count, stream};
   args.raster = config.raster == GroupedGemmRaster::kAlongN ? detail::RasterOrder::kAlongN
                                                             : detail::RasterOrder::kAlongM;
-  args.max_swizzle = config.max_swizzle;
+  args.team_clusters = config.team_clusters;
+  args.team_waves = config.team_waves;
   if (const char* err = inst->run(args)) return err;
   if (p.layout != GroupedLayout::kTgmm) return nullptr;  // the prep kernel zeroed the rest
 

@@ -57,17 +57,22 @@ inline constexpr GroupedGemmPath kGroupedGemmPaths[] = {
 // share A tiles and each row block is read once while it is hot in L2.
 enum class GroupedGemmRaster : int32_t { kAuto = 0, kAlongM = 1, kAlongN = 2 };
 
+inline constexpr int32_t kTeamAuto = 0;
+inline constexpr int32_t kTeamWholeGrid = INT32_MAX;
+
 // Everything that picks the kernel of one product. Fields left at kAuto are resolved by
 // grouped_gemm_select_config. Framework-free; the FFI handlers pass the default (all auto),
 // tests and benchmarks force fields.
 struct GroupedGemmConfig {
   GroupedGemmPath path = GroupedGemmPath::kAuto;
   GroupedGemmRaster raster = GroupedGemmRaster::kAuto;  // CUTLASS paths only
-  // CUTLASS max_swizzle_size (1, 2, 4, 8). CUTLASS 4.2's sm90 group scheduler derives the
-  // swizzle from a grid it sizes as sm_count x 1 tiles when problem shapes live on the
-  // device only (ours), which always yields swizzle 1: kept for benchmarks and later
-  // CUTLASS versions, no effect today.
-  int32_t max_swizzle = 1;
+  // Tile order across the persistent grid (CUTLASS paths only; cuda/team_scheduler.cuh):
+  // in blocks of `team_waves` waves, teams of `team_clusters` clusters each walk one
+  // contiguous stretch of the output tiles, so a cluster stays in one group for several
+  // tiles. kTeamAuto (either field): chosen by shape with the other; kTeamWholeGrid
+  // clusters (or any count >= the grid's clusters) or 1 wave: CUTLASS's round-robin order.
+  int32_t team_clusters = kTeamAuto;
+  int32_t team_waves = kTeamAuto;
 };
 
 // Short name of a path ("auto", "fallback", "cutlass_small", "cutlass_large",
@@ -83,8 +88,8 @@ bool grouped_gemm_path_supported(const GroupedGemmParams& p, GroupedGemmPath pat
 // The concrete path kAuto resolves to for these params on a GPU with `sm_count` SMs.
 GroupedGemmPath grouped_gemm_select_path(const GroupedGemmParams& p, int sm_count);
 
-// `config` with its kAuto fields resolved for these params (path first, then the raster
-// order for that path). Fields set by the caller are kept as they are.
+// `config` with its auto fields resolved for these params (path first, then the raster
+// order and team size for that path). Fields set by the caller are kept as they are.
 GroupedGemmConfig grouped_gemm_select_config(const GroupedGemmParams& p, int sm_count,
                                              GroupedGemmConfig config = {});
 
@@ -106,7 +111,7 @@ const char* grouped_gemm(const GroupedGemmParams& p, void* workspace, size_t wor
                          int sm_count, cudaStream_t stream,
                          GroupedGemmPath path = GroupedGemmPath::kAuto);
 
-// As above with every tuning field (path, raster order, swizzle) under the caller's control;
+// As above with every tuning field (path, raster order, team size) under the caller's control;
 // the workspace is grouped_gemm_workspace_bytes(p, sm_count, config.path).
 const char* grouped_gemm(const GroupedGemmParams& p, void* workspace, size_t workspace_bytes,
                          int sm_count, cudaStream_t stream, const GroupedGemmConfig& config);

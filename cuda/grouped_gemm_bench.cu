@@ -1,5 +1,6 @@
 // Tuning benchmark of moe_xla::cuda::grouped_gemm: every CUTLASS configuration x tile
-// scheduler raster order on the grouped_matmul cases of benchmarks/cases.json, in one run.
+// scheduler raster order (or, with --teams, each case's default configuration x tile
+// scheduler team sizes) on the grouped_matmul cases of benchmarks/cases.json, in one run.
 //
 // For each case (both group-size distributions, sizes exactly as benchmarks/_timing.py draws
 // them, see grouped_gemm_bench_cases.inc) and each of the four products the library runs,
@@ -11,7 +12,7 @@
 // on random bf16 data generated on the device, it
 //   1. runs the default configuration (kAuto) once and spot-checks 256 of its output
 //      elements against a float64 dot product on the device,
-//   2. for every eligible (path, raster order[, swizzle]) variant: runs it once into a
+//   2. for every eligible (path, raster order) or team-size variant: runs it once into a
 //      NaN-poisoned output and compares with the default output (max |diff| / max |ref|
 //      < 1e-2, no NaN), then untimed calls back to back, `--warmup` of them and more until
 //      `--sustain-ms` has passed (default 0; short runs time a cool GPU, whose clock a
@@ -26,7 +27,7 @@
 // in the same run by benchmarks/gmm.py and benchmarks/gmm_sustained.py.
 //
 // Usage: grouped_gemm_bench [--reps N] [--warmup N] [--sustain-ms N] [--case SUBSTR]... [--op NAME]...
-//                           [--no-check]
+//                           [--no-check] [--teams]
 //   --case keeps cases whose "name groups" contains SUBSTR (e.g. qwen, zipf, "down uniform");
 //   --op keeps products by name (fwd, fwd_t, dlhs, drhs). Exit status 1 if a check failed.
 #include <cuda_bf16.h>
@@ -226,10 +227,30 @@ struct Variant {
   std::string label;
 };
 
-// Every CUTLASS path x {along M, along N}, plus the current large configuration with the
-// largest swizzle as a check that the swizzle has no effect (see GroupedGemmConfig).
-std::vector<Variant> make_variants() {
+// "team=SxW" (S clusters per team, blocks of W waves) or "team=grid" (CUTLASS's order).
+std::string team_label(const GroupedGemmConfig& c) {
+  if (c.team_clusters >= moe_xla::cuda::kTeamWholeGrid || c.team_waves <= 1) return "team=grid";
+  return "team=" + std::to_string(c.team_clusters) + "x" + std::to_string(c.team_waves);
+}
+
+// Every CUTLASS path x {along M, along N} (team size as the heuristic picks it), or with
+// --teams the default path and raster order of each case x team sizes.
+std::vector<Variant> make_variants(bool teams) {
   std::vector<Variant> v;
+  if (teams) {
+    GroupedGemmConfig c;
+    c.team_clusters = moe_xla::cuda::kTeamWholeGrid;
+    c.team_waves = 1;
+    v.push_back({c, team_label(c)});
+    for (int32_t clusters : {4, 8, 16, 33}) {
+      for (int32_t waves : {4, 8, 16}) {
+        c.team_clusters = clusters;
+        c.team_waves = waves;
+        v.push_back({c, team_label(c)});
+      }
+    }
+    return v;
+  }
   for (GroupedGemmPath path : moe_xla::cuda::kGroupedGemmPaths) {
     if (path == GroupedGemmPath::kFallback) continue;  // SIMT: minutes per case, not a candidate
     std::string name = moe_xla::cuda::grouped_gemm_path_name(path);
@@ -241,16 +262,12 @@ std::vector<Variant> make_variants() {
       v.push_back({c, name + (raster == GroupedGemmRaster::kAlongM ? "/M" : "/N")});
     }
   }
-  GroupedGemmConfig c;
-  c.path = GroupedGemmPath::kCutlassLarge;
-  c.raster = GroupedGemmRaster::kAlongN;
-  c.max_swizzle = 8;
-  v.push_back({c, "large/N/swizzle8"});
   return v;
 }
 
 bool same_config(const GroupedGemmConfig& a, const GroupedGemmConfig& b) {
-  return a.path == b.path && a.raster == b.raster && a.max_swizzle == b.max_swizzle;
+  return a.path == b.path && a.raster == b.raster && a.team_clusters == b.team_clusters &&
+         a.team_waves == b.team_waves;
 }
 
 constexpr double kNotRun = -1;    // not eligible / filtered out
@@ -475,7 +492,9 @@ struct Bench {
       const GroupedGemmConfig auto_config = moe_xla::cuda::grouped_gemm_select_config(p, sm_count);
       int auto_index = -1;
       for (size_t vi = 0; vi < variants.size(); ++vi) {
-        if (same_config(variants[vi].config, auto_config)) auto_index = static_cast<int>(vi);
+        const GroupedGemmConfig resolved =
+            moe_xla::cuda::grouped_gemm_select_config(p, sm_count, variants[vi].config);
+        if (same_config(resolved, auto_config)) auto_index = static_cast<int>(vi);
       }
       auto_variant[oi][ci] = auto_index;
       {
@@ -597,10 +616,11 @@ struct Bench {
         const double ms_at_600 = 2.0 * bc.m * bc.k * bc.n / 600e12 * 1e3;
         total_ms += ms_at_600 * ((eligible + 1) * (1 + opt.warmup + opt.reps)) +
                     (eligible + 1) * static_cast<double>(opt.sustain_ms);
-        std::printf("    %-5s m=%lld k=%lld n=%lld  default %s/%s, %d variants\n",
+        std::printf("    %-5s m=%lld k=%lld n=%lld  default %s/%s/%s, %d variants\n",
                     kOpNames[oi], (long long)p.m, (long long)p.k, (long long)p.n,
                     moe_xla::cuda::grouped_gemm_path_name(c.path),
-                    moe_xla::cuda::grouped_gemm_raster_name(c.raster), eligible);
+                    moe_xla::cuda::grouped_gemm_raster_name(c.raster), team_label(c).c_str(),
+                    eligible);
       }
     }
     std::printf("estimated GPU time at 600 TFLOP/s: %.0f s\n", total_ms * 1e-3);
@@ -703,7 +723,7 @@ int parse_int(const char* s, const char* flag) {
 
 int main(int argc, char** argv) {
   Bench bench;
-  bool list_only = false;
+  bool list_only = false, teams = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto value = [&]() -> const char* {
@@ -725,6 +745,8 @@ int main(int argc, char** argv) {
       bench.opt.ops.push_back(value());
     } else if (a == "--no-check") {
       bench.opt.check = false;
+    } else if (a == "--teams") {
+      teams = true;
     } else if (a == "--list") {
       list_only = true;
     } else if (a == "--sm-count") {
@@ -732,7 +754,7 @@ int main(int argc, char** argv) {
     } else {
       std::fprintf(stderr,
                    "usage: %s [--reps N] [--warmup N] [--sustain-ms N] [--case SUBSTR]... [--op NAME]... "
-                   "[--no-check] [--list [--sm-count N]]\n",
+                   "[--no-check] [--teams] [--list [--sm-count N]]\n",
                    argv[0]);
       return 2;
     }
@@ -743,7 +765,7 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  bench.variants = make_variants();
+  bench.variants = make_variants(teams);
   constexpr int kNumCases = static_cast<int>(sizeof(kCases) / sizeof(kCases[0]));
   std::vector<int> case_ids;
   for (int ci = 0; ci < kNumCases; ++ci) {

@@ -46,10 +46,10 @@ struct CutlassGroupedArgs {
   int sm_count;
   cudaStream_t stream;
   RasterOrder raster = RasterOrder::kAlongM;
-  // CUTLASS max_swizzle_size (1, 2, 4 or 8). With problem shapes on the device only, the
-  // sm90 group scheduler sizes its swizzle from a 1-tile-wide grid and always ends up at 1,
-  // so this is passed through for completeness (CUTLASS 4.2).
-  int max_swizzle = 1;
+  // Team order of the tile scheduler (team_scheduler.cuh): clusters per team and waves per
+  // block; >= the grid's clusters or <= 1 wave: CUTLASS's order.
+  int team_clusters = 1;
+  int team_waves = 1;
 };
 
 // Defined in cutlass_grouped.cuh; each cutlass_*.cu file explicitly instantiates both for

@@ -24,6 +24,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/grouped_gemm.h"
@@ -228,7 +229,16 @@ Check compare(DType out_dtype, const std::vector<uint8_t>& got_with_canaries, si
   return c;
 }
 
-// kAuto, then every concrete path; CUTLASS paths with both tile scheduler raster orders.
+std::string team_name(const GroupedGemmConfig& c) {
+  if (c.team_clusters == moe_xla::cuda::kTeamAuto) return "auto";
+  if (c.team_clusters == moe_xla::cuda::kTeamWholeGrid) return "grid";
+  return std::to_string(c.team_clusters) + "x" + std::to_string(c.team_waves);
+}
+
+// kAuto, then every concrete path; CUTLASS paths with both tile scheduler raster orders,
+// each in CUTLASS's tile order (one team), in blocks of 3 waves with one cluster per team
+// (each cluster walks its own stretch of tiles) and in blocks of 2 waves with teams of 4
+// clusters (the grid's 66 clusters leave a smaller last team on the 2-CTA-cluster paths).
 std::vector<GroupedGemmConfig> configs() {
   std::vector<GroupedGemmConfig> out(1);  // all auto
   for (GroupedGemmPath path : moe_xla::cuda::kGroupedGemmPaths) {
@@ -239,8 +249,13 @@ std::vector<GroupedGemmConfig> configs() {
       continue;
     }
     for (GroupedGemmRaster raster : {GroupedGemmRaster::kAlongM, GroupedGemmRaster::kAlongN}) {
-      c.raster = raster;
-      out.push_back(c);
+      for (std::pair<int32_t, int32_t> team :
+           {std::pair<int32_t, int32_t>{moe_xla::cuda::kTeamWholeGrid, 1}, {1, 3}, {4, 2}}) {
+        c.raster = raster;
+        c.team_clusters = team.first;
+        c.team_waves = team.second;
+        out.push_back(c);
+      }
     }
   }
   return out;
@@ -382,11 +397,12 @@ struct Runner {
       if (!ok) ++failures;
       char line[512];
       std::snprintf(line, sizeof(line),
-                    "%s  %-5s %-4s->%-4s path=%-26s %-7s (auto=%s) M=%lld K=%lld N=%lld "
-                    "G=%lld  %-22s err=%.2e replay_err=%.2e",
+                    "%s  %-5s %-4s->%-4s path=%-26s %-7s team=%-5s (auto=%s) M=%lld K=%lld "
+                    "N=%lld G=%lld  %-22s err=%.2e replay_err=%.2e",
                     ok ? "PASS" : "FAIL", layout_name(layout), dtype_name(in),
                     dtype_name(out_dtype), moe_xla::cuda::grouped_gemm_path_name(path),
                     moe_xla::cuda::grouped_gemm_raster_name(config.raster),
+                    team_name(config).c_str(),
                     moe_xla::cuda::grouped_gemm_path_name(auto_path), (long long)m, (long long)k,
                     (long long)n, (long long)groups, cs.name.c_str(), direct.rel_err,
                     replay.rel_err);
@@ -435,6 +451,10 @@ std::vector<Case> make_cases(std::mt19937& rng) {
   // Output tile edges in every direction and more groups than one scan chunk.
   cases.push_back({"many_groups_scan", 1500, 24, 40, random_sizes(2500, -1, 2),
                    random_sizes(2500, 0, 1)});
+  // Several tiles per cluster of the persistent grid (up to ~10 per cluster with 2-CTA
+  // clusters), so that the tile scheduler's teams deal out long stretches and uneven shares.
+  cases.push_back({"many_tiles", 3000, 32, 1536, random_sizes(37, -3, 160),
+                   random_sizes(37, 0, 90)});
   return cases;
 }
 
