@@ -246,10 +246,10 @@ GroupedGemmRaster select_raster(const GroupedGemmParams& p, GroupedGemmPath path
 // TMA descriptor rewrite at each change of group is a large share of a tile, and in
 // CUTLASS's order a cluster changes group at almost every tile. Ranked hot on the H200
 // (grouped_gemm_bench --teams --sustain-ms 300, two runs, session 6): qwen3 down uniform
-// +7% forward and +4% to +5% with transpose_rhs; with zipf1.2 sizes -2% to +4%; every other
-// case and product within noise or slower, since a longer K loop hides the rewrite, and
-// teams lose L2 sharing. tgmm stays in CUTLASS's order: its tiles' work grows with their
-// group's rows, so contiguous stretches of tiles are uneven work (zipf1.2: up to -45%).
+// +7% forward and +4% with transpose_rhs; with zipf1.2 sizes -2% to 0%; every other case
+// and product within noise or slower, since a longer K loop hides the rewrite, and teams
+// lose L2 sharing. tgmm stays in CUTLASS's order: its tiles' work grows with their group's
+// rows, so a team's stretch of tiles is uneven work (qwen3 down zipf1.2: 40% slower).
 std::pair<int32_t, int32_t> select_team(const GroupedGemmParams& p, GroupedGemmPath path,
                                         int sm_count) {
   constexpr std::pair<int32_t, int32_t> kCutlassOrder{kTeamWholeGrid, 1};

@@ -69,8 +69,8 @@ struct GroupedGemmConfig {
   // Tile order across the persistent grid (CUTLASS paths only; cuda/team_scheduler.cuh):
   // in blocks of `team_waves` waves, teams of `team_clusters` clusters each walk one
   // contiguous stretch of the output tiles, so a cluster stays in one group for several
-  // tiles. kTeamAuto (either field): chosen by shape with the other; kTeamWholeGrid
-  // clusters (or any count >= the grid's clusters) or 1 wave: CUTLASS's round-robin order.
+  // tiles. A field left at kTeamAuto is chosen by shape; kTeamWholeGrid clusters (or any
+  // count >= the grid's clusters) or 1 wave: CUTLASS's round-robin order.
   int32_t team_clusters = kTeamAuto;
   int32_t team_waves = kTeamAuto;
 };
