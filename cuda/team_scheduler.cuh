@@ -1,24 +1,18 @@
-// Tile order of the CUTLASS grouped GEMMs: CUTLASS 4.2's persistent sm90 group scheduler
-// with the tiles dealt out to teams of clusters instead of round-robin over the whole grid.
+// Tile scheduler of the CUTLASS grouped GEMMs: CUTLASS 4.2's persistent sm90 group
+// scheduler with the units of its tile sequence dealt out in the team order of
+// team_order.h instead of round robin over the whole grid.
 //
 // CUTLASS numbers the output tiles of all groups in one sequence (group by group, each in
-// its raster order, counted in whole clusters) and gives the cluster q of C clusters the
-// units q, q + C, q + 2C, ... (a unit = one cluster's worth of tiles). When a group has
-// fewer than C units, every step of a cluster lands in another group, and each change of
-// group rewrites the TMA descriptors of A, B and D on the device (tensormap update, copy to
-// global memory, release and acquire fences) before the next tile can load.
+// its raster order, counted in whole clusters) and gives cluster q of C clusters the units
+// q, q + C, q + 2C, ... When a group has fewer than C units, every step of a cluster lands
+// in another group, and each change of group rewrites the TMA descriptors of A, B and D on
+// the device (tensormap update, copy to global memory, release and acquire fences) before
+// the next tile can load. In the team order, a team of S clusters walks a stretch of
+// S * W units (W waves) together, so a cluster stays in one group for about (units of the
+// group) / S steps, while every region of the sequence (large groups, or many small ones)
+// is still spread over all teams block by block.
 //
-// Team order (S clusters per team, W waves per block): the sequence is cut into blocks of
-// W * C units. In each block, team j (clusters j*S .. j*S + S_j - 1, the last team may be
-// smaller) takes the stretch of S_j * W units that starts at unit j*S*W of the block, and
-// its cluster r takes the stretch's units r, r + S_j, r + 2 S_j, ... (one per step, W
-// steps). A cluster so stays in one group for about (units of the group) / S steps, while
-// the work of every region of the sequence (large groups or many small ones) is still
-// spread over all teams block by block. The units after the last whole block go
-// round-robin, as in CUTLASS's order, so every cluster gets the same number of units as
-// there. S >= C or W <= 1 is CUTLASS's order.
-//
-// Each cluster's units still rise step by step, which CUTLASS's forward-only walk over the
+// Each cluster's units rise step by step, which CUTLASS's forward-only walk over the
 // groups relies on; the walk, the tile coordinates inside a group and the work-tile
 // pipeline are CUTLASS's.
 #ifndef MOE_XLA_CUDA_TEAM_SCHEDULER_CUH_
@@ -30,6 +24,7 @@
 #include "cutlass/cutlass.h"
 #include "cutlass/gemm/group_array_problem_shape.hpp"
 #include "cutlass/gemm/kernel/tile_scheduler.hpp"
+#include "cuda/team_order.h"
 
 namespace moe_xla {
 namespace cuda {
@@ -68,23 +63,16 @@ class TeamGroupScheduler
                              ? uint64_t(blockIdx.x) + uint64_t(blockIdx.y) * gridDim.x
                              : uint64_t(blockIdx.x) * gridDim.y + uint64_t(blockIdx.y);
     const uint64_t clusters = uint64_t(gridDim.x) * gridDim.y * gridDim.z / cluster_size;
-    const uint64_t q = cta / cluster_size;
     cluster_size_ = cluster_size;
     position_ = cta % cluster_size;
-    clusters_ = clusters;
-    tail_first_ = q;  // CUTLASS's order until set otherwise; its group walk ends the sequence
-    const int64_t team = params.problem_shapes_.team_clusters;
-    const int64_t waves = params.problem_shapes_.team_waves;
-    if (team <= 0 || static_cast<uint64_t>(team) >= clusters || waves <= 1) return;
-    units_ = total_units(params);
-    const uint64_t team_clusters = static_cast<uint64_t>(team);
-    const uint64_t team_start = q / team_clusters * team_clusters;
-    waves_ = static_cast<uint64_t>(waves);
-    block_units_ = clusters * waves_;
-    team_size_ = cute::min(team_clusters, clusters - team_start);
-    in_block_ = team_start * waves_ + (q - team_start);
-    block_steps_ = units_ / block_units_ * waves_;
-    tail_first_ = units_ / block_units_ * block_units_ + q;
+    const int team = params.problem_shapes_.team_clusters;
+    const int waves = params.problem_shapes_.team_waves;
+    const bool teams = team > 0 && static_cast<uint64_t>(team) < clusters && waves > 1;
+    // Round robin needs no count: CUTLASS's group walk ends the sequence.
+    order_ = TeamOrder(cta / cluster_size, clusters,
+                       teams ? total_units(params) : TeamOrder::kEnd,
+                       teams ? static_cast<uint64_t>(team) : 0,
+                       teams ? static_cast<uint64_t>(waves) : 1);
 #endif
   }
 
@@ -133,26 +121,14 @@ class TeamGroupScheduler
 
   // The work tile of this CTA's step k (invalid past its last unit).
   CUTLASS_DEVICE WorkTileInfo work_at(uint64_t k) {
-    uint64_t unit;
-    if (k < block_steps_) {
-      unit = k / waves_ * block_units_ + in_block_ + k % waves_ * team_size_;
-    } else {
-      unit = tail_first_ + (k - block_steps_) * clusters_;
-      if (unit >= units_) return WorkTileInfo::invalid_work_tile();
-    }
+    const uint64_t unit = order_.unit(k);
+    if (unit == TeamOrder::kEnd) return WorkTileInfo::invalid_work_tile();
     return this->get_current_work_for_linear_idx(unit * cluster_size_ + position_);
   }
 
+  TeamOrder order_{0, 1, TeamOrder::kEnd, 0, 1};
   uint64_t cluster_size_ = 1;
   uint64_t position_ = 0;
-  uint64_t clusters_ = 1;
-  uint64_t units_ = ~uint64_t{0};  // CUTLASS's order: unknown, the group walk ends it
-  uint64_t waves_ = 1;
-  uint64_t block_units_ = 0;
-  uint64_t team_size_ = 0;
-  uint64_t in_block_ = 0;     // the cluster's first unit in every block
-  uint64_t block_steps_ = 0;  // steps spent in whole blocks
-  uint64_t tail_first_ = 0;   // the cluster's first unit after the whole blocks
   uint64_t step_ = 0;
 };
 
