@@ -16,11 +16,7 @@
 
 #include <cstdint>
 
-#if defined(__CUDACC__)
-#define MOE_XLA_HOST_DEVICE __host__ __device__
-#else
-#define MOE_XLA_HOST_DEVICE
-#endif
+#include "common/grouped_gemm.h"  // MOE_XLA_HOST_DEVICE
 
 namespace moe_xla {
 namespace cuda {
