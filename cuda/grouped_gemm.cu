@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <string>
 #include <utility>
 
 #include "common/grouped_gemm.h"
@@ -299,6 +300,12 @@ const char* grouped_gemm_raster_name(GroupedGemmRaster raster) {
       return "along_n";
   }
   return "unknown";
+}
+
+std::string grouped_gemm_team_name(const GroupedGemmConfig& config) {
+  if (config.team_clusters == kTeamAuto || config.team_waves == kTeamAuto) return "auto";
+  if (config.team_clusters == kTeamWholeGrid || config.team_waves == 1) return "grid";
+  return std::to_string(config.team_clusters) + "x" + std::to_string(config.team_waves);
 }
 
 bool grouped_gemm_path_supported(const GroupedGemmParams& p, GroupedGemmPath path) {

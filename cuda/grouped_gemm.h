@@ -19,6 +19,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 #include "common/grouped_gemm.h"
 
@@ -81,6 +82,11 @@ const char* grouped_gemm_path_name(GroupedGemmPath path);
 
 // Short name of a raster order ("auto", "along_m", "along_n").
 const char* grouped_gemm_raster_name(GroupedGemmRaster raster);
+
+// Short name of a config's team order: "auto" (a field left at kTeamAuto), "grid"
+// (CUTLASS's round-robin order: kTeamWholeGrid clusters or 1 wave), else "SxW" (S clusters
+// per team, W waves per block).
+std::string grouped_gemm_team_name(const GroupedGemmConfig& config);
 
 // Whether `path` can compute this product (kAuto and kFallback always can).
 bool grouped_gemm_path_supported(const GroupedGemmParams& p, GroupedGemmPath path);

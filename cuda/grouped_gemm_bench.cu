@@ -227,10 +227,8 @@ struct Variant {
   std::string label;
 };
 
-// "team=SxW" (S clusters per team, blocks of W waves) or "team=grid" (CUTLASS's order).
 std::string team_label(const GroupedGemmConfig& c) {
-  if (c.team_clusters >= moe_xla::cuda::kTeamWholeGrid || c.team_waves <= 1) return "team=grid";
-  return "team=" + std::to_string(c.team_clusters) + "x" + std::to_string(c.team_waves);
+  return "team=" + moe_xla::cuda::grouped_gemm_team_name(c);
 }
 
 // Every CUTLASS path x {along M, along N} (team size as the heuristic picks it), or with

@@ -229,12 +229,6 @@ Check compare(DType out_dtype, const std::vector<uint8_t>& got_with_canaries, si
   return c;
 }
 
-std::string team_name(const GroupedGemmConfig& c) {
-  if (c.team_clusters == moe_xla::cuda::kTeamAuto) return "auto";
-  if (c.team_clusters == moe_xla::cuda::kTeamWholeGrid) return "grid";
-  return std::to_string(c.team_clusters) + "x" + std::to_string(c.team_waves);
-}
-
 // kAuto, then every concrete path; CUTLASS paths with both tile scheduler raster orders,
 // each in CUTLASS's tile order (one team), in blocks of 3 waves with one cluster per team
 // (each cluster walks its own stretch of tiles) and in blocks of 2 waves with teams of 4
@@ -402,7 +396,7 @@ struct Runner {
                     ok ? "PASS" : "FAIL", layout_name(layout), dtype_name(in),
                     dtype_name(out_dtype), moe_xla::cuda::grouped_gemm_path_name(path),
                     moe_xla::cuda::grouped_gemm_raster_name(config.raster),
-                    team_name(config).c_str(),
+                    moe_xla::cuda::grouped_gemm_team_name(config).c_str(),
                     moe_xla::cuda::grouped_gemm_path_name(auto_path), (long long)m, (long long)k,
                     (long long)n, (long long)groups, cs.name.c_str(), direct.rel_err,
                     replay.rel_err);

@@ -25,13 +25,18 @@ class TeamOrder {
  public:
   static constexpr uint64_t kEnd = ~uint64_t{0};
 
+  // Whether `team` clusters per team and `waves` per block make a team order on a grid of
+  // `clusters`; otherwise (team = 0, team >= clusters or waves <= 1) it is round robin.
+  MOE_XLA_HOST_DEVICE static bool has_teams(uint64_t clusters, uint64_t team, uint64_t waves) {
+    return team > 0 && team < clusters && waves > 1;
+  }
+
   // Cluster `cluster` of `clusters`, `units` in all (kEnd: unknown, round robin only: the
-  // caller ends the sequence). `team` clusters per team and `waves` per block; team = 0,
-  // team >= clusters or waves <= 1 give round robin.
+  // caller ends the sequence), `team` clusters per team and `waves` per block.
   MOE_XLA_HOST_DEVICE TeamOrder(uint64_t cluster, uint64_t clusters, uint64_t units,
                                 uint64_t team, uint64_t waves)
       : clusters_(clusters), units_(units), tail_first_(cluster) {
-    if (team == 0 || team >= clusters || waves <= 1) return;
+    if (!has_teams(clusters, team, waves)) return;
     const uint64_t team_start = cluster / team * team;
     waves_ = waves;
     block_units_ = clusters * waves;

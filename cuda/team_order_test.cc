@@ -28,7 +28,7 @@ void expect(bool ok, const char* what, uint64_t clusters, uint64_t units, uint64
 
 void check(uint64_t clusters, uint64_t units, uint64_t team, uint64_t waves) {
   std::vector<int> owners(units, 0);
-  const bool teams = team > 0 && team < clusters && waves > 1;
+  const bool teams = TeamOrder::has_teams(clusters, team, waves);
   bool rising = true, counts = true, in_range = true, team_steps = true;
   for (uint64_t q = 0; q < clusters; ++q) {
     const TeamOrder order(q, clusters, units, team, waves);

@@ -65,14 +65,13 @@ class TeamGroupScheduler
     const uint64_t clusters = uint64_t(gridDim.x) * gridDim.y * gridDim.z / cluster_size;
     cluster_size_ = cluster_size;
     position_ = cta % cluster_size;
-    const int team = params.problem_shapes_.team_clusters;
-    const int waves = params.problem_shapes_.team_waves;
-    const bool teams = team > 0 && static_cast<uint64_t>(team) < clusters && waves > 1;
+    // Negative fields (never passed by the dispatcher) read as round robin.
+    const uint64_t team = static_cast<uint64_t>(cute::max(params.problem_shapes_.team_clusters, 0));
+    const uint64_t waves = static_cast<uint64_t>(cute::max(params.problem_shapes_.team_waves, 0));
     // Round robin needs no count: CUTLASS's group walk ends the sequence.
-    order_ = TeamOrder(cta / cluster_size, clusters,
-                       teams ? total_units(params) : TeamOrder::kEnd,
-                       teams ? static_cast<uint64_t>(team) : 0,
-                       teams ? static_cast<uint64_t>(waves) : 1);
+    const uint64_t units =
+        TeamOrder::has_teams(clusters, team, waves) ? total_units(params) : TeamOrder::kEnd;
+    order_ = TeamOrder(cta / cluster_size, clusters, units, team, waves);
 #endif
   }
 
