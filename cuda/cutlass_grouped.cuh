@@ -13,14 +13,12 @@
 //   kTgmm:          M = K, N = N, K = m_g. A = lhs + r_g*K read as lhs_block^T
 //                   (column-major, M-major, ld K), B = rhs + r_g*N ([m_g,N], N-major, ld N),
 //                   D = out + g*K*N (ld N)
-// For gmm, each CUTLASS problem is one band of at most band_rows rows of a group (the whole
-// group unless bands are asked for): M = rows of the band, A and D start at its first row.
-// Empty groups and unused band slots get M = 0 so they yield zero tiles. What CUTLASS
-// leaves unwritten is zeroed by the prep kernel (gmm rows past the last group) or the
-// dispatcher (tgmm blocks of empty groups).
+// Empty groups get M = 0 so they yield zero tiles. What CUTLASS leaves unwritten is zeroed
+// by the prep kernel (gmm rows past the last group) or the dispatcher (tgmm blocks of empty
+// groups).
 // Problem shapes live only on the device (host problem shapes = nullptr): the persistent
 // group tile scheduler (CUTLASS's, in the team order of team_scheduler.cuh) reads them,
-// and TMA descriptors are rewritten on the device per problem.
+// and TMA descriptors are rewritten on the device per group.
 #ifndef MOE_XLA_CUDA_CUTLASS_GROUPED_CUH_
 #define MOE_XLA_CUDA_CUTLASS_GROUPED_CUH_
 
@@ -170,12 +168,12 @@ struct CutlassGroupedGemm {
   using StrideC = typename GemmKernel::InternalStrideC;
   using StrideD = typename GemmKernel::InternalStrideD;
 
-  // Per-problem (group, or band of a group) metadata arrays at the start of the workspace;
-  // CUTLASS's own workspace (TMA descriptors per SM) follows.
+  // Per-group metadata arrays at the start of the workspace; CUTLASS's own workspace
+  // (TMA descriptors per SM) follows.
   struct MetaLayout {
     size_t shapes, ptr_a, ptr_b, ptr_d, stride_a, stride_b, stride_d, cutlass, total_meta;
-    explicit MetaLayout(int64_t problems) {
-      const size_t g = static_cast<size_t>(problems);
+    explicit MetaLayout(int64_t groups) {
+      const size_t g = static_cast<size_t>(groups);
       size_t at = 0;
       auto take = [&](size_t bytes) {
         const size_t here = at;
@@ -212,63 +210,42 @@ __device__ __forceinline__ Stride make_leading_stride(int64_t ld) {
 }
 
 // The one kernel before the GEMM. Block 0 scans the group sizes into offsets (kept in the
-// workspace for the dispatcher's tgmm zeroing) and writes every CUTLASS problem's shape,
-// operand pointers and strides: per group for tgmm, per band of band_rows rows for gmm
-// (slots as in cutlass_problems; the slots no band takes are empty problems, which yield
-// no tiles). For gmm every block runs the scan to learn the covered rows, and the grid
-// zeroes the output rows past them, which no tile of the GEMM writes. Launched with
-// kScanThreads threads per block.
+// workspace for the dispatcher's tgmm zeroing) and writes every group's CUTLASS problem
+// shape, operand pointers and strides. For gmm every block runs the scan to learn the
+// covered rows, and the grid zeroes the output rows past them, which no tile of the GEMM
+// writes. Launched with kScanThreads threads per block.
 template <class Config, GroupedLayout kLayout>
 __global__ void __launch_bounds__(kScanThreads) cutlass_grouped_prep_kernel(
     const int32_t* __restrict__ group_sizes, int64_t num_groups, int64_t m, int64_t k,
-    int64_t n, int64_t band_rows, int64_t num_problems, const typename Config::Element* lhs,
-    const typename Config::Element* rhs, typename Config::Element* out,
-    int64_t* __restrict__ offsets, typename Config::UnderlyingShape* shapes,
-    const typename Config::Element** ptr_a, const typename Config::Element** ptr_b,
-    typename Config::Element** ptr_d, typename Config::StrideA* stride_a,
-    typename Config::StrideB* stride_b, typename Config::StrideD* stride_d) {
+    int64_t n, const typename Config::Element* lhs, const typename Config::Element* rhs,
+    typename Config::Element* out, int64_t* __restrict__ offsets,
+    typename Config::UnderlyingShape* shapes, const typename Config::Element** ptr_a,
+    const typename Config::Element** ptr_b, typename Config::Element** ptr_d,
+    typename Config::StrideA* stride_a, typename Config::StrideB* stride_b,
+    typename Config::StrideD* stride_d) {
   const bool writer = blockIdx.x == 0;
   const int ik = static_cast<int>(k), in = static_cast<int>(n);
-  // Problem `slot`: rows [start, end) of group g.
-  auto write = [&](int64_t slot, int64_t g, int64_t start, int64_t end) {
-    const int64_t rows = end - start;
-    if constexpr (kLayout == GroupedLayout::kTgmm) {
-      shapes[slot] = rows > 0 ? cute::make_shape(ik, in, static_cast<int>(rows))
-                              : cute::make_shape(0, in, 0);
-      ptr_a[slot] = lhs + start * k;
-      ptr_b[slot] = rhs + start * n;
-      ptr_d[slot] = out + g * k * n;
-      stride_a[slot] = make_leading_stride<typename Config::StrideA>(k);
-      stride_b[slot] = make_leading_stride<typename Config::StrideB>(n);
-      stride_d[slot] = make_leading_stride<typename Config::StrideD>(n);
-    } else {
-      shapes[slot] = cute::make_shape(static_cast<int>(rows), in, ik);
-      ptr_a[slot] = lhs + start * k;
-      ptr_b[slot] = rhs + g * k * n;
-      ptr_d[slot] = out + start * n;
-      stride_a[slot] = make_leading_stride<typename Config::StrideA>(k);
-      stride_b[slot] = make_leading_stride<typename Config::StrideB>(
-          kLayout == GroupedLayout::kGmm ? n : k);
-      stride_d[slot] = make_leading_stride<typename Config::StrideD>(n);
-    }
-  };
-  if constexpr (kLayout != GroupedLayout::kTgmm) {
-    if (writer) {
-      for (int64_t slot = threadIdx.x; slot < num_problems; slot += blockDim.x) {
-        write(slot, 0, 0, 0);
-      }
-    }
-    __syncthreads();  // the bands below overwrite some of these slots
-  }
   auto fill = [&](int64_t g, int64_t start, int64_t end) {
     if (!writer) return;
+    const int64_t rows = end - start;
     if constexpr (kLayout == GroupedLayout::kTgmm) {
-      write(g, g, start, end);
+      shapes[g] = rows > 0 ? cute::make_shape(ik, in, static_cast<int>(rows))
+                           : cute::make_shape(0, in, 0);
+      ptr_a[g] = lhs + start * k;
+      ptr_b[g] = rhs + start * n;
+      ptr_d[g] = out + g * k * n;
+      stride_a[g] = make_leading_stride<typename Config::StrideA>(k);
+      stride_b[g] = make_leading_stride<typename Config::StrideB>(n);
+      stride_d[g] = make_leading_stride<typename Config::StrideD>(n);
     } else {
-      int64_t slot = g + start / band_rows;
-      for (int64_t row = start; row < end; row += band_rows, ++slot) {
-        write(slot, g, row, end - row < band_rows ? end : row + band_rows);
-      }
+      shapes[g] = cute::make_shape(static_cast<int>(rows), in, ik);
+      ptr_a[g] = lhs + start * k;
+      ptr_b[g] = rhs + g * k * n;
+      ptr_d[g] = out + start * n;
+      stride_a[g] = make_leading_stride<typename Config::StrideA>(k);
+      stride_b[g] = make_leading_stride<typename Config::StrideB>(
+          kLayout == GroupedLayout::kGmm ? n : k);
+      stride_d[g] = make_leading_stride<typename Config::StrideD>(n);
     }
   };
   const int64_t covered =
@@ -291,14 +268,14 @@ inline int64_t prep_blocks(const GroupedGemmParams& p, int sm_count) {
 
 template <class Config>
 typename Config::Arguments make_cutlass_arguments(
-    int64_t num_problems, int sm_count, RasterOrder raster, int team_clusters, int team_waves,
+    int64_t num_groups, int sm_count, RasterOrder raster, int team_clusters, int team_waves,
     typename Config::UnderlyingShape* shapes,
     const typename Config::Element** ptr_a, const typename Config::Element** ptr_b,
     typename Config::Element** ptr_d, typename Config::StrideA* stride_a,
     typename Config::StrideB* stride_b, typename Config::StrideD* stride_d) {
   typename Config::Arguments args{};
   args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
-  args.problem_shape = {{static_cast<int>(num_problems), shapes, /*host_problem_shapes=*/nullptr},
+  args.problem_shape = {{static_cast<int>(num_groups), shapes, /*host_problem_shapes=*/nullptr},
                         team_clusters, team_waves};
   args.mainloop.ptr_A = ptr_a;
   args.mainloop.dA = stride_a;
@@ -322,10 +299,10 @@ typename Config::Arguments make_cutlass_arguments(
 }
 
 template <DType kDType, GroupedLayout kLayout, TileConfig kTile>
-size_t cutlass_grouped_workspace_bytes(int64_t num_problems, int sm_count) {
+size_t cutlass_grouped_workspace_bytes(int64_t num_groups, int sm_count) {
   using Config = CutlassGroupedGemm<kDType, kLayout, kTile>;
-  typename Config::MetaLayout layout(num_problems);
-  auto args = make_cutlass_arguments<Config>(num_problems, sm_count, RasterOrder::kAlongM, 1, 1,
+  typename Config::MetaLayout layout(num_groups);
+  auto args = make_cutlass_arguments<Config>(num_groups, sm_count, RasterOrder::kAlongM, 1, 1,
                                              nullptr, nullptr, nullptr, nullptr, nullptr,
                                              nullptr, nullptr);
   return layout.total_meta + align_up(Config::Gemm::get_workspace_size(args), kWorkspaceAlign);
@@ -336,15 +313,13 @@ const char* cutlass_grouped_run(const CutlassGroupedArgs& a) {
   using Config = CutlassGroupedGemm<kDType, kLayout, kTile>;
   using Element = typename Config::Element;
   const GroupedGemmParams& p = *a.params;
-  if (a.band_rows < 1) return "moe_xla grouped_gemm (CUTLASS): band_rows must be positive";
-  const int64_t problems = cutlass_problems(p.layout, p.num_groups, p.m, a.band_rows);
-  if (p.num_groups <= 0 || problems > INT32_MAX) {
-    return "moe_xla grouped_gemm (CUTLASS): number of groups or bands out of range";
+  if (p.num_groups <= 0 || p.num_groups > INT32_MAX) {
+    return "moe_xla grouped_gemm (CUTLASS): number of groups out of range";
   }
-  const typename Config::MetaLayout layout(problems);
+  const typename Config::MetaLayout layout(p.num_groups);
   char* base = static_cast<char*>(a.workspace);
   if (a.workspace_bytes < layout.total_meta) {
-    return "moe_xla grouped_gemm (CUTLASS): workspace too small for the per-problem metadata";
+    return "moe_xla grouped_gemm (CUTLASS): workspace too small for the group metadata";
   }
   auto* shapes = reinterpret_cast<typename Config::UnderlyingShape*>(base + layout.shapes);
   auto* ptr_a = reinterpret_cast<const Element**>(base + layout.ptr_a);
@@ -356,15 +331,14 @@ const char* cutlass_grouped_run(const CutlassGroupedArgs& a) {
 
   cutlass_grouped_prep_kernel<Config, kLayout>
       <<<static_cast<unsigned>(prep_blocks(p, a.sm_count)), kScanThreads, 0, a.stream>>>(
-      p.group_sizes, p.num_groups, p.m, p.k, p.n, a.band_rows, problems,
-      static_cast<const Element*>(p.lhs),
+      p.group_sizes, p.num_groups, p.m, p.k, p.n, static_cast<const Element*>(p.lhs),
       static_cast<const Element*>(p.rhs), static_cast<Element*>(p.out), a.offsets, shapes, ptr_a,
       ptr_b, ptr_d, stride_a, stride_b, stride_d);
   if (cudaGetLastError() != cudaSuccess) {
     return "moe_xla grouped_gemm (CUTLASS): launching the prep kernel failed";
   }
 
-  auto args = make_cutlass_arguments<Config>(problems, a.sm_count, a.raster,
+  auto args = make_cutlass_arguments<Config>(p.num_groups, a.sm_count, a.raster,
                                              a.team_clusters, a.team_waves, shapes, ptr_a, ptr_b,
                                              ptr_d, stride_a, stride_b, stride_d);
   typename Config::Gemm gemm;

@@ -86,7 +86,7 @@ struct CutlassInstance {
   DType dtype;
   GroupedLayout layout;
   TileConfig tile;
-  size_t (*workspace_bytes)(int64_t num_problems, int sm_count);
+  size_t (*workspace_bytes)(int64_t num_groups, int sm_count);
   const char* (*run)(const CutlassGroupedArgs& args);
 };
 
@@ -262,14 +262,6 @@ std::pair<int32_t, int32_t> select_team(const GroupedGemmParams& p, GroupedGemmP
   const int64_t tiles_per_group = row_blocks * column_tiles_256(p);
   return tiles_per_group < sm_count / 2 ? std::pair<int32_t, int32_t>{8, 8} : kCutlassOrder;
 }
-
-// Row bands (gmm layouts): whole groups everywhere until measured.
-int32_t select_band(const GroupedGemmParams& p, GroupedGemmPath path, int sm_count) {
-  (void)p;
-  (void)path;
-  (void)sm_count;
-  return kBandWhole;
-}
 // ---------------------------------------------------------------------------------------
 
 size_t offsets_bytes(int64_t num_groups) {
@@ -310,12 +302,6 @@ const char* grouped_gemm_raster_name(GroupedGemmRaster raster) {
   return "unknown";
 }
 
-std::string grouped_gemm_band_name(const GroupedGemmConfig& config) {
-  if (config.band_rows == kBandAuto) return "auto";
-  if (config.band_rows == kBandWhole) return "whole";
-  return std::to_string(config.band_rows);
-}
-
 std::string grouped_gemm_team_name(const GroupedGemmConfig& config) {
   if (config.team_clusters == kTeamAuto || config.team_waves == kTeamAuto) return "auto";
   if (config.team_clusters == kTeamWholeGrid || config.team_waves == 1) return "grid";
@@ -342,7 +328,6 @@ GroupedGemmConfig grouped_gemm_select_config(const GroupedGemmParams& p, int sm_
     if (config.team_clusters == kTeamAuto) config.team_clusters = team.first;
     if (config.team_waves == kTeamAuto) config.team_waves = team.second;
   }
-  if (config.band_rows == kBandAuto) config.band_rows = select_band(p, config.path, sm_count);
   return config;
 }
 
@@ -352,22 +337,17 @@ size_t grouped_gemm_workspace_bytes(const GroupedGemmParams& p, int sm_count,
   size_t bytes = kWorkspaceAlign /* slack to align the base */ + offsets_bytes(p.num_groups);
   if (path == GroupedGemmPath::kAuto) path = select_path(p, sm_count);
   if (const CutlassInstance* inst = cutlass_instance_for(p, path)) {
-    // Room for the lowest bands any config may ask for.
-    const int64_t problems =
-        detail::cutlass_problems(p.layout, p.num_groups, p.m, kBandRowsMultiple);
-    bytes += align_up(inst->workspace_bytes(problems, std::max(sm_count, 1)), kWorkspaceAlign);
+    bytes += align_up(inst->workspace_bytes(p.num_groups, std::max(sm_count, 1)), kWorkspaceAlign);
   }
   return bytes;
 }
 
-size_t grouped_gemm_workspace_bytes_bound(int64_t num_groups, int64_t max_m, int max_sm_count) {
-  if (num_groups < 0 || max_m < 0) return 0;
-  const int64_t problems =
-      detail::cutlass_problems(GroupedLayout::kGmm, num_groups, max_m, kBandRowsMultiple);
+size_t grouped_gemm_workspace_bytes_bound(int64_t num_groups, int max_sm_count) {
+  if (num_groups < 0) return 0;
   size_t cutlass_bytes = 0;
   for (const CutlassInstance& inst : kCutlassInstances) {
     cutlass_bytes =
-        std::max(cutlass_bytes, inst.workspace_bytes(problems, std::max(max_sm_count, 1)));
+        std::max(cutlass_bytes, inst.workspace_bytes(num_groups, std::max(max_sm_count, 1)));
   }
   return kWorkspaceAlign + offsets_bytes(num_groups) + align_up(cutlass_bytes, kWorkspaceAlign);
 }
@@ -398,11 +378,6 @@ const char* grouped_gemm(const GroupedGemmParams& p, void* workspace, size_t wor
   if (requested.team_clusters < 0 || requested.team_waves < 0) {
     return "moe_xla grouped_gemm: team_clusters and team_waves must be kTeamAuto (0) or "
            "positive";
-  }
-  if (requested.band_rows != kBandAuto && requested.band_rows != kBandWhole &&
-      (requested.band_rows < 0 || requested.band_rows % kBandRowsMultiple != 0)) {
-    return "moe_xla grouped_gemm: band_rows must be kBandAuto (0), kBandWhole or a positive "
-           "multiple of kBandRowsMultiple (256)";
   }
 
   const int64_t out_elems = out_elements(p);
@@ -460,7 +435,6 @@ const char* grouped_gemm(const GroupedGemmParams& p, void* workspace, size_t wor
                                                             : detail::RasterOrder::kAlongM;
   args.team_clusters = config.team_clusters;
   args.team_waves = config.team_waves;
-  args.band_rows = config.band_rows;
   if (const char* err = inst->run(args)) return err;
   if (p.layout != GroupedLayout::kTgmm) return nullptr;  // the prep kernel zeroed the rest
 

@@ -61,12 +61,6 @@ enum class GroupedGemmRaster : int32_t { kAuto = 0, kAlongM = 1, kAlongN = 2 };
 inline constexpr int32_t kTeamAuto = 0;
 inline constexpr int32_t kTeamWholeGrid = INT32_MAX;
 
-inline constexpr int32_t kBandAuto = 0;
-inline constexpr int32_t kBandWhole = INT32_MAX;
-// Band heights are multiples of this many rows: whole tiles of every CUTLASS path's largest
-// cluster (128-row tiles x 2), so cutting a group into bands never adds a padded tile.
-inline constexpr int32_t kBandRowsMultiple = 256;
-
 // Everything that picks the kernel of one product. Fields left at kAuto are resolved by
 // grouped_gemm_select_config. Framework-free; the FFI handlers pass the default (all auto),
 // tests and benchmarks force fields.
@@ -80,14 +74,6 @@ struct GroupedGemmConfig {
   // count >= the grid's clusters) or 1 wave: CUTLASS's round-robin order.
   int32_t team_clusters = kTeamAuto;
   int32_t team_waves = kTeamAuto;
-  // Row bands (gmm layouts on CUTLASS paths; tgmm ignores it): each group's rows are cut
-  // into bands of `band_rows` rows (the last one shorter), each a problem of its own for the
-  // tile scheduler, which finishes a band's tiles before the next band's. With a group
-  // much larger than L2, the CTAs running together then share one band's A rows across
-  // waves instead of streaming the whole group's A rows past every column of tiles.
-  // kBandAuto: chosen by shape; kBandWhole: whole groups; else a positive multiple of
-  // kBandRowsMultiple.
-  int32_t band_rows = kBandAuto;
 };
 
 // Short name of a path ("auto", "fallback", "cutlass_small", "cutlass_large",
@@ -102,9 +88,6 @@ const char* grouped_gemm_raster_name(GroupedGemmRaster raster);
 // per team, W waves per block).
 std::string grouped_gemm_team_name(const GroupedGemmConfig& config);
 
-// Short name of a config's row bands: "auto", "whole" or the band height in rows.
-std::string grouped_gemm_band_name(const GroupedGemmConfig& config);
-
 // Whether `path` can compute this product (kAuto and kFallback always can).
 bool grouped_gemm_path_supported(const GroupedGemmParams& p, GroupedGemmPath path);
 
@@ -112,22 +95,21 @@ bool grouped_gemm_path_supported(const GroupedGemmParams& p, GroupedGemmPath pat
 GroupedGemmPath grouped_gemm_select_path(const GroupedGemmParams& p, int sm_count);
 
 // `config` with its auto fields resolved for these params (path first, then the raster
-// order, team size and row bands for that path). Fields set by the caller are kept as they are.
+// order and team size for that path). Fields set by the caller are kept as they are.
 GroupedGemmConfig grouped_gemm_select_config(const GroupedGemmParams& p, int sm_count,
                                              GroupedGemmConfig config = {});
 
 // Bytes of device scratch `grouped_gemm` needs for these params (group offsets, CUTLASS
-// per-problem metadata for any row bands and CUTLASS workspace, plus alignment slack). Any
-// alignment of the scratch pointer is accepted.
+// per-group metadata and CUTLASS workspace, plus alignment slack). Any alignment of the
+// scratch pointer is accepted.
 size_t grouped_gemm_workspace_bytes(const GroupedGemmParams& p, int sm_count,
                                     GroupedGemmPath path = GroupedGemmPath::kAuto);
 
-// An upper bound of grouped_gemm_workspace_bytes over every dtype, layout, path, K and N
-// for `num_groups` groups and at most `max_m` rows of lhs on GPUs with at most
-// `max_sm_count` SMs: for callers that must size the scratch before the device is known
-// (e.g. a workspace buffer XLA allocates as an extra custom-call result, whose address
-// stays valid across CUDA-graph replays).
-size_t grouped_gemm_workspace_bytes_bound(int64_t num_groups, int64_t max_m, int max_sm_count);
+// An upper bound of grouped_gemm_workspace_bytes over every dtype, layout, shape and path
+// for `num_groups` groups on GPUs with at most `max_sm_count` SMs: for callers that must
+// size the scratch before the device is known (e.g. a workspace buffer XLA allocates as an
+// extra custom-call result, whose address stays valid across CUDA-graph replays).
+size_t grouped_gemm_workspace_bytes_bound(int64_t num_groups, int max_sm_count);
 
 // Enqueues the grouped product on `stream`. Returns nullptr on success or a static error
 // message. `sm_count` is cudaDevAttrMultiProcessorCount of the current device.
@@ -135,8 +117,8 @@ const char* grouped_gemm(const GroupedGemmParams& p, void* workspace, size_t wor
                          int sm_count, cudaStream_t stream,
                          GroupedGemmPath path = GroupedGemmPath::kAuto);
 
-// As above with every tuning field (path, raster order, team size, row bands) under the
-// caller's control; the workspace is grouped_gemm_workspace_bytes(p, sm_count, config.path).
+// As above with every tuning field (path, raster order, team size) under the caller's control;
+// the workspace is grouped_gemm_workspace_bytes(p, sm_count, config.path).
 const char* grouped_gemm(const GroupedGemmParams& p, void* workspace, size_t workspace_bytes,
                          int sm_count, cudaStream_t stream, const GroupedGemmConfig& config);
 

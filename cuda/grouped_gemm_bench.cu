@@ -1,7 +1,6 @@
 // Tuning benchmark of moe_xla::cuda::grouped_gemm: every CUTLASS configuration x tile
 // scheduler raster order (or, with --teams, each case's default configuration x tile
-// scheduler team sizes; with --bands, x row band heights) on the grouped_matmul cases of
-// benchmarks/cases.json, in one run.
+// scheduler team sizes) on the grouped_matmul cases of benchmarks/cases.json, in one run.
 //
 // For each case (both group-size distributions, sizes exactly as benchmarks/_timing.py draws
 // them, see grouped_gemm_bench_cases.inc) and each of the four products the library runs,
@@ -13,7 +12,7 @@
 // on random bf16 data generated on the device, it
 //   1. runs the default configuration (kAuto) once and spot-checks 256 of its output
 //      elements against a float64 dot product on the device,
-//   2. for every eligible (path, raster order), team-size or band variant: runs it once into a
+//   2. for every eligible (path, raster order) or team-size variant: runs it once into a
 //      NaN-poisoned output and compares with the default output (max |diff| / max |ref|
 //      < 1e-2, no NaN), then untimed calls back to back, `--warmup` of them and more until
 //      `--sustain-ms` has passed (default 0; short runs time a cool GPU, whose clock a
@@ -28,7 +27,7 @@
 // in the same run by benchmarks/gmm.py and benchmarks/gmm_sustained.py.
 //
 // Usage: grouped_gemm_bench [--reps N] [--warmup N] [--sustain-ms N] [--case SUBSTR]... [--op NAME]...
-//                           [--no-check] [--teams | --bands]
+//                           [--no-check] [--teams]
 //   --case keeps cases whose "name groups" contains SUBSTR (e.g. qwen, zipf, "down uniform");
 //   --op keeps products by name (fwd, fwd_t, dlhs, drhs). Exit status 1 if a check failed.
 #include <cuda_bf16.h>
@@ -232,18 +231,11 @@ std::string team_label(const GroupedGemmConfig& c) {
   return "team=" + moe_xla::cuda::grouped_gemm_team_name(c);
 }
 
-std::string band_label(const GroupedGemmConfig& c) {
-  return "band=" + moe_xla::cuda::grouped_gemm_band_name(c);
-}
-
-enum class Sweep { kPaths, kTeams, kBands };
-
-// Every CUTLASS path x {along M, along N} (team size and bands as the heuristic picks
-// them), or the default path and raster order of each case x team sizes (--teams) or x
-// row band heights (--bands).
-std::vector<Variant> make_variants(Sweep sweep) {
+// Every CUTLASS path x {along M, along N} (team size as the heuristic picks it), or with
+// --teams the default path and raster order of each case x team sizes.
+std::vector<Variant> make_variants(bool teams) {
   std::vector<Variant> v;
-  if (sweep == Sweep::kTeams) {
+  if (teams) {
     GroupedGemmConfig c;
     c.team_clusters = moe_xla::cuda::kTeamWholeGrid;
     c.team_waves = 1;
@@ -254,14 +246,6 @@ std::vector<Variant> make_variants(Sweep sweep) {
         c.team_waves = waves;
         v.push_back({c, team_label(c)});
       }
-    }
-    return v;
-  }
-  if (sweep == Sweep::kBands) {
-    for (int32_t rows : {moe_xla::cuda::kBandWhole, 512, 1024, 1536, 2048, 3072, 4096}) {
-      GroupedGemmConfig c;
-      c.band_rows = rows;
-      v.push_back({c, band_label(c)});
     }
     return v;
   }
@@ -281,7 +265,7 @@ std::vector<Variant> make_variants(Sweep sweep) {
 
 bool same_config(const GroupedGemmConfig& a, const GroupedGemmConfig& b) {
   return a.path == b.path && a.raster == b.raster && a.team_clusters == b.team_clusters &&
-         a.team_waves == b.team_waves && a.band_rows == b.band_rows;
+         a.team_waves == b.team_waves;
 }
 
 constexpr double kNotRun = -1;    // not eligible / filtered out
@@ -491,7 +475,7 @@ struct Bench {
     fill_normal_kernel<<<fill_blocks, 256, 0, stream>>>(ct.as<__nv_bfloat16>(), M * N, 201 + ci,
                                                         1.0f);
     CHECK_CUDA(cudaGetLastError());
-    const size_t ws_bytes = moe_xla::cuda::grouped_gemm_workspace_bytes_bound(G, M, sm_count);
+    const size_t ws_bytes = moe_xla::cuda::grouped_gemm_workspace_bytes_bound(G, sm_count);
     DeviceBuffer ws(ws_bytes);
 
     for (int oi = 0; oi < kNumOps; ++oi) {
@@ -630,11 +614,11 @@ struct Bench {
         const double ms_at_600 = 2.0 * bc.m * bc.k * bc.n / 600e12 * 1e3;
         total_ms += ms_at_600 * ((eligible + 1) * (1 + opt.warmup + opt.reps)) +
                     (eligible + 1) * static_cast<double>(opt.sustain_ms);
-        std::printf("    %-5s m=%lld k=%lld n=%lld  default %s/%s/%s/%s, %d variants\n",
+        std::printf("    %-5s m=%lld k=%lld n=%lld  default %s/%s/%s, %d variants\n",
                     kOpNames[oi], (long long)p.m, (long long)p.k, (long long)p.n,
                     moe_xla::cuda::grouped_gemm_path_name(c.path),
                     moe_xla::cuda::grouped_gemm_raster_name(c.raster), team_label(c).c_str(),
-                    band_label(c).c_str(), eligible);
+                    eligible);
       }
     }
     std::printf("estimated GPU time at 600 TFLOP/s: %.0f s\n", total_ms * 1e-3);
@@ -737,8 +721,7 @@ int parse_int(const char* s, const char* flag) {
 
 int main(int argc, char** argv) {
   Bench bench;
-  bool list_only = false;
-  Sweep sweep = Sweep::kPaths;
+  bool list_only = false, teams = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto value = [&]() -> const char* {
@@ -761,9 +744,7 @@ int main(int argc, char** argv) {
     } else if (a == "--no-check") {
       bench.opt.check = false;
     } else if (a == "--teams") {
-      sweep = Sweep::kTeams;
-    } else if (a == "--bands") {
-      sweep = Sweep::kBands;
+      teams = true;
     } else if (a == "--list") {
       list_only = true;
     } else if (a == "--sm-count") {
@@ -771,7 +752,7 @@ int main(int argc, char** argv) {
     } else {
       std::fprintf(stderr,
                    "usage: %s [--reps N] [--warmup N] [--sustain-ms N] [--case SUBSTR]... [--op NAME]... "
-                   "[--no-check] [--teams | --bands] [--list [--sm-count N]]\n",
+                   "[--no-check] [--teams] [--list [--sm-count N]]\n",
                    argv[0]);
       return 2;
     }
@@ -782,7 +763,7 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  bench.variants = make_variants(sweep);
+  bench.variants = make_variants(teams);
   constexpr int kNumCases = static_cast<int>(sizeof(kCases) / sizeof(kCases[0]));
   std::vector<int> case_ids;
   for (int ci = 0; ci < kNumCases; ++ci) {

@@ -50,28 +50,14 @@ struct CutlassGroupedArgs {
   // block; >= the grid's clusters or <= 1 wave: CUTLASS's order.
   int team_clusters = 1;
   int team_waves = 1;
-  // Rows per band of a group (gmm layouts; GroupedGemmConfig::band_rows), >= 1.
-  int64_t band_rows = INT64_MAX;
 };
-
-// CUTLASS problems of a product: one per group for tgmm; for gmm one per band, at
-// slot g + floor(start_g / band_rows) + j for band j of group g (start_g = its first row),
-// which keeps every band in group order with at most G + floor((M - 1) / band_rows) slots.
-// Proof of the bound: the last band of g has slot
-//   g + floor(start_g / b) + ceil(rows_g / b) - 1 <= g + floor((start_g + rows_g - 1) / b),
-// and start_{g+1} >= start_g + rows_g puts the next group's first band past it.
-inline int64_t cutlass_problems(GroupedLayout layout, int64_t num_groups, int64_t m,
-                                int64_t band_rows) {
-  if (layout == GroupedLayout::kTgmm || m <= band_rows) return num_groups;
-  return num_groups + (m - 1) / band_rows;
-}
 
 // Defined in cutlass_grouped.cuh; each cutlass_*.cu file explicitly instantiates both for
 // exactly one (dtype, layout, tile) combination, listed in kCutlassInstances
 // (grouped_gemm.cu). The run enqueues two kernels: prep (offsets, per-group metadata, and
 // for gmm the zeroing of rows past the groups), then the GEMM.
 template <DType kDType, GroupedLayout kLayout, TileConfig kTile>
-size_t cutlass_grouped_workspace_bytes(int64_t num_problems, int sm_count);
+size_t cutlass_grouped_workspace_bytes(int64_t num_groups, int sm_count);
 
 template <DType kDType, GroupedLayout kLayout, TileConfig kTile>
 const char* cutlass_grouped_run(const CutlassGroupedArgs& args);

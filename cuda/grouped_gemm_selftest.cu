@@ -3,7 +3,7 @@
 // For every case (shapes with empty groups, a huge group, negative sizes, sum < M,
 // sum > M, M = 0, G = 1, odd K/N, many tiny groups) x layout x dtype combination x path
 // (auto, fallback, each CUTLASS tile configuration the product is eligible for, the latter
-// in both tile scheduler raster orders, several team orders and row bands) it:
+// with both tile scheduler raster orders) it:
 //   1. poisons the output with NaN and surrounds it with canaries,
 //   2. runs grouped_gemm with exactly grouped_gemm_workspace_bytes of (misaligned) scratch,
 //   3. compares with a host float64 reference: relative error max|out-ref| / max|ref|
@@ -232,26 +232,8 @@ Check compare(DType out_dtype, const std::vector<uint8_t>& got_with_canaries, si
 // kAuto, then every concrete path; CUTLASS paths with both tile scheduler raster orders,
 // each in CUTLASS's tile order (one team), in blocks of 3 waves with one cluster per team
 // (each cluster walks its own stretch of tiles) and in blocks of 2 waves with teams of 4
-// clusters (the grid's 66 clusters leave a smaller last team on the 2-CTA-cluster paths);
-// then with row bands of 256 rows (the lowest allowed: most groups of the cases above 256
-// rows are cut, mid-group and at unaligned starts, and many band slots stay empty) and of
-// 512 rows in teams. tgmm ignores the bands.
+// clusters (the grid's 66 clusters leave a smaller last team on the 2-CTA-cluster paths).
 std::vector<GroupedGemmConfig> configs() {
-  using moe_xla::cuda::kTeamWholeGrid;
-  struct Order {
-    GroupedGemmRaster raster;
-    int32_t team_clusters, team_waves, band_rows;
-  };
-  const Order orders[] = {
-      {GroupedGemmRaster::kAlongM, kTeamWholeGrid, 1, moe_xla::cuda::kBandWhole},
-      {GroupedGemmRaster::kAlongM, 1, 3, moe_xla::cuda::kBandWhole},
-      {GroupedGemmRaster::kAlongM, 4, 2, moe_xla::cuda::kBandWhole},
-      {GroupedGemmRaster::kAlongN, kTeamWholeGrid, 1, moe_xla::cuda::kBandWhole},
-      {GroupedGemmRaster::kAlongN, 1, 3, moe_xla::cuda::kBandWhole},
-      {GroupedGemmRaster::kAlongN, 4, 2, moe_xla::cuda::kBandWhole},
-      {GroupedGemmRaster::kAlongM, kTeamWholeGrid, 1, 256},
-      {GroupedGemmRaster::kAlongN, 4, 2, 512},
-  };
   std::vector<GroupedGemmConfig> out(1);  // all auto
   for (GroupedGemmPath path : moe_xla::cuda::kGroupedGemmPaths) {
     GroupedGemmConfig c;
@@ -260,12 +242,14 @@ std::vector<GroupedGemmConfig> configs() {
       out.push_back(c);
       continue;
     }
-    for (const Order& o : orders) {
-      c.raster = o.raster;
-      c.team_clusters = o.team_clusters;
-      c.team_waves = o.team_waves;
-      c.band_rows = o.band_rows;
-      out.push_back(c);
+    for (GroupedGemmRaster raster : {GroupedGemmRaster::kAlongM, GroupedGemmRaster::kAlongN}) {
+      for (std::pair<int32_t, int32_t> team :
+           {std::pair<int32_t, int32_t>{moe_xla::cuda::kTeamWholeGrid, 1}, {1, 3}, {4, 2}}) {
+        c.raster = raster;
+        c.team_clusters = team.first;
+        c.team_waves = team.second;
+        out.push_back(c);
+      }
     }
   }
   return out;
@@ -331,7 +315,7 @@ struct Runner {
       if (!moe_xla::cuda::grouped_gemm_path_supported(p, path)) continue;
       ++cases;
       const size_t ws_bytes = moe_xla::cuda::grouped_gemm_workspace_bytes(p, sm_count, path);
-      const size_t ws_bound = moe_xla::cuda::grouped_gemm_workspace_bytes_bound(groups, m, sm_count);
+      const size_t ws_bound = moe_xla::cuda::grouped_gemm_workspace_bytes_bound(groups, sm_count);
       DeviceBuffer d_ws(ws_bytes + kWorkspaceMisalign);
       void* ws = static_cast<char*>(d_ws.ptr) + kWorkspaceMisalign;
 
@@ -407,13 +391,12 @@ struct Runner {
       if (!ok) ++failures;
       char line[512];
       std::snprintf(line, sizeof(line),
-                    "%s  %-5s %-4s->%-4s path=%-26s %-7s team=%-5s band=%-5s (auto=%s) M=%lld "
-                    "K=%lld N=%lld G=%lld  %-22s err=%.2e replay_err=%.2e",
+                    "%s  %-5s %-4s->%-4s path=%-26s %-7s team=%-5s (auto=%s) M=%lld K=%lld "
+                    "N=%lld G=%lld  %-22s err=%.2e replay_err=%.2e",
                     ok ? "PASS" : "FAIL", layout_name(layout), dtype_name(in),
                     dtype_name(out_dtype), moe_xla::cuda::grouped_gemm_path_name(path),
                     moe_xla::cuda::grouped_gemm_raster_name(config.raster),
                     moe_xla::cuda::grouped_gemm_team_name(config).c_str(),
-                    moe_xla::cuda::grouped_gemm_band_name(config).c_str(),
                     moe_xla::cuda::grouped_gemm_path_name(auto_path), (long long)m, (long long)k,
                     (long long)n, (long long)groups, cs.name.c_str(), direct.rel_err,
                     replay.rel_err);

@@ -82,7 +82,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaGmmCuda, moe_xla::gmm_cuda,
                                   .Arg<ffi::AnyBuffer>()  // rhs [G, K, N] or [G, N, K]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // group_sizes [G]
                                   .Ret<ffi::AnyBuffer>()         // out [M, N]
-                                  .Ret<ffi::AnyBuffer>()         // workspace u8[MoeXlaGmmWorkspaceBytes(G, M)]
+                                  .Ret<ffi::AnyBuffer>()         // workspace u8[MoeXlaGmmWorkspaceBytes(G)]
                                   .Attr<bool>("transpose_rhs"),  // transpose_rhs
                               {ffi::Traits::kCmdBufferCompatible});
 
@@ -93,12 +93,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaTgmmCuda, moe_xla::tgmm_cuda,
                                   .Arg<ffi::AnyBuffer>()                     // rhs [M, N]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // group_sizes [G]
                                   .Ret<ffi::AnyBuffer>()         // out [G, K, N]
-                                  .Ret<ffi::AnyBuffer>(),        // workspace u8[MoeXlaGmmWorkspaceBytes(G, M)]
+                                  .Ret<ffi::AnyBuffer>(),        // workspace u8[MoeXlaGmmWorkspaceBytes(G)]
                               {ffi::Traits::kCmdBufferCompatible});
 
-// Workspace bytes of a gmm / tgmm call with `num_groups` groups and `m` rows of lhs, any
-// K, N and dtype (called from Python through ctypes when lowering).
-extern "C" int64_t MoeXlaGmmWorkspaceBytes(int64_t num_groups, int64_t m) {
-  return static_cast<int64_t>(
-      moe_xla::cuda::grouped_gemm_workspace_bytes_bound(num_groups, m, moe_xla::kMaxSmCount));
+// Workspace bytes of a gmm / tgmm call with `num_groups` groups, any shape and dtype
+// (called from Python through ctypes when lowering).
+extern "C" int64_t MoeXlaGmmWorkspaceBytes(int64_t num_groups) {
+  return static_cast<int64_t>(moe_xla::cuda::grouped_gemm_workspace_bytes_bound(num_groups, moe_xla::kMaxSmCount));
 }

@@ -46,6 +46,5 @@ def register(prim, op: str, reference: Callable, attributes: Callable[..., dict]
 
 
 def grouped_gemm_workspace(lhs, rhs, group_sizes, **_) -> int:
-    """Workspace bytes of the CUDA gmm / tgmm handlers: a bound that depends on G and the
-    rows M of lhs only."""
-    return _lib.cuda_workspace_bytes("MoeXlaGmmWorkspaceBytes", group_sizes.shape[0], lhs.shape[0])
+    """Workspace bytes of the CUDA gmm / tgmm handlers: a bound that depends on G only."""
+    return _lib.cuda_workspace_bytes("MoeXlaGmmWorkspaceBytes", group_sizes.shape[0])
