@@ -15,7 +15,7 @@ the own rank cross no link) and comes back once:
 bytes = rows * (2 H * 2 (bf16 there and back) + m), m the dispatch's per-row metadata: the
 local expert id (int32), with dedup ids and routing weights (float32) of min(k, E/P)
 experts. These are the ragged transport's bytes; the padded transport sends whole slabs
-of activations whatever the routing (padded_*: 2 chunks, both directions, other ranks).
+of activations whatever the routing (padded_*: one chunk, both directions, other ranks).
 
 Memory per rank: XLA's compile-time memory_analysis() (temp + arguments + outputs) of the
 EP layer's forward and forward+backward (jax.grad of sum(y * ct), the cotangent ct an f32
@@ -106,8 +106,8 @@ def main():
                "wire_mib_per_rank_dedup": dedup * (2 * row_bytes + 8 * mult) / peers / MIB}
         row["wire_ratio"] = row["wire_mib_per_rank_dedup"] / row["wire_mib_per_rank_no_dedup"] if plain else None
         for name, on in (("no_dedup", False), ("dedup", True)):
-            sizes = parallel.exchange_sizes(per_rank // 2, k, experts, peers, dedup=on)  # 2 chunks (moe's default)
-            row[f"padded_mib_per_rank_{name}"] = 2 * 2 * sizes.rows * (peers - 1) * row_bytes / MIB
+            sizes = parallel.exchange_sizes(per_rank, k, experts, peers, dedup=on)  # one chunk (moe's default)
+            row[f"padded_mib_per_rank_{name}"] = 2 * sizes.rows * (peers - 1) * row_bytes / MIB
         if not args.no_memory:
             for name, on in (("no_dedup", False), ("dedup", True)):
                 for cf_name, cf in (("worst", None), (f"cf{args.capacity_factor:g}", args.capacity_factor)):

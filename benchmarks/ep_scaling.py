@@ -15,13 +15,15 @@ unless set). Sections, each over the moe_layer cases of cases.json:
             dedup off bitwise (bitwise_fwd), and relative errors of y with dedup on and of
             the gradients w.r.t. x, router logits, w_in, w_out (dedup on).
   scaling   weak scaling: forward+backward ms and tokens/s at each P and transport with a
-            fixed token count per device (dedup on, 2 chunks); comm_ms: the summed
-            duration of collective kernels (names with nccl, all_to_all, alltoall or
-            MultiGpuBarrier, the barrier of XLA's ragged all-to-all) per
-            call from a profiler trace, and their share of the wall time.
-  overlap   at the largest P, per transport, chunks 1, 2, 4: wall ms, summed collective and other kernel
-            ms per call; hidden = (kernels + collectives - wall) / collectives, clipped to
-            [0, 1]: the part of the collectives' time that ran under other kernels.
+            fixed token count per device (dedup on, the first --chunks value: 1, moe's
+            default); from a profiler trace, per call and summed over the devices, comm_ms:
+            the collective kernels (names with nccl, all_to_all, alltoall or
+            MultiGpuBarrier, the barrier of XLA's ragged all-to-all) and their share of the
+            wall time, gemm_ms: the grouped GEMMs (CUTLASS's device_kernel).
+  overlap   at the largest P, per transport, each --chunks value: wall ms, collective,
+            grouped-GEMM and all other kernel ms as above; hidden = (kernels + collectives
+            - wall) / collectives, clipped to [0, 1]: the part of the collectives' time that
+            ran under other kernels (NCCL's kernels spin while they wait, which inflates it).
   memory    at the largest P, compile-time memory_analysis() per device (temp + arguments
             + outputs) of forward+backward with worst-case buffers and with capacity_factor.
 """
@@ -29,6 +31,7 @@ unless set). Sections, each over the moe_layer cases of cases.json:
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import sys
 
@@ -50,6 +53,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import moe_xla  # noqa: E402
 
 COLLECTIVE_MARKERS = ("nccl", "all_to_all", "alltoall", "all-to-all", "multigpubarrier")
+GEMM_MARKER = "device_kernel"  # cutlass::device_kernel<...>: the grouped GEMMs
 
 
 def _dims(case, scale):
@@ -111,18 +115,27 @@ def check(case, peers, args):
 
 
 def _trace_split(compiled, call_args, calls=10):
-    span, kernels = device_kernels(compiled, call_args, calls)
-    comm = sum(v for k, v in kernels.items() if any(m in k.lower() for m in COLLECTIVE_MARKERS))
-    other = sum(kernels.values()) - comm
-    top = {k[:80]: round(v / calls, 1) for k, v in kernels.most_common(12)}
-    return comm / calls / 1e3, other / calls / 1e3, top
+    """Kernel time per call, summed over the devices, from a profiler trace: (collective ms,
+    grouped-GEMM ms (CUTLASS's device_kernel), every other kernel's ms, the 12 largest
+    {name[:80]: us})."""
+    _, kernels = device_kernels(compiled, call_args, calls)
+
+    def total(pick):
+        return sum(v for k, v in kernels.items() if pick(k.lower())) / calls / 1e3
+
+    comm = total(lambda k: any(m in k for m in COLLECTIVE_MARKERS))
+    gemm = total(lambda k: GEMM_MARKER in k)
+    top = collections.Counter()
+    for k, v in kernels.items():
+        top[k[:80]] += v / calls
+    return comm, gemm, total(lambda k: True) - comm - gemm, {k: round(v, 1) for k, v in top.most_common(12)}
 
 
 _TIMED = {}
 
 
 def _timed(case, peers, args, transport, chunks):
-    """(fwd_bwd ms, collective ms, other kernel ms, top kernels) of the skewed layer on
+    """(fwd_bwd ms, collective ms, grouped-GEMM ms, other kernel ms, top kernels) of the skewed layer on
     `peers` devices, measured once per (case, peers, transport, chunks): scaling and
     overlap share a configuration."""
     key = (case["name"], peers, transport, chunks)
@@ -139,11 +152,11 @@ def _timed(case, peers, args, transport, chunks):
 def scaling(case, peers, args):
     rows = []
     for transport in args.transports:
-        ms, comm_ms, other_ms, top = _timed(case, peers, args, transport, chunks=2)
+        ms, comm_ms, gemm_ms, _, top = _timed(case, peers, args, transport, chunks=args.chunks[0])
         row = {"section": "scaling", "case": case["name"], "peers": peers, "transport": transport,
-               "tokens_per_device": args.tokens_per_device, "fwd_bwd_ms": ms,
+               "chunks": args.chunks[0], "tokens_per_device": args.tokens_per_device, "fwd_bwd_ms": ms,
                "tokens_per_s": peers * args.tokens_per_device / ms * 1e3, "comm_ms": comm_ms or None,
-               "comm_share": comm_ms / ms if comm_ms else None, "kernels": top}
+               "comm_share": comm_ms / ms if comm_ms else None, "gemm_ms": gemm_ms or None, "kernels": top}
         rows.append(row)
         print(row, flush=True)
     return rows
@@ -153,11 +166,12 @@ def overlap(case, peers, args):
     rows = []
     for transport in args.transports:
         for chunks in args.chunks:
-            ms, comm_ms, other_ms, top = _timed(case, peers, args, transport, chunks)
-            hidden = min(1.0, max(0.0, (comm_ms + other_ms - ms) / comm_ms)) if comm_ms else None
+            ms, comm_ms, gemm_ms, other_ms, top = _timed(case, peers, args, transport, chunks)
+            kernels_ms = gemm_ms + other_ms
+            hidden = min(1.0, max(0.0, (comm_ms + kernels_ms - ms) / comm_ms)) if comm_ms else None
             row = {"section": "overlap", "case": case["name"], "peers": peers, "transport": transport,
-                   "chunks": chunks, "fwd_bwd_ms": ms, "comm_ms": comm_ms or None, "kernels_ms": other_ms or None,
-                   "hidden": hidden, "kernels": top}
+                   "chunks": chunks, "fwd_bwd_ms": ms, "comm_ms": comm_ms or None, "gemm_ms": gemm_ms or None,
+                   "kernels_ms": kernels_ms or None, "hidden": hidden, "kernels": top}
             rows.append(row)
             print(row, flush=True)
     return rows
@@ -207,7 +221,8 @@ def main():
         if "memory" not in args.skip:
             rows += memory(case, max(peers), args)
     columns = ["section", "case", "peers", "routing", "transport", "chunks", "bitwise_fwd", "rel_err_fwd_dedup",
-               "rel_err_dx", "rel_err_dw_in", "fwd_bwd_ms", "tokens_per_s", "comm_ms", "comm_share", "hidden",
+               "rel_err_dx", "rel_err_dw_in", "fwd_bwd_ms", "tokens_per_s", "comm_ms", "comm_share", "gemm_ms",
+               "hidden",
                "fwd_bwd_gib_worst", f"fwd_bwd_gib_cf{args.capacity_factor:g}"]
     write_results(args.out, f"ep_scaling_{jax.devices()[0].platform}{len(jax.devices())}", environment(), rows, columns)
 

@@ -458,7 +458,7 @@ def format_report(r: InspectReport) -> str:
 
 def inspect_moe(*, mesh=None, mesh_shape=None, axes=("ep",), expert_axis="ep", tokens=64, hidden=32, ffn=64,
                 experts=16, top_k=2, dtype="float32", activation="swiglu", transport="auto", dedup=True,
-                capacity_factor=None, chunks=2, grad=False, dump=None) -> InspectReport:
+                capacity_factor=None, chunks=1, grad=False, dump=None) -> InspectReport:
     """Compile one moe_xla.moe layer on a mesh and report its custom calls, collectives and
     schedule (module docstring). mesh: a jax.sharding.Mesh, or mesh_shape (default: every
     device on one axis) with axis names `axes`. x [tokens, hidden] is split over the mesh,
@@ -536,7 +536,7 @@ def _parser():
     p.add_argument("--transport", default="auto", choices=("auto", "padded", "ragged"))
     p.add_argument("--dedup", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--capacity-factor", type=float, default=None)
-    p.add_argument("--chunks", type=int, default=2)
+    p.add_argument("--chunks", type=int, default=1)
     p.add_argument("--grad", action="store_true", help="forward + backward (jax.grad) instead of forward")
     p.add_argument("--dump", default=None, metavar="FILE", help="write the full optimised HLO text to FILE")
     return p

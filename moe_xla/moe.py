@@ -108,7 +108,7 @@ def _check(x, router_logits, w_in, w_out, top_k, activation, shared_experts):
 
 def moe(x, router_logits, w_in, w_out, *, top_k, activation="swiglu", score="softmax", bias=None, n_groups=None,
         topk_groups=None, renormalize=True, scale=1.0, shared_experts=None, return_aux=False, mesh=None,
-        expert_axis=None, data_axes=None, transport="auto", dedup=True, capacity_factor=None, chunks=2):
+        expert_axis=None, data_axes=None, transport="auto", dedup=True, capacity_factor=None, chunks=1):
     """Dropless MoE layer: y = sum_j weights_j * expert_{e_j}(x) (+ shared expert).
 
     x [..., H]; router_logits [..., E]; w_in [E, H, 2F] (gate | up) for gated
@@ -124,7 +124,10 @@ def moe(x, router_logits, w_in, w_out, *, top_k, activation="swiglu", score="sof
     XLA's ragged_all_to_all kernel, benchmarks/results/LOG.md); dedup sends a token once per
     destination rank; capacity_factor sizes the exchange buffers for that multiple of the
     balanced load and sends what overflows in further rounds (still dropless); chunks
-    splits each rank's tokens so communication and grouped GEMMs can overlap.
+    splits each rank's tokens into independent slices so that XLA can overlap one slice's
+    communication with another's grouped GEMMs. Each chunk more makes the GEMMs smaller and
+    adds one full-size weight-gradient sum; on one and two H200s one chunk was the fastest
+    (benchmarks/results/LOG.md), hence the default.
     """
     tokens, hidden, experts = _check(x, router_logits, w_in, w_out, top_k, activation, shared_experts)
     if mesh is not None or expert_axis is not None:

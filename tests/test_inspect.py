@@ -9,7 +9,7 @@ pytestmark = requires_8_devices
 
 
 def test_ep_layer_report():
-    r = moe_inspect.inspect_moe(tokens=64, hidden=16, ffn=16, experts=8, top_k=2)
+    r = moe_inspect.inspect_moe(tokens=64, hidden=16, ffn=16, experts=8, top_k=2, chunks=2)
     assert r.count("all-to-all") >= 4  # dispatch and return of each of the two chunks
     assert r.count("all-gather") == 0
     gemms = [c for c in r.custom_calls if c.target.startswith("moe_xla_gmm")]

@@ -24,7 +24,7 @@ from conftest import assert_close, normal, requires_8_devices
 
 pytestmark = requires_8_devices
 
-T, H, F, E = 64, 16, 8, 8  # 64 tokens: 8 per device on 8 devices, two chunks of 4
+T, H, F, E = 64, 16, 8, 8  # 64 tokens: 8 per device on 8 devices, two chunks of 4 where chunks=2
 
 
 def _mesh(peers, data=1):
@@ -78,8 +78,8 @@ def test_ep_forward_matches_one_device(rng, peers, case, top_k):
 
     @jax.jit
     def run(*args):
-        plain = moe_xla.moe(*args, top_k=top_k, mesh=mesh, expert_axis="ep", dedup=False, return_aux=True)
-        dedup = moe_xla.moe(*args, top_k=top_k, mesh=mesh, expert_axis="ep", dedup=True, return_aux=True)
+        plain = moe_xla.moe(*args, top_k=top_k, mesh=mesh, expert_axis="ep", dedup=False, return_aux=True, chunks=2)
+        dedup = moe_xla.moe(*args, top_k=top_k, mesh=mesh, expert_axis="ep", dedup=True, return_aux=True, chunks=2)
         return plain, dedup
 
     first = run(x, logits, w_in, w_out)
@@ -107,7 +107,7 @@ def test_ep_gradients_and_shared_experts(rng, peers, data, dedup):
     ct = normal(rng, (T, H), jnp.float32)
     args = (x, logits, w_in, w_out)
     mesh = _mesh(peers, data)
-    ep = lambda *a: moe_xla.moe(*a, top_k=3, mesh=mesh, expert_axis="ep", dedup=dedup, **shared)  # noqa: E731
+    ep = lambda *a: moe_xla.moe(*a, top_k=3, mesh=mesh, expert_axis="ep", dedup=dedup, chunks=2, **shared)  # noqa: E731
     one = lambda *a: moe_xla.moe(*a, top_k=3, **shared)  # noqa: E731
     # The shared expert is an XLA dot, whose CPU kernel rounds differently for other row
     # counts: to f32 rounding even without dedup.
@@ -206,7 +206,7 @@ def test_capacity_overflow_is_sent_in_further_rounds(rng):
     one = lambda *a: moe_xla.moe(*a, top_k=top_k)  # noqa: E731
 
     def ep(*a, dedup=True):
-        return moe_xla.moe(*a, top_k=top_k, mesh=mesh, expert_axis="ep", dedup=dedup, capacity_factor=1.25)
+        return moe_xla.moe(*a, top_k=top_k, mesh=mesh, expert_axis="ep", dedup=dedup, capacity_factor=1.25, chunks=2)
 
     y_one = jax.jit(one)(*args)
     np.testing.assert_array_equal(jax.jit(partial(ep, dedup=False))(*args), y_one)
