@@ -1,4 +1,5 @@
-"""Timing helpers shared by the benchmark scripts (DESIGN.md section 7)."""
+"""Timing helpers shared by the benchmark scripts: inputs of the benchmark cases (cases.json),
+batch timing on the device, turns that alternate implementations, trace parsing, results files."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Benchmark: the expert-parallel moe_xla.moe on several devices (issue 5): correctness
+"""Benchmark: the expert-parallel moe_xla.moe on several devices: correctness
 against one device, weak scaling, communication / overlap and memory per device.
 
     python benchmarks/ep_scaling.py [--cases NAME ...] [--peers 1 2 4 8] [--tokens-per-device 4096]

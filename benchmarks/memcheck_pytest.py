@@ -3,7 +3,7 @@
     python3 benchmarks/memcheck_pytest.py [--chunk 10] [--jobs 2] [--timeout 120] [--attempts 2] [--only I,J,...] [--out DIR] [TEST_PATH ...]
 
 One sanitizer over one pytest process for the whole suite dies in the sanitizer's own
-host process after some tens of tests (session 1, LOG.md). This collects the test ids,
+host process after some tens of tests. This collects the test ids,
 runs them `--chunk` at a time, each chunk in its own `compute-sanitizer --tool memcheck
 --error-exitcode 86 python3 -m pytest ...`, `--jobs` chunks at once on the one GPU, and
 reports per chunk: pytest's summary, the sanitizer's ERROR SUMMARY and the exit status.

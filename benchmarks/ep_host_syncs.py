@@ -1,0 +1,125 @@
+"""Benchmark: device-to-host synchronisations of one forward+backward step of the MoE layer,
+counted in a profiler trace, for moe() and for the expert-parallel layer on a one-device
+mesh without and with capacity_factor.
+
+    python benchmarks/ep_host_syncs.py [--out benchmarks/results] [--case qwen3-30b-a3b]
+                                       [--tokens 4096] [--steps 10] [--capacity-factors 1.25 0.25]
+
+What it counts, per step (events of `--steps` back-to-back steps / steps):
+  d2h_copies   device-to-host memory copies on the GPU (CUPTI memcpy activity whose name
+               says DtoH / D2H): each one is a value the host waits for;
+  host_syncs   host API calls that block on the device (cu/cuda Stream-, Event- and
+               Ctx-Synchronize, and synchronous DtoH memcpy calls) on the host threads;
+  d2d_copies   device-to-device copies (XLA copies outside kernels, e.g. loop carries);
+  kernels      kernel launches, for scale.
+The step's own `block_until_ready` at the end of the batch is one host sync for all steps,
+so a layer with none of its own shows ~0 per step.
+
+With one peer, capacity_factor 1.25 sizes the exchange for the worst case (one round)
+and 0.25 makes the overflow rounds run (their lax.while_loop, whose predicate XLA:GPU
+reads back to the host each iteration): the two columns separate the loop's syncs from
+the rest of the layer's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import re
+import tempfile
+from pathlib import Path
+
+from _timing import CASES, environment, fwd_bwd, moe_inputs, routing_options, write_results
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+import moe_xla
+
+_D2H = re.compile(r"dtoh|d2h|devicetohost", re.IGNORECASE)
+_D2D = re.compile(r"dtod|d2d|devicetodevice", re.IGNORECASE)
+_SYNC = re.compile(r"(stream|event|ctx|device)synchronize|memcpydtoh(?!async)|memcpy2d?dtoh(?!async)",
+                   re.IGNORECASE)
+
+
+def _trace_events(fn, args, steps: int) -> list[dict]:
+    jax.block_until_ready(fn(*args))
+    with tempfile.TemporaryDirectory() as log_dir:
+        with jax.profiler.trace(log_dir, create_perfetto_trace=True):
+            for _ in range(steps):
+                out = fn(*args)
+            jax.block_until_ready(out)
+        trace = glob.glob(f"{log_dir}/**/perfetto_trace.json.gz", recursive=True)[0]
+        events = json.load(gzip.open(trace))
+    return events["traceEvents"] if isinstance(events, dict) else events
+
+
+def count_syncs(fn, args, steps: int) -> dict:
+    """Per-step counts of the trace events described in the module docstring, and the
+    names behind each count (for reading the trace by hand)."""
+    events = _trace_events(fn, args, steps)
+    procs = {e["pid"]: str(e["args"].get("name", "")) for e in events
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    threads = {(e["pid"], e["tid"]): str(e["args"].get("name", "")) for e in events
+               if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    counts, names = collections.Counter(), collections.defaultdict(collections.Counter)
+    for e in events:
+        if e.get("ph") != "X":
+            continue
+        name, on_gpu = e["name"], "gpu" in procs.get(e["pid"], "").lower()
+        stream = "stream" in threads.get((e["pid"], e["tid"]), "").lower()
+        if on_gpu and "memcpy" in name.lower() and _D2H.search(name):
+            kind = "d2h_copies"
+        elif on_gpu and "memcpy" in name.lower() and _D2D.search(name):
+            kind = "d2d_copies"
+        elif on_gpu and stream and "memcpy" not in name.lower() and "memset" not in name.lower():
+            kind = "kernels"
+        elif not on_gpu and _SYNC.search(name):
+            kind = "host_syncs"
+        else:
+            continue
+        counts[kind] += 1
+        names[kind][name[:60]] += 1
+    row = {k: counts[k] / steps for k in ("d2h_copies", "host_syncs", "d2d_copies", "kernels")}
+    row["names"] = {k: dict(v.most_common(6)) for k, v in names.items() if k != "kernels"}
+    return row
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--case", default="qwen3-30b-a3b")
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--capacity-factors", type=float, nargs="*", default=[1.25, 0.25])
+    parser.add_argument("--name", default="ep_host_syncs")
+    args = parser.parse_args()
+    case = next(c for c in CASES["moe_layer"] if c["name"] == args.case)
+    inputs, ct = moe_inputs(jax.random.key(0), args.tokens, case["H"], case["F"], case["E"])
+    mesh = Mesh(np.array(jax.devices()[:1]), ("ep",))
+    opts = dict(routing_options(case), activation="swiglu")
+    layers = {"moe()": dict(), "ep, no capacity_factor": dict(mesh=mesh, expert_axis="ep")}
+    for cf in args.capacity_factors:
+        layers[f"ep, capacity_factor {cf:g}"] = dict(mesh=mesh, expert_axis="ep", capacity_factor=cf)
+    rows = []
+    for name, extra in layers.items():
+        layer = lambda *a, extra=extra: moe_xla.moe(*a, **opts, **extra)  # noqa: E731
+        step = jax.jit(fwd_bwd(layer, 4))
+        hlo = step.lower(*inputs, ct).compile().as_text()
+        row = {"layer": name, "case": case["name"], "tokens": args.tokens,
+               "while_loops": len(re.findall(r"\swhile\(", hlo)),
+               **count_syncs(step, (*inputs, ct), args.steps)}
+        rows.append(row)
+        print(row, flush=True)
+    env = environment()
+    env["steps"] = args.steps
+    write_results(args.out, args.name, env, rows,
+                  ["layer", "tokens", "while_loops", "d2h_copies", "host_syncs", "d2d_copies", "kernels"])
+
+
+if __name__ == "__main__":
+    main()
