@@ -1,16 +1,19 @@
 """Row gathers through index arrays in which an index outside [0, R) names no row.
 
-With slots [N, mult] naming rows of a [R, H] array (each row at most once), the two
-gathers below are bilinear in (data, weights) and each other's transpose:
-    expand_rows(rows, slots, w)[slots[q, j]] = w[q, j] rows[q]       [R, H], rows no slot names 0
+With slots [N, mult] naming rows of a [R, H] array, the functions below are bilinear in
+(data, weights), accumulated in float32 (or the inputs' wider dtype):
     gather_sum_rows(values, slots, w)[q] = sum_j w[q, j] values[slots[q, j]]    (j order)
-accumulated in float32 (or the inputs' wider dtype). unpermute is gather_sum_rows with
-slots = row_map.reshape(T, k), the EP layer's dispatch / combine are both; neither needs a
-scatter-add, so both directions are deterministic.
+    sum_rows_into(rows, slots, w)[r] = sum_{(q, j): slots[q, j] = r} w[q, j] rows[q]
+    expand_rows(rows, slots, w) = sum_rows_into(rows, slots, w) where each row is named
+        at most once: then row slots[q, j] is w[q, j] rows[q], one gather.
+sum_rows_into (or expand_rows) is the transpose of gather_sum_rows in values and vice
+versa. unpermute is gather_sum_rows with slots = row_map.reshape(T, k), the EP layer's
+dispatch / combine are both. None of them needs a scatter-add, so all are deterministic.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 
@@ -45,10 +48,41 @@ def acc_dtype(dtype):
 
 
 def expand_rows(rows, slots, weights, *, num_pairs: int):
-    """[num_pairs, H]: row slots[q, j] is weights[q, j] * rows[q]; rows no slot names are 0."""
+    """[num_pairs, H]: row slots[q, j] is weights[q, j] * rows[q]; rows no slot names are 0.
+    slots must name each row at most once (a row named twice gets one of its terms)."""
     src, named = inverse_rows(slots.reshape(-1), num_pairs)
     v = weights.reshape(-1)[src][:, None] * rows[src // slots.shape[1]].astype(acc_dtype(rows.dtype))
     return jnp.where(named[:, None], v, 0).astype(rows.dtype)
+
+
+def sum_rows_into(rows, slots, weights, *, num_rows: int):
+    """[num_rows, H]: row r is sum_{(q, j): slots[q, j] = r} weights[q, j] * rows[q], for any
+    slots (a row named n times gets n terms, rows no slot names are 0).
+
+    Deterministic without a scatter-add: the (q, j) pairs are sorted stably by slot, a
+    segmented scan sums each run of equal slots (a tree of adds fixed by the shapes), and
+    row r takes the sum at the end of its run through one gather.
+    """
+    n, mult = slots.shape
+    dtype = acc_dtype(rows.dtype)
+    if n * mult == 0:
+        return jnp.zeros((num_rows,) + rows.shape[1:], rows.dtype)
+    flat = slots.reshape(-1)
+    named = names_row(flat, num_rows)
+    key = jnp.where(named, flat, num_rows)  # pairs naming no row sort last, in a run of their own
+    order = jnp.argsort(key, stable=True)
+    key = key[order]
+    w = jnp.where(named, weights.reshape(-1), 0)[order]
+    terms = w[:, None] * rows[order // mult].astype(dtype)
+    first = jnp.concatenate([jnp.ones((1,), bool), key[1:] != key[:-1]])
+    last = jnp.concatenate([key[1:] != key[:-1], jnp.ones((1,), bool)])
+
+    def add_in_run(a, b):  # (starts a run, partial sum): associative
+        return a[0] | b[0], jnp.where(b[0][:, None], b[1], a[1] + b[1])
+
+    sums = jax.lax.associative_scan(add_in_run, (first, terms))[1]
+    src, summed = inverse_rows(jnp.where(last, key, num_rows), num_rows)
+    return jnp.where(summed[:, None], sums[src], 0).astype(rows.dtype)
 
 
 def gather_sum_rows(values, slots, weights):

@@ -1,7 +1,8 @@
 """Pure-jnp definitions of every moe_xla primitive: the spec and the test oracle.
 
 These are also the lowering used when MOE_XLA_IMPL=reference. They favour clarity over
-speed and memory.
+speed and memory, and import nothing from the rest of moe_xla: an error in the runtime
+package cannot hide by reaching the oracle too.
 """
 
 from __future__ import annotations
@@ -9,25 +10,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from moe_xla._rows import gather_sum_rows, names_row
-
 
 def group_ends(group_sizes, m: int):
     """Exclusive end row of each group after clamping (common/grouped_gemm.h):
     size'_g = clamp(size_g, 0, m - start_g), so end_g = min(sum_{h<=g} max(size_h, 0), m)."""
     sizes = jnp.clip(group_sizes.astype(jnp.int32), 0, m)
     return jnp.minimum(jnp.cumsum(sizes, dtype=jnp.int32), m)
-
-
-def clamped_group_sizes(group_sizes, m: int):
-    """Group sizes after clamping to the m rows: they sum to at most m."""
-    ends = group_ends(group_sizes, m)
-    return jnp.diff(ends, prepend=jnp.zeros((1,), ends.dtype))
-
-
-def clamped_group_sizes_batched(group_sizes, m: int):
-    """clamped_group_sizes over the last axis of [..., G] group sizes."""
-    return jnp.vectorize(lambda gs: clamped_group_sizes(gs, m), signature="(g)->(g)")(group_sizes)
 
 
 def row_groups(group_sizes, m: int):
@@ -72,9 +60,6 @@ def tgmm(lhs, rhs, group_sizes, *, preferred_element_type=None):
         return jnp.dot(jnp.where(mine, lhs32, 0.0).T, jnp.where(mine, rhs32, 0.0), precision="highest")
 
     return jax.lax.map(one_group, jnp.arange(group_sizes.shape[0])).astype(out_dtype)
-
-
-SCORES = ("softmax", "sigmoid")
 
 
 def route_source(logits, score: str):
@@ -127,19 +112,44 @@ def permute(x, expert_ids, num_experts: int):
 
 
 def unpermute(y_sorted, row_map, weights):
-    """y[t] = sum_j weights[t, j] * y_sorted[row_map[t*k + j]], in float32, j in order;
-    row_map entries outside [0, T*k) contribute 0."""
-    slots = row_map.reshape(weights.shape)
-    # An entry naming no row takes no part, whatever its weight.
-    return gather_sum_rows(y_sorted, slots, jnp.where(names_row(slots, y_sorted.shape[0]), weights, 0.0))
+    """y[t] = sum_j weights[t, j] * y_sorted[row_map[t*k + j]], in float32; row_map entries
+    outside [0, T*k) contribute 0, whatever their weight or the row they would clip to."""
+    t, k = weights.shape
+    n = y_sorted.shape[0]
+    slots = row_map.reshape(t, k)
+    named = ((slots >= 0) & (slots < n))[..., None]
+    rows = y_sorted.astype(jnp.float32)[jnp.clip(slots, 0, max(n - 1, 0))]  # [T, k, H]
+    w = jnp.where(named, weights[..., None], 0.0)
+    return jnp.sum(w * jnp.where(named, rows, 0.0), axis=1).astype(y_sorted.dtype)
+
+
+def silu(x):
+    """x * sigmoid(x), with sigmoid(x) = (1 + tanh(x / 2)) / 2."""
+    return x * 0.5 * (1.0 + jnp.tanh(0.5 * x))
+
+
+def gelu_tanh(x):
+    """gelu in its tanh approximation (jax.nn.gelu's default)."""
+    return 0.5 * x * (1.0 + jnp.tanh(jnp.sqrt(2.0 / jnp.pi) * (x + 0.044715 * x ** 3)))
+
+
+GATED = {"swiglu": silu, "geglu": gelu_tanh}
+PLAIN = {"gelu": gelu_tanh, "silu": silu, "relu": lambda x: jnp.maximum(x, 0.0)}
+
+
+def expert_activation(h, name: str):
+    """The expert activation in float32 on h [rows, 2F] (gated: gate = h[:, :F],
+    up = h[:, F:], act(gate) * up) or [rows, F]."""
+    if name in GATED:
+        f = h.shape[-1] // 2
+        return GATED[name](h[..., :f]) * h[..., f:]
+    return PLAIN[name](h)
 
 
 def moe(x, router_logits, w_in, w_out, *, top_k, activation="swiglu", score="softmax", bias=None, n_groups=None,
         topk_groups=None, renormalize=True, scale=1.0, shared_experts=None):
     """The MoE layer as a loop over experts (no dispatch): every expert runs on every token
     and its output is weighted by the routing weight (0 where the token did not pick it)."""
-    from moe_xla.moe import activate  # the activation definitions live with moe()
-
     hidden, experts = x.shape[-1], w_in.shape[0]
     x2 = x.reshape(-1, hidden).astype(jnp.float32)
     weights, ids = route(router_logits.reshape(-1, experts), top_k=top_k, score=score, bias=bias,
@@ -147,10 +157,11 @@ def moe(x, router_logits, w_in, w_out, *, top_k, activation="swiglu", score="sof
     y = jnp.zeros_like(x2)
     for e in range(experts):
         h = jnp.dot(x2, w_in[e].astype(jnp.float32), precision="highest")
-        y_e = jnp.dot(activate(h, activation), w_out[e].astype(jnp.float32), precision="highest")
+        y_e = jnp.dot(expert_activation(h, activation), w_out[e].astype(jnp.float32), precision="highest")
         coef = jnp.sum(jnp.where(ids == e, weights, 0.0), axis=-1)
         y = y + coef[:, None] * y_e
     if shared_experts is not None:
         s_in, s_out = (w.astype(jnp.float32) for w in shared_experts)
-        y = y + jnp.dot(activate(jnp.dot(x2, s_in, precision="highest"), activation), s_out, precision="highest")
+        a = expert_activation(jnp.dot(x2, s_in, precision="highest"), activation)
+        y = y + jnp.dot(a, s_out, precision="highest")
     return y.reshape(x.shape).astype(x.dtype)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from moe_xla import _rows, reference
+from moe_xla import _rows
 
 
 def batched_to_front(args, dims):
@@ -20,13 +20,22 @@ def all_to_front(args, dims):
     return [a if d is not None else jnp.broadcast_to(a, (size,) + a.shape) for a, d in zip(args, dims)], size
 
 
+def clamped_group_sizes(group_sizes, m: int):
+    """[..., G] group sizes clamped to m rows as the kernels clamp them (common/grouped_gemm.h):
+    size'_g = clamp(size_g, 0, m - start_g) with start_g = min(sum_{h<g} max(size_h, 0), m).
+    Sizes are clipped to [0, m] before summing, so the int32 sums stay within G * m."""
+    nonneg = jnp.clip(group_sizes, 0, m)
+    starts = jnp.minimum(jnp.cumsum(nonneg, axis=-1) - nonneg, m)
+    return jnp.clip(group_sizes, 0, m - starts)
+
+
 def folded_group_sizes(group_sizes, m: int):
     """[B, G] group sizes over B stacked blocks of m rows -> [B * (G + 1)] sizes.
 
     Each block's sizes are clamped to its m rows and followed by a spacer group that
     covers the block's remaining rows, so block b's groups start at row b * m.
     """
-    sizes = reference.clamped_group_sizes_batched(group_sizes, m)
+    sizes = clamped_group_sizes(group_sizes, m)
     spacer = m - jnp.sum(sizes, axis=1, keepdims=True)
     return jnp.concatenate([sizes, spacer], axis=1).reshape(-1).astype(jnp.int32)
 

@@ -1,4 +1,9 @@
-"""Per-platform lowering registration shared by every moe_xla primitive."""
+"""Per-platform lowering registration shared by every moe_xla primitive.
+
+Kernels exist for cpu and cuda. Every other platform gets the pure-JAX definitions of
+reference.py when MOE_XLA_IMPL=reference asks for them, and a clear error otherwise.
+This module is the only place runtime code uses reference.py.
+"""
 
 from __future__ import annotations
 
@@ -8,25 +13,41 @@ import jax
 import numpy as np
 from jax.interpreters import mlir
 
-from moe_xla import _lib
+from moe_xla import _lib, reference
 from moe_xla.primitives import _sharding
 
+KERNEL_PLATFORMS = ("cpu", "cuda")
 
-def register(prim, op: str, reference: Callable, attributes: Callable[..., dict],
-             cuda_workspace: Callable[..., int] | None = None, sharding=None) -> None:
-    """Lowers `prim` to the FFI target of `op` on cpu and cuda.
 
-    `reference(*args, **params)` is the pure-JAX definition, lowered instead when
-    MOE_XLA_IMPL=reference; `attributes(**params)` maps the primitive's params to the
-    typed FFI attributes of the call. `cuda_workspace(*avals_in, **params)`, if given,
-    is the byte size of the uint8 workspace result the CUDA handler takes last
-    (ffi/workspace.h); it is dropped from the primitive's outputs. `sharding`, a
-    `_sharding.Rule`, partitions the call over a mesh without gathering (see _sharding).
+def _route(logits, bias, *, has_bias, **params):
+    return list(reference.route(logits, bias=bias if has_bias else None, **params))
+
+
+# Each op's definition in reference.py, called with the primitive's operands and params.
+_REFERENCE = {
+    "gmm": reference.gmm,
+    "tgmm": reference.tgmm,
+    "route": _route,
+    "permute": lambda x, expert_ids, *, num_experts: list(reference.permute(x, expert_ids, num_experts)),
+    "unpermute": lambda y_sorted, row_map, weights, *, unique_rows: reference.unpermute(y_sorted, row_map, weights),
+}
+
+
+def register(prim, op: str, attributes: Callable[..., dict], cuda_workspace: Callable[..., int] | None = None,
+             sharding=None) -> None:
+    """Lowers `prim` to the FFI target of `op` on cpu and cuda, and to its reference on
+    every platform when MOE_XLA_IMPL=reference.
+
+    `attributes(**params)` maps the primitive's params to the typed FFI attributes of the
+    call. `cuda_workspace(*avals_in, **params)`, if given, is the byte size of the uint8
+    workspace result the CUDA handler takes last (ffi/workspace.h); it is dropped from
+    the primitive's outputs. `sharding`, a `_sharding.Rule`, partitions the call over a
+    mesh without gathering (see _sharding).
     """
-    reference_lowering = mlir.lower_fun(reference, multiple_results=prim.multiple_results)
+    reference_lowering = mlir.lower_fun(_REFERENCE[op], multiple_results=prim.multiple_results)
     partitioned_lowering = None if sharding is None else _sharding.lowering(prim, sharding)
 
-    for platform in ("cpu", "cuda"):
+    for platform in KERNEL_PLATFORMS:
 
         def lowering(ctx, *args, _platform=platform, **params):
             if _lib.use_reference():
@@ -43,6 +64,17 @@ def register(prim, op: str, reference: Callable, attributes: Callable[..., dict]
             return results[:-1]
 
         mlir.register_lowering(prim, lowering, platform=platform)
+
+    def no_kernel_lowering(ctx, *args, **params):
+        if _lib.use_reference():
+            return reference_lowering(ctx, *args, **params)
+        platforms = ", ".join(ctx.platforms or ctx.module_context.platforms)
+        raise NotImplementedError(
+            f"moe_xla: no {op} kernel for platform {platforms} (kernels exist for "
+            f"{', '.join(KERNEL_PLATFORMS)}). Set MOE_XLA_IMPL=reference to lower the slow pure-JAX "
+            f"reference there.")
+
+    mlir.register_lowering(prim, no_kernel_lowering)  # platform=None: every platform without its own
 
 
 def grouped_gemm_workspace(lhs, rhs, group_sizes, **_) -> int:

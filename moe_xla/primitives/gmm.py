@@ -19,8 +19,7 @@ import jax.numpy as jnp
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching
 
-from moe_xla import reference
-from moe_xla.primitives import _ad, _batching, _checks, _lowering, _sharding
+from moe_xla.primitives import _ad, _batching, _checks, _impl, _lowering, _sharding
 from moe_xla.primitives import tgmm as tgmm_lib
 
 gmm_p = Primitive("moe_xla_gmm")
@@ -78,16 +77,11 @@ def _batch(args, dims, *, transpose_rhs, preferred_element_type):
     return jnp.where((jnp.arange(m) < covered)[..., None], out, jnp.zeros((), out.dtype)), 0
 
 
-def _reference(lhs, rhs, group_sizes, *, transpose_rhs, preferred_element_type):
-    return reference.gmm(lhs, rhs, group_sizes, transpose_rhs=transpose_rhs,
-                         preferred_element_type=preferred_element_type)
-
-
-gmm_p.def_impl(lambda *args, **params: jax.jit(lambda *a: gmm_p.bind(*a, **params))(*args))
+_impl.def_jitted_impl(gmm_p)
 gmm_p.def_abstract_eval(_abstract_eval)
 ad.primitive_jvps[gmm_p] = _ad.bilinear_jvp(gmm_p, 0, 1)
 ad.primitive_transposes[gmm_p] = _transpose
 batching.primitive_batchers[gmm_p] = _batch
-_lowering.register(gmm_p, "gmm", _reference, lambda transpose_rhs, **_: {"transpose_rhs": transpose_rhs},
+_lowering.register(gmm_p, "gmm", lambda transpose_rhs, **_: {"transpose_rhs": transpose_rhs},
                    cuda_workspace=_lowering.grouped_gemm_workspace,
                    sharding=_sharding.GMM)

@@ -16,8 +16,8 @@ import jax.numpy as jnp
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching
 
-from moe_xla import _lib, _rows, reference
-from moe_xla.primitives import _ad, _batching, _checks, _lowering, _sharding
+from moe_xla import _lib, _rows
+from moe_xla.primitives import _ad, _batching, _checks, _impl, _lowering, _sharding
 
 permute_p = Primitive("moe_xla_permute")
 permute_p.multiple_results = True
@@ -64,7 +64,7 @@ def _transpose(cts, x, expert_ids, *, num_experts):
     t, k = expert_ids.shape
     # row_map again, from a zero-width permute: the sort alone, no rows to move.
     row_map = permute_p.bind(jnp.zeros((t, 0), x.aval.dtype), expert_ids, num_experts=num_experts)[2]
-    return unpermute_p.bind(ct_sorted, row_map, jnp.ones((t, k), jnp.float32)), None
+    return unpermute_p.bind(ct_sorted, row_map, jnp.ones((t, k), jnp.float32), unique_rows=True), None
 
 
 def _batch(args, dims, *, num_experts):
@@ -86,14 +86,10 @@ def _cuda_workspace(x, expert_ids, *, num_experts):
                                      expert_ids.shape[1], num_experts)
 
 
-def _reference(x, expert_ids, *, num_experts):
-    return list(reference.permute(x, expert_ids, num_experts))
-
-
-permute_p.def_impl(lambda *args, **params: jax.jit(lambda *a: permute_p.bind(*a, **params))(*args))
+_impl.def_jitted_impl(permute_p)
 permute_p.def_abstract_eval(_abstract_eval)
 ad.primitive_jvps[permute_p] = _jvp
 ad.primitive_transposes[permute_p] = _transpose
 batching.primitive_batchers[permute_p] = _batch
-_lowering.register(permute_p, "permute", _reference, lambda **_: {}, cuda_workspace=_cuda_workspace,
+_lowering.register(permute_p, "permute", lambda **_: {}, cuda_workspace=_cuda_workspace,
                    sharding=_sharding.PERMUTE)

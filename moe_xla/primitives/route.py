@@ -8,11 +8,14 @@
 logits [T, E] (float32/bfloat16/float16) -> (weights [T, k] float32, expert_ids [T, k] int32).
 Selection is piecewise constant; weights are differentiable in logits for the selected
 experts (JVP from the saved selection). bias moves selection only and gets no gradient.
+With p = source and w_j = p[ids_j] the picked values, for fixed ids:
+    softmax: d w_j = w_j (d logits[ids_j] - sum_e p_e d logits_e)
+    sigmoid: d w_j = w_j (1 - w_j) d logits[ids_j]
+    renormalize (S = sum_j w_j > 0): d (w_j / S) = (d w_j - (w_j / S) sum_i d w_i) / S
+    scale: times scale.
 """
 
 from __future__ import annotations
-
-from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -20,18 +23,18 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching
 
-from moe_xla import reference
-from moe_xla.primitives import _ad, _batching, _checks, _lowering, _sharding
+from moe_xla.primitives import _ad, _batching, _checks, _impl, _lowering, _sharding
 
 route_p = Primitive("moe_xla_route")
 route_p.multiple_results = True
+SCORES = ("softmax", "sigmoid")  # the FFI attribute `score` is the index in this tuple
 
 
 def route(logits, top_k, *, score="softmax", bias=None, n_groups=None, topk_groups=None, renormalize=True,
           scale=1.0):
     """Picks top_k experts per token. See the module docstring."""
-    if score not in reference.SCORES:
-        raise ValueError(f"route: expected score in {reference.SCORES}, got {score!r}")
+    if score not in SCORES:
+        raise ValueError(f"route: expected score in {SCORES}, got {score!r}")
     if bias is not None and score != "sigmoid":
         raise ValueError("route: bias (selection bias) is only defined with score='sigmoid'")
     num_experts = logits.shape[-1] if hasattr(logits, "shape") and len(logits.shape) else 0
@@ -65,6 +68,24 @@ def _abstract_eval(logits, bias, *, top_k, score, n_groups, topk_groups, renorma
     return [jax.core.ShapedArray((t, top_k), jnp.float32), jax.core.ShapedArray((t, top_k), jnp.int32)]
 
 
+def _weights_tangent(logits, d_logits, ids, *, score, renormalize, scale):
+    """d weights for d logits and fixed ids (the formulas in the module docstring)."""
+    x, dx = logits.astype(jnp.float32), d_logits.astype(jnp.float32)
+    p = jax.nn.softmax(x, axis=-1) if score == "softmax" else jax.nn.sigmoid(x)
+    w = jnp.take_along_axis(p, ids, axis=-1)
+    dx_picked = jnp.take_along_axis(dx, ids, axis=-1)
+    if score == "softmax":
+        dw = w * (dx_picked - jnp.sum(p * dx, axis=-1, keepdims=True))
+    else:
+        dw = w * (1.0 - w) * dx_picked
+    if renormalize:
+        total = jnp.sum(w, axis=-1, keepdims=True)
+        positive = total > 0
+        total = jnp.where(positive, total, 1.0)
+        dw = jnp.where(positive, (dw - w / total * jnp.sum(dw, axis=-1, keepdims=True)) / total, dw)
+    return dw * jnp.float32(scale)
+
+
 def _jvp(primals, tangents, **params):
     logits, bias = primals
     d_logits, _ = tangents
@@ -72,9 +93,8 @@ def _jvp(primals, tangents, **params):
     if type(d_logits) is ad.Zero:
         d_weights = _ad.zero_tangent(weights)
     else:
-        fn = partial(reference.route_weights, expert_ids=ids, score=params["score"],
-                     renormalize=params["renormalize"], scale=params["scale"])
-        d_weights = jax.jvp(fn, (logits,), (d_logits,))[1]
+        d_weights = _weights_tangent(logits, d_logits, ids, score=params["score"],
+                                     renormalize=params["renormalize"], scale=params["scale"])
     return (weights, ids), (d_weights, _ad.zero_tangent(ids))
 
 
@@ -92,19 +112,13 @@ def _batch(args, dims, **params):
     return [weights.reshape(b, t, top_k), ids.reshape(b, t, top_k)], [0, 0]
 
 
-def _reference(logits, bias, *, top_k, score, n_groups, topk_groups, renormalize, scale, has_bias):
-    return list(reference.route(logits, top_k=top_k, score=score, bias=bias if has_bias else None,
-                                n_groups=n_groups, topk_groups=topk_groups, renormalize=renormalize,
-                                scale=scale))
-
-
 def _attributes(*, top_k, score, n_groups, topk_groups, renormalize, scale, has_bias):
-    return dict(top_k=top_k, score=reference.SCORES.index(score), n_groups=n_groups, topk_groups=topk_groups,
+    return dict(top_k=top_k, score=SCORES.index(score), n_groups=n_groups, topk_groups=topk_groups,
                 renormalize=renormalize, scale=np.float32(scale), has_bias=has_bias)
 
 
-route_p.def_impl(lambda *args, **params: jax.jit(lambda *a: route_p.bind(*a, **params))(*args))
+_impl.def_jitted_impl(route_p)
 route_p.def_abstract_eval(_abstract_eval)
 ad.primitive_jvps[route_p] = _jvp
 batching.primitive_batchers[route_p] = _batch
-_lowering.register(route_p, "route", _reference, _attributes, sharding=_sharding.ROUTE)
+_lowering.register(route_p, "route", _attributes, sharding=_sharding.ROUTE)

@@ -19,8 +19,7 @@ import jax.numpy as jnp
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching
 
-from moe_xla import reference
-from moe_xla.primitives import _ad, _batching, _checks, _lowering, _sharding
+from moe_xla.primitives import _ad, _batching, _checks, _impl, _lowering, _sharding
 
 tgmm_p = Primitive("moe_xla_tgmm")
 
@@ -70,14 +69,10 @@ def _batch(args, dims, *, preferred_element_type):
     return out.reshape(b, g + 1, k, out.shape[-1])[:, :g], 0
 
 
-def _reference(lhs, rhs, group_sizes, *, preferred_element_type):
-    return reference.tgmm(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type)
-
-
-tgmm_p.def_impl(lambda *args, **params: jax.jit(lambda *a: tgmm_p.bind(*a, **params))(*args))
+_impl.def_jitted_impl(tgmm_p)
 tgmm_p.def_abstract_eval(_abstract_eval)
 ad.primitive_jvps[tgmm_p] = _ad.bilinear_jvp(tgmm_p, 0, 1)
 ad.primitive_transposes[tgmm_p] = _transpose
 batching.primitive_batchers[tgmm_p] = _batch
-_lowering.register(tgmm_p, "tgmm", _reference, lambda **_: {}, cuda_workspace=_lowering.grouped_gemm_workspace,
+_lowering.register(tgmm_p, "tgmm", lambda **_: {}, cuda_workspace=_lowering.grouped_gemm_workspace,
                    sharding=_sharding.TGMM)

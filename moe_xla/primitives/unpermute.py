@@ -7,11 +7,13 @@ y_sorted), accumulated in float32 in j order: bitwise reproducible. Entries of r
 outside [0, T*k) contribute 0.
 
 unpermute is bilinear in (y_sorted, weights):
-    d y_sorted[row_map[t*k + j]] = weights[t, j] * ct[t]     (rows no entry names: 0)
+    d y_sorted[r] = sum_{(t, j): row_map[t*k + j] = r} weights[t, j] * ct[t]   (no entry names r: 0)
     d weights[t, j] = <ct[t], y_sorted[row_map[t*k + j]]>
-d y_sorted is a gather through the inverse of row_map, so it holds where each row is named
-at most once (permute's row_map names each exactly once); a row named twice gets one of
-its two terms.
+Both are deterministic (no scatter-add). d y_sorted holds for any row_map: the entries are
+sorted stably by row and each row's run summed by a segmented scan (_rows.sum_rows_into).
+unique_rows=True promises that row_map names each row at most once, as permute's row_map
+does; d y_sorted is then one gather through the inverse of row_map (_rows.expand_rows),
+and a row named twice would get only one of its terms.
 """
 
 from __future__ import annotations
@@ -21,18 +23,22 @@ import jax.numpy as jnp
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching
 
-from moe_xla import _rows, reference
-from moe_xla.primitives import _ad, _batching, _checks, _lowering, _sharding
+from moe_xla import _rows
+from moe_xla.primitives import _ad, _batching, _checks, _impl, _lowering, _sharding
 
 unpermute_p = Primitive("moe_xla_unpermute")
 
 
-def unpermute(y_sorted, row_map, weights):
-    """Weighted combine of the k expert outputs of every token. See the module docstring."""
-    return unpermute_p.bind(y_sorted, row_map, weights)
+def unpermute(y_sorted, row_map, weights, *, unique_rows=False):
+    """Weighted combine of the k expert outputs of every token:
+    y[t] = sum_j weights[t, j] * y_sorted[row_map[t*k + j]]. See the module docstring;
+    unique_rows=True (a promise that row_map names each row at most once) makes the
+    gradient in y_sorted one gather."""
+    unique_rows = _checks.static_bool("unpermute", "unique_rows", unique_rows)
+    return unpermute_p.bind(y_sorted, row_map, weights, unique_rows=unique_rows)
 
 
-def _abstract_eval(y_sorted, row_map, weights):
+def _abstract_eval(y_sorted, row_map, weights, *, unique_rows):
     _checks.rank("unpermute", "y_sorted", y_sorted, 2, "[T*k, H]")
     _checks.rank("unpermute", "weights", weights, 2, "[T, k]")
     _checks.float_dtype("unpermute", "y_sorted", y_sorted)
@@ -48,34 +54,39 @@ def _abstract_eval(y_sorted, row_map, weights):
     return jax.core.ShapedArray((weights.shape[0], y_sorted.shape[1]), y_sorted.dtype)
 
 
-def _transpose(ct, y_sorted, row_map, weights):
+def _transpose(ct, y_sorted, row_map, weights, *, unique_rows):
     if ad.is_undefined_primal(row_map):
         raise ValueError("unpermute: row_map is integer and cannot be differentiated")
     t, k = (weights.aval if ad.is_undefined_primal(weights) else weights).shape
     if ad.is_undefined_primal(y_sorted):
         if type(ct) is ad.Zero:
             return ad.Zero(y_sorted.aval), None, None
-        d_rows = _rows.expand_rows(ct, row_map.reshape(t, k), weights, num_pairs=y_sorted.aval.shape[0])
+        slots, num_rows = row_map.reshape(t, k), y_sorted.aval.shape[0]
+        if unique_rows:
+            d_rows = _rows.expand_rows(ct, slots, weights, num_pairs=num_rows)
+        else:
+            d_rows = _rows.sum_rows_into(ct, slots, weights, num_rows=num_rows)
         return d_rows.astype(y_sorted.aval.dtype), None, None
     if type(ct) is ad.Zero:
         return None, None, ad.Zero(weights.aval)
     return None, None, _rows.row_dots(ct, y_sorted, row_map.reshape(t, k)).astype(weights.aval.dtype)
 
 
-def _batch(args, dims):
+def _batch(args, dims, *, unique_rows):
     (y_sorted, row_map, weights), _ = _batching.all_to_front(args, dims)
     b, t, k = weights.shape
     rows = t * k
     folded = _batching.folded_rows(row_map, rows)
     h = y_sorted.shape[-1]
-    y = unpermute_p.bind(y_sorted.reshape(b * rows, h), folded.reshape(b * rows), weights.reshape(b * t, k))
+    # Folding keeps each row named as often as before (rows naming no row all go past the stack).
+    y = unpermute_p.bind(y_sorted.reshape(b * rows, h), folded.reshape(b * rows), weights.reshape(b * t, k),
+                         unique_rows=unique_rows)
     return y.reshape(b, t, h), 0
 
 
-unpermute_p.def_impl(lambda *args, **params: jax.jit(lambda *a: unpermute_p.bind(*a, **params))(*args))
+_impl.def_jitted_impl(unpermute_p)
 unpermute_p.def_abstract_eval(_abstract_eval)
 ad.primitive_jvps[unpermute_p] = _ad.bilinear_jvp(unpermute_p, 0, 2)
 ad.primitive_transposes[unpermute_p] = _transpose
 batching.primitive_batchers[unpermute_p] = _batch
-_lowering.register(unpermute_p, "unpermute", reference.unpermute, lambda **_: {},
-                   sharding=_sharding.UNPERMUTE)
+_lowering.register(unpermute_p, "unpermute", lambda **_: {}, sharding=_sharding.UNPERMUTE)
