@@ -1,0 +1,92 @@
+"""The expert-parallel layer (moe(mesh=..., expert_axis=...)) on 8 CPU devices against the
+independent MoE layer of tests/independent.py: every activation, both scores, shared
+experts, the aux values and the gradients of a loss that uses all of them.
+
+The cases rotate through the EP options that run on CPU (the padded and the ragged
+transport, the latter through its all_to_all stand-in; dedup on and off; a 1-D mesh of
+8 ranks and a 2 x 4 data x expert mesh; a capacity factor small enough to need further
+rounds), so each activation and score meets a different exchange. The checks are those of
+test_layer_values.py (check_against_oracle), so the EP layer is held to the same numbers
+as the single-device layer, without trusting either.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+import moe_xla
+import independent as ind
+from conftest import normal, requires_8_devices
+from test_layer_values import ROUTINGS, check_against_oracle, combined_loss, inputs
+
+pytestmark = requires_8_devices
+
+T, H = 32, 12  # 32 tokens: 4 per device on 8 devices
+
+
+def _mesh(shape):
+    devices = jax.devices()[:8]
+    if shape == (8,):
+        return Mesh(np.array(devices), ("ep",))
+    return Mesh(np.array(devices).reshape(shape), ("data", "ep"))
+
+
+# (activation, routing, mesh shape, EP options): every activation with both scores.
+CASES = [
+    ("swiglu", "softmax", (8,), dict(transport="padded", dedup=False)),
+    ("swiglu", "sigmoid_bias_groups", (2, 4), dict(transport="ragged", dedup=True)),
+    ("geglu", "softmax", (2, 4), dict(transport="padded", dedup=True, capacity_factor=0.5)),
+    ("geglu", "sigmoid_bias_groups", (8,), dict(transport="padded", dedup=False)),
+    ("gelu", "softmax", (8,), dict(transport="ragged", dedup=False)),
+    ("gelu", "sigmoid_bias_groups", (2, 4), dict(transport="padded", dedup=True)),
+    ("silu", "softmax", (2, 4), dict(transport="padded", dedup=False)),
+    ("silu", "sigmoid_bias_groups", (8,), dict(transport="padded", dedup=True, capacity_factor=0.5)),
+    ("relu", "softmax", (8,), dict(transport="padded", dedup=True)),
+    ("relu", "sigmoid_bias_groups", (2, 4), dict(transport="ragged", dedup=False)),
+]
+
+
+@pytest.mark.parametrize("activation,routing,mesh_shape,ep", CASES,
+                         ids=[f"{a}-{r}-{'x'.join(map(str, m))}-" + "-".join(f"{k}={v}" for k, v in o.items())
+                              for a, r, m, o in CASES])
+def test_ep_layer_matches_independent_layer(rng, activation, routing, mesh_shape, ep):
+    x, logits, w_in, w_out, shared, kw = inputs(rng, activation, ROUTINGS[routing], t=T)
+    ct = normal(rng, (T, H), jnp.float32)
+    mesh = _mesh(mesh_shape)
+
+    def ep_moe(*a, **k):
+        return moe_xla.moe(*a, mesh=mesh, expert_axis="ep", **ep, **k)
+
+    args = (x, logits, w_in, w_out, shared)
+    grad = jax.value_and_grad(combined_loss(ep_moe, ct, activation, kw), argnums=(0, 1, 2, 3, 4), has_aux=True)
+    (_, out), grads = jax.jit(grad)(*args)
+    check_against_oracle(args, ct, activation, kw, (out, grads))
+
+
+def _first_choice(logits, expert):
+    """Rows of logits with `expert` raised to 1 above the row's largest logit."""
+    logits = logits.copy()
+    logits[:, expert] = logits.max(-1) + 1.0
+    return logits
+
+
+def test_ep_capacity_rounds_with_a_skewed_router(rng):
+    """Every token's first choice is expert 5 (one rank gets 8x its balanced load), so the
+    capacity factor forces further rounds; values still match the independent layer."""
+    x, logits, w_in, w_out, shared, kw = inputs(rng, "swiglu", ROUTINGS["softmax"], t=T)
+    logits = ind.separated_logits(rng, (T, 8), 2, transform=lambda a: _first_choice(a, 5))
+    ct = normal(rng, (T, H), jnp.float32)
+    mesh = _mesh((8,))
+
+    def ep_moe(*a, **k):
+        return moe_xla.moe(*a, mesh=mesh, expert_axis="ep", capacity_factor=1.0, **k)
+
+    args = (x, logits, w_in, w_out, shared)
+    grad = jax.value_and_grad(combined_loss(ep_moe, ct, "swiglu", kw), argnums=(0, 1, 2, 3, 4), has_aux=True)
+    (_, out), grads = jax.jit(grad)(*args)
+    assert int(out[1].tokens_per_expert[5]) == T
+    check_against_oracle(args, ct, "swiglu", kw, (out, grads))
