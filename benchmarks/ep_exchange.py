@@ -46,7 +46,7 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import moe_xla  # noqa: E402
-from moe_xla import parallel  # noqa: E402
+from moe_xla.ep import sizing  # noqa: E402
 
 MIB = 2**20
 
@@ -106,7 +106,7 @@ def main():
                "wire_mib_per_rank_dedup": dedup * (2 * row_bytes + 8 * mult) / peers / MIB}
         row["wire_ratio"] = row["wire_mib_per_rank_dedup"] / row["wire_mib_per_rank_no_dedup"] if plain else None
         for name, on in (("no_dedup", False), ("dedup", True)):
-            sizes = parallel.exchange_sizes(per_rank, k, experts, peers, dedup=on)  # one chunk (moe's default)
+            sizes = sizing.exchange_sizes(per_rank, k, experts, peers, dedup=on)  # one chunk (moe's default)
             row[f"padded_mib_per_rank_{name}"] = 2 * sizes.rows * (peers - 1) * row_bytes / MIB
         if not args.no_memory:
             for name, on in (("no_dedup", False), ("dedup", True)):

@@ -1,6 +1,7 @@
 """moe_xla: dropless Mixture-of-Experts primitives for JAX, lowered to XLA FFI kernels."""
 
-from moe_xla.moe import MoeAux, moe
+from moe_xla.aux_losses import MoeAux
+from moe_xla.moe import moe
 from moe_xla.primitives.gmm import gmm
 from moe_xla.primitives.permute import permute
 from moe_xla.primitives.ragged_dot import ragged_dot

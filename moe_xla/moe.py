@@ -14,65 +14,16 @@ token, no host synchronisation. Each stage runs under jax.named_scope("moe_xla/<
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import jax
-import jax.numpy as jnp
 
+from moe_xla.activations import ACTIVATIONS, GATED
+from moe_xla.aux_losses import router_aux
+from moe_xla.ep.layer import moe_ep
+from moe_xla.experts import expert_mlp, shared_mlp
 from moe_xla.primitives import _checks
-from moe_xla.primitives.gmm import gmm
 from moe_xla.primitives.permute import permute
 from moe_xla.primitives.route import route
 from moe_xla.primitives.unpermute import unpermute
-
-GATED = {"swiglu": jax.nn.silu, "geglu": lambda g: jax.nn.gelu(g, approximate=True)}
-PLAIN = {"gelu": lambda h: jax.nn.gelu(h, approximate=True), "silu": jax.nn.silu, "relu": jax.nn.relu}
-ACTIVATIONS = tuple(GATED) + tuple(PLAIN)
-
-
-class MoeAux(NamedTuple):
-    """Training statistics of one moe() call.
-
-    tokens_per_expert: [E] int32, routed (token, expert) pairs per expert.
-    load_balance_loss: E * sum_e f_e * P_e (Switch Transformer), f_e the fraction of the
-        T*k assignments that went to e and P_e the mean router probability of e
-        (softmax of the logits; for sigmoid scores, the scores normalised per token).
-    z_loss: mean over tokens of logsumexp(router_logits)^2 (ST-MoE router z-loss).
-    dispatched_rows: with expert parallelism, int32 rows sent over the expert axis, summed
-        over ranks: T*k without dedup, the distinct (token, destination rank) pairs with
-        it (a rank's rows to itself included); None without an expert_axis.
-    """
-
-    tokens_per_expert: jax.Array
-    load_balance_loss: jax.Array
-    z_loss: jax.Array
-    dispatched_rows: jax.Array | None = None
-
-
-def activate(h, activation: str):
-    """The expert activation on [rows, 2F] (gated: act(gate) * up) or [rows, F]."""
-    if activation in GATED:
-        gate, up = jnp.split(h, 2, axis=-1)
-        return (GATED[activation](gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(h.dtype)
-    return PLAIN[activation](h.astype(jnp.float32)).astype(h.dtype)
-
-
-def expert_mlp(x_sorted, w_in, w_out, group_sizes, activation: str):
-    """The experts on rows grouped by expert: out[rows of e] = act(x[rows of e] @ w_in[e]) @ w_out[e];
-    rows past sum(group_sizes) give 0."""
-    with jax.named_scope("moe_xla/gmm_in"):
-        h = gmm(x_sorted, w_in, group_sizes)
-    with jax.named_scope("moe_xla/act"):
-        a = activate(h, activation)
-    with jax.named_scope("moe_xla/gmm_out"):
-        return gmm(a, w_out, group_sizes)
-
-
-def shared_mlp(x, shared_experts, activation: str):
-    """The shared experts, a dense MLP every token passes through: act(x @ s_in) @ s_out."""
-    with jax.named_scope("moe_xla/shared"):
-        s_in, s_out = shared_experts
-        return activate(x @ s_in, activation) @ s_out
 
 
 def _check(x, router_logits, w_in, w_out, top_k, activation, shared_experts):
@@ -117,11 +68,11 @@ def moe(x, router_logits, w_in, w_out, *, top_k, activation="swiglu", score="sof
     dense expert every token passes through. Returns y [..., H] in x.dtype, and MoeAux
     when return_aux.
 
-    Expert parallelism (moe_xla/parallel.py), with expert_axis (and mesh, or the mesh of
-    jax.set_mesh): experts split over mesh axis expert_axis, tokens over data_axes (default:
-    the other mesh axes) and expert_axis; transport "padded" (all_to_all), "ragged"
-    (ragged_all_to_all) or "auto" (padded: on an H200 the layer took 2.9-3.6x as long with
-    XLA's ragged_all_to_all kernel, benchmarks/results/LOG.md); dedup sends a token once per
+    Expert parallelism (moe_xla/ep/), with expert_axis (and mesh, a jax.sharding.Mesh or
+    AbstractMesh, or the mesh of jax.set_mesh): experts split over mesh axis expert_axis,
+    tokens over data_axes (default: the other mesh axes) and expert_axis; transport "padded"
+    (all_to_all), "ragged" (ragged_all_to_all) or "auto" (padded: XLA's ragged_all_to_all
+    kernel made the layer slower on an H200, benchmarks/results/LOG.md); dedup sends a token once per
     destination rank; capacity_factor sizes the exchange buffers for that multiple of the
     balanced load and sends what overflows in further rounds (still dropless); chunks
     splits each rank's tokens into independent slices so that XLA can overlap one slice's
@@ -131,8 +82,6 @@ def moe(x, router_logits, w_in, w_out, *, top_k, activation="swiglu", score="sof
     """
     tokens, hidden, experts = _check(x, router_logits, w_in, w_out, top_k, activation, shared_experts)
     if mesh is not None or expert_axis is not None:
-        from moe_xla.parallel import moe_ep  # parallel.py builds on this module
-
         routing = dict(score=score, n_groups=n_groups, topk_groups=topk_groups, renormalize=renormalize, scale=scale)
         return moe_ep(x, router_logits, w_in, w_out, dims=(tokens, hidden, experts), top_k=top_k,
                       activation=activation, routing=routing, bias=bias, shared_experts=shared_experts,
@@ -155,18 +104,5 @@ def moe(x, router_logits, w_in, w_out, *, top_k, activation="swiglu", score="sof
     if not return_aux:
         return y
     with jax.named_scope("moe_xla/aux"):
-        return y, _aux(logits2, group_sizes, score, top_k)
+        return y, router_aux(logits2, group_sizes, score, top_k)
 
-
-def _aux(logits, group_sizes, score: str, top_k: int) -> MoeAux:
-    x = logits.astype(jnp.float32)
-    tokens, experts = x.shape
-    if score == "softmax":
-        probs = jax.nn.softmax(x, axis=-1)
-    else:
-        s = jax.nn.sigmoid(x)
-        probs = s / jnp.sum(s, axis=-1, keepdims=True)
-    fraction = group_sizes.astype(jnp.float32) / max(tokens * top_k, 1)
-    balance = experts * jnp.sum(fraction * jnp.mean(probs, axis=0))
-    z = jnp.mean(jax.nn.logsumexp(x, axis=-1) ** 2)
-    return MoeAux(group_sizes, balance, z)

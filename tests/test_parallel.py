@@ -1,4 +1,4 @@
-"""Expert parallelism (moe_xla/parallel.py) on 8 CPU devices against the single-device moe().
+"""Expert parallelism (moe_xla/ep/) on 8 CPU devices against the single-device moe().
 
 Without dedup the EP forward pass sums exactly as moe() does and must match it bitwise;
 with dedup (per-rank partial sums) and in every backward pass it must match to f32 rounding.
@@ -19,7 +19,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import moe_xla
-from moe_xla import parallel, reference
+from moe_xla import reference
+from moe_xla.ep import rounds, sizing, transports
+from moe_xla.primitives import ep_expand, ep_gather_sum
 from conftest import assert_close, normal, requires_8_devices
 
 pytestmark = requires_8_devices
@@ -198,7 +200,7 @@ def test_capacity_overflow_is_sent_in_further_rounds(rng):
     w_in, w_out, _ = _weights(rng)
     tokens = T // peers // 2  # a chunk: each of its tokens sends rank 2 a row
     for dedup in (False, True):
-        sizes = parallel.exchange_sizes(tokens, top_k, E, peers, dedup=dedup, capacity_factor=1.25)
+        sizes = sizing.exchange_sizes(tokens, top_k, E, peers, dedup=dedup, capacity_factor=1.25)
         assert sizes.rows < tokens and sizes.rounds > 1
     mesh = _mesh(peers)
     args = (x, logits, w_in, w_out)
@@ -243,8 +245,8 @@ def test_ragged_stand_in_has_ragged_all_to_all_semantics():
     args = [jnp.array(v, jnp.int32).reshape(-1) for v in per_device.values()]
 
     def one(op, *offsets_and_sizes):
-        return parallel.ragged_all_to_all_by_all_to_all(op, jnp.zeros((4,), op.dtype), *offsets_and_sizes,
-                                                        axis_name="ep", block=2)
+        return transports.ragged_all_to_all_by_all_to_all(op, jnp.zeros((4,), op.dtype), *offsets_and_sizes,
+                                                          axis_name="ep", block=2)
 
     spec = jax.sharding.PartitionSpec("ep")
     out = jax.jit(jax.shard_map(one, mesh=_mesh(2), in_specs=spec, out_specs=spec))(operand, *args)
@@ -289,8 +291,8 @@ def test_pair_primitives_are_each_others_transpose(rng):
     with jax.enable_x64(True):
         rows, values, w = (jnp.asarray(rng.standard_normal(shape), jnp.float64)
                            for shape in ((n, 5), (pairs, 5), (n, mult)))
-        expand = lambda r, w: parallel.expand_p.bind(r, slots, w, num_pairs=pairs)  # noqa: E731
-        gather_sum = lambda v, w: parallel.gather_sum_p.bind(v, slots, w)  # noqa: E731
+        expand = lambda r, w: ep_expand.expand_p.bind(r, slots, w, num_pairs=pairs)  # noqa: E731
+        gather_sum = lambda v, w: ep_gather_sum.gather_sum_p.bind(v, slots, w)  # noqa: E731
         np.testing.assert_allclose(jnp.vdot(expand(rows, w), values), jnp.vdot(rows, gather_sum(values, w)),
                                    rtol=1e-12)
         for fn, args in ((expand, (rows, w)), (gather_sum, (values, w))):
@@ -303,7 +305,7 @@ def test_pair_primitives_are_each_others_transpose(rng):
     # One pair per row, where the row and pair budgets round apart (7 ranks: rows = C - 1).
     (25, 2, 7, 7, True, 0.14), (7, 15, 21, 7, False, 0.2), (30, 3, 10, 5, False, 0.3)])
 def test_rounds_cover_any_routing_within_budgets(rng, tokens, top_k, experts, peers, dedup, cf):
-    sizes = parallel.exchange_sizes(tokens, top_k, experts, peers, dedup=dedup, capacity_factor=cf)
+    sizes = sizing.exchange_sizes(tokens, top_k, experts, peers, dedup=dedup, capacity_factor=cf)
     assert (sizes.rounds == 1) == (cf is None)
     # Destination 0 gets the most rows it can (every token, with all its pairs), the others less.
     most = tokens if dedup else sizes.worst
@@ -319,7 +321,7 @@ def test_rounds_cover_any_routing_within_budgets(rng, tokens, top_k, experts, pe
     n = int(counts.sum())
     pairs = rng.integers(1, sizes.mult + 1, n).astype(np.int32)
     pairs[: tokens // 2] = sizes.mult  # the heaviest rows first
-    starts = np.asarray(jax.jit(parallel._round_starts, static_argnums=2)(counts, pairs, sizes))
+    starts = np.asarray(jax.jit(rounds.round_starts, static_argnums=2)(counts, pairs, sizes))
     offsets = np.concatenate([[0], np.cumsum(counts)])
     np.testing.assert_array_equal(starts[0], offsets[:-1])
     np.testing.assert_array_equal(starts[-1], offsets[1:])  # every row sent
@@ -349,11 +351,11 @@ def test_capacity_rounds_on_seven_ranks(rng):
 def test_capacity_that_does_not_halve_the_worst_case_keeps_one_round():
     # qwen3-like, dedup: at EP 2, 1.25 x the balanced load is 0.625 of the worst case (and
     # every row), so the worst-case exchange in one round; at EP 4 and 8 budgeted rounds.
-    one = parallel.exchange_sizes(2048, 8, 128, 2, dedup=True)
-    assert parallel.exchange_sizes(2048, 8, 128, 2, dedup=True, capacity_factor=1.25) == one
+    one = sizing.exchange_sizes(2048, 8, 128, 2, dedup=True)
+    assert sizing.exchange_sizes(2048, 8, 128, 2, dedup=True, capacity_factor=1.25) == one
     assert one.rounds == 1 and one.rows == 2048 and one.capacity == one.worst
     for peers in (4, 8):
-        sizes = parallel.exchange_sizes(2048, 8, 128, peers, dedup=True, capacity_factor=1.25)
+        sizes = sizing.exchange_sizes(2048, 8, 128, peers, dedup=True, capacity_factor=1.25)
         assert 2 * sizes.capacity < sizes.worst and sizes.rounds > 1
 
 

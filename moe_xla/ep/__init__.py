@@ -1,0 +1,41 @@
+"""Expert parallelism (EP) for moe(): experts split over a mesh axis, tokens sent to them.
+
+Layout. On a mesh with an expert axis of size P (and data axes D), w_in / w_out [E, ...]
+are split over the expert axis (rank p holds experts [p E_l, (p+1) E_l), E_l = E / P)
+and replicated over D; tokens x [T, H] and router_logits [T, E] are split over
+D x expert axis. The layer is one jax.shard_map in which every collective is an
+all_to_all (or ragged_all_to_all) over the expert axis: no rank gathers weights or tokens.
+
+Per rank, for each of `chunks` slices of its tokens (independent of each other, so XLA
+may run the dispatch of one chunk while the grouped GEMMs of another run):
+
+  route     weights, ids = route(logits)                [T, k]; dest = ids // E_l, lid = ids % E_l
+  rows      one row per (token, j) without dedup; with dedup one row per (token,
+            destination), sent once however many of the token's experts live there:
+              x_rows, counts, row_map = permute(x, row_dest, P)      rows grouped by destination
+            each row carries the local experts it asks for, lids [mult] (E_l = none,
+            mult = min(k, E_l) with dedup, else 1) and, with dedup, their routing weights
+  dispatch  the rows of destination d go to rank d (a transport, in rounds)
+  experts   on the receiving rank, the (row, local expert) pairs in expert order:
+              _, group_sizes, slots = permute(zeros [N, 0], lids, E_l)   (the sort alone)
+              x_exp[slots[q, j]] = rows[q];  y_exp = gmm(act(gmm(x_exp, w_in)), w_out)
+              back[q] = sum_j w[q, j] y_exp[slots[q, j]]    (dedup: the rank's partial sum)
+              back[q] = y_exp[slots[q, 0]]                  (no dedup: the expert output)
+  return    back rows travel to their sender, into the places their rows left: y_rows
+  combine   y = unpermute(y_rows, row_map, c), accumulated in float32 in j order:
+            without dedup c = weights, so y[t] = sum_j weights[t, j] y_{e_j}(x[t]) is the
+            single-device sum, bitwise; with dedup c = 1 on the first j of each
+            destination, so y[t] adds the per-rank partial sums (equal to f32 rounding).
+  shared    the shared expert on the local tokens (no communication), added last as in moe().
+
+Buffers are static and the layer is dropless with no host synchronisation: sizing.py
+sizes the exchange, rounds.py cuts the rows into rounds that fit it, transports.py moves
+them, layer.py is the layer; config.py checks the options.
+
+Autodiff is JAX's, through rules: all_to_all transposes to all_to_all, ragged_all_to_all to
+ragged_all_to_all, permute / unpermute / gmm by theirs, and the expansion of rows to pairs
+(primitives/ep_expand.py) and the sum back (primitives/ep_gather_sum.py) to each other, so
+gradients are deterministic. Forward mode (jax.jvp, jax.linearize) works too, through
+capacity rounds included (their tangent is one linear primitive,
+primitives/ep_rounds_tangent.py). jax.vmap of the layer folds the batch into rows.
+"""

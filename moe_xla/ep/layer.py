@@ -1,0 +1,113 @@
+"""The EP layer: moe() with its experts split over a mesh axis (see the package docstring)."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from moe_xla.aux_losses import router_aux
+from moe_xla.ep.config import EpConfig, ep_config
+from moe_xla.ep.rounds import RoundFloats, RoundInts, add_later_rounds, round_starts
+from moe_xla.ep.rows import rows_by_destination
+from moe_xla.ep.sizing import ExchangeSizes, exchange_sizes
+from moe_xla.ep.transports import link, link_arrays
+from moe_xla.experts import expert_mlp, shared_mlp
+from moe_xla.primitives.ep_expand import expand_p
+from moe_xla.primitives.ep_gather_sum import gather_sum_p
+from moe_xla.primitives.permute import permute
+from moe_xla.primitives.route import route
+from moe_xla.primitives.unpermute import unpermute
+
+
+def moe_ep(x, router_logits, w_in, w_out, *, dims, top_k, activation, routing, bias, shared_experts, return_aux,
+           mesh, expert_axis, data_axes, transport, dedup, capacity_factor, chunks):
+    """moe() with its experts split over `expert_axis` of `mesh`. Arguments are moe()'s,
+    already checked by it; dims = (tokens, hidden, experts) as moe() derived them; routing
+    holds route()'s options other than bias."""
+    mesh, cfg = ep_config(mesh, dims=dims, top_k=top_k, activation=activation, routing=routing,
+                          expert_axis=expert_axis, data_axes=data_axes, transport=transport, dedup=dedup,
+                          capacity_factor=capacity_factor, chunks=chunks)
+    tokens, hidden, experts = dims
+    tok, rep = P(cfg.token_axes), P()
+    specs = (tok, tok, P(expert_axis), P(expert_axis), rep, rep)
+    # Explicit axes (jax.make_mesh's default) need every reshard spelled out, the token
+    # flattening of x [..., H] included; shard_map reshards arguments on Auto axes itself.
+    explicit = all(t == AxisType.Explicit for t in mesh.axis_types)
+    tokens_sharding = NamedSharding(mesh, tok) if explicit else None
+    logits = jnp.reshape(router_logits, (tokens, experts), out_sharding=tokens_sharding)
+    inputs = (jnp.reshape(x, (tokens, hidden), out_sharding=tokens_sharding), logits, w_in, w_out, bias,
+              shared_experts)
+    if explicit:
+        inputs = jax.reshard(inputs, tuple(NamedSharding(mesh, s) for s in specs))
+    layer = jax.shard_map(partial(_layer, cfg), mesh=mesh, in_specs=specs, out_specs=(tok, rep, rep),
+                          check_vma=False)
+    y, tokens_per_expert, dispatched = layer(*inputs)
+    if x.ndim > 2:
+        y = jnp.reshape(y, x.shape, out_sharding=NamedSharding(mesh, jax.typeof(x).sharding.spec) if explicit else None)
+    if not return_aux:
+        return y
+    with jax.named_scope("moe_xla/aux"):
+        aux = router_aux(logits, tokens_per_expert, routing["score"], top_k)
+    return y, aux._replace(dispatched_rows=dispatched)
+
+
+def _layer(cfg: EpConfig, x, logits, w_in, w_out, bias, shared):
+    """One rank's tokens: route, then every chunk through dispatch / experts / combine."""
+    with jax.named_scope("moe_xla/route"):
+        weights, ids = route(logits, cfg.top_k, bias=bias, **cfg.routing)
+    size, extra = divmod(x.shape[0], cfg.chunks)
+    bounds = [c * size + min(c, extra) for c in range(cfg.chunks + 1)]
+    outs = [_chunk(cfg, x[a:b], weights[a:b], ids[a:b], w_in, w_out) for a, b in zip(bounds, bounds[1:])]
+    y = jnp.concatenate([o[0] for o in outs])
+    if shared is not None:
+        y = y + shared_mlp(x, shared, cfg.activation)
+    tokens_per_expert = jnp.zeros((cfg.experts,), jnp.int32).at[ids.reshape(-1)].add(1)
+    dispatched = sum(o[1] for o in outs)
+    return y, jax.lax.psum(tokens_per_expert, cfg.token_axes), jax.lax.psum(dispatched, cfg.token_axes)
+
+
+def _chunk(cfg: EpConfig, x, weights, ids, w_in, w_out):
+    """One chunk of one rank's tokens: -> (y [T_c, H], rows dispatched)."""
+    sizes = exchange_sizes(x.shape[0], cfg.top_k, cfg.experts, cfg.peers, dedup=cfg.dedup,
+                           capacity_factor=cfg.capacity_factor)
+    with jax.named_scope("moe_xla/dispatch"):
+        rows = rows_by_destination(x, weights, ids, sizes, cfg.dedup)
+        starts = round_starts(rows.counts, rows.pairs, sizes)
+        arrays = link_arrays(cfg, starts)
+    floats, ints = RoundFloats(rows.x, rows.w, w_in, w_out), RoundInts(rows.lids, arrays)
+    y_rows = _round(cfg, sizes, 0, floats, ints)
+    if sizes.rounds > 1:
+        y_rows = add_later_rounds(partial(_round, cfg, sizes), y_rows, floats, ints, sizes.rounds, cfg.axis)
+    with jax.named_scope("moe_xla/combine"):
+        y = unpermute(y_rows, rows.row_map, rows.combine)
+    return y, jnp.sum(rows.counts)
+
+
+def _round(cfg: EpConfig, sizes: ExchangeSizes, r, floats: RoundFloats, ints: RoundInts):
+    """Round r of a chunk: its rows to their ranks, through the experts, and back into
+    their grouped places ([T*k, H], zero at the rows of other rounds)."""
+    chunk_link = link(cfg, sizes.rows, ints.link)
+    with jax.named_scope("moe_xla/dispatch"):
+        x_recv = chunk_link.send(floats.x, 0, r)
+        lids = chunk_link.send(ints.lids, sizes.local_experts, r)
+        w = None if floats.w is None else chunk_link.send(floats.w, 0, r)
+    y = _experts(x_recv, lids, w, floats.w_in, floats.w_out, sizes, cfg.activation)
+    with jax.named_scope("moe_xla/combine"):
+        return chunk_link.back(y, r, floats.x.shape[0])
+
+
+def _experts(x_recv, lids, w, w_in, w_out, sizes: ExchangeSizes, activation):
+    """The receiving rank: rows [N, H] asking for lids [N, mult] -> back rows [N, H]."""
+    n = lids.shape[0]
+    with jax.named_scope("moe_xla/dispatch"):
+        _, group_sizes, slots = permute(jnp.zeros((n, 0), x_recv.dtype), lids, sizes.local_experts)
+        slots = slots.reshape(lids.shape)
+        ones = jnp.ones(lids.shape, jnp.float32)
+        x_exp = expand_p.bind(x_recv, slots, ones, num_pairs=sizes.pairs)
+    y_exp = expert_mlp(x_exp, w_in, w_out, group_sizes, activation)
+    with jax.named_scope("moe_xla/combine"):
+        return gather_sum_p.bind(y_exp, slots, ones if w is None else w)

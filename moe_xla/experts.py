@@ -1,0 +1,30 @@
+"""The expert MLPs of moe() and the EP layer.
+
+    expert_mlp: out[rows of e] = act(x[rows of e] @ w_in[e]) @ w_out[e]   (two grouped GEMMs)
+    shared_mlp: out = act(x @ s_in) @ s_out                                (a dense MLP)
+"""
+
+from __future__ import annotations
+
+import jax
+
+from moe_xla.activations import activate
+from moe_xla.primitives.gmm import gmm
+
+
+def expert_mlp(x_sorted, w_in, w_out, group_sizes, activation: str):
+    """The experts on rows grouped by expert: out[rows of e] = act(x[rows of e] @ w_in[e]) @ w_out[e];
+    rows past sum(group_sizes) give 0."""
+    with jax.named_scope("moe_xla/gmm_in"):
+        h = gmm(x_sorted, w_in, group_sizes)
+    with jax.named_scope("moe_xla/act"):
+        a = activate(h, activation)
+    with jax.named_scope("moe_xla/gmm_out"):
+        return gmm(a, w_out, group_sizes)
+
+
+def shared_mlp(x, shared_experts, activation: str):
+    """The shared experts, a dense MLP every token passes through: act(x @ s_in) @ s_out."""
+    with jax.named_scope("moe_xla/shared"):
+        s_in, s_out = shared_experts
+        return activate(x @ s_in, activation) @ s_out
