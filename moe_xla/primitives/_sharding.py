@@ -6,7 +6,7 @@ What each op splits without communication:
   route    along tokens T;
   permute, unpermute  along the hidden dimension H. Along tokens they cannot: x_sorted
            is one sort of all T*k assignments by expert, so a token-split permute would
-           be a different op: the all-to-all dispatch of moe_xla.parallel (expert
+           be a different op: the all-to-all dispatch of moe_xla.ep (expert
            parallelism). A T-sharded input is gathered (need_replication).
 
 Under `jax.jit` with sharded inputs on a mesh of several devices (and outside a fully
