@@ -13,6 +13,8 @@ TRANSPORTS = ("auto", "padded", "ragged")
 
 
 class EpConfig(NamedTuple):
+    """The EP layer's static configuration (ep_config), a closure of its shard_map body."""
+
     axis: str               # the expert axis: every collective runs over it
     token_axes: tuple       # the axes tokens are split over (data axes, then the expert axis)
     peers: int

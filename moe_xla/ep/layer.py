@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from functools import partial
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -62,16 +63,21 @@ def _layer(cfg: EpConfig, x, logits, w_in, w_out, bias, shared):
     size, extra = divmod(x.shape[0], cfg.chunks)
     bounds = [c * size + min(c, extra) for c in range(cfg.chunks + 1)]
     outs = [_chunk(cfg, x[a:b], weights[a:b], ids[a:b], w_in, w_out) for a, b in zip(bounds, bounds[1:])]
-    y = jnp.concatenate([o[0] for o in outs])
+    y = jnp.concatenate([o.y for o in outs])
     if shared is not None:
         y = y + shared_mlp(x, shared, cfg.activation)
     tokens_per_expert = jnp.zeros((cfg.experts,), jnp.int32).at[ids.reshape(-1)].add(1)
-    dispatched = sum(o[1] for o in outs)
+    dispatched = sum(o.dispatched for o in outs)
     return y, jax.lax.psum(tokens_per_expert, cfg.token_axes), jax.lax.psum(dispatched, cfg.token_axes)
 
 
-def _chunk(cfg: EpConfig, x, weights, ids, w_in, w_out):
-    """One chunk of one rank's tokens: -> (y [T_c, H], rows dispatched)."""
+class _ChunkOut(NamedTuple):
+    y: jax.Array            # [T_c, H] the chunk's outputs
+    dispatched: jax.Array   # int32 rows the chunk sent over the expert axis
+
+
+def _chunk(cfg: EpConfig, x, weights, ids, w_in, w_out) -> _ChunkOut:
+    """One chunk of one rank's tokens."""
     sizes = exchange_sizes(x.shape[0], cfg.top_k, cfg.experts, cfg.peers, dedup=cfg.dedup,
                            capacity_factor=cfg.capacity_factor)
     with jax.named_scope("moe_xla/dispatch"):
@@ -84,7 +90,7 @@ def _chunk(cfg: EpConfig, x, weights, ids, w_in, w_out):
         y_rows = add_later_rounds(partial(_round, cfg, sizes), y_rows, floats, ints, sizes.rounds, cfg.axis)
     with jax.named_scope("moe_xla/combine"):
         y = unpermute(y_rows, rows.row_map, rows.combine)
-    return y, jnp.sum(rows.counts)
+    return _ChunkOut(y, jnp.sum(rows.counts))
 
 
 def _round(cfg: EpConfig, sizes: ExchangeSizes, r, floats: RoundFloats, ints: RoundInts):
