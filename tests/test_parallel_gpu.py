@@ -1,12 +1,14 @@
-"""The expert-parallel layer on one GPU: a one-device mesh with each transport, the
-padded one (all_to_all, the default) and the ragged one (XLA's ragged_all_to_all, not
-implemented on XLA:CPU, so GPU only).
+"""The expert-parallel layer on one device: a one-device mesh with each transport, the
+padded one (all_to_all, the default; on every backend) and the ragged one (XLA's
+ragged_all_to_all, not implemented on XLA:CPU, so GPU only; test_parallel.py covers its
+CPU stand-in on 8 devices).
 
 With one rank every row is sent to itself, so in f32 (whose GEMMs sum in a fixed order
 whatever the row count) the layer must reproduce the single-device moe() bitwise in the
 forward pass without dedup, also when a small capacity_factor forces further rounds; in
-bf16 the grouped GEMM's tile choice depends on the buffer's row count, so to bf16
-rounding. Gradients to f32 rounding.
+bf16 the GPU grouped GEMM's tile choice depends on the buffer's row count, so to bf16
+rounding there (the CPU kernels sum in a fixed order in every dtype: bitwise). Gradients
+to f32 rounding.
 """
 
 from __future__ import annotations
@@ -18,9 +20,7 @@ import pytest
 from jax.sharding import Mesh
 
 import moe_xla
-from conftest import assert_close, normal, requires_gpu
-
-pytestmark = requires_gpu
+from conftest import ON_GPU, assert_close, normal, requires_gpu
 
 T, H, F, E = 256, 64, 32, 8
 
@@ -38,7 +38,10 @@ def _ep(mesh, dedup, capacity_factor, transport):
                                   capacity_factor=capacity_factor)
 
 
-@pytest.mark.parametrize("transport", ["padded", "ragged"])
+TRANSPORTS = ["padded", pytest.param("ragged", marks=requires_gpu)]
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("capacity_factor", [None, 0.25])
 def test_one_device_transport_matches(rng, dtype, capacity_factor, transport):
@@ -49,14 +52,14 @@ def test_one_device_transport_matches(rng, dtype, capacity_factor, transport):
     assert ("@ragged_all_to_all" in ep.lower(*args).as_text()) == (transport == "ragged")
     y = ep(*args)
     y_one = jax.jit(lambda *a: moe_xla.moe(*a, top_k=2))(*args)
-    if dtype == jnp.float32:
+    if dtype == jnp.float32 or not ON_GPU:
         np.testing.assert_array_equal(y, y_one)
     assert_close(y, y_one, dtype)
     np.testing.assert_array_equal(ep(*args), y)  # run to run
     assert_close(jax.jit(_ep(mesh, True, capacity_factor, transport))(*args), y_one, dtype)
 
 
-@pytest.mark.parametrize("transport", ["padded", "ragged"])
+@pytest.mark.parametrize("transport", TRANSPORTS)
 def test_one_device_transport_gradients(rng, transport):
     args = _inputs(rng, jnp.float32)
     ct = normal(rng, (T, H), jnp.float32)
