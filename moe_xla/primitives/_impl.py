@@ -15,7 +15,12 @@ import jax
 @functools.lru_cache(maxsize=None)
 def _jitted_bind(prim, params: tuple):
     kwargs = dict(params)
-    return jax.jit(lambda *args: prim.bind(*args, **kwargs))
+
+    def bind(*args):
+        return prim.bind(*args, **kwargs)
+
+    bind.__name__ = bind.__qualname__ = prim.name  # what profiles and compile logs show
+    return jax.jit(bind)
 
 
 def def_jitted_impl(prim) -> None:

@@ -1,0 +1,127 @@
+"""unpermute's gradient in y_sorted for any row_map (rows named several times, or not at
+all, entries naming no row), its determinism, and the unique_rows fast path."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+import moe_xla
+from moe_xla import reference
+from conftest import normal
+
+
+def _np_grads(ys, rm, w, ct):
+    """float64 numpy gradients of sum(unpermute(ys, rm, w) * ct) in ys and in w."""
+    ys, w, ct = (np.asarray(a, np.float64) for a in (ys, w, ct))
+    t, k = w.shape
+    d_ys, d_w = np.zeros_like(ys), np.zeros_like(w)
+    for q, r in enumerate(np.asarray(rm)):
+        if 0 <= r < ys.shape[0]:
+            d_ys[r] += w[q // k, q % k] * ct[q // k]
+            d_w[q // k, q % k] = ct[q // k] @ ys[r]
+    return d_ys, d_w
+
+
+def _messy_row_map(rng, t, k):
+    """[T*k] int32 with rows named several times, rows named by no entry, entries outside
+    [0, T*k) on both sides."""
+    n = t * k
+    rm = rng.integers(0, n, size=n)
+    rm[: n // 3] = rm[n // 3]                           # one row named by a third of the entries
+    rm[rng.choice(n, size=4, replace=False)] = [-1, n, -(2**31), 2**31 - 1]
+    return jnp.asarray(rng.permutation(rm).astype(np.int32))
+
+
+def test_a_row_named_twice_gets_both_terms():
+    ys, rm, w = jnp.ones((4, 3)), jnp.asarray([0, 0, 1, 2], jnp.int32), jnp.ones((2, 2))
+    d = jax.grad(lambda ys: jnp.sum(moe_xla.unpermute(ys, rm, w)))(ys)
+    np.testing.assert_array_equal(d[:, 0], [2.0, 1.0, 1.0, 0.0])
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("batched", [False, True])
+def test_grads_match_numpy_and_the_reference(rng, jit, batched):
+    b, t, k, h = 3, 10, 3, 5
+    rm = jnp.stack([_messy_row_map(rng, t, k) for _ in range(b)])
+    ys, w, ct = (normal(rng, s, jnp.float32) for s in ((b, t * k, h), (b, t, k), (b, t, h)))
+    if not batched:
+        rm, ys, w, ct = rm[0], ys[0], w[0], ct[0]
+
+    def grads(unpermute):
+        combine = jax.vmap(unpermute) if batched else unpermute
+        return jax.grad(lambda ys, w: jnp.sum(combine(ys, rm, w) * ct), (0, 1))
+
+    ours = (jax.jit(grads(moe_xla.unpermute)) if jit else grads(moe_xla.unpermute))(ys, w)
+    ref = grads(reference.unpermute)(ys, w)
+    per_batch = zip(ys, rm, w, ct) if batched else [(ys, rm, w, ct)]
+    expected = [np.stack(g).reshape(o.shape) for g, o in zip(zip(*(_np_grads(*a) for a in per_batch)), ours)]
+    for o, r, e, name in zip(ours, ref, expected, ("y_sorted", "weights")):
+        np.testing.assert_allclose(o, e, rtol=1e-5, atol=1e-5, err_msg=name)
+        np.testing.assert_allclose(o, r, rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+def test_check_grads_with_repeated_and_out_of_range_entries(rng):
+    t, k, h = 6, 2, 3
+    rm = _messy_row_map(rng, t, k)
+    ys, w = normal(rng, (t * k, h), jnp.float32), normal(rng, (t, k), jnp.float32)
+    check_grads(lambda ys, w: moe_xla.unpermute(ys, rm, w), (ys, w), order=2, modes=("fwd", "rev"), eps=1e-3)
+
+
+def test_bf16_rows_get_a_bf16_gradient_summed_in_float32(rng):
+    t, k, h = 16, 4, 8
+    rm = _messy_row_map(rng, t, k)
+    ys, w, ct = normal(rng, (t * k, h), jnp.bfloat16), normal(rng, (t, k), jnp.float32), normal(rng, (t, h), jnp.float32)
+    d = jax.jit(jax.grad(lambda ys: jnp.sum(moe_xla.unpermute(ys, rm, w).astype(jnp.float32) * ct)))(ys)
+    assert d.dtype == jnp.bfloat16
+    want = _np_grads(ys, rm, w, ct.astype(jnp.bfloat16))[0]
+    np.testing.assert_allclose(np.asarray(d, np.float64), want, rtol=1e-2, atol=1e-2)
+
+
+def test_unique_rows_path_equals_the_general_path_on_a_permutation(rng):
+    t, k, h = 20, 4, 6
+    rm = rng.permutation(t * k).astype(np.int32)
+    rm[[3, 11]] = [-1, t * k]  # entries naming no row keep the rows unique
+    rm = jnp.asarray(rm)
+    ys, w, ct = normal(rng, (t * k, h), jnp.float32), normal(rng, (t, k), jnp.float32), normal(rng, (t, h), jnp.float32)
+
+    def grad(unique_rows):
+        return jax.jit(jax.grad(lambda ys: jnp.sum(moe_xla.unpermute(ys, rm, w, unique_rows=unique_rows) * ct)))(ys)
+
+    np.testing.assert_array_equal(grad(True), grad(False))
+
+
+def _grad_jaxpr(unique_rows):
+    rm = jnp.asarray([0, 0, 1, 5, 2, -1], jnp.int32)
+    f = lambda ys, w: jnp.sum(moe_xla.unpermute(ys, rm, w, unique_rows=unique_rows))  # noqa: E731
+    return str(jax.make_jaxpr(jax.grad(f))(jnp.ones((6, 4)), jnp.ones((3, 2))))
+
+
+@pytest.mark.parametrize("unique_rows", [False, True])
+def test_transpose_is_deterministic_by_construction(unique_rows):
+    # A float scatter-add runs in an order that varies on GPUs (atomics); loops and
+    # conditionals read their predicates back to the host. The transpose has neither.
+    text = _grad_jaxpr(unique_rows)
+    for banned in ("scatter-add", "scatter_add", "while", "cond"):
+        assert not re.search(rf"\b{banned}\[", text), f"{banned} in the transpose of unpermute"
+    assert f"moe_xla_unpermute[unique_rows={unique_rows}]" in text
+
+
+def test_transpose_repeats_bitwise(rng):
+    t, k, h = 64, 8, 16
+    rm = jnp.asarray(rng.integers(0, 8, size=t * k).astype(np.int32))  # 8 rows named ~64 times each
+    ys, w, ct = normal(rng, (t * k, h), jnp.float32), normal(rng, (t, k), jnp.float32), normal(rng, (t, h), jnp.float32)
+    grad = jax.jit(jax.grad(lambda ys: jnp.sum(moe_xla.unpermute(ys, rm, w) * ct)))
+    first = np.asarray(grad(ys))
+    for _ in range(3):
+        np.testing.assert_array_equal(grad(ys), first)
+
+
+def test_unique_rows_must_be_a_bool():
+    with pytest.raises(TypeError, match="unique_rows to be a Python bool"):
+        moe_xla.unpermute(jnp.zeros((4, 2)), jnp.zeros((4,), jnp.int32), jnp.zeros((2, 2)), unique_rows=1)
