@@ -2,7 +2,8 @@
 moe_xla.reference, over the cases the contracts in common/grouped_gemm.h and
 common/routing.h spell out: group sizes that are zero, negative, huge, summing above or
 below M; expert ids that are negative, >= E or repeated; routing ties, NaN and inf
-logits; row maps that repeat rows or name none; float32, bfloat16 and float16.
+logits; row maps that repeat rows or name none (forward and gradients); float32,
+bfloat16 and float16.
 
 Every new shape or static parameter compiles the primitive (and the reference) again, so
 shapes come from a few fixed buckets and the example counts are small: the values inside
@@ -232,3 +233,19 @@ def test_unpermute_property(case):
     expect = np.einsum("tj,tjh->th", np.where(named, np.asarray(w, np.float64), 0.0),
                        rows[np.clip(slots, 0, t * k - 1)])
     _close(y, expect, dtype, "unpermute against the contract")
+    # Gradients in float64 from the same sum: a row named n times gets all n terms.
+    ct = _data(seed + 2, (t, h), dtype)
+    d_ys, d_w = _unpermute_vjp(ys, jnp.asarray(row_map), w, ct)
+    c = np.asarray(ct, np.float64)
+    expect_ys = np.zeros_like(rows)
+    for (tok, j), r in np.ndenumerate(slots):
+        if named[tok, j]:
+            expect_ys[r] += float(w[tok, j]) * c[tok]
+    _close(d_ys, expect_ys, dtype, "d y_sorted")
+    expect_w = np.where(named, np.einsum("th,tjh->tj", c, rows[np.clip(slots, 0, t * k - 1)]), 0.0)
+    _close(d_w, expect_w, dtype, "d weights")
+
+
+@jax.jit
+def _unpermute_vjp(ys, row_map, w, ct):
+    return jax.vjp(lambda a, b: moe_xla.unpermute(a, row_map, b), ys, w)[1](ct)
