@@ -10,6 +10,8 @@ preferred_element_type, or lhs.dtype.
 gmm is bilinear in (lhs, rhs):
     d lhs = gmm(ct, rhs, transpose_rhs = not transpose_rhs)
     d rhs = tgmm(lhs, ct)    (tgmm(ct, lhs) with transpose_rhs)
+tgmm's transpose, two gmms (see tgmm.py), is registered here too, so that tgmm.py need
+not import this module.
 """
 
 from __future__ import annotations
@@ -62,6 +64,22 @@ def _transpose(ct, lhs, rhs, group_sizes, *, transpose_rhs, preferred_element_ty
     return None, d_rhs, None
 
 
+def _tgmm_transpose(ct, lhs, rhs, group_sizes, *, preferred_element_type):
+    if ad.is_undefined_primal(group_sizes):
+        raise ValueError("tgmm: group_sizes are integers and cannot be differentiated")
+    if ad.is_undefined_primal(lhs):
+        if type(ct) is ad.Zero:
+            return ad.Zero(lhs.aval), None, None
+        d_lhs = gmm_p.bind(rhs, ct.astype(rhs.dtype), group_sizes, transpose_rhs=True,
+                           preferred_element_type=jnp.dtype(lhs.aval.dtype))
+        return d_lhs, None, None
+    if type(ct) is ad.Zero:
+        return None, ad.Zero(rhs.aval), None
+    d_rhs = gmm_p.bind(lhs, ct.astype(lhs.dtype), group_sizes, transpose_rhs=False,
+                       preferred_element_type=jnp.dtype(rhs.aval.dtype))
+    return None, d_rhs, None
+
+
 def _batch(args, dims, *, transpose_rhs, preferred_element_type):
     (lhs, rhs, group_sizes), _ = _batching.all_to_front(args, dims)
     b, m, k = lhs.shape
@@ -81,6 +99,7 @@ _impl.def_jitted_impl(gmm_p)
 gmm_p.def_abstract_eval(_abstract_eval)
 ad.primitive_jvps[gmm_p] = _ad.bilinear_jvp(gmm_p, 0, 1)
 ad.primitive_transposes[gmm_p] = _transpose
+ad.primitive_transposes[tgmm_lib.tgmm_p] = _tgmm_transpose
 batching.primitive_batchers[gmm_p] = _batch
 _lowering.register(gmm_p, "gmm", lambda transpose_rhs, **_: {"transpose_rhs": transpose_rhs},
                    cuda_workspace=_lowering.grouped_gemm_workspace,

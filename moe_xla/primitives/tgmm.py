@@ -10,6 +10,8 @@ preferred_element_type, or lhs.dtype.
 tgmm is bilinear in (lhs, rhs):
     d lhs[rows of g] = rhs[rows of g] @ ct[g]^T  = gmm(rhs, ct, transpose_rhs=True)
     d rhs[rows of g] = lhs[rows of g] @ ct[g]    = gmm(lhs, ct)
+That transpose is registered in gmm.py: gmm's transpose is a tgmm, so one of the two
+files holds both directions and imports the other, and the imports stay acyclic.
 """
 
 from __future__ import annotations
@@ -40,24 +42,6 @@ def _abstract_eval(lhs, rhs, group_sizes, *, preferred_element_type):
     return jax.core.ShapedArray((group_sizes.shape[0], lhs.shape[1], rhs.shape[1]), preferred_element_type)
 
 
-def _transpose(ct, lhs, rhs, group_sizes, *, preferred_element_type):
-    from moe_xla.primitives.gmm import gmm_p  # gmm's rules use tgmm and vice versa
-
-    if ad.is_undefined_primal(group_sizes):
-        raise ValueError("tgmm: group_sizes are integers and cannot be differentiated")
-    if ad.is_undefined_primal(lhs):
-        if type(ct) is ad.Zero:
-            return ad.Zero(lhs.aval), None, None
-        d_lhs = gmm_p.bind(rhs, ct.astype(rhs.dtype), group_sizes, transpose_rhs=True,
-                           preferred_element_type=jnp.dtype(lhs.aval.dtype))
-        return d_lhs, None, None
-    if type(ct) is ad.Zero:
-        return None, ad.Zero(rhs.aval), None
-    d_rhs = gmm_p.bind(lhs, ct.astype(lhs.dtype), group_sizes, transpose_rhs=False,
-                       preferred_element_type=jnp.dtype(rhs.aval.dtype))
-    return None, d_rhs, None
-
-
 def _batch(args, dims, *, preferred_element_type):
     (lhs, rhs, group_sizes), _ = _batching.all_to_front(args, dims)
     b, m, k = lhs.shape
@@ -72,7 +56,6 @@ def _batch(args, dims, *, preferred_element_type):
 _impl.def_jitted_impl(tgmm_p)
 tgmm_p.def_abstract_eval(_abstract_eval)
 ad.primitive_jvps[tgmm_p] = _ad.bilinear_jvp(tgmm_p, 0, 1)
-ad.primitive_transposes[tgmm_p] = _transpose
 batching.primitive_batchers[tgmm_p] = _batch
 _lowering.register(tgmm_p, "tgmm", lambda **_: {}, cuda_workspace=_lowering.grouped_gemm_workspace,
                    sharding=_sharding.TGMM)
