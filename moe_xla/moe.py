@@ -97,7 +97,7 @@ def moe(x, router_logits, w_in, w_out, *, top_k, activation="swiglu", score="sof
         x_sorted, group_sizes, row_map = permute(x2, ids, experts)
     y_sorted = expert_mlp(x_sorted, w_in, w_out, group_sizes, activation)
     with jax.named_scope("moe_xla/combine"):
-        y = unpermute(y_sorted, row_map, weights)
+        y = unpermute(y_sorted, row_map, weights, unique_rows=True)  # permute's row_map
     if shared_experts is not None:
         y = y + shared_mlp(x2, shared_experts, activation)
     y = y.reshape(lead + (hidden,))

@@ -125,3 +125,16 @@ def test_transpose_repeats_bitwise(rng):
 def test_unique_rows_must_be_a_bool():
     with pytest.raises(TypeError, match="unique_rows to be a Python bool"):
         moe_xla.unpermute(jnp.zeros((4, 2)), jnp.zeros((4,), jnp.int32), jnp.zeros((2, 2)), unique_rows=1)
+
+
+@pytest.mark.parametrize("expert_axis", [None, "ep"])
+def test_moe_layers_take_the_one_gather_transpose(rng, expert_axis):
+    # moe() and the EP layer combine through permute's row_map, which names each row once.
+    t, h, e, f = 8, 4, 4, 3
+    ep = {} if expert_axis is None else dict(mesh=jax.sharding.Mesh(np.array(jax.devices()[:2]), ("ep",)),
+                                             expert_axis=expert_axis)
+    args = (normal(rng, (t, h), jnp.float32), normal(rng, (t, e), jnp.float32), normal(rng, (e, h, 2 * f), jnp.float32),
+            normal(rng, (e, f, h), jnp.float32))
+    loss = lambda x, *w: jnp.sum(moe_xla.moe(x, *w, top_k=2, **ep))  # noqa: E731
+    text = str(jax.make_jaxpr(jax.grad(loss, (0, 2)))(*args))
+    assert "moe_xla_unpermute[unique_rows=True]" in text and "unique_rows=False" not in text
