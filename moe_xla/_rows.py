@@ -70,8 +70,7 @@ def sum_rows_into(rows, slots, weights, *, num_rows: int):
     flat = slots.reshape(-1)
     named = names_row(flat, num_rows)
     key = jnp.where(named, flat, num_rows)  # pairs naming no row sort last, in a run of their own
-    order = jnp.argsort(key, stable=True)
-    key = key[order]
+    key, order = jax.lax.sort_key_val(key, jnp.arange(n * mult, dtype=key.dtype), is_stable=True)
     w = jnp.where(named, weights.reshape(-1), 0)[order]
     terms = w[:, None] * rows[order // mult].astype(dtype)
     first = jnp.concatenate([jnp.ones((1,), bool), key[1:] != key[:-1]])
