@@ -4,22 +4,28 @@
 
 values [num_pairs, H]; slots [N, mult] int32 (an index outside [0, num_pairs) names no
 row and adds 0); weights [N, mult] float32. Accumulated in float32 (or the inputs' wider
-dtype), returned in values' dtype.
+dtype), returned in values' dtype. Lowered through jnp (_rows.gather_sum_rows) on every
+platform; deterministic.
 
 Bilinear in (values, weights), and the transpose of ep_expand:
     d values = ep_expand(ct, slots, weights, num_pairs)
     d weights[q, j] = <ct[q], values[slots[q, j]]>
-Lowered through jnp (_rows.gather_sum_rows) on every platform; deterministic.
+ep_expand's transpose, an ep_gather_sum (see ep_expand.py), is registered here too, so
+that ep_expand.py need not import this module.
 """
 
 from __future__ import annotations
 
 import jax
-from jax.interpreters import batching, mlir
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
 
 from moe_xla._rows import gather_sum_rows, row_dots
+from moe_xla.primitives import _ad
 from moe_xla.primitives._batching import all_to_front
-from moe_xla.primitives._ep_pair import expand_p, folded_slots, gather_sum_p, register_bilinear_rules
+from moe_xla.primitives.ep_expand import expand_p, folded_slots
+
+gather_sum_p = Primitive("moe_xla_ep_gather_sum")
 
 
 def _batch(args, dims):
@@ -30,10 +36,29 @@ def _batch(args, dims):
     return out.reshape(size, n, h), 0
 
 
+def _bilinear_transpose(data_transpose, weights_transpose):
+    """The transpose rule of prim(data, slots, weights), linear in data and in weights:
+    data_transpose(ct, slots, weights, data_aval) and weights_transpose(ct, data, slots)."""
+
+    def transpose(ct, data, slots, weights, **params):
+        if ad.is_undefined_primal(data):
+            d = ad.Zero(data.aval) if type(ct) is ad.Zero else data_transpose(ct, slots, weights, data.aval)
+            return d, None, None
+        d = ad.Zero(weights.aval) if type(ct) is ad.Zero else weights_transpose(ct, data, slots)
+        return None, None, d
+
+    return transpose
+
+
 gather_sum_p.def_impl(gather_sum_rows)
 gather_sum_p.def_abstract_eval(lambda values, slots, weights: jax.core.ShapedArray(
     (slots.shape[0], values.shape[1]), values.dtype))
+ad.primitive_jvps[gather_sum_p] = _ad.bilinear_jvp(gather_sum_p, 0, 2)
 batching.primitive_batchers[gather_sum_p] = _batch
 mlir.register_lowering(gather_sum_p, mlir.lower_fun(gather_sum_rows, multiple_results=False))
-register_bilinear_rules(gather_sum_p, lambda ct, slots, w, aval: expand_p.bind(ct, slots, w, num_pairs=aval.shape[0]),
-                        lambda ct, values, slots: row_dots(ct, values, slots))
+ad.primitive_transposes[gather_sum_p] = _bilinear_transpose(
+    lambda ct, slots, w, aval: expand_p.bind(ct, slots, w, num_pairs=aval.shape[0]),
+    lambda ct, values, slots: row_dots(ct, values, slots))
+ad.primitive_transposes[expand_p] = _bilinear_transpose(
+    lambda ct, slots, w, aval: gather_sum_p.bind(ct, slots, w),
+    lambda ct, rows, slots: row_dots(rows, ct, slots))
