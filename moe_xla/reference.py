@@ -124,8 +124,8 @@ def unpermute(y_sorted, row_map, weights):
 
 
 def silu(x):
-    """x * sigmoid(x), with sigmoid(x) = (1 + tanh(x / 2)) / 2."""
-    return x * 0.5 * (1.0 + jnp.tanh(0.5 * x))
+    """x * sigmoid(x), with sigmoid(x) = exp(x - log(1 + e^x)): no overflow, no cancellation."""
+    return x * jnp.exp(x - jnp.logaddexp(0.0, x))
 
 
 def gelu_tanh(x):
