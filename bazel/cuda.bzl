@@ -1,7 +1,10 @@
-"""cuda_library: compiles .cu files with nvcc for Hopper and wraps the objects in a cc_library.
+"""CUDA rules: .cu files compiled by nvcc in genrules, the objects wrapped in a cc_library.
 
-Each .cu file is one genrule (one nvcc process), so CUTLASS instantiations kept one per
-file compile in parallel and are cached separately (disk cache in .bazelrc).
+Each .cu compilation is one genrule (one nvcc process), so CUTLASS instantiations kept one
+per compilation unit compile in parallel and are cached one by one (disk cache in
+.bazelrc). Every file an nvcc command reads from the workspace or from @toolchains is a
+declared input, so the genrules run sandboxed; nvcc and the CUDA toolkit's own headers are
+read from their absolute path outside the sandbox.
 """
 
 load("@toolchains//:defs.bzl", "CUTLASS_INCLUDES", "HAS_CUDA", "NVCC")
@@ -15,35 +18,111 @@ _NVCC_FLAGS = [
     "--expt-relaxed-constexpr",
     "-Xcompiler=-fPIC",
     "-DNDEBUG",
-    # wgmma/setmaxnreg need sm_90a; PTX of compute_90a rides along for the JIT.
-    "-gencode=arch=compute_90a,code=[sm_90a,compute_90a]",
 ]
 
-def cuda_library(name, srcs, hdrs = [], deps = [], cutlass = False, **kwargs):
-    """Compiles `srcs` (.cu) with nvcc; `hdrs` are the project headers they include."""
-    objs = []
-    includes = ["-I."]
+# Code that uses Hopper-only instructions (wgmma, setmaxnreg, TMA multicast need sm_90a).
+# The compute_90a PTX rides along but runs on compute capability 9.0 only: later GPUs
+# cannot JIT-compile it.
+HOPPER_ARCHS = ["-gencode=arch=compute_90a,code=[sm_90a,compute_90a]"]
+
+# Code that needs no Hopper instruction: SASS for sm_80 (runs on every 8.x GPU), sm_90a
+# (9.0) and sm_100 (10.0), and compute_100 PTX that the driver JIT-compiles on later GPUs.
+# cuda/device_support.h states the same capability ranges; keep the two in step.
+PORTABLE_ARCHS = [
+    "-gencode=arch=compute_80,code=sm_80",
+    "-gencode=arch=compute_90a,code=sm_90a",
+    "-gencode=arch=compute_100,code=[sm_100,compute_100]",
+]
+
+def nvcc_object(name, src, out, hdrs = [], archs = PORTABLE_ARCHS, defines = [], cutlass = False):
+    """One genrule `name` that compiles `src` into the object `out`.
+
+    `hdrs` are the project headers (and generated files) that `src` includes; `archs` the
+    -gencode flags; `defines` extra -D flags; `cutlass` adds the CUTLASS/CuTe headers.
+    """
+    includes = ["-I.", "-I$(GENDIR)"]
     extra_srcs = []
     if cutlass:
         includes += ["-Iexternal/toolchains/%s" % d for d in CUTLASS_INCLUDES]
         extra_srcs.append("@toolchains//:cutlass")
-    for src in srcs:
-        obj = "_objs/%s/%s.o" % (name, src.replace("/", "_")[:-3])
-        native.genrule(
-            name = "%s_%s_nvcc" % (name, src.replace("/", "_")[:-3]),
-            srcs = [src] + hdrs + extra_srcs,
-            outs = [obj],
-            cmd = " ".join([NVCC] + _NVCC_FLAGS + includes + ["-c", "$(location %s)" % src, "-o", "$@"]),
-            message = "nvcc %s" % src,
-            tags = CUDA_ONLY_TAGS,
-        )
-        objs.append(obj)
+    native.genrule(
+        name = name,
+        srcs = [src] + hdrs + extra_srcs,
+        outs = [out],
+        cmd = " ".join([NVCC] + _NVCC_FLAGS + archs + ["-D%s" % d for d in defines] + includes +
+                       ["-c", "$(location %s)" % src, "-o", "$@"]),
+        message = "nvcc %s %s" % (src, " ".join(defines)),
+        tags = CUDA_ONLY_TAGS,
+    )
+    return out
+
+def _objects_library(name, objs, hdrs, deps, kwargs):
     native.cc_library(
         name = name,
         srcs = objs,
-        hdrs = hdrs,
+        hdrs = [h for h in hdrs if h.endswith(".h")],
         deps = deps + ["@toolchains//:cudart_static", "@toolchains//:cuda_headers"],
         alwayslink = True,
         tags = CUDA_ONLY_TAGS + kwargs.pop("tags", []),
         **kwargs
     )
+
+def cuda_library(name, srcs, hdrs = [], deps = [], archs = PORTABLE_ARCHS, **kwargs):
+    """Compiles each of `srcs` (.cu) with nvcc; `hdrs` are the project headers they include.
+
+    The library exports the .h headers among `hdrs` to its dependents.
+    """
+    objs = []
+    for src in srcs:
+        stem = src.replace("/", "_")[:-3]
+        objs.append(nvcc_object(
+            name = "%s_%s_nvcc" % (name, stem),
+            src = src,
+            out = "_objs/%s/%s.o" % (name, stem),
+            hdrs = hdrs,
+            archs = archs,
+        ))
+    _objects_library(name, objs, hdrs, deps, kwargs)
+
+# Short names of the enumerators in a CUTLASS instance's object file name.
+_DTYPE_NAMES = {"kBF16": "bf16", "kF16": "f16"}
+_LAYOUT_NAMES = {"kGmm": "gmm", "kGmmTransposed": "gmm_t", "kTgmm": "tgmm"}
+
+def _snake(name):
+    """kCoop128x256Cluster1x2 -> coop128x256cluster1x2."""
+    return name[1:].lower()
+
+def cutlass_instances(name, src, instances, hdrs = [], deps = [], **kwargs):
+    """The CUTLASS grouped-GEMM instantiations of the table `instances`.
+
+    `instances` lists (dtype, layout, tile) as the enumerator names of DType,
+    GroupedLayout and TileConfig. Each entry is one nvcc compilation of `src` with
+    -DMOE_XLA_CUTLASS_{DTYPE,LAYOUT,TILE}. The genrule `name`_list writes `name`.inc, one
+    MOE_XLA_CUTLASS_INSTANCE(dtype, layout, tile) line per entry, from which the dispatcher
+    builds its list of the compiled instantiations.
+    """
+    objs = []
+    for dtype, layout, tile in instances:
+        stem = "cutlass_%s_%s_%s" % (_DTYPE_NAMES[dtype], _LAYOUT_NAMES[layout], _snake(tile))
+        objs.append(nvcc_object(
+            name = "%s_%s_nvcc" % (name, stem),
+            src = src,
+            out = "_objs/%s/%s.o" % (name, stem),
+            hdrs = hdrs,
+            archs = HOPPER_ARCHS,
+            defines = [
+                "MOE_XLA_CUTLASS_DTYPE=" + dtype,
+                "MOE_XLA_CUTLASS_LAYOUT=" + layout,
+                "MOE_XLA_CUTLASS_TILE=" + tile,
+            ],
+            cutlass = True,
+        ))
+    native.genrule(
+        name = name + "_list",
+        outs = [name + ".inc"],
+        cmd = "printf '%%s\\n' %s > $@" % " ".join([
+            "'MOE_XLA_CUTLASS_INSTANCE(%s, %s, %s)'" % entry
+            for entry in instances
+        ]),
+    )
+    _objects_library(name, objs, hdrs, deps, kwargs)

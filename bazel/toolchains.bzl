@@ -7,12 +7,13 @@ $CUDA_PATH or /usr/local/cuda. The generated repository holds:
   //:cutlass         filegroup of CUTLASS + CuTe headers (and their include dirs)
   //:cuda_headers    cc_library with the CUDA runtime headers (only if CUDA is found)
   //:cudart_static   cc_library linking the static CUDA runtime (only if CUDA is found)
-  //:defs.bzl        HAS_CUDA, NVCC, CUTLASS_INCLUDES
+  //:defs.bzl        HAS_CUDA, NVCC, CUTLASS_INCLUDES, PYTHON (absolute path, for genrules)
 """
 
 _FIND_PY = """
 import os, sys
 import jax.ffi
+print(sys.executable)
 print(jax.ffi.include_dir())
 try:
     import cutlass_library
@@ -28,7 +29,8 @@ def _impl(ctx):
         fail("moe_xla: `%s` could not import jax to find the XLA FFI headers " % python +
              "(pip install jax jaxlib):\n" + res.stderr)
     lines = res.stdout.strip().split("\n")
-    ffi_include, cutlass_root = lines[0], (lines[1] if len(lines) > 1 else "")
+    python_path, ffi_include = lines[0], lines[1]
+    cutlass_root = lines[2] if len(lines) > 2 else ""
     ctx.symlink(ffi_include, "xla_ffi/include")
 
     cuda_path = ctx.os.environ.get("CUDA_PATH", "/usr/local/cuda")
@@ -53,13 +55,14 @@ cc_library(
         build.append("""
 filegroup(
     name = "cutlass",
-    srcs = glob(["cutlass/include/**/*.h", "cutlass/include/**/*.hpp",
+    srcs = glob(["cutlass/include/**/*.h", "cutlass/include/**/*.hpp", "cutlass/include/**/*.inl",
                  "cutlass/util_include/**/*.h", "cutlass/util_include/**/*.hpp"]),
 )
 
 cc_library(
     name = "cuda_headers",
-    hdrs = glob(["cuda/include/*.h", "cuda/include/crt/*.h", "cuda/include/crt/*.hpp"]),
+    hdrs = glob(["cuda/include/*.h", "cuda/include/*.hpp", "cuda/include/crt/*.h",
+                 "cuda/include/crt/*.hpp"]),
     includes = ["cuda/include"],
 )
 
@@ -74,6 +77,7 @@ cc_library(
         "HAS_CUDA = %s" % has_cuda,
         "NVCC = %r" % (str(nvcc) if has_cuda else ""),
         "CUTLASS_INCLUDES = %r" % (["cutlass/include", "cutlass/util_include"] if has_cuda else []),
+        "PYTHON = %r" % python_path,
         "",
     ]))
 

@@ -1,9 +1,9 @@
 // CUTLASS 4 sm90 ptr-array grouped GEMM, templated on (dtype, layout, tile config); the
 // tile scheduler's raster order comes at run time (CutlassGroupedArgs).
 //
-// Only the cutlass_*.cu files include this header, each instantiating exactly one
-// combination with MOE_XLA_INSTANTIATE_CUTLASS_GROUPED so that the ~100 s compiles run in
-// parallel and are cached separately.
+// Only cutlass_instance.cu includes this header; it is compiled once per entry of the
+// table in cuda/cutlass_instances.bzl, each compilation instantiating one combination, so
+// that these long compiles run in parallel and are cached one by one.
 //
 // Mapping of the three grouped products onto CUTLASS's D[M,N] = A[M,K] B[K,N] (per group g,
 // rows r_g = offsets[g] .. offsets[g+1], m_g = rows in the group):
@@ -27,6 +27,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <string>
 #include <type_traits>
 
 #include "cute/tensor.hpp"
@@ -43,6 +44,7 @@
 #include "cutlass/numeric_types.h"
 
 #include "common/grouped_gemm.h"
+#include "common/status.h"
 #include "cuda/group_offsets.cuh"
 #include "cuda/grouped_gemm_internal.h"
 #include "cuda/team_scheduler.cuh"
@@ -308,18 +310,28 @@ size_t cutlass_grouped_workspace_bytes(int64_t num_groups, int sm_count) {
   return layout.total_meta + align_up(Config::Gemm::get_workspace_size(args), kWorkspaceAlign);
 }
 
+// A CUTLASS call's result as a Status that names the call.
+inline Status cutlass_call_status(cutlass::Status status, const char* call) {
+  if (status == cutlass::Status::kSuccess) return Status();
+  return Status::Internal(std::string("CUTLASS ") + call + " failed: " +
+                          cutlass::cutlassGetStatusString(status));
+}
+
 template <DType kDType, GroupedLayout kLayout, TileConfig kTile>
-const char* cutlass_grouped_run(const CutlassGroupedArgs& a) {
+Status cutlass_grouped_run(const CutlassGroupedArgs& a) {
   using Config = CutlassGroupedGemm<kDType, kLayout, kTile>;
   using Element = typename Config::Element;
   const GroupedGemmParams& p = *a.params;
   if (p.num_groups <= 0 || p.num_groups > INT32_MAX) {
-    return "moe_xla grouped_gemm (CUTLASS): number of groups out of range";
+    return Status::InvalidArgument("CUTLASS grouped GEMM: number of groups " +
+                                   std::to_string(p.num_groups) + " is outside [1, 2^31)");
   }
   const typename Config::MetaLayout layout(p.num_groups);
   char* base = static_cast<char*>(a.workspace);
   if (a.workspace_bytes < layout.total_meta) {
-    return "moe_xla grouped_gemm (CUTLASS): workspace too small for the group metadata";
+    return Status::InvalidArgument("CUTLASS grouped GEMM: workspace of " +
+                                   std::to_string(a.workspace_bytes) + " bytes, the group metadata needs " +
+                                   std::to_string(layout.total_meta));
   }
   auto* shapes = reinterpret_cast<typename Config::UnderlyingShape*>(base + layout.shapes);
   auto* ptr_a = reinterpret_cast<const Element**>(base + layout.ptr_a);
@@ -334,50 +346,33 @@ const char* cutlass_grouped_run(const CutlassGroupedArgs& a) {
       p.group_sizes, p.num_groups, p.m, p.k, p.n, static_cast<const Element*>(p.lhs),
       static_cast<const Element*>(p.rhs), static_cast<Element*>(p.out), a.offsets, shapes, ptr_a,
       ptr_b, ptr_d, stride_a, stride_b, stride_d);
-  if (cudaGetLastError() != cudaSuccess) {
-    return "moe_xla grouped_gemm (CUTLASS): launching the prep kernel failed";
-  }
+  MOE_XLA_RETURN_IF_CUDA_ERROR(cudaGetLastError());  // launch of the prep kernel
 
   auto args = make_cutlass_arguments<Config>(p.num_groups, a.sm_count, a.raster,
                                              a.team_clusters, a.team_waves, shapes, ptr_a, ptr_b,
                                              ptr_d, stride_a, stride_b, stride_d);
   typename Config::Gemm gemm;
-  if (gemm.can_implement(args) != cutlass::Status::kSuccess) {
-    return "moe_xla grouped_gemm (CUTLASS): can_implement rejected the arguments";
-  }
+  MOE_XLA_RETURN_IF_ERROR(cutlass_call_status(gemm.can_implement(args), "can_implement"));
   const size_t cutlass_bytes = Config::Gemm::get_workspace_size(args);
   if (a.workspace_bytes - layout.total_meta < cutlass_bytes) {
-    return "moe_xla grouped_gemm (CUTLASS): workspace too small for the CUTLASS workspace";
+    return Status::InvalidArgument("CUTLASS grouped GEMM: workspace of " +
+                                   std::to_string(a.workspace_bytes) + " bytes, metadata and " +
+                                   "CUTLASS workspace need " +
+                                   std::to_string(layout.total_meta + cutlass_bytes));
   }
   void* cutlass_workspace = base + layout.cutlass;
-  if (gemm.initialize(args, cutlass_workspace, a.stream) != cutlass::Status::kSuccess) {
-    return "moe_xla grouped_gemm (CUTLASS): initialize failed (workspace or shared memory "
-           "attribute)";
-  }
-  if (gemm.run(a.stream) != cutlass::Status::kSuccess) {
-    return "moe_xla grouped_gemm (CUTLASS): kernel launch failed";
-  }
-  if (cudaGetLastError() != cudaSuccess) {
-    return "moe_xla grouped_gemm (CUTLASS): kernel launch reported a CUDA error";
-  }
-  return nullptr;
+  // initialize writes CUTLASS's workspace and sets the kernel's shared memory size.
+  MOE_XLA_RETURN_IF_ERROR(cutlass_call_status(gemm.initialize(args, cutlass_workspace, a.stream),
+                                              "initialize"));
+  // run launches the GEMM; CUTLASS reads and clears the launch's CUDA error itself and
+  // reports it as kErrorInternal.
+  MOE_XLA_RETURN_IF_ERROR(cutlass_call_status(gemm.run(a.stream), "run"));
+  MOE_XLA_RETURN_IF_CUDA_ERROR(cudaGetLastError());
+  return Status();
 }
 
 }  // namespace detail
 }  // namespace cuda
 }  // namespace moe_xla
-
-// Explicit instantiation of one (dtype, layout, tile) combination; one per .cu file.
-#define MOE_XLA_INSTANTIATE_CUTLASS_GROUPED(DTYPE, LAYOUT, TILE)                              \
-  namespace moe_xla {                                                                           \
-  namespace cuda {                                                                              \
-  namespace detail {                                                                            \
-  template size_t cutlass_grouped_workspace_bytes<DType::DTYPE, GroupedLayout::LAYOUT,          \
-                                                  TileConfig::TILE>(int64_t, int);              \
-  template const char* cutlass_grouped_run<DType::DTYPE, GroupedLayout::LAYOUT,                 \
-                                           TileConfig::TILE>(const CutlassGroupedArgs&);       \
-  }                                                                                             \
-  }                                                                                             \
-  }
 
 #endif  // MOE_XLA_CUDA_CUTLASS_GROUPED_CUH_

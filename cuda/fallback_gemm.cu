@@ -19,6 +19,7 @@
 #include <cstdint>
 
 #include "common/grouped_gemm.h"
+#include "common/status.h"
 #include "cuda/grouped_gemm_internal.h"
 
 namespace moe_xla {
@@ -265,19 +266,13 @@ void dispatch_dtype(DType d, F&& f) {
   }
 }
 
-bool valid_dtype(DType d) {
-  return d == DType::kF32 || d == DType::kBF16 || d == DType::kF16;
-}
-
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 }  // namespace
 
-const char* fallback_grouped_run(const GroupedGemmParams& p, const int64_t* offsets,
-                                 cudaStream_t stream) {
-  if (!valid_dtype(p.in_dtype) || !valid_dtype(p.out_dtype)) {
-    return "moe_xla grouped_gemm (fallback): unsupported dtype";
-  }
+// `p` was validated by the dispatcher (grouped_gemm.cu), its only caller.
+Status fallback_grouped_run(const GroupedGemmParams& p, const int64_t* offsets,
+                            cudaStream_t stream) {
   const dim3 block(kThreads);
   dispatch_dtype(p.in_dtype, [&](auto in_tag) {
     using TIn = typename decltype(in_tag)::type;
@@ -307,10 +302,8 @@ const char* fallback_grouped_run(const GroupedGemmParams& p, const int64_t* offs
       }
     });
   });
-  if (cudaGetLastError() != cudaSuccess) {
-    return "moe_xla grouped_gemm (fallback): kernel launch failed";
-  }
-  return nullptr;
+  MOE_XLA_RETURN_IF_CUDA_ERROR(cudaGetLastError());  // launch of the SIMT kernel
+  return Status();
 }
 
 }  // namespace detail

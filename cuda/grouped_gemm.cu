@@ -1,7 +1,7 @@
-// Dispatcher of the CUDA grouped products: validation, path selection, workspace layout,
-// the group-offset scan of the SIMT path and the zeroing of tgmm's empty groups. The heavy
-// kernels live in fallback_gemm.cu (SIMT) and cutlass_*.cu (one CUTLASS instantiation per
-// file).
+// Dispatcher of the CUDA grouped products: validation, device check, path selection,
+// workspace layout, the group-offset scan of the SIMT path and the zeroing of tgmm's empty
+// groups. The heavy kernels live in fallback_gemm.cu (SIMT) and cutlass_grouped.cuh (one
+// CUTLASS instantiation per compilation of cutlass_instance.cu).
 #include "cuda/grouped_gemm.h"
 
 #include <cuda_runtime.h>
@@ -12,6 +12,8 @@
 #include <utility>
 
 #include "common/grouped_gemm.h"
+#include "common/status.h"
+#include "cuda/device.h"
 #include "cuda/group_offsets.cuh"
 #include "cuda/grouped_gemm_internal.h"
 
@@ -80,42 +82,27 @@ bool sizes_in_range(const GroupedGemmParams& p) {
   return lhs < kMaxElems && rhs < kMaxElems && out < kMaxElems;
 }
 
-// The CUTLASS instantiations, one per cutlass_*.cu file: a path can run a product when
-// its (dtype, layout, tile) is listed here.
+// The CUTLASS instantiations of the table in cuda/BUILD.bazel: a path can run a product
+// when its (dtype, layout, tile) is listed here.
 struct CutlassInstance {
   DType dtype;
   GroupedLayout layout;
   TileConfig tile;
   size_t (*workspace_bytes)(int64_t num_groups, int sm_count);
-  const char* (*run)(const CutlassGroupedArgs& args);
+  Status (*run)(const CutlassGroupedArgs& args);
 };
 
 #define MOE_XLA_CUTLASS_INSTANCE(DTYPE, LAYOUT, TILE)                                        \
-  CutlassInstance {                                                                          \
-    DType::DTYPE, GroupedLayout::LAYOUT, TileConfig::TILE,                                   \
-        &detail::cutlass_grouped_workspace_bytes<DType::DTYPE, GroupedLayout::LAYOUT,        \
-                                                 TileConfig::TILE>,                          \
-        &detail::cutlass_grouped_run<DType::DTYPE, GroupedLayout::LAYOUT, TileConfig::TILE> \
-  }
+  CutlassInstance{                                                                           \
+      DType::DTYPE, GroupedLayout::LAYOUT, TileConfig::TILE,                                 \
+      &detail::cutlass_grouped_workspace_bytes<DType::DTYPE, GroupedLayout::LAYOUT,          \
+                                               TileConfig::TILE>,                            \
+      &detail::cutlass_grouped_run<DType::DTYPE, GroupedLayout::LAYOUT, TileConfig::TILE>},
 
 constexpr CutlassInstance kCutlassInstances[] = {
-    MOE_XLA_CUTLASS_INSTANCE(kBF16, kGmm, kSmall),
-    MOE_XLA_CUTLASS_INSTANCE(kBF16, kGmm, kLarge),
-    MOE_XLA_CUTLASS_INSTANCE(kBF16, kGmm, kCoop128x256Cluster1x1),
-    MOE_XLA_CUTLASS_INSTANCE(kBF16, kGmm, kCoop128x256Cluster1x2),
-    MOE_XLA_CUTLASS_INSTANCE(kBF16, kGmm, kPingpong64x256Cluster2x1),
-    MOE_XLA_CUTLASS_INSTANCE(kBF16, kGmmTransposed, kSmall),
-    MOE_XLA_CUTLASS_INSTANCE(kBF16, kGmmTransposed, kLarge),
-    MOE_XLA_CUTLASS_INSTANCE(kBF16, kGmmTransposed, kCoop128x256Cluster1x1),
-    MOE_XLA_CUTLASS_INSTANCE(kBF16, kGmmTransposed, kCoop128x256Cluster1x2),
-    MOE_XLA_CUTLASS_INSTANCE(kBF16, kGmmTransposed, kPingpong64x256Cluster2x1),
-    MOE_XLA_CUTLASS_INSTANCE(kBF16, kTgmm, kSmall),
-    MOE_XLA_CUTLASS_INSTANCE(kBF16, kTgmm, kLarge),
-    MOE_XLA_CUTLASS_INSTANCE(kBF16, kTgmm, kCoop128x256Cluster1x2),
-    MOE_XLA_CUTLASS_INSTANCE(kBF16, kTgmm, kPingpong64x256Cluster2x1),
-    MOE_XLA_CUTLASS_INSTANCE(kF16, kGmm, kLarge),
-    MOE_XLA_CUTLASS_INSTANCE(kF16, kGmmTransposed, kLarge),
-    MOE_XLA_CUTLASS_INSTANCE(kF16, kTgmm, kLarge),
+// One MOE_XLA_CUTLASS_INSTANCE(dtype, layout, tile) line per entry of the table, written
+// by the build (cutlass_instances in bazel/cuda.bzl).
+#include "cuda/grouped_gemm_cutlass.inc"
 };
 #undef MOE_XLA_CUTLASS_INSTANCE
 
@@ -180,26 +167,24 @@ bool cutlass_supported(const GroupedGemmParams& p, GroupedGemmPath path) {
 int64_t column_tiles_256(const GroupedGemmParams& p) { return (p.n + 255) / 256; }
 
 // ---------------------------------------------------------------------------------------
-// Tuning heuristics: the only place that maps shapes to kernels. Benchmark with
-// //cuda:grouped_gemm_bench before changing them.
+// Tuning heuristics: the only place that maps shapes to kernels. They were ranked with
+// //tools:grouped_gemm_bench --sustain-ms 300 on an H200 (the configurations compared, and
+// the figures, are in docs/performance.md); benchmark again before changing them. Ranked
+// "hot": back to back, these GEMMs hold the GPU at its power cap, below its top clock, and
+// that reorders configurations that a short burst on a cool GPU ranks differently.
 //
-// Path (bf16; f16 has only the large configuration). Small tiles (pingpong 64x128x128)
-// when they avoid padding: gmm with <= 128 rows per group on average or N <= 128; tgmm
-// when K or N <= 128 or the large tiles would not fill one wave. Otherwise, from
-// //cuda:grouped_gemm_bench --sustain-ms 300 on the H200 (benchmarks/results/LOG.md,
-// session 4): back to back, these GEMMs hold the GPU at its 700 W power cap (SM clock
-// 1.3-1.6 GHz, not 1.98), which reorders configurations that a short burst on a cool GPU
-// had ranked, so they are ranked hot:
-//  - gmm, both rhs layouts (B N-major, or K-major with transpose_rhs): pingpong 64x256
-//    cluster 2x1 when K <= 1024 (qwen3 down, where the epilogue is a large share of a
-//    short K loop), else cooperative 128x256 with A multicast over a 1x2 cluster (best, or
-//    within 3% of the best, on every other case; 0-9% faster than cluster 2x1, whose groups
-//    are padded to 256 rows instead of 128). The 1x2 cluster pairs 256-column tiles, so
-//    with an odd number of them (qwen3 down's d lhs, N = 768) it computes one tile of zeros
-//    per row of tiles: there cluster 1x1 (521-538 vs 431-432 TFLOP/s).
-//  - tgmm (ragged K): pingpong 64x256 when G >= 16, else cooperative 128x256 cluster 2x1.
-//    Ranked hot, pingpong is -6% to +3% against cluster 2x1 case by case (geometric mean
-//    equal) where G >= 16, and 7% slower on mixtral (G = 8: 610 vs 654).
+// Path (bf16; f16 has only the large configuration):
+//  - Small tiles (pingpong 64x128x128) when they avoid padding: gmm with <= 128 rows per
+//    group on average or N <= 128; tgmm when K or N <= 128 or the large tiles would not
+//    fill one wave.
+//  - gmm, both rhs layouts: pingpong 64x256 cluster 2x1 when K <= 1024 (a short K loop,
+//    where the epilogue, which pingpong hides behind the other warp group's mainloop, is a
+//    large share of a tile); else cooperative 128x256 with A multicast over a 1x2 cluster
+//    (groups padded to 128 rows, not 256 as with cluster 2x1). The 1x2 cluster pairs
+//    256-column tiles, so with an odd number of them it would compute a tile of zeros per
+//    row of tiles: there cluster 1x1.
+//  - tgmm (ragged K): pingpong 64x256 when G >= 16, else cooperative 128x256 cluster 2x1
+//    (with few groups, the larger tiles of the cooperative kernel win).
 GroupedGemmPath select_path(const GroupedGemmParams& p, int sm_count) {
   if (!cutlass_supported(p, GroupedGemmPath::kCutlassLarge)) return GroupedGemmPath::kFallback;
   if (!cutlass_supported(p, GroupedGemmPath::kCutlassSmall)) return GroupedGemmPath::kCutlassLarge;
@@ -225,11 +210,10 @@ GroupedGemmPath select_path(const GroupedGemmParams& p, int sm_count) {
 // (at most 8 tiles of 256 columns) on the pingpong 2x1 and cooperative 1x1 paths, else
 // along M. Along N, the CTAs running together share one A row block and each group's B
 // (K x N) stays in L2 while the group's row blocks pass; along M a group much larger than
-// L2 has each A row block re-read once per N tile. Ranked hot on the H200 (sessions 4 and
-// 5, grouped_gemm_bench --sustain-ms 300): qwen3 down (N = 2048 forward, 768 for d lhs)
-// with zipf1.2 sizes +2.6% to +10.5% over along M; with uniform sizes -2.9% to +2.8%
-// (run-to-run spread). The 1x2 cluster already pairs tiles along N and stays along M
-// (qwen3 gate_up uniform along N: -7%); tgmm stays along M.
+// L2 has each A row block re-read once per N tile. The gain shows with skewed group sizes
+// (qwen3 down, zipf1.2); with uniform sizes the two orders are even. The 1x2 cluster
+// already pairs tiles along N and stays along M (along N is slower there); tgmm stays
+// along M.
 GroupedGemmRaster select_raster(const GroupedGemmParams& p, GroupedGemmPath path,
                                 int sm_count) {
   (void)sm_count;
@@ -245,12 +229,9 @@ GroupedGemmRaster select_raster(const GroupedGemmParams& p, GroupedGemmPath path
 // pingpong 64x256 2x1 path (K <= 1024) when an average group has fewer output tiles than
 // the grid has clusters, else CUTLASS's order. There a tile's K loop is short, so the
 // TMA descriptor rewrite at each change of group is a large share of a tile, and in
-// CUTLASS's order a cluster changes group at almost every tile. Ranked hot on the H200
-// (grouped_gemm_bench --teams --sustain-ms 300, two runs, session 6): qwen3 down uniform
-// +7% forward and +4% with transpose_rhs; with zipf1.2 sizes -2% to 0%; every other case
-// and product within noise or slower, since a longer K loop hides the rewrite, and teams
-// lose L2 sharing. tgmm stays in CUTLASS's order: its tiles' work grows with their group's
-// rows, so a team's stretch of tiles is uneven work (qwen3 down zipf1.2: 40% slower).
+// CUTLASS's order a cluster changes group at almost every tile. Elsewhere a longer K loop
+// hides the rewrite and teams only lose L2 sharing. tgmm stays in CUTLASS's order: its
+// tiles' work grows with their group's rows, so a team's stretch of tiles is uneven work.
 std::pair<int32_t, int32_t> select_team(const GroupedGemmParams& p, GroupedGemmPath path,
                                         int sm_count) {
   constexpr std::pair<int32_t, int32_t> kCutlassOrder{kTeamWholeGrid, 1};
@@ -352,60 +333,78 @@ size_t grouped_gemm_workspace_bytes_bound(int64_t num_groups, int max_sm_count) 
   return kWorkspaceAlign + offsets_bytes(num_groups) + align_up(cutlass_bytes, kWorkspaceAlign);
 }
 
-const char* grouped_gemm(const GroupedGemmParams& p, void* workspace, size_t workspace_bytes,
-                         int sm_count, cudaStream_t stream, GroupedGemmPath path) {
-  GroupedGemmConfig config;
-  config.path = path;
-  return grouped_gemm(p, workspace, workspace_bytes, sm_count, stream, config);
-}
-
-const char* grouped_gemm(const GroupedGemmParams& p, void* workspace, size_t workspace_bytes,
-                         int sm_count, cudaStream_t stream, const GroupedGemmConfig& requested) {
-  if (!valid_layout(p.layout)) return "moe_xla grouped_gemm: invalid layout";
+Status grouped_gemm(const GroupedGemmParams& p, void* workspace, size_t workspace_bytes,
+                    int sm_count, cudaStream_t stream, const GroupedGemmConfig& requested) {
+  if (!valid_layout(p.layout)) return Status::InvalidArgument("grouped_gemm: invalid layout");
   if (!valid_dtype(p.in_dtype) || !valid_dtype(p.out_dtype)) {
-    return "moe_xla grouped_gemm: invalid dtype (expected f32, bf16 or f16)";
+    return Status::InvalidArgument("grouped_gemm: invalid dtype (expected f32, bf16 or f16)");
   }
   if (p.m < 0 || p.k < 0 || p.n < 0 || p.num_groups < 0) {
-    return "moe_xla grouped_gemm: negative dimension";
+    return Status::InvalidArgument("grouped_gemm: negative dimension");
   }
-  if (!sizes_in_range(p)) return "moe_xla grouped_gemm: dimensions too large";
-  if (sm_count <= 0) return "moe_xla grouped_gemm: sm_count must be positive";
+  if (!sizes_in_range(p)) return Status::InvalidArgument("grouped_gemm: dimensions too large");
+  if (sm_count <= 0) return Status::InvalidArgument("grouped_gemm: sm_count must be positive");
   if (requested.raster != GroupedGemmRaster::kAuto &&
       requested.raster != GroupedGemmRaster::kAlongM &&
       requested.raster != GroupedGemmRaster::kAlongN) {
-    return "moe_xla grouped_gemm: invalid raster order";
+    return Status::InvalidArgument("grouped_gemm: invalid raster order");
   }
   if (requested.team_clusters < 0 || requested.team_waves < 0) {
-    return "moe_xla grouped_gemm: team_clusters and team_waves must be kTeamAuto (0) or "
-           "positive";
+    return Status::InvalidArgument(
+        "grouped_gemm: team_clusters and team_waves must be kTeamAuto (0) or positive");
+  }
+
+  // Every GPU with a kernel image runs the SIMT path; only compute capability 9.0 runs the
+  // CUTLASS ones, so elsewhere the auto path is the SIMT one.
+  DeviceSupport support;
+  int cc_major = 0, cc_minor = 0;
+  MOE_XLA_RETURN_IF_ERROR(current_device_support(&support, &cc_major, &cc_minor));
+  if (support == DeviceSupport::kNone) {
+    return Status::FailedPrecondition(
+        device_support_error(cc_major, cc_minor, DeviceSupport::kSimt, "grouped_gemm"));
+  }
+  GroupedGemmConfig wanted = requested;
+  if (support != DeviceSupport::kFull) {
+    if (wanted.path == GroupedGemmPath::kAuto) wanted.path = GroupedGemmPath::kFallback;
+    if (wanted.path != GroupedGemmPath::kFallback) {
+      const std::string what =
+          std::string("grouped_gemm path ") + grouped_gemm_path_name(wanted.path);
+      return Status::FailedPrecondition(
+          device_support_error(cc_major, cc_minor, DeviceSupport::kFull, what.c_str()));
+    }
   }
 
   const int64_t out_elems = out_elements(p);
-  if (out_elems == 0) return nullptr;  // nothing to write
-  if (p.out == nullptr) return "moe_xla grouped_gemm: null output pointer";
+  if (out_elems == 0) return Status();  // nothing to write
+  if (p.out == nullptr) return Status::InvalidArgument("grouped_gemm: null output pointer");
   const size_t out_bytes = static_cast<size_t>(out_elems) * dtype_bytes(p.out_dtype);
 
   // Products that are zero without reading any input (no group has a row or K is empty).
   const bool all_zero =
       p.layout == GroupedLayout::kTgmm ? p.m == 0 : (p.num_groups == 0 || p.k == 0);
   if (all_zero) {
-    if (cudaMemsetAsync(p.out, 0, out_bytes, stream) != cudaSuccess) {
-      return "moe_xla grouped_gemm: cudaMemsetAsync failed";
-    }
-    return nullptr;
+    MOE_XLA_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(p.out, 0, out_bytes, stream));
+    return Status();
   }
-  if (p.lhs == nullptr || p.rhs == nullptr) return "moe_xla grouped_gemm: null input pointer";
-  if (p.group_sizes == nullptr) return "moe_xla grouped_gemm: null group_sizes pointer";
+  if (p.lhs == nullptr || p.rhs == nullptr) {
+    return Status::InvalidArgument("grouped_gemm: null input pointer");
+  }
+  if (p.group_sizes == nullptr) {
+    return Status::InvalidArgument("grouped_gemm: null group_sizes pointer");
+  }
 
-  const GroupedGemmConfig config = grouped_gemm_select_config(p, sm_count, requested);
+  const GroupedGemmConfig config = grouped_gemm_select_config(p, sm_count, wanted);
   const GroupedGemmPath path = config.path;
   if (!grouped_gemm_path_supported(p, path)) {
-    return "moe_xla grouped_gemm: the requested path does not support these dtypes, shapes or "
-           "alignments";
+    return Status::InvalidArgument(std::string("grouped_gemm: the path ") +
+                                   grouped_gemm_path_name(path) +
+                                   " does not support these dtypes, shapes or alignments");
   }
   const size_t needed = grouped_gemm_workspace_bytes(p, sm_count, path);
   if (workspace == nullptr || workspace_bytes < needed) {
-    return "moe_xla grouped_gemm: workspace missing or smaller than grouped_gemm_workspace_bytes";
+    return Status::InvalidArgument("grouped_gemm: workspace of " +
+                                   std::to_string(workspace == nullptr ? 0 : workspace_bytes) +
+                                   " bytes, the path needs " + std::to_string(needed));
   }
 
   // Carve the workspace: [align] offsets | path-specific region.
@@ -420,23 +419,21 @@ const char* grouped_gemm(const GroupedGemmParams& p, void* workspace, size_t wor
   if (path == GroupedGemmPath::kFallback) {
     group_offsets_kernel<<<1, kScanThreads, 0, stream>>>(p.group_sizes, p.num_groups, p.m,
                                                         offsets);
-    if (cudaGetLastError() != cudaSuccess) {
-      return "moe_xla grouped_gemm: launching the group offset scan failed";
-    }
+    MOE_XLA_RETURN_IF_CUDA_ERROR(cudaGetLastError());  // launch of the offset scan
     return detail::fallback_grouped_run(p, offsets, stream);
   }
 
   const CutlassInstance* inst = cutlass_instance_for(p, path);
   if (inst == nullptr) {
-    return "moe_xla grouped_gemm: no CUTLASS instantiation for this configuration";
+    return Status::Internal("grouped_gemm: no CUTLASS instantiation for this configuration");
   }
   CutlassGroupedArgs args{&p, offsets, base + off_bytes, usable - off_bytes, sm_count, stream};
   args.raster = config.raster == GroupedGemmRaster::kAlongN ? detail::RasterOrder::kAlongN
                                                             : detail::RasterOrder::kAlongM;
   args.team_clusters = config.team_clusters;
   args.team_waves = config.team_waves;
-  if (const char* err = inst->run(args)) return err;
-  if (p.layout != GroupedLayout::kTgmm) return nullptr;  // the prep kernel zeroed the rest
+  MOE_XLA_RETURN_IF_ERROR(inst->run(args));
+  if (p.layout != GroupedLayout::kTgmm) return Status();  // the prep kernel zeroed the rest
 
   constexpr int kZeroThreads = 256;
   const int64_t block_vecs = p.k * p.n / 8;
@@ -445,10 +442,8 @@ const char* grouped_gemm(const GroupedGemmParams& p, void* workspace, size_t wor
                   static_cast<unsigned>(std::min<int64_t>(p.num_groups, 65535)));
   zero_empty_groups_kernel<<<grid, kZeroThreads, 0, stream>>>(static_cast<uint4*>(p.out),
                                                               offsets, p.num_groups, block_vecs);
-  if (cudaGetLastError() != cudaSuccess) {
-    return "moe_xla grouped_gemm: launching the zeroing kernel failed";
-  }
-  return nullptr;
+  MOE_XLA_RETURN_IF_CUDA_ERROR(cudaGetLastError());  // launch of the zeroing kernel
+  return Status();
 }
 
 }  // namespace cuda

@@ -22,6 +22,7 @@
 #include <string>
 
 #include "common/grouped_gemm.h"
+#include "common/status.h"
 
 namespace moe_xla {
 namespace cuda {
@@ -111,16 +112,14 @@ size_t grouped_gemm_workspace_bytes(const GroupedGemmParams& p, int sm_count,
 // extra custom-call result, whose address stays valid across CUDA-graph replays).
 size_t grouped_gemm_workspace_bytes_bound(int64_t num_groups, int max_sm_count);
 
-// Enqueues the grouped product on `stream`. Returns nullptr on success or a static error
-// message. `sm_count` is cudaDevAttrMultiProcessorCount of the current device.
-const char* grouped_gemm(const GroupedGemmParams& p, void* workspace, size_t workspace_bytes,
-                         int sm_count, cudaStream_t stream,
-                         GroupedGemmPath path = GroupedGemmPath::kAuto);
-
-// As above with every tuning field (path, raster order, team size) under the caller's control;
-// the workspace is grouped_gemm_workspace_bytes(p, sm_count, config.path).
-const char* grouped_gemm(const GroupedGemmParams& p, void* workspace, size_t workspace_bytes,
-                         int sm_count, cudaStream_t stream, const GroupedGemmConfig& config);
+// Enqueues the grouped product on `stream`, with every tuning field (path, raster order,
+// team size) of `config` under the caller's control (all auto by default). `sm_count` is
+// cudaDevAttrMultiProcessorCount of the current device; the workspace holds at least
+// grouped_gemm_workspace_bytes(p, sm_count, config.path) bytes. On a GPU other than
+// compute capability 9.0 the auto path is the SIMT fallback and a forced CUTLASS path is
+// an error (cuda/device_support.h).
+Status grouped_gemm(const GroupedGemmParams& p, void* workspace, size_t workspace_bytes,
+                    int sm_count, cudaStream_t stream, const GroupedGemmConfig& config = {});
 
 }  // namespace cuda
 }  // namespace moe_xla

@@ -1,5 +1,6 @@
 // Internal interface between the dispatcher (grouped_gemm.cu), the SIMT fallback
-// (fallback_gemm.cu) and the CUTLASS instantiations (cutlass_*.cu). Not part of the API.
+// (fallback_gemm.cu) and the CUTLASS instantiations (cutlass_instance.cu, compiled once
+// per entry of the table in cuda/cutlass_instances.bzl). Not part of the API.
 #ifndef MOE_XLA_CUDA_GROUPED_GEMM_INTERNAL_H_
 #define MOE_XLA_CUDA_GROUPED_GEMM_INTERNAL_H_
 
@@ -9,6 +10,7 @@
 #include <cstdint>
 
 #include "common/grouped_gemm.h"
+#include "common/status.h"
 
 namespace moe_xla {
 namespace cuda {
@@ -52,20 +54,21 @@ struct CutlassGroupedArgs {
   int team_waves = 1;
 };
 
-// Defined in cutlass_grouped.cuh; each cutlass_*.cu file explicitly instantiates both for
-// exactly one (dtype, layout, tile) combination, listed in kCutlassInstances
-// (grouped_gemm.cu). The run enqueues two kernels: prep (offsets, per-group metadata, and
-// for gmm the zeroing of rows past the groups), then the GEMM.
+// Defined in cutlass_grouped.cuh; each compilation of cutlass_instance.cu explicitly
+// instantiates both for exactly one (dtype, layout, tile) combination of the table in
+// cuda/cutlass_instances.bzl, which also generates the dispatcher's list of them. The run
+// enqueues two kernels: prep (offsets, per-group metadata, and for gmm the zeroing of rows
+// past the groups), then the GEMM.
 template <DType kDType, GroupedLayout kLayout, TileConfig kTile>
 size_t cutlass_grouped_workspace_bytes(int64_t num_groups, int sm_count);
 
 template <DType kDType, GroupedLayout kLayout, TileConfig kTile>
-const char* cutlass_grouped_run(const CutlassGroupedArgs& args);
+Status cutlass_grouped_run(const CutlassGroupedArgs& args);
 
 // SIMT fallback (fallback_gemm.cu): writes every element of the output, including rows
 // past the last group (gmm) and blocks of empty groups (tgmm).
-const char* fallback_grouped_run(const GroupedGemmParams& p, const int64_t* offsets,
-                                 cudaStream_t stream);
+Status fallback_grouped_run(const GroupedGemmParams& p, const int64_t* offsets,
+                            cudaStream_t stream);
 
 }  // namespace detail
 }  // namespace cuda

@@ -17,8 +17,11 @@
 #include <climits>
 #include <cstdint>
 #include <cub/cub.cuh>
+#include <string>
 
 #include "common/routing.h"
+#include "common/status.h"
+#include "cuda/device.h"
 #include "cuda/routing.h"
 
 namespace moe_xla {
@@ -59,14 +62,16 @@ cudaError_t make_layout(const PermuteParams& p, Layout& l) {
   return err;
 }
 
-const char* check(const PermuteParams& p) {
-  if (p.tokens < 0 || p.top_k < 0 || p.hidden < 0 || p.experts < 0) return "permute: negative dimension";
-  if (p.tokens * p.top_k > INT_MAX) return "permute: T * k must fit in int32";
-  if (p.experts >= INT_MAX) return "permute: too many experts";
-  if (p.dtype != DType::kF32 && p.dtype != DType::kBF16 && p.dtype != DType::kF16) {
-    return "permute: unsupported dtype";
+Status check(const PermuteParams& p) {
+  if (p.tokens < 0 || p.top_k < 0 || p.hidden < 0 || p.experts < 0) {
+    return Status::InvalidArgument("permute: negative dimension");
   }
-  return nullptr;
+  if (p.tokens * p.top_k > INT_MAX) return Status::InvalidArgument("permute: T * k must fit in int32");
+  if (p.experts >= INT_MAX) return Status::InvalidArgument("permute: too many experts");
+  if (p.dtype != DType::kF32 && p.dtype != DType::kBF16 && p.dtype != DType::kF16) {
+    return Status::InvalidArgument("permute: unsupported dtype");
+  }
+  return Status();
 }
 
 __global__ void make_keys(const int32_t* __restrict__ ids, int n, int experts, uint32_t* __restrict__ keys,
@@ -134,27 +139,29 @@ cudaError_t launch_gather(const PermuteParams& p, const int32_t* order, int64_t 
 }  // namespace
 
 size_t permute_workspace_bytes(const PermuteParams& p) {
-  if (check(p)) return 0;
+  if (!check(p).ok()) return 0;
   Layout l;
   if (make_layout(p, l) != cudaSuccess) return 0;  // permute() reports the error
   return l.total;
 }
 
-const char* permute(const PermuteParams& p, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
-  if (const char* err = check(p)) return err;
+Status permute(const PermuteParams& p, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+  MOE_XLA_RETURN_IF_ERROR(require_device(DeviceSupport::kSimt, "permute"));
+  MOE_XLA_RETURN_IF_ERROR(check(p));
   const int n = static_cast<int>(p.tokens * p.top_k);
   const int experts = static_cast<int>(p.experts);
   if (n == 0) {
     if (experts > 0) {
-      const cudaError_t err = cudaMemsetAsync(p.group_sizes, 0, sizeof(int32_t) * experts, stream);
-      if (err != cudaSuccess) return cudaGetErrorString(err);
+      MOE_XLA_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(p.group_sizes, 0, sizeof(int32_t) * experts, stream));
     }
-    return nullptr;
+    return Status();
   }
   Layout l;
-  cudaError_t err = make_layout(p, l);
-  if (err != cudaSuccess) return cudaGetErrorString(err);
-  if (workspace == nullptr || workspace_bytes < l.total) return "permute: workspace too small";
+  MOE_XLA_RETURN_IF_CUDA_ERROR(make_layout(p, l));
+  if (workspace == nullptr || workspace_bytes < l.total) {
+    return Status::InvalidArgument("permute: workspace of " + std::to_string(workspace_bytes) +
+                                   " bytes, the sort needs " + std::to_string(l.total));
+  }
   const uintptr_t raw = reinterpret_cast<uintptr_t>(workspace);
   char* base = reinterpret_cast<char*>((raw + kAlign - 1) / kAlign * kAlign);
   cub::DoubleBuffer<uint32_t> keys(reinterpret_cast<uint32_t*>(base + l.keys[0]),
@@ -165,17 +172,16 @@ const char* permute(const PermuteParams& p, void* workspace, size_t workspace_by
   int key_blocks = (n + kThreads - 1) / kThreads;
   if (key_blocks > 4096) key_blocks = 4096;  // grid-stride beyond
   make_keys<<<key_blocks, kThreads, 0, stream>>>(p.expert_ids, n, experts, keys.Current(), values.Current());
-  if ((err = cudaGetLastError()) != cudaSuccess) return cudaGetErrorString(err);
+  MOE_XLA_RETURN_IF_CUDA_ERROR(cudaGetLastError());  // launch of make_keys
 
   size_t temp_bytes = l.temp_bytes;
-  err = cub::DeviceRadixSort::SortPairs(base + l.temp, temp_bytes, keys, values, n, 0, key_bits(p.experts),
-                                        stream);
-  if (err != cudaSuccess) return cudaGetErrorString(err);
+  MOE_XLA_RETURN_IF_CUDA_ERROR(cub::DeviceRadixSort::SortPairs(
+      base + l.temp, temp_bytes, keys, values, n, 0, key_bits(p.experts), stream));
 
   if (experts > 0) {
     count_groups<<<(experts + kThreads - 1) / kThreads, kThreads, 0, stream>>>(keys.Current(), n, experts,
                                                                                p.group_sizes);
-    if ((err = cudaGetLastError()) != cudaSuccess) return cudaGetErrorString(err);
+    MOE_XLA_RETURN_IF_CUDA_ERROR(cudaGetLastError());  // launch of count_groups
   }
 
   // Widest copy unit that divides the row and both base addresses.
@@ -184,17 +190,17 @@ const char* permute(const PermuteParams& p, void* workspace, size_t workspace_by
   auto fits = [&](size_t bytes) { return row_bytes % bytes == 0 && addresses % bytes == 0; };
   const int32_t* order = values.Current();
   if (fits(16)) {
-    err = launch_gather<uint4>(p, order, n, stream);
+    MOE_XLA_RETURN_IF_CUDA_ERROR(launch_gather<uint4>(p, order, n, stream));
   } else if (fits(8)) {
-    err = launch_gather<uint2>(p, order, n, stream);
+    MOE_XLA_RETURN_IF_CUDA_ERROR(launch_gather<uint2>(p, order, n, stream));
   } else if (fits(4)) {
-    err = launch_gather<uint32_t>(p, order, n, stream);
+    MOE_XLA_RETURN_IF_CUDA_ERROR(launch_gather<uint32_t>(p, order, n, stream));
   } else if (fits(2)) {
-    err = launch_gather<uint16_t>(p, order, n, stream);
+    MOE_XLA_RETURN_IF_CUDA_ERROR(launch_gather<uint16_t>(p, order, n, stream));
   } else {
-    err = launch_gather<uint8_t>(p, order, n, stream);
+    MOE_XLA_RETURN_IF_CUDA_ERROR(launch_gather<uint8_t>(p, order, n, stream));
   }
-  return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
+  return Status();
 }
 
 }  // namespace cuda

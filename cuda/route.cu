@@ -24,6 +24,8 @@
 #include <cstdint>
 
 #include "common/routing.h"
+#include "common/status.h"
+#include "cuda/device.h"
 #include "cuda/routing.h"
 
 namespace moe_xla {
@@ -197,20 +199,27 @@ __global__ void __launch_bounds__(kWarp* kMaxWarpsPerBlock) route_kernel(RouteAr
 
 }  // namespace
 
-size_t route_workspace_bytes(const RouteParams&) { return 0; }
-
-const char* route(const RouteParams& p, void*, size_t, cudaStream_t stream) {
-  if (p.tokens < 0) return "route: negative number of tokens";
-  if (p.experts < 1) return "route: expected at least one expert";
-  if (p.experts > kRouteMaxExperts) return "route: more than 4096 experts are not supported";
-  if (p.top_k < 1 || p.top_k > p.experts) return "route: expected 1 <= top_k <= experts";
-  const int64_t groups = p.n_groups > 1 ? p.n_groups : 1;
-  if (p.experts % groups != 0) return "route: n_groups must divide the number of experts";
-  if (groups > 1 && (p.topk_groups < 1 || p.topk_groups > groups)) {
-    return "route: expected 1 <= topk_groups <= n_groups";
+Status route(const RouteParams& p, cudaStream_t stream) {
+  MOE_XLA_RETURN_IF_ERROR(require_device(DeviceSupport::kSimt, "route"));
+  if (p.tokens < 0) return Status::InvalidArgument("route: negative number of tokens");
+  if (p.experts < 1) return Status::InvalidArgument("route: expected at least one expert");
+  if (p.experts > kRouteMaxExperts) {
+    return Status::InvalidArgument("route: more than 4096 experts are not supported");
   }
-  if (p.score != Score::kSoftmax && p.score != Score::kSigmoid) return "route: unknown score function";
-  if (p.tokens == 0) return nullptr;
+  if (p.top_k < 1 || p.top_k > p.experts) {
+    return Status::InvalidArgument("route: expected 1 <= top_k <= experts");
+  }
+  const int64_t groups = p.n_groups > 1 ? p.n_groups : 1;
+  if (p.experts % groups != 0) {
+    return Status::InvalidArgument("route: n_groups must divide the number of experts");
+  }
+  if (groups > 1 && (p.topk_groups < 1 || p.topk_groups > groups)) {
+    return Status::InvalidArgument("route: expected 1 <= topk_groups <= n_groups");
+  }
+  if (p.score != Score::kSoftmax && p.score != Score::kSigmoid) {
+    return Status::InvalidArgument("route: unknown score function");
+  }
+  if (p.tokens == 0) return Status();
 
   RouteArgs a;
   a.logits = p.logits;
@@ -231,19 +240,19 @@ const char* route(const RouteParams& p, void*, size_t, cudaStream_t stream) {
   const size_t warp_bytes = sizeof(float) * static_cast<size_t>(a.warp_floats);
   int warps = static_cast<int>(kMaxSharedBytes / warp_bytes);  // >= 1 for E <= 4096
   if (warps > kMaxWarpsPerBlock) warps = kMaxWarpsPerBlock;
-  if (warps < 1) return "route: too many experts for shared memory";
+  if (warps < 1) return Status::InvalidArgument("route: too many experts for shared memory");
   const int64_t blocks = (p.tokens + warps - 1) / warps;
-  if (blocks > INT_MAX) return "route: too many tokens";
+  if (blocks > INT_MAX) return Status::InvalidArgument("route: too many tokens");
   const dim3 grid(static_cast<unsigned>(blocks)), block(kWarp * warps);
   const size_t shared = warp_bytes * warps;
   switch (p.logits_dtype) {
     case DType::kF32: route_kernel<float><<<grid, block, shared, stream>>>(a); break;
     case DType::kBF16: route_kernel<__nv_bfloat16><<<grid, block, shared, stream>>>(a); break;
     case DType::kF16: route_kernel<__half><<<grid, block, shared, stream>>>(a); break;
-    default: return "route: unsupported logits dtype";
+    default: return Status::InvalidArgument("route: unsupported logits dtype");
   }
-  const cudaError_t err = cudaGetLastError();
-  return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
+  MOE_XLA_RETURN_IF_CUDA_ERROR(cudaGetLastError());  // launch of route_kernel
+  return Status();
 }
 
 }  // namespace cuda

@@ -14,6 +14,8 @@
 #include <cstring>
 
 #include "common/routing.h"
+#include "common/status.h"
+#include "cuda/device.h"
 #include "cuda/routing.h"
 
 namespace moe_xla {
@@ -114,20 +116,20 @@ cudaError_t dispatch(const UnpermuteParams& p, cudaStream_t stream) {
 
 }  // namespace
 
-size_t unpermute_workspace_bytes(const UnpermuteParams&) { return 0; }
-
-const char* unpermute(const UnpermuteParams& p, void*, size_t, cudaStream_t stream) {
-  if (p.tokens < 0 || p.hidden < 0 || p.top_k < 0) return "unpermute: negative dimension";
-  if (p.top_k > 0x7fffffff) return "unpermute: top_k too large";
-  if (p.tokens == 0 || p.hidden == 0) return nullptr;
-  cudaError_t err;
-  switch (p.dtype) {
-    case DType::kF32: err = dispatch<DType::kF32>(p, stream); break;
-    case DType::kBF16: err = dispatch<DType::kBF16>(p, stream); break;
-    case DType::kF16: err = dispatch<DType::kF16>(p, stream); break;
-    default: return "unpermute: unsupported dtype";
+Status unpermute(const UnpermuteParams& p, cudaStream_t stream) {
+  MOE_XLA_RETURN_IF_ERROR(require_device(DeviceSupport::kSimt, "unpermute"));
+  if (p.tokens < 0 || p.hidden < 0 || p.top_k < 0) {
+    return Status::InvalidArgument("unpermute: negative dimension");
   }
-  return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
+  if (p.top_k > 0x7fffffff) return Status::InvalidArgument("unpermute: top_k too large");
+  if (p.tokens == 0 || p.hidden == 0) return Status();
+  switch (p.dtype) {
+    case DType::kF32: MOE_XLA_RETURN_IF_CUDA_ERROR(dispatch<DType::kF32>(p, stream)); break;
+    case DType::kBF16: MOE_XLA_RETURN_IF_CUDA_ERROR(dispatch<DType::kBF16>(p, stream)); break;
+    case DType::kF16: MOE_XLA_RETURN_IF_CUDA_ERROR(dispatch<DType::kF16>(p, stream)); break;
+    default: return Status::InvalidArgument("unpermute: unsupported dtype");
+  }
+  return Status();
 }
 
 }  // namespace cuda

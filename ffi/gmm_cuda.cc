@@ -7,12 +7,13 @@
 #include <cuda_runtime_api.h>
 
 #include <cstddef>
-#include <optional>
 #include <string>
 
 #include "common/grouped_gemm.h"
+#include "cuda/device.h"
 #include "cuda/grouped_gemm.h"
 #include "ffi/grouped_gemm_args.h"
+#include "ffi/status.h"
 #include "ffi/workspace.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -24,52 +25,36 @@ namespace {
 // Upper bound of the SM count the workspace is sized for at lowering time.
 constexpr int kMaxSmCount = 1024;
 
-ffi::Error cuda_error(const char* what, cudaError_t err) {
-  cudaGetLastError();  // clear a non-sticky error so later launches are not blamed for it
-  return ffi::Error::Internal(std::string("moe_xla: ") + what + ": " + cudaGetErrorString(err));
-}
-
-ffi::Error run(cudaStream_t stream, ffi::AnyBuffer workspace_buffer, ffi::ErrorOr<GroupedGemmParams> params) {
+ffi::Error run(cudaStream_t stream, ffi::AnyBuffer workspace_buffer, ffi::ErrorOr<GroupedGemmParams> params,
+               const char* op) {
   if (params.has_error()) return params.error();
   const GroupedGemmParams& p = *params;
 
-  int device = 0;
-  if (cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) {
-    return cuda_error("cudaGetDevice failed", err);
-  }
   int sm_count = 0;
-  if (cudaError_t err =
-          cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device);
-      err != cudaSuccess) {
-    return cuda_error("cudaDeviceGetAttribute(MultiProcessorCount) failed", err);
-  }
+  if (Status s = cuda::current_device_sm_count(&sm_count); !s.ok()) return ffi_args::to_error(s, op);
 
   if (sm_count > kMaxSmCount) {
-    return ffi::Error::Internal("moe_xla: the gmm workspace is sized for at most " +
+    return ffi::Error::Internal(std::string("moe_xla ") + op + ": the workspace is sized for at most " +
                                 std::to_string(kMaxSmCount) + " SMs, the device has " + std::to_string(sm_count));
   }
   const size_t workspace_bytes = cuda::grouped_gemm_workspace_bytes(p, sm_count);
-  auto workspace = ffi_args::workspace(workspace_buffer, workspace_bytes, "gmm");
+  auto workspace = ffi_args::workspace(workspace_buffer, workspace_bytes, op);
   if (workspace.has_error()) return workspace.error();
-
-  if (const char* err = cuda::grouped_gemm(p, *workspace, workspace_bytes, sm_count, stream)) {
-    return ffi::Error::Internal(err);
-  }
-  return ffi::Error::Success();
+  return ffi_args::to_error(cuda::grouped_gemm(p, *workspace, workspace_bytes, sm_count, stream), op);
 }
 
 ffi::Error gmm_cuda(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
                     ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> out,
                     ffi::Result<ffi::AnyBuffer> workspace, bool transpose_rhs) {
   return run(stream, *workspace,
-             ffi_args::decode(ffi_args::gmm_layout(transpose_rhs), lhs, rhs, group_sizes, *out));
+             ffi_args::decode(ffi_args::gmm_layout(transpose_rhs), lhs, rhs, group_sizes, *out), "gmm");
 }
 
 ffi::Error tgmm_cuda(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
                      ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> out,
                      ffi::Result<ffi::AnyBuffer> workspace) {
   return run(stream, *workspace,
-             ffi_args::decode(GroupedLayout::kTgmm, lhs, rhs, group_sizes, *out));
+             ffi_args::decode(GroupedLayout::kTgmm, lhs, rhs, group_sizes, *out), "tgmm");
 }
 
 }  // namespace

@@ -5,6 +5,7 @@
 
 #include "cuda/routing.h"
 #include "ffi/routing_args.h"
+#include "ffi/status.h"
 #include "ffi/workspace.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -21,7 +22,7 @@ ffi::Error permute_cuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::
   const size_t bytes = cuda::permute_workspace_bytes(*p);
   auto workspace = ffi_args::workspace(*workspace_buffer, bytes, "permute");
   if (workspace.has_error()) return workspace.error();
-  return ffi_args::launch_status("permute", cuda::permute(*p, *workspace, bytes, stream));
+  return ffi_args::to_error(cuda::permute(*p, *workspace, bytes, stream), "permute");
 }
 
 }  // namespace

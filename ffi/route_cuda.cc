@@ -6,6 +6,7 @@
 
 #include "cuda/routing.h"
 #include "ffi/routing_args.h"
+#include "ffi/status.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -25,7 +26,7 @@ ffi::Error route_cuda(cudaStream_t stream, ffi::AnyBuffer logits,
                                        std::to_string(cuda::kRouteMaxExperts) + " experts, got " +
                                        std::to_string(p->experts));
   }
-  return ffi_args::launch_status("route", cuda::route(*p, nullptr, 0, stream));
+  return ffi_args::to_error(cuda::route(*p, stream), "route");
 }
 
 }  // namespace

@@ -160,12 +160,6 @@ inline ffi::ErrorOr<UnpermuteParams> decode_unpermute(ffi::AnyBuffer y_sorted, f
   return p;
 }
 
-// A kernel launcher's result (nullptr or a static message) as an ffi::Error.
-inline ffi::Error launch_status(const char* what, const char* message) {
-  if (message == nullptr) return ffi::Error::Success();
-  return ffi::Error::Internal(std::string(what) + ": " + message);
-}
-
 // The operands and attributes of the route handlers, appended to `binding` (the CPU and
 // CUDA handlers bind the same list, the CUDA one after its stream), in the order of
 // decode_route's parameters; the attribute names are those route.py's lowering passes.

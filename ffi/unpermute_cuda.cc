@@ -4,6 +4,7 @@
 
 #include "cuda/routing.h"
 #include "ffi/routing_args.h"
+#include "ffi/status.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -16,7 +17,7 @@ ffi::Error unpermute_cuda(cudaStream_t stream, ffi::AnyBuffer y_sorted,
                           ffi::Result<ffi::AnyBuffer> y) {
   auto p = ffi_args::decode_unpermute(y_sorted, row_map, weights, *y);
   if (p.has_error()) return p.error();
-  return ffi_args::launch_status("unpermute", cuda::unpermute(*p, nullptr, 0, stream));
+  return ffi_args::to_error(cuda::unpermute(*p, stream), "unpermute");
 }
 
 }  // namespace

@@ -3,7 +3,8 @@
 // scheduler team sizes) on the grouped_matmul cases of benchmarks/cases.json, in one run.
 //
 // For each case (both group-size distributions, sizes exactly as benchmarks/_timing.py draws
-// them, see grouped_gemm_bench_cases.inc) and each of the four products the library runs,
+// them: tools/bench_cases.py writes them into bench_cases.inc at build time) and each of
+// the four products the library runs,
 //   fwd    kGmm            lhs [M,K] @ rhs[g] [K,N]        -> [M,N]  (moe_xla.gmm forward)
 //   fwd_t  kGmmTransposed  lhs [M,K] @ rhs[g] [N,K]^T      -> [M,N]  (forward with K-major
 //                                                                     weights, torch's layout)
@@ -44,8 +45,9 @@
 #include <vector>
 
 #include "common/grouped_gemm.h"
-#include "cuda/check_cuda.h"
+#include "common/status.h"
 #include "cuda/grouped_gemm.h"
+#include "tools/cuda_check.h"
 
 namespace {
 
@@ -64,7 +66,7 @@ struct BenchCase {
 };
 
 const BenchCase kCases[] = {
-#include "cuda/grouped_gemm_bench_cases.inc"
+#include "tools/bench_cases.inc"
 };
 
 enum class Op : int { kFwd = 0, kFwdT = 1, kDlhs = 2, kDrhs = 3 };
@@ -323,9 +325,10 @@ struct Bench {
     const auto hot_until =
         std::chrono::steady_clock::now() + std::chrono::milliseconds(opt.sustain_ms);
     for (int i = 0; i < opt.warmup || std::chrono::steady_clock::now() < hot_until; ++i) {
-      if (const char* err =
-              moe_xla::cuda::grouped_gemm(p, ws, ws_bytes, sm_count, stream, config)) {
-        *why = err;
+      const moe_xla::Status status =
+          moe_xla::cuda::grouped_gemm(p, ws, ws_bytes, sm_count, stream, config);
+      if (!status.ok()) {
+        *why = status.message();
         return -1;
       }
       if (i % 16 == 15) CHECK_CUDA(cudaStreamSynchronize(stream));
@@ -335,12 +338,22 @@ struct Bench {
       CHECK_CUDA(cudaEventCreate(&start[r]));
       CHECK_CUDA(cudaEventCreate(&stop[r]));
     }
-    for (int r = 0; r < opt.reps; ++r) {
+    std::string timed_error;
+    for (int r = 0; r < opt.reps && timed_error.empty(); ++r) {
       CHECK_CUDA(cudaEventRecord(start[r], stream));
-      moe_xla::cuda::grouped_gemm(p, ws, ws_bytes, sm_count, stream, config);
+      timed_error = error_message(
+          moe_xla::cuda::grouped_gemm(p, ws, ws_bytes, sm_count, stream, config));
       CHECK_CUDA(cudaEventRecord(stop[r], stream));
     }
     CHECK_CUDA(cudaStreamSynchronize(stream));
+    if (!timed_error.empty()) {
+      for (int r = 0; r < opt.reps; ++r) {
+        CHECK_CUDA(cudaEventDestroy(start[r]));
+        CHECK_CUDA(cudaEventDestroy(stop[r]));
+      }
+      *why = timed_error;
+      return -1;
+    }
     std::vector<float> ms(opt.reps);
     for (int r = 0; r < opt.reps; ++r) {
       CHECK_CUDA(cudaEventElapsedTime(&ms[r], start[r], stop[r]));
@@ -498,10 +511,11 @@ struct Bench {
       {
         GroupedGemmParams pr = p;
         pr.out = ref.ptr;
-        if (const char* err =
-                moe_xla::cuda::grouped_gemm(pr, ws.ptr, ws_bytes, sm_count, stream, auto_config)) {
+        const moe_xla::Status status =
+            moe_xla::cuda::grouped_gemm(pr, ws.ptr, ws_bytes, sm_count, stream, auto_config);
+        if (!status.ok()) {
           std::printf("FAIL %s %s %s: default configuration: %s\n", bc.name, bc.groups,
-                      kOpNames[oi], err);
+                      kOpNames[oi], status.message().c_str());
           ++failures;
           continue;
         }
@@ -529,10 +543,11 @@ struct Bench {
         }
         if (opt.check) {
           CHECK_CUDA(cudaMemsetAsync(out.ptr, 0xFF, elems * es, stream));  // NaN
-          if (const char* err =
-                  moe_xla::cuda::grouped_gemm(p, ws.ptr, ws_bytes, sm_count, stream, config)) {
+          const moe_xla::Status status =
+              moe_xla::cuda::grouped_gemm(p, ws.ptr, ws_bytes, sm_count, stream, config);
+          if (!status.ok()) {
             cell.tflops = kFailed;
-            cell.why = err;
+            cell.why = status.message();
           } else {
             const cudaError_t e = cudaStreamSynchronize(stream);
             if (e != cudaSuccess) {

@@ -1,5 +1,0 @@
-// CUTLASS grouped GEMM instantiation: f16 inputs/outputs, layout kTgmm, tile config kLarge
-// (see cutlass_grouped.cuh). One instantiation per file so they compile in parallel.
-#include "cuda/cutlass_grouped.cuh"
-
-MOE_XLA_INSTANTIATE_CUTLASS_GROUPED(kF16, kTgmm, kLarge)
