@@ -3,6 +3,12 @@
 The library (`libmoe_xla.so`, built by Bazel as //moe_xla:libmoe_xla.so) holds one
 C-ABI handler symbol per (op, platform). It is looked for at $MOE_XLA_LIBRARY, then at
 moe_xla/_native/libmoe_xla.so (where `pip install .` and scripts/build.sh put it).
+
+Before the first CUDA lowering it checks the local GPUs against what the CUDA kernels are
+built for (cuda/device_support.h states the same rules): compute capability 9.0 runs every
+kernel; 8.x and 10.0 or later run them all but the grouped GEMM only on its SIMT kernels
+(the CUTLASS ones need 9.0), which is correct but slow, so it warns once; any other GPU has
+no kernel image, so it raises, naming the capability.
 """
 
 from __future__ import annotations
@@ -10,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import warnings
 from pathlib import Path
 
 import jax
@@ -62,8 +69,50 @@ def has_kernel(op: str, platform: str) -> bool:
     return lib is not None and hasattr(lib, _SYMBOLS[(op, platform)])
 
 
+def _gpu_support(compute_capability: str) -> str:
+    """'full', 'simt' or 'none' for a GPU of compute capability "major.minor"."""
+    major, minor = (int(part) for part in compute_capability.split(".")[:2])
+    if major == 9:
+        return "full" if minor == 0 else "none"
+    return "simt" if major == 8 or major >= 10 else "none"
+
+
+@functools.lru_cache(maxsize=None)
+def _check_cuda_devices(grouped_gemm: bool) -> None:
+    """Raises if a local CUDA device has no moe_xla kernel image; warns once when the grouped
+    GEMM (`grouped_gemm`) would run its slow SIMT kernels. No local GPU: nothing to check."""
+    try:
+        devices = jax.devices("cuda")
+    except RuntimeError:
+        return
+    for device in devices:
+        capability = getattr(device, "compute_capability", None)
+        if capability is None:
+            continue
+        support = _gpu_support(capability)
+        if support == "none":
+            raise RuntimeError(
+                f"moe_xla: {device.device_kind} ({device}) has compute capability {capability}; "
+                "moe_xla's CUDA kernels need 8.x, 9.0 or 10.0 and later (built for sm_80, sm_90a, "
+                "sm_100 and compute_100 PTX). Set MOE_XLA_IMPL=reference to run the pure-JAX "
+                "reference implementation instead."
+            )
+        if support == "simt" and grouped_gemm:
+            warnings.warn(
+                f"moe_xla: {device.device_kind} ({device}) has compute capability {capability}: "
+                "gmm and tgmm run their SIMT kernels there (the CUTLASS grouped GEMM needs 9.0, "
+                "Hopper), which are correct but much slower. MOE_XLA_IMPL=reference lowers them "
+                "to XLA's own ops instead.",
+                stacklevel=3,
+            )
+            return
+
+
 def require_kernel(op: str, platform: str) -> str:
-    """Returns the FFI target name of `op` on `platform`, or raises with build instructions."""
+    """Returns the FFI target name of `op` on `platform`, or raises with build instructions
+    (or, for CUDA, when a local GPU has no kernel image for it)."""
+    if platform == "cuda":
+        _check_cuda_devices(op in ("gmm", "tgmm"))
     if _load() is None:
         raise RuntimeError(f"{_BUILD_HINT} (looked at {library_path()})")
     if not has_kernel(op, platform):
