@@ -44,7 +44,7 @@
 #include "cpu/dtype.h"
 #include "cpu/permute.h"
 #include "cpu/route.h"
-#include "cpu/route_case.h"
+#include "tests/cc/route_case.h"
 #include "cpu/unpermute.h"
 #include "cuda/routing.h"
 #include "tools/cuda_check.h"

@@ -1,7 +1,7 @@
 // A route() test case and the tests' reference group scores, shared by the CPU test
-// (cpu/routing_test.cc) and the CUDA self-test (cuda/routing_selftest.cu).
-#ifndef MOE_XLA_CPU_ROUTE_CASE_H_
-#define MOE_XLA_CPU_ROUTE_CASE_H_
+// (tests/cc/cpu_routing_test.cc) and the CUDA self-test (tests/cc/routing_selftest.cu).
+#ifndef MOE_XLA_TESTS_CC_ROUTE_CASE_H_
+#define MOE_XLA_TESTS_CC_ROUTE_CASE_H_
 
 #include <algorithm>
 #include <cmath>
@@ -52,4 +52,4 @@ inline std::vector<float> reference_group_scores(const std::vector<float>& selec
 
 }  // namespace moe_xla
 
-#endif  // MOE_XLA_CPU_ROUTE_CASE_H_
+#endif  // MOE_XLA_TESTS_CC_ROUTE_CASE_H_

@@ -17,7 +17,7 @@
 #include "cpu/dtype.h"
 #include "cpu/permute.h"
 #include "cpu/route.h"
-#include "cpu/route_case.h"
+#include "tests/cc/route_case.h"
 #include "cpu/unpermute.h"
 
 namespace moe_xla::cpu {
