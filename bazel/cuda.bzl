@@ -34,19 +34,21 @@ PORTABLE_ARCHS = [
     "-gencode=arch=compute_100,code=[sm_100,compute_100]",
 ]
 
-def nvcc_object(name, src, out, hdrs = [], archs = PORTABLE_ARCHS, defines = [], cutlass = False):
-    """One genrule `name` that compiles `src` into the object `out`.
+def _nvcc_object(library, stem, src, hdrs, archs, defines = [], cutlass = False):
+    """One genrule, `library`_`stem`_nvcc, that compiles `src` into
+    _objs/`library`/`stem`.o and returns that object's name.
 
     `hdrs` are the project headers (and generated files) that `src` includes; `archs` the
     -gencode flags; `defines` extra -D flags; `cutlass` adds the CUTLASS/CuTe headers.
     """
+    out = "_objs/%s/%s.o" % (library, stem)
     includes = ["-I.", "-I$(GENDIR)"]
     extra_srcs = []
     if cutlass:
         includes += ["-Iexternal/toolchains/%s" % d for d in CUTLASS_INCLUDES]
         extra_srcs.append("@toolchains//:cutlass")
     native.genrule(
-        name = name,
+        name = "%s_%s_nvcc" % (library, stem),
         srcs = [src] + hdrs + extra_srcs,
         outs = [out],
         cmd = " ".join([NVCC] + _NVCC_FLAGS + archs + ["-D%s" % d for d in defines] + includes +
@@ -72,16 +74,7 @@ def cuda_library(name, srcs, hdrs = [], deps = [], archs = PORTABLE_ARCHS, **kwa
 
     The library exports the .h headers among `hdrs` to its dependents.
     """
-    objs = []
-    for src in srcs:
-        stem = src.replace("/", "_")[:-3]
-        objs.append(nvcc_object(
-            name = "%s_%s_nvcc" % (name, stem),
-            src = src,
-            out = "_objs/%s/%s.o" % (name, stem),
-            hdrs = hdrs,
-            archs = archs,
-        ))
+    objs = [_nvcc_object(name, src.replace("/", "_")[:-3], src, hdrs, archs) for src in srcs]
     _objects_library(name, objs, hdrs, deps, kwargs)
 
 # Short names of the enumerators in a CUTLASS instance's object file name.
@@ -104,12 +97,12 @@ def cutlass_instances(name, src, instances, hdrs = [], deps = [], **kwargs):
     objs = []
     for dtype, layout, tile in instances:
         stem = "cutlass_%s_%s_%s" % (_DTYPE_NAMES[dtype], _LAYOUT_NAMES[layout], _snake(tile))
-        objs.append(nvcc_object(
-            name = "%s_%s_nvcc" % (name, stem),
-            src = src,
-            out = "_objs/%s/%s.o" % (name, stem),
-            hdrs = hdrs,
-            archs = HOPPER_ARCHS,
+        objs.append(_nvcc_object(
+            name,
+            stem,
+            src,
+            hdrs,
+            HOPPER_ARCHS,
             defines = [
                 "MOE_XLA_CUTLASS_DTYPE=" + dtype,
                 "MOE_XLA_CUTLASS_LAYOUT=" + layout,
