@@ -420,7 +420,7 @@ Status grouped_gemm(const GroupedGemmParams& p, void* workspace, size_t workspac
     group_offsets_kernel<<<1, kScanThreads, 0, stream>>>(p.group_sizes, p.num_groups, p.m,
                                                         offsets);
     MOE_XLA_RETURN_IF_CUDA_ERROR(cudaGetLastError());  // launch of the offset scan
-    return detail::fallback_grouped_run(p, offsets, stream);
+    return detail::fallback_grouped_run(p, offsets, stream).With("grouped_gemm path fallback");
   }
 
   const CutlassInstance* inst = cutlass_instance_for(p, path);
@@ -432,7 +432,8 @@ Status grouped_gemm(const GroupedGemmParams& p, void* workspace, size_t workspac
                                                             : detail::RasterOrder::kAlongM;
   args.team_clusters = config.team_clusters;
   args.team_waves = config.team_waves;
-  MOE_XLA_RETURN_IF_ERROR(inst->run(args));
+  MOE_XLA_RETURN_IF_ERROR(
+      inst->run(args).With(std::string("grouped_gemm path ") + grouped_gemm_path_name(path)));
   if (p.layout != GroupedLayout::kTgmm) return Status();  // the prep kernel zeroed the rest
 
   constexpr int kZeroThreads = 256;
