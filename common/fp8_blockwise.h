@@ -1,0 +1,158 @@
+// Framework-free contract of the FP8 blockwise quantisation (DESIGN.md section 8, the
+// DeepSeek-V3 / DeepGEMM recipe), shared by the CPU kernels (cpu/), the CUDA kernels
+// (cuda/) and stated again in plain jnp by moe_xla/reference.py.
+//
+// Data float8_e4m3fn (E4M3 without infinities: bias 7, 3 mantissa bits, largest finite
+// 448, NaN = S.1111.111), scales float32. A tile is a set of elements that share a scale:
+//   row tiles   1 x 128 along the last (contraction) dimension of x [M, K]:
+//               scales [M, ceil(K / 128)];
+//   blocks      128 x 128 of each w[g] [K, N]: scales [G, ceil(K / 128), ceil(N / 128)].
+// A tail shorter than 128 (K or N not a multiple of 128) is a partial tile with its own
+// scale. Per tile, in float32, with fl() one IEEE round-to-nearest-even operation:
+//
+//   m(x)   = |x| if x is finite and |x| >= 2^-126 (a normal float32), else 0
+//   amax   = max over the tile of m(x)                        (0 for an empty/all-0 tile)
+//   scale  = 1                                   if amax == 0
+//            max(fl(amax / 448), 2^-126)         otherwise
+//   pow2 scale: the smallest power of two >= that scale (exact rescaling, as MX formats)
+//   q(x)   = sign(x) | 0x7f                      if x is NaN (NaN stays NaN, sign kept)
+//            e4m3(fl(x' / scale))                otherwise, x' = x with float32-subnormal
+//                                                values replaced by a zero of their sign
+//   e4m3(v): round to nearest, ties to even, to E4M3; |v| > 448 (+-inf included) saturates
+//            to +-448; results below the smallest subnormal round to a signed zero.
+//
+// Why each choice, so that the CPU kernel, the CUDA kernel and the jnp reference agree
+// bitwise on every input:
+// - The quotient is one correctly rounded float32 division x' / scale (not x * (1/scale),
+//   which rounds twice), then one rounding to E4M3: host `/`, device __fdiv_rn, jnp `/`.
+// - XLA's CPU runtime runs with denormals flushed (FTZ/DAZ) and GPUs do not. Flushing
+//   float32-subnormal inputs (|x| < 2^-126, which bf16 and f32 can hold) to signed zero and
+//   keeping the scale at or above 2^-126 (a normal number) make every operand of the
+//   division normal; a subnormal quotient rounds to a signed zero in E4M3 either way.
+//   Both rules differ from "scale = amax / 448" only for amax < 448 * 2^-126 (~5e-36).
+// - NaN is caught before the division (a GPU division returns a sign-less NaN).
+// - The classification m(x), the power-of-two rounding and the E4M3 rounding are integer
+//   operations on the float32 bits (fp8_e4m3_from_float below), identical on host and
+//   device; the hardware cvt.satfinite instruction is not used, so sm_80 (which lacks
+//   it) computes the same bits.
+#ifndef MOE_XLA_COMMON_FP8_BLOCKWISE_H_
+#define MOE_XLA_COMMON_FP8_BLOCKWISE_H_
+
+#include <cstdint>
+#include <cstring>
+
+#include "common/grouped_gemm.h"  // DType, MOE_XLA_HOST_DEVICE
+
+namespace moe_xla {
+namespace fp8 {
+
+constexpr int64_t kTile = 128;            // tile edge along every tiled dimension
+constexpr float kE4M3Max = 448.0f;        // largest finite float8_e4m3fn
+constexpr uint8_t kE4M3MaxBits = 0x7e;    // 448 = 1.75 * 2^8: exponent 15, mantissa 6
+constexpr uint8_t kE4M3NanBits = 0x7f;
+constexpr uint32_t kMinNormalBits = 0x00800000u;  // 2^-126, the smallest normal float32
+constexpr uint32_t kInfBits = 0x7f800000u;
+
+// Number of tiles of edge kTile covering n elements (a tail forms a partial tile).
+MOE_XLA_HOST_DEVICE inline int64_t tiles(int64_t n) { return (n + kTile - 1) / kTile; }
+
+MOE_XLA_HOST_DEVICE inline uint32_t float_bits(float f) {
+  uint32_t b;
+  memcpy(&b, &f, sizeof b);
+  return b;
+}
+
+MOE_XLA_HOST_DEVICE inline float bits_float(uint32_t b) {
+  float f;
+  memcpy(&f, &b, sizeof f);
+  return f;
+}
+
+// m(x): |x| for a finite normal x, else 0 (NaN, +-inf and subnormals do not count).
+MOE_XLA_HOST_DEVICE inline float tile_magnitude(float x) {
+  const uint32_t a = float_bits(x) & 0x7fffffffu;
+  return (a >= kMinNormalBits && a < kInfBits) ? bits_float(a) : 0.0f;
+}
+
+// The scale of a tile from its amax (a maximum of tile_magnitude values).
+MOE_XLA_HOST_DEVICE inline float scale_from_amax(float amax, bool pow2) {
+  if (amax == 0.0f) return 1.0f;
+#if defined(__CUDA_ARCH__)
+  uint32_t s = float_bits(__fdiv_rn(amax, kE4M3Max));
+#else
+  uint32_t s = float_bits(amax / kE4M3Max);
+#endif
+  if (s < kMinNormalBits) s = kMinNormalBits;  // subnormal (or flushed to 0) -> 2^-126
+  if (pow2 && (s & 0x007fffffu) != 0) s = (s & 0x7f800000u) + kMinNormalBits;  // next exponent
+  return bits_float(s);
+}
+
+// e4m3(v): round to nearest even to float8_e4m3fn bits, saturating to +-448; NaN -> the
+// NaN code with v's sign. Integer operations only.
+MOE_XLA_HOST_DEVICE inline uint8_t fp8_e4m3_from_float(float v) {
+  const uint32_t bits = float_bits(v);
+  const uint8_t sign = static_cast<uint8_t>((bits >> 24) & 0x80u);
+  const uint32_t a = bits & 0x7fffffffu;
+  if (a > kInfBits) return sign | kE4M3NanBits;
+  if (a > float_bits(kE4M3Max)) return sign | kE4M3MaxBits;  // saturate, +-inf included
+  if (a >= (121u << 23)) {
+    // Normal E4M3 (|v| >= 2^-6): keep 3 of the 23 mantissa bits, ties to even; a carry
+    // rolls into the exponent. Rebias 127 -> 7: subtract (127 - 7) << 3 after the shift.
+    const uint32_t rounded = a + 0x7ffffu + ((a >> 20) & 1u);
+    return sign | static_cast<uint8_t>((rounded >> 20) - (120u << 3));
+  }
+  if (a < kMinNormalBits) return sign;  // float32 subnormal or zero: far below 2^-10
+  // Subnormal E4M3: q = RNE(|v| * 2^9) in units of 2^-9 (q = 8 is the smallest normal,
+  // code 0x08). |v| = man * 2^(e - 150) with the implicit bit in man, so
+  // |v| * 2^9 = man / 2^shift with shift = 141 - e (>= 21 here).
+  const uint32_t man = (a & 0x007fffffu) | 0x00800000u;
+  const uint32_t shift = 141u - (a >> 23);
+  if (shift > 25) return sign;  // |v| * 2^9 < 2^-2 rounds to 0
+  const uint32_t q = (man + (1u << (shift - 1)) - 1u + ((man >> shift) & 1u)) >> shift;
+  return sign | static_cast<uint8_t>(q);
+}
+
+// q(x) for one element with its tile's scale (the per-element function of both kernel
+// families).
+MOE_XLA_HOST_DEVICE inline uint8_t quantize_element(float x, float scale) {
+  const uint32_t bits = float_bits(x);
+  const uint32_t a = bits & 0x7fffffffu;
+  if (a > kInfBits) return static_cast<uint8_t>((bits >> 24) & 0x80u) | kE4M3NanBits;
+  if (a < kMinNormalBits) x = bits_float(bits & 0x80000000u);  // subnormal -> signed zero
+#if defined(__CUDA_ARCH__)
+  return fp8_e4m3_from_float(__fdiv_rn(x, scale));
+#else
+  return fp8_e4m3_from_float(x / scale);
+#endif
+}
+
+// The value of float8_e4m3fn bits (for tests and dequantisation): NaN for 0x7f / 0xff.
+MOE_XLA_HOST_DEVICE inline float fp8_e4m3_to_float(uint8_t q) {
+  const uint32_t sign = uint32_t{q & 0x80u} << 24;
+  const uint32_t e = (q >> 3) & 0xfu, m = q & 7u;
+  if (e == 0xf && m == 7) return bits_float(sign | 0x7fc00000u);
+  if (e == 0) return bits_float(sign | float_bits(static_cast<float>(m) * 0.001953125f));  // m * 2^-9
+  return bits_float(sign | ((e + 120u) << 23) | (m << 20));
+}
+
+}  // namespace fp8
+
+// Quantisation of x [batch, rows, cols] (dense row-major) in tiles of tile_rows x 128:
+// tile_rows = 1 gives the 1 x 128 row tiles, tile_rows = 128 the 128 x 128 blocks.
+//   q      [batch, rows, cols]                                 float8_e4m3fn bits
+//   scales [batch, ceil(rows / tile_rows), ceil(cols / 128)]   float32
+struct Fp8QuantizeParams {
+  const void* x;
+  DType dtype;      // of x
+  uint8_t* q;
+  float* scales;
+  int64_t batch;
+  int64_t rows;
+  int64_t cols;
+  int64_t tile_rows;  // 1 or fp8::kTile
+  bool pow2_scale;
+};
+
+}  // namespace moe_xla
+
+#endif  // MOE_XLA_COMMON_FP8_BLOCKWISE_H_

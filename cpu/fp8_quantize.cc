@@ -1,0 +1,41 @@
+// CPU FP8 blockwise quantisation: per tile, amax over the tile, then the scale, then each
+// element through fp8::quantize_element, the function the CUDA kernel uses too. The
+// operations are integer ones and single float32 divisions of normal numbers
+// (common/fp8_blockwise.h), so XLA's flush-to-zero mode on its CPU threads changes nothing.
+#include "cpu/fp8_quantize.h"
+
+#include <algorithm>
+#include <cstdint>
+
+#include "cpu/dtype.h"
+
+namespace moe_xla::cpu {
+
+void fp8_quantize(const Fp8QuantizeParams& p) {
+  const int64_t row_tiles = (p.rows + p.tile_rows - 1) / p.tile_rows;
+  const int64_t col_tiles = fp8::tiles(p.cols);
+  for (int64_t b = 0; b < p.batch; ++b) {
+    for (int64_t rt = 0; rt < row_tiles; ++rt) {
+      const int64_t r0 = rt * p.tile_rows, r1 = std::min(r0 + p.tile_rows, p.rows);
+      for (int64_t ct = 0; ct < col_tiles; ++ct) {
+        const int64_t c0 = ct * fp8::kTile, c1 = std::min(c0 + fp8::kTile, p.cols);
+        float amax = 0.0f;
+        for (int64_t r = r0; r < r1; ++r) {
+          for (int64_t c = c0; c < c1; ++c) {
+            amax = std::max(amax, fp8::tile_magnitude(load_as_float(p.x, (b * p.rows + r) * p.cols + c, p.dtype)));
+          }
+        }
+        const float scale = fp8::scale_from_amax(amax, p.pow2_scale);
+        p.scales[(b * row_tiles + rt) * col_tiles + ct] = scale;
+        for (int64_t r = r0; r < r1; ++r) {
+          for (int64_t c = c0; c < c1; ++c) {
+            const int64_t i = (b * p.rows + r) * p.cols + c;
+            p.q[i] = fp8::quantize_element(load_as_float(p.x, i, p.dtype), scale);
+          }
+        }
+      }
+    }
+  }
+}
+
+}  // namespace moe_xla::cpu

@@ -1,0 +1,149 @@
+// The FP8 rules of common/fp8_blockwise.h against brute force, and the CPU kernel's tiling.
+//
+// e4m3: the 126 positive finite float8_e4m3fn values are written down from the format's
+// definition (ldexp, double precision); for every float32 in [2^-12, 480] (both signs) and
+// a stride through all the others, the expected code is the nearest of them, a tie going
+// to the even code, |v| > 448 (inf too) to 448, NaN to the NaN code with v's sign.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <vector>
+
+#include "common/fp8_blockwise.h"
+#include "cpu/fp8_quantize.h"
+
+using namespace moe_xla;
+
+namespace {
+
+int failures = 0;
+
+void check(bool ok, const char* what, double value) {
+  if (!ok && ++failures <= 20) std::printf("FAIL %s (%.9g)\n", what, value);
+}
+
+float from_bits(uint32_t b) {
+  float f;
+  std::memcpy(&f, &b, sizeof f);
+  return f;
+}
+
+// Value of positive code c in 0..126 from the format: bias 7, 3 mantissa bits.
+double code_value(int c) {
+  const int e = c >> 3, m = c & 7;
+  return e == 0 ? std::ldexp(m, -9) : std::ldexp(1.0 + m / 8.0, e - 7);
+}
+
+uint8_t nearest_code(float v, const std::vector<double>& values) {
+  const uint8_t sign = std::signbit(v) ? 0x80 : 0;
+  if (std::isnan(v)) return sign | 0x7f;
+  const double a = std::fabs(static_cast<double>(v));
+  if (a >= 448.0) return sign | 0x7e;
+  const int lo = static_cast<int>(std::upper_bound(values.begin(), values.end(), a) - values.begin()) - 1;
+  const double below = a - values[lo], above = values[lo + 1] - a;
+  const int c = below < above ? lo : above < below ? lo + 1 : (lo % 2 == 0 ? lo : lo + 1);
+  return sign | static_cast<uint8_t>(c);
+}
+
+void test_codes(const std::vector<double>& values) {
+  for (int c = 0; c < 256; ++c) {
+    const float f = fp8::fp8_e4m3_to_float(static_cast<uint8_t>(c));
+    if ((c & 0x7f) == 0x7f) {
+      check(std::isnan(f), "NaN code decodes to NaN", c);
+      continue;
+    }
+    const double want = (c & 0x80 ? -1 : 1) * values[c & 0x7f];
+    check(f == want && std::signbit(f) == ((c & 0x80) != 0), "code decodes to its value", c);
+    check(fp8::fp8_e4m3_from_float(f) == c, "code value encodes to the code", c);
+  }
+}
+
+void test_rounding(const std::vector<double>& values) {
+  // Every float32 from 2^-12 (below half the smallest subnormal 2^-9) to 480 (past the
+  // saturation point), both signs: every tie and both neighbours of every tie.
+  const uint32_t lo = 115u << 23, hi = 0x43f00000u;  // 2^-12, 480
+  for (uint32_t b = lo; b <= hi; ++b) {
+    for (const uint32_t sign : {0u, 0x80000000u}) {
+      const float v = from_bits(b | sign);
+      if (fp8::fp8_e4m3_from_float(v) != nearest_code(v, values)) check(false, "e4m3 rounding", v);
+    }
+  }
+  for (uint64_t b = 0; b < (1ull << 32); b += 9973) {  // everything else, sampled
+    const float v = from_bits(static_cast<uint32_t>(b));
+    check(fp8::fp8_e4m3_from_float(v) == nearest_code(v, values), "e4m3 rounding (stride)", v);
+  }
+  check(fp8::fp8_e4m3_from_float(INFINITY) == 0x7e, "inf saturates", INFINITY);
+  check(fp8::fp8_e4m3_from_float(-INFINITY) == 0xfe, "-inf saturates", -INFINITY);
+  check(fp8::fp8_e4m3_from_float(-NAN) == 0xff, "-NaN keeps its sign", 0);
+}
+
+void test_scale() {
+  check(fp8::scale_from_amax(0.0f, false) == 1.0f, "amax 0 -> scale 1", 0);
+  check(fp8::scale_from_amax(0.0f, true) == 1.0f, "amax 0 -> scale 1 (pow2)", 0);
+  check(fp8::scale_from_amax(448.0f, false) == 1.0f, "448 -> 1", 448);
+  check(fp8::scale_from_amax(3.0f, false) == 3.0f / 448.0f, "scale = fl(amax / 448)", 3);
+  check(fp8::scale_from_amax(449.0f, true) == 2.0f, "pow2 rounds up", 449);
+  check(fp8::scale_from_amax(224.0f, true) == 0.5f, "pow2 exact stays", 224);
+  check(fp8::scale_from_amax(1e-37f, false) == std::ldexp(1.0f, -126), "scale >= 2^-126", 1e-37);
+  for (float amax = 1e-30f; amax < 1e30f; amax *= 1.37f) {
+    const float s = fp8::scale_from_amax(amax, true);
+    int e = 0;
+    check(std::frexp(s, &e) == 0.5f && s >= amax / 448.0f && s / 2 < amax / 448.0f, "pow2 is the next power", amax);
+  }
+}
+
+void test_element() {
+  const float scale = 3.0f / 448.0f;
+  check(fp8::quantize_element(3.0f, scale) == 0x7e, "the amax element -> 448", 3);
+  check(fp8::quantize_element(1.0f, 1.0f / 3) == fp8::fp8_e4m3_from_float(1.0f / (1.0f / 3)), "one division", 1);
+  check(fp8::quantize_element(-1e-40f, std::ldexp(1.0f, -126)) == 0x80, "subnormal -> signed zero", -1e-40);
+  check(fp8::quantize_element(INFINITY, scale) == 0x7e, "inf -> 448", INFINITY);
+  check(fp8::quantize_element(-NAN, scale) == 0xff, "NaN keeps its sign", 0);
+  check(fp8::quantize_element(NAN, scale) == 0x7f, "NaN", 0);
+}
+
+// A [2, 130, 260] f32 array in 128 x 128 blocks and, viewed as [260, 260], in 1 x 128 rows:
+// the scales' layout, the tails, and the tile rules (inf, NaN ignored; zero tiles scale 1).
+void test_kernel() {
+  const int64_t g = 2, k = 130, n = 260;
+  std::vector<float> x(g * k * n, 0.0f);
+  for (int64_t i = 0; i < g * k * n; ++i) x[i] = static_cast<float>((i * 37) % 101) - 50.0f;
+  for (int64_t i = 0; i < 2 * n; ++i) x[(1 * k + 128) * n + i] = 0.0f;  // block row (1, 1): 2 zero rows
+  x[(1 * k + 129) * n + 3] = 7.0f;                                     // block (1, 1, 0): amax 7
+  x[(1 * k + 129) * n + 130] = INFINITY;                               // block (1, 1, 1): inf ignored
+  x[(1 * k + 129) * n + 131] = NAN;                                    //   and NaN: amax 0 -> 1
+  std::vector<uint8_t> q(x.size());
+  std::vector<float> scales(g * 2 * 3);
+  Fp8QuantizeParams p{x.data(), DType::kF32, q.data(), scales.data(), g, k, n, fp8::kTile, false};
+  cpu::fp8_quantize(p);
+  check(scales[0] == 50.0f / 448.0f, "block (0,0,0) scale", scales[0]);
+  check(scales[1 * 6 + 1 * 3 + 0] == 7.0f / 448.0f, "block (1,1,0): a two-row tail", scales[9]);
+  check(scales[1 * 6 + 1 * 3 + 1] == 1.0f, "block (1,1,1): inf and NaN only -> 1", scales[10]);
+  check(scales[1 * 6 + 1 * 3 + 2] == 1.0f, "block (1,1,2): a zero 2 x 4 tail -> 1", scales[11]);
+  check(q[(1 * k + 129) * n + 3] == 0x7e && q[(1 * k + 129) * n + 130] == 0x7e && q[(1 * k + 129) * n + 131] == 0x7f,
+        "block elements", 0);
+
+  std::vector<float> row_scales(g * k * 3);
+  Fp8QuantizeParams r{x.data(), DType::kF32, q.data(), row_scales.data(), 1, g * k, n, 1, true};
+  cpu::fp8_quantize(r);
+  const int64_t row = 1 * k + 129;
+  check(row_scales[row * 3 + 0] == 1.0f / 64, "row tile pow2 scale of amax 7", row_scales[row * 3]);
+  check(row_scales[row * 3 + 1] == 1.0f && row_scales[row * 3 + 2] == 1.0f, "row tiles without finite values", 0);
+  check(q[row * n + 3] == fp8::fp8_e4m3_from_float(7.0f * 64), "row element", 0);
+}
+
+}  // namespace
+
+int main() {
+  std::vector<double> values(127);
+  for (int c = 0; c < 127; ++c) values[c] = code_value(c);
+  test_codes(values);
+  test_rounding(values);
+  test_scale();
+  test_element();
+  test_kernel();
+  std::printf("%s: %d failures\n", failures ? "FAIL" : "PASS", failures);
+  return failures ? 1 : 0;
+}
