@@ -1,0 +1,24 @@
+// CUDA FP8 blockwise quantisation in tiles of tile_rows x 128 (contract in
+// common/fp8_blockwise.h). Framework-free: no XLA, no Python.
+//
+// Only enqueues work on `stream` (no host copy, no synchronisation, no global state:
+// CUDA-graph safe) and is bitwise deterministic. Reads x once. Runs on compute capability
+// 8.x, 9.0 and 10.0 or later (cuda/device_support.h); returns an error elsewhere.
+#ifndef MOE_XLA_CUDA_FP8_QUANTIZE_H_
+#define MOE_XLA_CUDA_FP8_QUANTIZE_H_
+
+#include <cuda_runtime_api.h>
+
+#include "common/fp8_blockwise.h"
+#include "common/status.h"
+
+namespace moe_xla {
+namespace cuda {
+
+// Fills p.q and p.scales (device memory) from p.x.
+Status fp8_quantize(const Fp8QuantizeParams& p, cudaStream_t stream);
+
+}  // namespace cuda
+}  // namespace moe_xla
+
+#endif  // MOE_XLA_CUDA_FP8_QUANTIZE_H_

@@ -1,0 +1,84 @@
+// Decodes and validates the buffers and attributes of the quantize_fp8_rows /
+// quantize_fp8_blocks FFI calls into the framework-free Fp8QuantizeParams of
+// common/fp8_blockwise.h, for both the CPU and the CUDA handlers. Every error names the
+// argument, what was expected and what was passed.
+#ifndef MOE_XLA_FFI_FP8_QUANTIZE_ARGS_H_
+#define MOE_XLA_FFI_FP8_QUANTIZE_ARGS_H_
+
+#include <cstdint>
+#include <string>
+#include <utility>
+
+#include "common/fp8_blockwise.h"
+#include "ffi/grouped_gemm_args.h"  // shape_string, type_name, to_dtype, invalid, expect_shape
+#include "xla/ffi/api/ffi.h"
+
+namespace moe_xla::ffi_args {
+
+namespace ffi = xla::ffi;
+
+// x [M, K] (tile_rows 1: 1 x 128 row tiles) or [G, K, N] (tile_rows 128: 128 x 128
+// blocks) of f32 / bf16 / f16; q float8_e4m3fn of x's shape; scales f32 of shape
+// [M, ceil(K/128)] or [G, ceil(K/128), ceil(N/128)].
+inline ffi::ErrorOr<Fp8QuantizeParams> decode_fp8_quantize(ffi::AnyBuffer x, ffi::AnyBuffer q,
+                                                           ffi::Buffer<ffi::F32> scales, int64_t tile_rows,
+                                                           bool pow2_scale) {
+  const auto dims = x.dimensions();
+  Fp8QuantizeParams p{};
+  if (tile_rows == 1) {
+    if (dims.size() != 2) return invalid("x: expected rank 2 [M, K], got shape " + shape_string(dims));
+    p.batch = 1;
+    p.rows = dims[0];
+    p.cols = dims[1];
+    if (auto e = expect_shape("scales", scales.dimensions(), {p.rows, fp8::tiles(p.cols)}); e.failure()) {
+      return ffi::Unexpected<ffi::Error>(std::move(e));
+    }
+  } else if (tile_rows == fp8::kTile) {
+    if (dims.size() != 3) return invalid("w: expected rank 3 [G, K, N], got shape " + shape_string(dims));
+    p.batch = dims[0];
+    p.rows = dims[1];
+    p.cols = dims[2];
+    if (auto e = expect_shape("scales", scales.dimensions(), {p.batch, fp8::tiles(p.rows), fp8::tiles(p.cols)});
+        e.failure()) {
+      return ffi::Unexpected<ffi::Error>(std::move(e));
+    }
+  } else {
+    return invalid("tile_rows: expected 1 or 128, got " + std::to_string(tile_rows));
+  }
+  auto dtype = to_dtype(x.element_type(), "x");
+  if (dtype.has_error()) return ffi::Unexpected<ffi::Error>(dtype.error());
+  if (q.element_type() != ffi::DataType::F8E4M3FN) {
+    return invalid("q: expected dtype float8_e4m3fn, got " + type_name(q.element_type()));
+  }
+  if (q.dimensions().size() != dims.size()) {
+    return invalid("q: expected the shape of x " + shape_string(dims) + ", got " + shape_string(q.dimensions()));
+  }
+  for (size_t i = 0; i < dims.size(); ++i) {
+    if (q.dimensions()[i] != dims[i]) {
+      return invalid("q: expected the shape of x " + shape_string(dims) + ", got " + shape_string(q.dimensions()));
+    }
+  }
+  p.x = x.untyped_data();
+  p.dtype = *dtype;
+  p.q = static_cast<uint8_t*>(q.untyped_data());
+  p.scales = scales.typed_data();
+  p.tile_rows = tile_rows;
+  p.pow2_scale = pow2_scale;
+  return p;
+}
+
+// The operands and attributes of the quantisation handlers, appended to `binding` (the
+// CUDA handlers bind them after their stream); the attribute name is the one the
+// primitives' lowerings pass. The tile shape is fixed per handler, not an attribute.
+template <class Binding>
+auto bind_fp8_quantize(Binding&& binding) {
+  return std::move(binding)
+      .template Arg<ffi::AnyBuffer>()          // x [M, K] or w [G, K, N]
+      .template Ret<ffi::AnyBuffer>()          // q, float8_e4m3fn, shape of x
+      .template Ret<ffi::Buffer<ffi::F32>>()   // scales, one per tile
+      .template Attr<bool>("pow2_scale");
+}
+
+}  // namespace moe_xla::ffi_args
+
+#endif  // MOE_XLA_FFI_FP8_QUANTIZE_ARGS_H_

@@ -1,0 +1,31 @@
+// XLA FFI handlers of quantize_fp8_rows (1 x 128 row tiles) and quantize_fp8_blocks
+// (128 x 128 blocks) on the host platform: one function, the tile height fixed per symbol.
+#include <cstdint>
+
+#include "common/fp8_blockwise.h"
+#include "cpu/fp8_quantize.h"
+#include "ffi/fp8_quantize_args.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace moe_xla {
+namespace {
+
+template <int64_t kTileRows>
+ffi::Error quantize_fp8_cpu(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> q, ffi::ResultBuffer<ffi::F32> scales,
+                            bool pow2_scale) {
+  auto p = ffi_args::decode_fp8_quantize(x, *q, *scales, kTileRows, pow2_scale);
+  if (p.has_error()) return p.error();
+  cpu::fp8_quantize(*p);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace moe_xla
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaQuantizeFp8RowsCpu, moe_xla::quantize_fp8_cpu<1>,
+                              moe_xla::ffi_args::bind_fp8_quantize(ffi::Ffi::Bind()));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaQuantizeFp8BlocksCpu, moe_xla::quantize_fp8_cpu<moe_xla::fp8::kTile>,
+                              moe_xla::ffi_args::bind_fp8_quantize(ffi::Ffi::Bind()));

@@ -1,0 +1,40 @@
+// XLA FFI handlers of quantize_fp8_rows (1 x 128 row tiles) and quantize_fp8_blocks
+// (128 x 128 blocks) on CUDA: decode, validate and enqueue cuda::fp8_quantize on XLA's
+// stream (no host sync, no scratch; command-buffer compatible). One function, the tile
+// height fixed per symbol.
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "common/fp8_blockwise.h"
+#include "cuda/fp8_quantize.h"
+#include "ffi/fp8_quantize_args.h"
+#include "ffi/status.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace moe_xla {
+namespace {
+
+template <int64_t kTileRows>
+ffi::Error quantize_fp8_cuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> q,
+                             ffi::ResultBuffer<ffi::F32> scales, bool pow2_scale) {
+  auto p = ffi_args::decode_fp8_quantize(x, *q, *scales, kTileRows, pow2_scale);
+  if (p.has_error()) return p.error();
+  return ffi_args::to_error(cuda::fp8_quantize(*p, stream),
+                            kTileRows == 1 ? "quantize_fp8_rows" : "quantize_fp8_blocks");
+}
+
+}  // namespace
+}  // namespace moe_xla
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaQuantizeFp8RowsCuda, moe_xla::quantize_fp8_cuda<1>,
+                              moe_xla::ffi_args::bind_fp8_quantize(
+                                  ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaQuantizeFp8BlocksCuda, moe_xla::quantize_fp8_cuda<moe_xla::fp8::kTile>,
+                              moe_xla::ffi_args::bind_fp8_quantize(
+                                  ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+                              {ffi::Traits::kCmdBufferCompatible});
