@@ -24,6 +24,7 @@ inline ffi::ErrorOr<Fp8QuantizeParams> decode_fp8_quantize(ffi::AnyBuffer x, ffi
                                                            ffi::Buffer<ffi::F32> scales, int64_t tile_rows,
                                                            bool pow2_scale) {
   const auto dims = x.dimensions();
+  const char* name = tile_rows == 1 ? "x" : "w";  // the primitives' argument names
   Fp8QuantizeParams p{};
   if (tile_rows == 1) {
     if (dims.size() != 2) return invalid("x: expected rank 2 [M, K], got shape " + shape_string(dims));
@@ -45,18 +46,16 @@ inline ffi::ErrorOr<Fp8QuantizeParams> decode_fp8_quantize(ffi::AnyBuffer x, ffi
   } else {
     return invalid("tile_rows: expected 1 or 128, got " + std::to_string(tile_rows));
   }
-  auto dtype = to_dtype(x.element_type(), "x");
+  auto dtype = to_dtype(x.element_type(), name);
   if (dtype.has_error()) return ffi::Unexpected<ffi::Error>(dtype.error());
   if (q.element_type() != ffi::DataType::F8E4M3FN) {
     return invalid("q: expected dtype float8_e4m3fn, got " + type_name(q.element_type()));
   }
-  if (q.dimensions().size() != dims.size()) {
-    return invalid("q: expected the shape of x " + shape_string(dims) + ", got " + shape_string(q.dimensions()));
-  }
-  for (size_t i = 0; i < dims.size(); ++i) {
-    if (q.dimensions()[i] != dims[i]) {
-      return invalid("q: expected the shape of x " + shape_string(dims) + ", got " + shape_string(q.dimensions()));
-    }
+  bool same_shape = q.dimensions().size() == dims.size();
+  for (size_t i = 0; same_shape && i < dims.size(); ++i) same_shape = q.dimensions()[i] == dims[i];
+  if (!same_shape) {
+    return invalid(std::string("q: expected the shape of ") + name + " " + shape_string(dims) + ", got " +
+                   shape_string(q.dimensions()));
   }
   p.x = x.untyped_data();
   p.dtype = *dtype;
