@@ -2,7 +2,7 @@
 // tile scheduler's raster order comes at run time (CutlassGroupedArgs).
 //
 // Only cutlass_instance.cu includes this header; it is compiled once per entry of the
-// table in cuda/cutlass_instances.bzl, each compilation instantiating one combination, so
+// instance table in cuda/BUILD.bazel, each compilation instantiating one combination, so
 // that these long compiles run in parallel and are cached one by one.
 //
 // Mapping of the three grouped products onto CUTLASS's D[M,N] = A[M,K] B[K,N] (per group g,

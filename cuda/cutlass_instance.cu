@@ -1,11 +1,11 @@
 // One explicit instantiation of the CUTLASS grouped GEMM (cutlass_grouped.cuh): its dtype,
-// layout and tile configuration come from -D flags that cuda/cutlass_instances.bzl sets,
-// one compilation per entry of its table.
+// layout and tile configuration come from -D flags, one compilation per entry of the
+// instance table in cuda/BUILD.bazel (the cutlass_instances rule of bazel/cuda.bzl).
 #include "cuda/cutlass_grouped.cuh"
 
 #if !defined(MOE_XLA_CUTLASS_DTYPE) || !defined(MOE_XLA_CUTLASS_LAYOUT) || \
     !defined(MOE_XLA_CUTLASS_TILE)
-#error "compile with -DMOE_XLA_CUTLASS_DTYPE=kBF16 -DMOE_XLA_CUTLASS_LAYOUT=kGmm -DMOE_XLA_CUTLASS_TILE=kLarge (see cuda/cutlass_instances.bzl)"
+#error "set MOE_XLA_CUTLASS_DTYPE, _LAYOUT and _TILE (e.g. kBF16, kGmm, kLarge; cuda/BUILD.bazel)"
 #endif
 
 namespace moe_xla {

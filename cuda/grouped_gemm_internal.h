@@ -1,6 +1,6 @@
 // Internal interface between the dispatcher (grouped_gemm.cu), the SIMT fallback
 // (fallback_gemm.cu) and the CUTLASS instantiations (cutlass_instance.cu, compiled once
-// per entry of the table in cuda/cutlass_instances.bzl). Not part of the API.
+// per entry of the instance table in cuda/BUILD.bazel). Not part of the API.
 #ifndef MOE_XLA_CUDA_GROUPED_GEMM_INTERNAL_H_
 #define MOE_XLA_CUDA_GROUPED_GEMM_INTERNAL_H_
 
@@ -55,8 +55,8 @@ struct CutlassGroupedArgs {
 };
 
 // Defined in cutlass_grouped.cuh; each compilation of cutlass_instance.cu explicitly
-// instantiates both for exactly one (dtype, layout, tile) combination of the table in
-// cuda/cutlass_instances.bzl, which also generates the dispatcher's list of them. The run
+// instantiates both for exactly one (dtype, layout, tile) combination of the instance table
+// in cuda/BUILD.bazel, from which the build also generates the dispatcher's list. The run
 // enqueues two kernels: prep (offsets, per-group metadata, and for gmm the zeroing of rows
 // past the groups), then the GEMM.
 template <DType kDType, GroupedLayout kLayout, TileConfig kTile>

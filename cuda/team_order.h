@@ -1,6 +1,6 @@
 // The team order of the grouped GEMM's tile scheduler as plain integer arithmetic: which
 // units of CUTLASS's tile sequence one cluster takes, step by step. Host and device code;
-// used by team_scheduler.cuh on the GPU and tested on the host (team_order_test.cc).
+// used by team_scheduler.cuh on the GPU and tested on the host (tests/cc/team_order_test.cc).
 //
 // C clusters share U units (a unit = one cluster's worth of output tiles, in CUTLASS's
 // sequence: group by group, each group in its raster order).
