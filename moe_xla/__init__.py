@@ -4,9 +4,12 @@ from moe_xla.aux_losses import MoeAux
 from moe_xla.moe import moe
 from moe_xla.primitives.gmm import gmm
 from moe_xla.primitives.permute import permute
+from moe_xla.primitives.quantize_fp8_blocks import quantize_fp8_blocks
+from moe_xla.primitives.quantize_fp8_rows import quantize_fp8_rows
 from moe_xla.primitives.ragged_dot import ragged_dot
 from moe_xla.primitives.route import route
 from moe_xla.primitives.tgmm import tgmm
 from moe_xla.primitives.unpermute import unpermute
 
-__all__ = ["MoeAux", "gmm", "moe", "permute", "ragged_dot", "route", "tgmm", "unpermute"]
+__all__ = ["MoeAux", "gmm", "moe", "permute", "quantize_fp8_blocks",
+           "quantize_fp8_rows", "ragged_dot", "route", "tgmm", "unpermute"]

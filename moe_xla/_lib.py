@@ -34,6 +34,12 @@ _SYMBOLS = {
     for op in ("gmm", "tgmm", "route", "permute", "unpermute")
     for platform in ("cpu", "cuda")
 }
+# FP8 quantisation (common/fp8_blockwise.h): symbols in CamelCase, MoeXlaQuantizeFp8RowsCpu.
+_SYMBOLS.update({
+    (op, platform): f"MoeXla{op.title().replace('_', '')}{platform.capitalize()}"
+    for op in ("quantize_fp8_rows", "quantize_fp8_blocks")
+    for platform in ("cpu", "cuda")
+})
 
 
 def target_name(op: str, platform: str) -> str:

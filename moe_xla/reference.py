@@ -165,3 +165,135 @@ def moe(x, router_logits, w_in, w_out, *, top_k, activation="swiglu", score="sof
         a = expert_activation(jnp.dot(x2, s_in, precision="highest"), activation)
         y = y + jnp.dot(a, s_out, precision="highest")
     return y.reshape(x.shape).astype(x.dtype)
+
+
+# --- FP8 blockwise quantisation (common/fp8_blockwise.h, DESIGN.md section 8) -----------
+#
+# The tilings the FP8 grouped GEMMs need (issue 15, items 2-3), and no more:
+#   quantize_fp8_rows        1 x 128 tiles along the last dim of [M, K]: the forward's x
+#                            (along K) and the dgrad's dy (along N).
+#   quantize_fp8_blocks      128 x 128 blocks of w [G, K, N]: the forward's weights; the
+#                            dgrad multiplies by the same blocks transposed (q and scales
+#                            swapped along their last two axes), so weights are quantised once.
+#   quantize_fp8_group_cols  128 x 1 tiles along M of [M, K] that restart at every group
+#                            boundary: x and dy of an FP8 wgrad (the contraction is M,
+#                            per group). Needed only if the wgrad is FP8 (item 3).
+
+FP8_TILE = 128
+FP8_MAX = 448.0
+
+
+def _f32_bits(x):
+    return jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+
+
+def _bits_f32(b):
+    return jax.lax.bitcast_convert_type(b, jnp.float32)
+
+
+def _divide(a, b):
+    """fl(a / b) element by element, one IEEE division each. XLA rewrites a division by a
+    constant or a broadcast into a multiplication by the rounded reciprocal, which rounds
+    twice; the divisor, broadcast in full behind a barrier, is neither."""
+    a, b = jnp.broadcast_arrays(a, b)
+    return a / jax.lax.optimization_barrier(b)
+
+
+def fp8_magnitude(x):
+    """m(x) = |x| for a finite normal float32 x, else 0: NaN, +-inf and float32 subnormals
+    do not count in a tile's amax."""
+    a = _f32_bits(x) & jnp.uint32(0x7FFFFFFF)
+    return jnp.where((a >= 0x00800000) & (a < 0x7F800000), _bits_f32(a), 0.0)
+
+
+def fp8_scale(amax, pow2: bool):
+    """A tile's scale from its amax: 1 if amax == 0, else max(fl(amax / 448), 2^-126),
+    rounded up to a power of two when pow2. (Where XLA flushes a subnormal quotient to 0
+    the max gives 2^-126 too.)"""
+    s = jnp.maximum(_f32_bits(_divide(amax, jnp.float32(FP8_MAX))), jnp.uint32(0x00800000))
+    if pow2:
+        s = jnp.where((s & 0x007FFFFF) != 0, (s & jnp.uint32(0x7F800000)) + jnp.uint32(0x00800000), s)
+    return jnp.where(amax == 0, jnp.float32(1.0), _bits_f32(s))
+
+
+def fp8_quantize(x, scale):
+    """q = e4m3(fl(x' / scale)), rounded to nearest even and saturated to +-448 (+-inf too);
+    x' is x with float32 subnormals replaced by a zero of their sign; NaN stays NaN with its
+    sign. One float32 division, as the kernels."""
+    x = x.astype(jnp.float32)
+    b = _f32_bits(x)
+    x = jnp.where((b & 0x7FFFFFFF) < 0x00800000, _bits_f32(b & jnp.uint32(0x80000000)), x)
+    v = jnp.clip(_divide(x, scale), -FP8_MAX, FP8_MAX)
+    return jnp.where(jnp.isnan(x), x, v).astype(jnp.float8_e4m3fn)
+
+
+def _fp8_tiles(n: int) -> int:
+    return -(-n // FP8_TILE)
+
+
+def quantize_fp8_rows(x, *, pow2_scale=False):
+    """x [M, K] -> (q [M, K] float8_e4m3fn, scales [M, ceil(K/128)] float32): one scale per
+    row per 128 columns (the tail, K mod 128 columns, is a tile of its own);
+    x[m, k] ~ q[m, k] * scales[m, k // 128]."""
+    m, k = x.shape
+    kt = _fp8_tiles(k)
+    xp = jnp.pad(x.astype(jnp.float32), ((0, 0), (0, kt * FP8_TILE - k))).reshape(m, kt, FP8_TILE)
+    scales = fp8_scale(jnp.max(fp8_magnitude(xp), axis=-1, initial=0.0), pow2_scale)
+    q = fp8_quantize(xp, scales[..., None]).reshape(m, kt * FP8_TILE)[:, :k]
+    return q, scales
+
+
+def quantize_fp8_blocks(w, *, pow2_scale=False):
+    """w [G, K, N] -> (q [G, K, N] float8_e4m3fn, scales [G, ceil(K/128), ceil(N/128)]
+    float32): one scale per 128 x 128 block (partial blocks at the K and N tails);
+    w[g, k, n] ~ q[g, k, n] * scales[g, k // 128, n // 128]."""
+    g, k, n = w.shape
+    kt, nt = _fp8_tiles(k), _fp8_tiles(n)
+    wp = jnp.pad(w.astype(jnp.float32), ((0, 0), (0, kt * FP8_TILE - k), (0, nt * FP8_TILE - n)))
+    wp = wp.reshape(g, kt, FP8_TILE, nt, FP8_TILE)
+    scales = fp8_scale(jnp.max(fp8_magnitude(wp), axis=(2, 4), initial=0.0), pow2_scale)
+    q = fp8_quantize(wp, scales[:, :, None, :, None]).reshape(g, kt * FP8_TILE, nt * FP8_TILE)
+    return q[:, :k, :n], scales
+
+
+def fp8_group_col_tiles(group_sizes, m: int):
+    """The wgrad tile of each of the m rows: rows split into the groups (clamped as
+    common/grouped_gemm.h) and the rows past the last group, each segment cut into tiles of
+    128 rows from its first row; tiles numbered in row order. -> [M] int32, all below
+    ceil(M/128) + G (sum over the G + 1 segments of ceil(len / 128))."""
+    ends = group_ends(group_sizes, m)
+    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends])
+    lengths = jnp.concatenate([ends, jnp.full((1,), m, jnp.int32)]) - starts
+    first_tile = jnp.cumsum(-(-lengths // FP8_TILE)) - -(-lengths // FP8_TILE)
+    seg = row_groups(group_sizes, m)
+    return (first_tile[seg] + (jnp.arange(m, dtype=jnp.int32) - starts[seg]) // FP8_TILE).astype(jnp.int32)
+
+
+def quantize_fp8_group_cols(x, group_sizes, *, pow2_scale=False):
+    """x [M, K], group_sizes [G] -> (q [M, K] float8_e4m3fn, scales [ceil(M/128) + G, K]
+    float32): one scale per column per 128-row tile of fp8_group_col_tiles (tiles restart
+    at every group boundary); x[r, k] ~ q[r, k] * scales[tile(r), k]. Scale rows of no tile
+    are 1."""
+    m, k = x.shape
+    tile = fp8_group_col_tiles(group_sizes, m)
+    rows = _fp8_tiles(m) + group_sizes.shape[0]
+    amax = jnp.zeros((rows, k), jnp.float32).at[tile].max(fp8_magnitude(x))
+    scales = fp8_scale(amax, pow2_scale)
+    return fp8_quantize(x, scales[tile]), scales
+
+
+def dequantize_fp8_rows(q, scales, dtype=jnp.float32):
+    """q [M, K] * scales [M, ceil(K/128)] repeated over each tile's columns, in float32."""
+    s = jnp.repeat(scales, FP8_TILE, axis=-1)[:, :q.shape[1]]
+    return (q.astype(jnp.float32) * s).astype(dtype)
+
+
+def dequantize_fp8_blocks(q, scales, dtype=jnp.float32):
+    """q [G, K, N] * scales [G, ceil(K/128), ceil(N/128)] repeated over each block, in float32."""
+    s = jnp.repeat(jnp.repeat(scales, FP8_TILE, axis=1), FP8_TILE, axis=2)[:, :q.shape[1], :q.shape[2]]
+    return (q.astype(jnp.float32) * s).astype(dtype)
+
+
+def dequantize_fp8_group_cols(q, scales, group_sizes, dtype=jnp.float32):
+    """q [M, K] * scales[tile(r)] (fp8_group_col_tiles), in float32."""
+    return (q.astype(jnp.float32) * scales[fp8_group_col_tiles(group_sizes, q.shape[0])]).astype(dtype)

@@ -30,6 +30,8 @@ _REFERENCE = {
     "route": _route,
     "permute": lambda x, expert_ids, *, num_experts: list(reference.permute(x, expert_ids, num_experts)),
     "unpermute": lambda y_sorted, row_map, weights, *, unique_rows: reference.unpermute(y_sorted, row_map, weights),
+    "quantize_fp8_rows": lambda x, *, pow2_scale: list(reference.quantize_fp8_rows(x, pow2_scale=pow2_scale)),
+    "quantize_fp8_blocks": lambda w, *, pow2_scale: list(reference.quantize_fp8_blocks(w, pow2_scale=pow2_scale)),
 }
 
 
