@@ -70,14 +70,14 @@ def _bits(a):
     return a.view(np.uint8 if a.dtype.itemsize == 1 else np.uint32)
 
 
-def assert_bitwise(out, ref):
+def assert_bitwise(out, ref, against="the reference"):
     for o, r, name in zip(out, ref, ("q", "scales")):
         assert o.shape == r.shape and o.dtype == r.dtype, (name, o.shape, o.dtype, r.shape, r.dtype)
         ob, rb = _bits(o), _bits(r)
         bad = np.argwhere(ob != rb)
         if bad.size:
             first = tuple(bad[0])
-            raise AssertionError(f"{name}: {len(bad)} of {ob.size} differ, first at {first}: "
+            raise AssertionError(f"{name}: {len(bad)} of {ob.size} differ from {against}, first at {first}: "
                                  f"{ob[first]:#x} vs {rb[first]:#x}")
 
 
@@ -124,9 +124,9 @@ KERNEL_CASES = [pytest.param(moe_xla.quantize_fp8_rows, reference.quantize_fp8_r
 def test_kernel_is_the_reference_bitwise(rng, op, ref, shape, dtype, pow2, platform):
     x = tricky(rng, shape, dtype)
     out = jax.jit(lambda v: op(v, pow2_scale=pow2))(jax.device_put(x, _device(platform)))
-    assert_bitwise(out, _reference_on("cpu", ref, x, pow2_scale=pow2))
-    if platform == "gpu":
-        assert_bitwise(out, _reference_on("gpu", ref, x, pow2_scale=pow2))
+    assert_bitwise(out, _reference_on("cpu", ref, x, pow2_scale=pow2), "the reference on the CPU")
+    if platform == "gpu":  # the reference itself must not depend on XLA's platform either
+        assert_bitwise(out, _reference_on("gpu", ref, x, pow2_scale=pow2), "the reference on the GPU")
 
 
 @pytest.mark.parametrize("pow2", [False, True])
