@@ -15,7 +15,7 @@
 //   scale  = 1                                   if amax == 0
 //            max(fl(amax / 448), 2^-126)         otherwise
 //   pow2 scale: the smallest power of two >= that scale (exact rescaling, as MX formats)
-//   q(x)   = sign(x) | 0x7f                      if x is NaN (NaN stays NaN, sign kept)
+//   q(x)   = 0x7f                                if x is NaN (NaN stays NaN, one code)
 //            e4m3(fl(x' / scale))                otherwise, x' = x with float32-subnormal
 //                                                values replaced by a zero of their sign
 //   e4m3(v): round to nearest, ties to even, to E4M3; |v| > 448 (+-inf included) saturates
@@ -30,7 +30,9 @@
 //   keeping the scale at or above 2^-126 (a normal number) make every operand of the
 //   division normal; a subnormal quotient rounds to a signed zero in E4M3 either way.
 //   Both rules differ from "scale = amax / 448" only for amax < 448 * 2^-126 (~5e-36).
-// - NaN is caught before the division (a GPU division returns a sign-less NaN).
+// - NaN is caught before the division and always gives the code 0x7f: the sign of a NaN
+//   is not kept by every platform (a GPU division returns a sign-less NaN, and XLA:GPU's
+//   conversion to float8_e4m3fn canonicalises NaN), so no result may depend on it.
 // - The classification m(x), the power-of-two rounding and the E4M3 rounding are integer
 //   operations on the float32 bits (fp8_e4m3_from_float below), identical on host and
 //   device; the hardware cvt.satfinite instruction is not used, so sm_80 (which lacks
@@ -88,12 +90,12 @@ MOE_XLA_HOST_DEVICE inline float scale_from_amax(float amax, bool pow2) {
 }
 
 // e4m3(v): round to nearest even to float8_e4m3fn bits, saturating to +-448; NaN -> the
-// NaN code with v's sign. Integer operations only.
+// NaN code 0x7f. Integer operations only.
 MOE_XLA_HOST_DEVICE inline uint8_t fp8_e4m3_from_float(float v) {
   const uint32_t bits = float_bits(v);
   const uint8_t sign = static_cast<uint8_t>((bits >> 24) & 0x80u);
   const uint32_t a = bits & 0x7fffffffu;
-  if (a > kInfBits) return sign | kE4M3NanBits;
+  if (a > kInfBits) return kE4M3NanBits;
   if (a > float_bits(kE4M3Max)) return sign | kE4M3MaxBits;  // saturate, +-inf included
   if (a >= (121u << 23)) {
     // Normal E4M3 (|v| >= 2^-6): keep 3 of the 23 mantissa bits, ties to even; a carry
@@ -117,7 +119,7 @@ MOE_XLA_HOST_DEVICE inline uint8_t fp8_e4m3_from_float(float v) {
 MOE_XLA_HOST_DEVICE inline uint8_t quantize_element(float x, float scale) {
   const uint32_t bits = float_bits(x);
   const uint32_t a = bits & 0x7fffffffu;
-  if (a > kInfBits) return static_cast<uint8_t>((bits >> 24) & 0x80u) | kE4M3NanBits;
+  if (a > kInfBits) return kE4M3NanBits;
   if (a < kMinNormalBits) x = bits_float(bits & 0x80000000u);  // subnormal -> signed zero
 #if defined(__CUDA_ARCH__)
   return fp8_e4m3_from_float(__fdiv_rn(x, scale));

@@ -218,13 +218,15 @@ def fp8_scale(amax, pow2: bool):
 
 def fp8_quantize(x, scale):
     """q = e4m3(fl(x' / scale)), rounded to nearest even and saturated to +-448 (+-inf too);
-    x' is x with float32 subnormals replaced by a zero of their sign; NaN stays NaN with its
-    sign. One float32 division, as the kernels."""
+    x' is x with float32 subnormals replaced by a zero of their sign; every NaN gives the one
+    NaN code 0x7f (a NaN's sign is not kept by every platform). One float32 division, as
+    the kernels."""
     x = x.astype(jnp.float32)
     b = _f32_bits(x)
     x = jnp.where((b & 0x7FFFFFFF) < 0x00800000, _bits_f32(b & jnp.uint32(0x80000000)), x)
     v = jnp.clip(_divide(x, scale), -FP8_MAX, FP8_MAX)
-    return jnp.where(jnp.isnan(x), x, v).astype(jnp.float8_e4m3fn)
+    nan = jax.lax.bitcast_convert_type(jnp.uint8(0x7F), jnp.float8_e4m3fn)
+    return jnp.where(jnp.isnan(x), nan, v.astype(jnp.float8_e4m3fn))
 
 
 def _fp8_tiles(n: int) -> int:

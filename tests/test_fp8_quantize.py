@@ -93,8 +93,8 @@ def _numpy_quantize(x, scales_per_element):
     x[tiny] = np.copysign(np.float32(0), x[tiny])
     with np.errstate(invalid="ignore", over="ignore"):
         v = np.clip(x / scales_per_element, -448, 448)
-    v = np.where(np.isnan(x), x, v)
-    return v.astype(ml_dtypes.float8_e4m3fn)
+    q = v.astype(ml_dtypes.float8_e4m3fn)
+    return np.where(np.isnan(x), np.uint8(0x7F).view(ml_dtypes.float8_e4m3fn), q)
 
 
 def _numpy_scale(amax, pow2):
@@ -157,7 +157,10 @@ def test_group_col_tiles_restart_at_group_boundaries(rng):
     m, k = 400, 6
     group_sizes = np.array([0, 130, 3, 200], np.int32)
     x = tricky(rng, (m, k), jnp.float32)
-    q, scales = (np.asarray(a) for a in reference.quantize_fp8_group_cols(x, jnp.asarray(group_sizes)))
+    # On the CPU, as the other checks of the reference against numpy: XLA:GPU's scatter
+    # fusion gave scales one ulp above fl(amax / 448) (H200, jax 0.11.2).
+    cols = lambda v: reference.quantize_fp8_group_cols(v, jnp.asarray(group_sizes))  # noqa: E731
+    q, scales = (np.asarray(a) for a in _reference_on("cpu", cols, x))
     starts = [0, 0, 130, 133, 333]
     ends = [0, 130, 133, 333, 400]
     tile_rows = [range(s, min(s + 128, e)) for s, e in zip(starts, ends) for s in range(s, e, 128)]
