@@ -4,7 +4,7 @@ their speed ratios per case.
 
     python benchmarks/ab_commits.py --old DIR --new DIR [--out benchmarks/results] [--turns 2]
         [--gmm-args "--skip-ragged-dot --turn-seconds 0.3 --rounds 3"]
-        [--moe-args "--skip ragged_dot capacity dense --reps 20"]
+        [--moe-args "--skip ragged_dot capacity dense --reps 20"] [--benches gmm moe_layer]
 
 Each checkout DIR holds moe_xla/ (its Python package), benchmarks/ and
 moe_xla/_native/libmoe_xla.so. A turn runs one checkout's benchmarks/gmm.py and then its
@@ -54,11 +54,12 @@ def _key(row) -> str:
     return f"{row['case']}/{row['groups']}" if "groups" in row else row["case"]
 
 
-def compare(turns: dict) -> list[dict]:
-    """turns = {label: [rows of one turn, ...]} for labels old and new -> one row per
-    (case, metric) with both medians and new/old speed."""
+def compare(turns: dict, benches) -> list[dict]:
+    """turns = {label: [{bench: rows} of one turn, ...]} for labels old and new -> one row
+    per (bench, case, metric) with both medians and new/old speed."""
     out = []
-    for bench, (_, _, metrics) in SCRIPTS.items():
+    for bench in benches:
+        metrics = SCRIPTS[bench][2]
         by = {label: {} for label in turns}
         for label, runs in turns.items():
             for run in runs:
@@ -87,6 +88,7 @@ def main():
     parser.add_argument("--turns", type=int, default=2, help="turns per checkout (order ABBA...)")
     parser.add_argument("--gmm-args", default="--skip-ragged-dot --turn-seconds 0.3 --rounds 3")
     parser.add_argument("--moe-args", default="--skip ragged_dot capacity dense --reps 20")
+    parser.add_argument("--benches", nargs="*", choices=list(SCRIPTS), default=list(SCRIPTS))
     args = parser.parse_args()
     trees = {"old": args.old.resolve(), "new": args.new.resolve()}
     order = [("old", "new"), ("new", "old")]
@@ -95,11 +97,12 @@ def main():
         for i in range(args.turns):
             for label in order[i % 2]:
                 run = {}
-                for bench, (script, opt, _) in SCRIPTS.items():
+                for bench in args.benches:
+                    script, opt, _ = SCRIPTS[bench]
                     out = Path(tmp) / f"{label}{i}_{bench}"
                     run[bench] = _run_turn(trees[label], script, getattr(args, opt), out)
                 turns[label].append(run)
-    rows = compare(turns)
+    rows = compare(turns, args.benches)
     env = environment()
     env.update(turns=args.turns, gmm_args=args.gmm_args, moe_args=args.moe_args,
                old=str(trees["old"]), new=str(trees["new"]))
