@@ -169,10 +169,10 @@ def time_jax(fn, *args, reps: int = 20, inner: int = 5) -> float:
     return statistics.median(batch_times(lambda: fn(*args), jax.block_until_ready, inner, reps))
 
 
-def device_kernels(fn, args, calls: int):
-    """(span us, Counter {kernel name: total us}) on the GPUs of `calls` back-to-back calls of
-    fn(*args), from a jax.profiler trace (empty where the backend records no device kernels).
-    Call it before anything starts torch.profiler: the two cannot share CUPTI in one process."""
+def trace_events(fn, args, calls: int) -> list[dict]:
+    """The events (Chrome trace format) of a jax.profiler trace of `calls` back-to-back calls
+    of fn(*args), after one untraced call. Call it before anything starts torch.profiler:
+    the two cannot share CUPTI in one process."""
     jax.block_until_ready(fn(*args))
     with tempfile.TemporaryDirectory() as log_dir:
         with jax.profiler.trace(log_dir, create_perfetto_trace=True):
@@ -181,7 +181,13 @@ def device_kernels(fn, args, calls: int):
             jax.block_until_ready(out)
         trace = glob.glob(f"{log_dir}/**/perfetto_trace.json.gz", recursive=True)[0]
         events = json.load(gzip.open(trace))
-    events = events["traceEvents"] if isinstance(events, dict) else events
+    return events["traceEvents"] if isinstance(events, dict) else events
+
+
+def device_kernels(fn, args, calls: int):
+    """(span us, Counter {kernel name: total us}) on the GPUs of `calls` back-to-back calls of
+    fn(*args), from trace_events (empty where the backend records no device kernels)."""
+    events = trace_events(fn, args, calls)
     gpu = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
            and "GPU" in str(e["args"].get("name", ""))}
     threads = {(e["pid"], e["tid"]): str(e["args"].get("name", "")) for e in events

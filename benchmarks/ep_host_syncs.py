@@ -26,14 +26,10 @@ from __future__ import annotations
 
 import argparse
 import collections
-import glob
-import gzip
-import json
 import re
-import tempfile
 from pathlib import Path
 
-from _timing import CASES, environment, fwd_bwd, moe_inputs, routing_options, write_results
+from _timing import CASES, environment, fwd_bwd, moe_inputs, routing_options, trace_events, write_results
 
 import jax
 import numpy as np
@@ -45,22 +41,10 @@ _D2H = re.compile(r"dtoh|d2h|devicetohost", re.IGNORECASE)
 _D2D = re.compile(r"dtod|d2d|devicetodevice", re.IGNORECASE)
 
 
-def _trace_events(fn, args, steps: int) -> list[dict]:
-    jax.block_until_ready(fn(*args))
-    with tempfile.TemporaryDirectory() as log_dir:
-        with jax.profiler.trace(log_dir, create_perfetto_trace=True):
-            for _ in range(steps):
-                out = fn(*args)
-            jax.block_until_ready(out)
-        trace = glob.glob(f"{log_dir}/**/perfetto_trace.json.gz", recursive=True)[0]
-        events = json.load(gzip.open(trace))
-    return events["traceEvents"] if isinstance(events, dict) else events
-
-
 def count_syncs(fn, args, steps: int) -> dict:
     """Per-step counts of the trace events described in the module docstring, and the
     names behind each count (for reading the trace by hand)."""
-    events = _trace_events(fn, args, steps)
+    events = trace_events(fn, args, steps)
     procs = {e["pid"]: str(e["args"].get("name", "")) for e in events
              if e.get("ph") == "M" and e.get("name") == "process_name"}
     threads = {(e["pid"], e["tid"]): str(e["args"].get("name", "")) for e in events
