@@ -1,4 +1,4 @@
-// Framework-free contract of the FP8 blockwise quantisation (DESIGN.md section 8, the
+// Framework-free contract of the FP8 blockwise quantisation (the
 // DeepSeek-V3 / DeepGEMM recipe), shared by the CPU kernels (cpu/), the CUDA kernels
 // (cuda/) and stated again in plain jnp by moe_xla/reference.py.
 //

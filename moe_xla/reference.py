@@ -167,9 +167,9 @@ def moe(x, router_logits, w_in, w_out, *, top_k, activation="swiglu", score="sof
     return y.reshape(x.shape).astype(x.dtype)
 
 
-# --- FP8 blockwise quantisation (common/fp8_blockwise.h, DESIGN.md section 8) -----------
+# --- FP8 blockwise quantisation (common/fp8_blockwise.h) -------------------------------
 #
-# The tilings the FP8 grouped GEMMs need (issue 15, items 2-3), and no more:
+# The tilings the FP8 grouped GEMMs' forward, dgrad and wgrad need, and no more:
 #   quantize_fp8_rows        1 x 128 tiles along the last dim of [M, K]: the forward's x
 #                            (along K) and the dgrad's dy (along N).
 #   quantize_fp8_blocks      128 x 128 blocks of w [G, K, N]: the forward's weights; the

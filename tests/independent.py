@@ -1,4 +1,4 @@
-"""An MoE layer written here, from the formulas of DESIGN.md section 2 and common/routing.h,
+"""An MoE layer written here, from the formulas of the README's semantics and common/routing.h,
 for tests that must not share code with moe_xla (reference.py included): a bug planted in
 the library's activation, routing weights or aux losses cannot leak into this oracle.
 

@@ -1,4 +1,4 @@
-"""The package's import graph (DESIGN.md section 1): acyclic, and layered top to bottom.
+"""The package's import graph (the README's layout): acyclic, and layered top to bottom.
 
 Edges are read from the source with ast, imports inside functions included, so a cycle
 that Python tolerates by importing late still fails here.

@@ -1,4 +1,4 @@
-"""Sharding rules of the primitives (issue 4 item 6): jit over NamedSharding'd inputs,
+"""Sharding rules of the primitives: jit over NamedSharding'd inputs,
 no shard_map. gmm along N needs no communication, along K one all-reduce; tgmm follows
 K / N; route splits along tokens; permute and unpermute along the hidden dimension
 (along tokens they gather, and still give the exact result)."""

@@ -3,9 +3,9 @@ one is differentiated, and the typed FFI attribute.
 
 Quantisation is not differentiable here, by choice: q is piecewise constant in x (zero
 derivative almost everywhere) and a straight-through estimate is a modelling decision
-that belongs to the FP8 GEMMs, whose rules are written in terms of the unquantised inputs
-(issue 15, item 5). Differentiating a quantize_fp8_* call directly raises; a caller that
-wants no gradient through it applies jax.lax.stop_gradient to its input.
+that belongs to the FP8 GEMMs, whose rules are to be written in terms of the unquantised
+inputs. Differentiating a quantize_fp8_* call directly raises; a caller that wants no
+gradient through it applies jax.lax.stop_gradient to its input.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Sharding rules of the moe_xla primitives (issue 4, item 6).
+"""Sharding rules of the moe_xla primitives (custom_partitioning of their lowerings).
 
 What each op splits without communication:
   gmm      along N (column-parallel expert weights); along K it ends in one all-reduce;

@@ -1,5 +1,5 @@
 """quantize_fp8_blocks: FP8 blockwise quantisation of weights in 128 x 128 blocks (the
-contract is common/fp8_blockwise.h, DESIGN.md section 8).
+contract is common/fp8_blockwise.h).
 
     w [G, K, N] float32 / bfloat16 / float16
       -> q [G, K, N] float8_e4m3fn, scales [G, ceil(K/128), ceil(N/128)] float32

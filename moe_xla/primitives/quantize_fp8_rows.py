@@ -1,5 +1,5 @@
 """quantize_fp8_rows: FP8 blockwise quantisation in 1 x 128 row tiles (the contract is
-common/fp8_blockwise.h, DESIGN.md section 8).
+common/fp8_blockwise.h).
 
     x [M, K] float32 / bfloat16 / float16
       -> q [M, K] float8_e4m3fn, scales [M, ceil(K/128)] float32
@@ -12,7 +12,7 @@ common/fp8_blockwise.h, DESIGN.md section 8).
     so x[m, k] ~ q[m, k] * scales[m, k // 128].
 
 The activation tiling of the FP8 grouped GEMMs: x along K for the forward, dy along N for
-the dgrad (issue 15, items 2-3). Rows are independent: the op shards along M and vmaps by
+the dgrad. Rows are independent: the op shards along M and vmaps by
 folding the batch into M. Bitwise the same on the CPU and CUDA kernels and in
 reference.quantize_fp8_rows. Not differentiable (see _fp8).
 """
