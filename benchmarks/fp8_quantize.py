@@ -1,0 +1,57 @@
+"""Benchmark: the FP8 blockwise quantisation kernels (moe_xla.quantize_fp8_rows and
+quantize_fp8_blocks) in GB/s of compulsory traffic, against a copy-like elementwise op
+(y = -x, which reads and writes every element once) on the same bytes, in the same run.
+
+    python benchmarks/fp8_quantize.py [--out benchmarks/results] [--name fp8_quantize]
+
+Shapes: the activations of the grouped_matmul cases of cases.json (rows [M, K], bf16) and
+their weights (blocks [G, K, N], bf16). Bytes = input read + q written (1 byte per element)
++ scales written (4 bytes per tile). The copy moves 2 x the input's bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from _timing import CASES, environment, normal, time_jax, write_results
+
+import jax
+import jax.numpy as jnp
+
+import moe_xla
+
+
+def _gbps(nbytes, seconds):
+    return nbytes / seconds / 1e9
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--name", default="fp8_quantize")
+    args = parser.parse_args()
+    negate = jax.jit(jnp.negative)
+    ops = {"rows": jax.jit(moe_xla.quantize_fp8_rows), "blocks": jax.jit(moe_xla.quantize_fp8_blocks)}
+    rows = []
+    for i, case in enumerate(CASES["grouped_matmul"]):
+        m, g, k, n = case["M"], case["G"], case["K"], case["N"]
+        for kind, shape in (("rows", (m, k)), ("blocks", (g, k, n))):
+            x = normal(jax.random.fold_in(jax.random.key(1), 2 * i + (kind == "blocks")), shape, jnp.bfloat16)
+            elems = x.size
+            tiles = elems // 128 if kind == "rows" else elems // (128 * 128)
+            nbytes = elems * 2 + elems + tiles * 4
+            t = time_jax(ops[kind], x)
+            t_copy = time_jax(negate, x)
+            row = {"case": case["name"], "op": kind, "shape": "x".join(map(str, shape)), "ms": t * 1e3,
+                   "gbps": _gbps(nbytes, t), "copy_gbps": _gbps(4 * elems, t_copy)}
+            row["fraction_of_copy"] = row["gbps"] / row["copy_gbps"]
+            rows.append(row)
+            print(row, flush=True)
+            del x
+    write_results(args.out, args.name, environment(), rows,
+                  ["case", "op", "shape", "ms", "gbps", "copy_gbps", "fraction_of_copy"])
+
+
+if __name__ == "__main__":
+    main()
