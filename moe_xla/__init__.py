@@ -1,5 +1,7 @@
 """moe_xla: dropless Mixture-of-Experts primitives for JAX, lowered to XLA FFI kernels."""
 
+import importlib
+
 from moe_xla.aux_losses import MoeAux
 from moe_xla.moe import moe
 from moe_xla.primitives.gmm import gmm
@@ -13,3 +15,10 @@ from moe_xla.primitives.unpermute import unpermute
 
 __all__ = ["MoeAux", "gmm", "moe", "permute", "quantize_fp8_blocks",
            "quantize_fp8_rows", "ragged_dot", "route", "tgmm", "unpermute"]
+
+
+def __getattr__(name):
+    """moe_xla.nnx (the Flax NNX module, which needs flax) is imported on first use only."""
+    if name == "nnx":
+        return importlib.import_module("moe_xla.nnx")
+    raise AttributeError(f"module 'moe_xla' has no attribute {name!r}")

@@ -1,4 +1,4 @@
-"""moe_xla.nnx.MoE: the moe() layer as a Flax NNX module (needs flax >= 0.12: pip install "moe_xla[flax]").
+"""moe_xla.nnx.MoE: the moe() layer as a Flax NNX module (pip install "moe_xla[flax]"; flax >= 0.12.6).
 
     logits = x.astype(float32) @ router                        # [..., E], float32
     y = moe(x', logits, w_in', w_out', top_k=..., bias=router_bias, shared_experts=(shared_in', shared_out'),
@@ -7,7 +7,8 @@
 
 Parameters (nnx.Param, the names a checkpoint holds), with logical sharding names in
 their `out_sharding` metadata (nnx.get_partition_spec; map the names onto mesh axes with
-flax's logical axis rules):
+nnx.logical_axis_rules). Built under jax.set_mesh (and those rules) the parameters are
+created sharded (flax's eager sharding); elsewhere the names are metadata only:
     router      [H, E]             float32      ("embed", "expert")
     w_in        [E, H, 2F] or [E, H, F]         ("expert", "embed", "mlp")    gated: gate | up
     w_out       [E, F, H]                       ("expert", "mlp", "embed")
@@ -15,8 +16,9 @@ flax's logical axis rules):
     shared_out  [Fs, H]                         ("mlp", "embed")
     router_bias [E]                float32      ("expert",)    a RouterBias, not a Param, with router_bias=True
 
-Every call sows moe()'s MoeAux as nnx.Intermediate "moe_aux" (a tuple, one MoeAux per call);
-a training loop reads it with nnx.pop(model, nnx.Intermediate).
+Every call sows moe()'s MoeAux as nnx.Intermediate "moe_aux" (a tuple, one MoeAux per call):
+under nnx.capture(fn, nnx.Intermediate) it comes back with fn's result; outside one (which
+flax >= 0.12.6 deprecates) it is stored on the module until nnx.pop(model, nnx.Intermediate).
 """
 
 from __future__ import annotations

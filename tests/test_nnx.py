@@ -14,13 +14,15 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-nnx = pytest.importorskip("flax.nnx")
+pytest.importorskip("flax", minversion="0.12.6")  # nnx.capture
+
+from flax import nnx  # noqa: E402
 
 import moe_xla  # noqa: E402
 from moe_xla.nnx import MoE, RouterBias  # noqa: E402
 from conftest import assert_close, normal, requires_8_devices  # noqa: E402
 
-# Plain calls (outside nnx.capture) sow into the module, which flax >= 0.12.7 deprecates.
+# Plain calls (outside nnx.capture) sow into the module, which flax >= 0.12.6 deprecates.
 pytestmark = pytest.mark.filterwarnings("ignore:Using 'Module.sow\\(\\)' outside:DeprecationWarning")
 
 B, S, H, F, E, K, FS = 2, 8, 16, 8, 8, 2, 12
@@ -56,7 +58,7 @@ def _captured(fn, *args):
 
 
 def test_import_moe_xla_does_not_import_flax():
-    code = "import sys, moe_xla; moe_xla.moe; sys.exit('flax' in sys.modules)"
+    code = "import sys, moe_xla; assert 'flax' not in sys.modules; assert moe_xla.nnx.MoE and 'flax' in sys.modules"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
@@ -201,6 +203,16 @@ def test_expert_sharded_mesh_matches_one_device(rng):
     np.testing.assert_array_equal(aux.tokens_per_expert, aux_one.tokens_per_expert)
     assert_close(aux.load_balance_loss, aux_one.load_balance_loss, jnp.float32)
     assert aux.dispatched_rows is not None and aux_one.dispatched_rows is None
+
+
+@requires_8_devices
+def test_built_under_a_mesh_the_parameters_are_sharded():
+    mesh = jax.make_mesh((8,), ("ep",), axis_types=(jax.sharding.AxisType.Auto,))
+    with jax.set_mesh(mesh), nnx.logical_axis_rules((("expert", "ep"), ("embed", None), ("mlp", None))):
+        model = MoE(H, F, E, K, rngs=nnx.Rngs(0), score="sigmoid", router_bias=True)
+    assert model.w_in[...].sharding.spec == P("ep", None, None)
+    assert model.router[...].sharding.spec == P(None, "ep")
+    assert model.router_bias[...].sharding.spec == P("ep")
 
 
 @pytest.mark.parametrize("config", CONFIGS)
