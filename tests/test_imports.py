@@ -27,8 +27,8 @@ def _is_module(name: str) -> bool:
 
 
 def _imports(path: Path) -> set[str]:
-    """The moe_xla modules `path` imports: `from moe_xla.a import b` names moe_xla.a.b where
-    that is a module, else moe_xla.a."""
+    """The moe_xla modules `path` imports: `from moe_xla.a import b` names moe_xla.a (whose
+    namespace b is read from) and moe_xla.a.b where that is a module."""
     name = _module_name(path)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = set()
@@ -40,9 +40,8 @@ def _imports(path: Path) -> set[str]:
             if node.level:
                 anchor = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
                 base = f"{anchor}.{base}" if base else anchor
-            for alias in node.names:
-                full = f"{base}.{alias.name}"
-                found.add(full if _is_module(full) else base)
+            found.add(base)  # the names are read from base: it is imported first
+            found.update(f"{base}.{alias.name}" for alias in node.names if _is_module(f"{base}.{alias.name}"))
     return {m for m in found if m == "moe_xla" or m.startswith("moe_xla.")}
 
 

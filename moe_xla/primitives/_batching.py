@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from moe_xla import _rows
+import moe_xla._rows as _rows
 
 
 def batched_to_front(args, dims):

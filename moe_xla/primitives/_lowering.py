@@ -13,7 +13,8 @@ import jax
 import numpy as np
 from jax.interpreters import mlir
 
-from moe_xla import _lib, reference
+import moe_xla._lib as _lib
+import moe_xla.reference as reference
 from moe_xla.primitives import _sharding
 
 KERNEL_PLATFORMS = ("cpu", "cuda")

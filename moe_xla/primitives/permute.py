@@ -16,7 +16,8 @@ import jax.numpy as jnp
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching
 
-from moe_xla import _lib, _rows
+import moe_xla._lib as _lib
+import moe_xla._rows as _rows
 from moe_xla.primitives import _ad, _batching, _checks, _impl, _lowering, _sharding
 
 permute_p = Primitive("moe_xla_permute")

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching
 
-from moe_xla import _rows
+import moe_xla._rows as _rows
 from moe_xla.primitives import _ad, _batching, _checks, _impl, _lowering, _sharding
 
 unpermute_p = Primitive("moe_xla_unpermute")
