@@ -11,6 +11,7 @@ import gzip
 import json
 import math
 import platform
+import re
 import statistics
 import sys
 import tempfile
@@ -169,6 +170,17 @@ def time_jax(fn, *args, reps: int = 20, inner: int = 5) -> float:
     return statistics.median(batch_times(lambda: fn(*args), jax.block_until_ready, inner, reps))
 
 
+def time_jax_batched(fn, *args, reps: int = 20, batch_seconds: float = 0.05) -> float:
+    """time_jax with as many calls a batch (2 to 50) as take about batch_seconds: short
+    calls run many to a batch, so that the host's dispatch of a batch's first call, which
+    no device work hides, weighs little in their time; long calls run 2 to a batch."""
+    jax.block_until_ready(fn(*args))
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    inner = min(50, max(2, math.ceil(batch_seconds / (time.perf_counter() - start))))
+    return time_jax(fn, *args, reps=reps, inner=inner)
+
+
 def trace_events(fn, args, calls: int) -> list[dict]:
     """The events (Chrome trace format) of a jax.profiler trace of `calls` back-to-back calls
     of fn(*args), after one untraced call. Call it before anything starts torch.profiler:
@@ -184,21 +196,69 @@ def trace_events(fn, args, calls: int) -> list[dict]:
     return events["traceEvents"] if isinstance(events, dict) else events
 
 
+def _trace_names(events):
+    """({pid: process name}, {(pid, tid): thread name}) from trace_events' metadata events."""
+    meta = [e for e in events if e.get("ph") == "M"]
+    return ({e["pid"]: str(e["args"].get("name", "")) for e in meta if e.get("name") == "process_name"},
+            {(e["pid"], e["tid"]): str(e["args"].get("name", "")) for e in meta if e.get("name") == "thread_name"})
+
+
+def gpu_kernels(events) -> dict:
+    """{GPU process name (one per device, e.g. /device:GPU:0): its kernels (complete "X"
+    events on its stream threads), by start time} of trace_events' events; empty where the
+    backend records no device kernels."""
+    procs, threads = _trace_names(events)
+    gpu = {pid: name for pid, name in procs.items() if "GPU" in name}
+    kernels = collections.defaultdict(list)
+    for e in events:
+        if e.get("ph") == "X" and e["pid"] in gpu and "stream" in threads.get((e["pid"], e["tid"]), "").lower():
+            kernels[gpu[e["pid"]]].append(e)
+    return {name: sorted(ks, key=lambda e: e["ts"]) for name, ks in sorted(kernels.items())}
+
+
 def device_kernels(fn, args, calls: int):
     """(span us, Counter {kernel name: total us}) on the GPUs of `calls` back-to-back calls of
     fn(*args), from trace_events (empty where the backend records no device kernels)."""
-    events = trace_events(fn, args, calls)
-    gpu = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
-           and "GPU" in str(e["args"].get("name", ""))}
-    threads = {(e["pid"], e["tid"]): str(e["args"].get("name", "")) for e in events
-               if e.get("ph") == "M" and e.get("name") == "thread_name"}
-    kernels = [e for e in events if e.get("ph") == "X" and e["pid"] in gpu
-               and "stream" in threads.get((e["pid"], e["tid"]), "").lower()]
+    kernels = [e for ks in gpu_kernels(trace_events(fn, args, calls)).values() for e in ks]
     totals = collections.Counter()
     for e in kernels:
         totals[e["name"]] += e["dur"]
     span = (max(e["ts"] + e["dur"] for e in kernels) - min(e["ts"] for e in kernels)) if kernels else 0.0
     return span, totals
+
+
+_D2H = re.compile(r"dtoh|d2h|devicetohost", re.IGNORECASE)
+_D2D = re.compile(r"dtod|d2d|devicetodevice", re.IGNORECASE)
+
+
+def host_syncs(events, steps: int) -> dict:
+    """Per-step counts, in trace_events' events of `steps` steps, of: d2h_copies,
+    device-to-host memory copies on the GPUs (CUPTI memcpy activity named D2H / DtoH: XLA:GPU
+    copies a while loop's predicate to the host and waits for it before each iteration, so
+    each one is a host synchronisation; the trace does not record the wait itself);
+    d2d_copies, device-to-device copies outside kernels (e.g. loop carries); kernels, the
+    kernels run; summed over the GPUs. And "names": the names behind each count (for
+    reading the trace by hand)."""
+    procs, threads = _trace_names(events)
+    counts, names = collections.Counter(), collections.defaultdict(collections.Counter)
+    for e in events:
+        if e.get("ph") != "X":
+            continue
+        name, on_gpu = e["name"], "gpu" in procs.get(e["pid"], "").lower()
+        stream = "stream" in threads.get((e["pid"], e["tid"]), "").lower()
+        if on_gpu and "memcpy" in name.lower() and _D2H.search(name):
+            kind = "d2h_copies"
+        elif on_gpu and "memcpy" in name.lower() and _D2D.search(name):
+            kind = "d2d_copies"
+        elif on_gpu and stream and "memcpy" not in name.lower() and "memset" not in name.lower():
+            kind = "kernels"
+        else:
+            continue
+        counts[kind] += 1
+        names[kind][name[:60]] += 1
+    row = {k: counts[k] / steps for k in ("d2h_copies", "d2d_copies", "kernels")}
+    row["names"] = {k: dict(v.most_common(8)) for k, v in names.items() if k != "kernels"}
+    return row
 
 
 def time_torch(fn, reps: int = 20, inner: int = 5) -> float:

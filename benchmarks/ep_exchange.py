@@ -1,40 +1,66 @@
-"""Benchmark: what the expert-parallel layer sends and holds per rank, with and without
-token deduplication and capacity_factor, on the moe_layer cases of cases.json.
+"""Benchmark: what the expert-parallel layer sends per rank against the ideal, and what it
+holds, on the moe_layer cases of cases.json: counted from the routing, nothing timed.
 
-    python benchmarks/ep_exchange.py [--out benchmarks/results] [--cases NAME ...] [--peers 8]
-                                     [--tokens-per-rank 4096] [--capacity-factor 1.25]
+    python benchmarks/ep_exchange.py [--out benchmarks/results] [--cases NAME ...] [--peers 2 4 8]
+                                     [--tokens-per-rank 4096] [--capacity-factor 1.25] [--no-memory]
 
-Runs on any backend; on a machine without GPUs it makes --peers CPU devices itself.
+Runs on any backend; on a machine without GPUs it makes max(--peers) CPU devices itself.
+ep_scaling.py imports the routings and the counts below.
 
-Wire traffic. The benchmark routing (normal router logits, the case's score / groups, bf16
-activations, seed 0) is computed with moe_xla.route for peers x tokens-per-rank tokens;
-rank r holds tokens [r T_r, (r+1) T_r). A row is sent to destination rank d != r (rows to
-the own rank cross no link) and comes back once:
-  no dedup  one row per (token, j) whose expert lives on d;
-  dedup     one row per (token, d) with at least one of the token's experts on d;
-bytes = rows * (2 H * 2 (bf16 there and back) + m), m the dispatch's per-row metadata: the
-local expert id (int32), with dedup ids and routing weights (float32) of min(k, E/P)
-experts. These are the ragged transport's bytes; the padded transport sends whole slabs
-of activations whatever the routing (padded_*: one chunk, both directions, other ranks).
+Routings (ROUTINGS). Router logits ~ N(0, 1) (key 0) for P x tokens-per-rank tokens, then:
+  balanced  the logits as they are: every expert equally likely, its load T k / E up to
+            sampling noise (a router trained with a balancing loss; the imbalance column
+            gives the actual load). Not a pattern such as "token t prefers experts t, ...,
+            t+k-1": its k experts would mostly share a rank and dedup would remove most rows;
+  skewed    logits - 1.2 log(1 + e): expert e's popularity falls as a power of e.
+ids = moe_xla.route(logits, the case's score / groups). Rank r holds tokens
+[r T_r, (r+1) T_r) and experts [r E_l, (r+1) E_l), E_l = E / P.
 
-Memory per rank: XLA's compile-time memory_analysis() (temp + arguments + outputs) of the
-EP layer's forward and forward+backward (jax.grad of sum(y * ct), the cotangent ct an f32
-argument) programs on the mesh, per device, inputs split as the layer wants them (tokens
-and experts over the expert axis), for each (dedup, capacity_factor) setting; nothing is
-run, so full-size cases compile on CPU.
+Columns, per EP size P and routing (one step forward, one chunk, no capacity_factor):
+  imbalance   the largest rank's (token, expert) pairs / the mean pairs per rank.
+  rows_*      rows crossing a link in the dispatch, summed over ranks (a row to the own
+              rank crosses none): no_dedup one per (token, j) whose expert lives on a rank
+              d != r; dedup one per (token, d != r) with at least one of its experts on d.
+  ideal_mib   the busiest rank's ideal bytes: rank r dispatches out_r dedup rows and
+              receives in_r, and each row comes back to its sender in the combine, so r
+              sends (out_r + in_r) rows of 2 H bytes (bf16), nothing else; max over r.
+  {transport}_{dedup|no_dedup}_mib   the busiest rank's bytes (max over r) with that
+              transport, metadata included (sent_bytes):
+                ragged  the routed rows alone: the dispatch's rows (2 H bytes) with their
+                        local expert ids (int32, mult per row; mult = min(k, E_l) with
+                        dedup, else 1) and, with dedup, their routing weights (float32,
+                        mult per row); the combine's rows (2 H bytes); the chunk's round
+                        starts (R + 1 int32 per peer, R = 1 here);
+                padded  whatever the routing, per chunk a slab of sizing.exchange_sizes(
+                        ...).rows rows for every peer d != r, dispatch (with the same
+                        metadata, padding included) and combine.
+  {transport}_{dedup|no_dedup}_ratio  max over ranks of sent_r / ideal_r (every rank sends
+              at most this multiple of its own ideal).
+The backward pass runs the transposed exchange: it moves the rows and routing weights
+again, not the ids (Wire.data and Wire.meta). The layer's psums (tokens_per_expert, [E]
+int32, and the dispatched-row count) are not counted.
+
+Memory per rank (at the largest --peers): XLA's compile-time memory_analysis() (temp +
+arguments + outputs) of the EP layer's forward and forward+backward (jax.grad of
+sum(y * ct), the cotangent ct an f32 argument) programs on the mesh, per device, inputs
+split as the layer wants them (tokens and experts over the expert axis), for each
+(dedup, capacity_factor) setting; nothing is run, so full-size cases compile on CPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 
-if "--help" not in sys.argv and "-h" not in sys.argv:
-    _peers = int(sys.argv[sys.argv.index("--peers") + 1]) if "--peers" in sys.argv else 8
-    os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={_peers}")
+if __name__ == "__main__" and "--help" not in sys.argv and "-h" not in sys.argv:
+    _peers = list(itertools.takewhile(str.isdigit, sys.argv[sys.argv.index("--peers") + 1:])) \
+        if "--peers" in sys.argv else []
+    os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={max(map(int, _peers), default=8)}")
 
 from pathlib import Path  # noqa: E402
+from typing import NamedTuple  # noqa: E402
 
 from _timing import (CASES, compiled_memory_bytes, environment, fwd_bwd_memory_bytes, gib, moe_input_shapes,  # noqa: E402
                      routing_options, write_results)
@@ -49,24 +75,105 @@ import moe_xla  # noqa: E402
 from moe_xla.ep import sizing  # noqa: E402
 
 MIB = 2**20
+ROUTINGS = ("balanced", "skewed")
+ACT_BYTES = 2  # bf16 activations (the benchmarks' x)
 
 
-def _routing(case, tokens):
-    logits = jax.random.normal(jax.random.key(0), (tokens, case["E"]), jnp.float32)
-    _, ids = moe_xla.route(logits, **routing_options(case))
-    return np.asarray(ids)
+def routing_logits(logits, routing: str):
+    """Router logits [T, E] of `routing` (module docstring) from logits ~ N(0, 1)."""
+    if routing == "balanced":
+        return logits
+    if routing == "skewed":
+        return logits - 1.2 * jnp.log1p(jnp.arange(logits.shape[1], dtype=jnp.float32))
+    raise ValueError(f"routing: expected one of {ROUTINGS}, got {routing!r}")
 
 
-def wire_rows(ids, peers, num_experts):
-    """Rows that cross a link, summed over ranks: (without dedup, with dedup)."""
+def route_ids(case, logits) -> np.ndarray:
+    """[T, k] expert ids moe_xla.route picks from `logits` with the case's routing options."""
+    return np.asarray(moe_xla.route(logits, **routing_options(case))[1])
+
+
+def imbalance(ids, peers: int, num_experts: int) -> float:
+    """The largest rank's (token, expert) pairs / the mean pairs per rank."""
+    pairs = np.bincount(ids.reshape(-1) // (num_experts // peers), minlength=peers)
+    return float(pairs.max() / pairs.mean())
+
+
+def rows_between(ids, peers: int, num_experts: int, dedup: bool) -> np.ndarray:
+    """[P, P] rows rank r dispatches to rank d (the diagonal: rows to itself, which cross no
+    link); tokens split evenly over the ranks in order."""
     tokens = ids.shape[0]
     dest = ids // (num_experts // peers)
-    home = (np.arange(tokens) // (tokens // peers))[:, None]
-    plain = int(np.sum(dest != home))
-    distinct = np.zeros((tokens, peers), bool)
-    np.put_along_axis(distinct, dest, True, axis=1)
-    distinct[np.arange(tokens), home[:, 0]] = False
-    return plain, int(distinct.sum())
+    home = np.arange(tokens) // (tokens // peers)
+    if dedup:  # one row per (token, destination)
+        hit = np.zeros((tokens, peers), np.int64)
+        np.put_along_axis(hit, dest, 1, axis=1)
+        return np.stack([hit[home == r].sum(0) for r in range(peers)])
+    between = np.zeros((peers, peers), np.int64)
+    np.add.at(between, (np.broadcast_to(home[:, None], dest.shape), dest), 1)
+    return between
+
+
+def _out_in(between):
+    """([P] rows each rank dispatches to other ranks, [P] rows it receives from them)."""
+    own = np.diag(between)
+    return between.sum(1) - own, between.sum(0) - own
+
+
+class Wire(NamedTuple):
+    """Bytes each rank sends in one step forward, [P] each: `data` (rows and routing weights:
+    the backward pass sends them again) and `meta` (expert ids and round starts: once)."""
+
+    data: np.ndarray
+    meta: np.ndarray
+
+    def forward(self):
+        return self.data + self.meta
+
+    def forward_backward(self):
+        return 2 * self.data + self.meta
+
+
+def ideal_bytes(ids, peers: int, num_experts: int, hidden: int) -> np.ndarray:
+    """[P] ideal bytes each rank sends per step forward (module docstring)."""
+    out, into = _out_in(rows_between(ids, peers, num_experts, dedup=True))
+    return (out + into) * hidden * ACT_BYTES
+
+
+def _chunk_tokens(tokens: int, chunks: int):
+    """The token counts of the layer's chunks of one rank's tokens (moe_xla/ep/layer.py)."""
+    size, extra = divmod(tokens, chunks)
+    return [size + (c < extra) for c in range(chunks)]
+
+
+def _padded(ids, peers, num_experts, hidden, top_k, dedup, chunks) -> Wire:
+    """One [rows] slab per chunk and peer, each way, whatever the routing."""
+    data = meta = 0
+    for tokens in _chunk_tokens(ids.shape[0] // peers, chunks):
+        sizes = sizing.exchange_sizes(tokens, top_k, num_experts, peers, dedup=dedup)
+        slab = sizes.rows * (peers - 1)
+        data += slab * (2 * hidden * ACT_BYTES + (4 * sizes.mult if dedup else 0))
+        meta += slab * 4 * sizes.mult
+    return Wire(np.full(peers, data), np.full(peers, meta))
+
+
+def _ragged(ids, peers, num_experts, hidden, top_k, dedup, chunks) -> Wire:
+    """The routed rows alone, with their metadata, and each chunk's round starts."""
+    mult = min(top_k, num_experts // peers) if dedup else 1
+    out, into = _out_in(rows_between(ids, peers, num_experts, dedup))
+    data = (out + into) * hidden * ACT_BYTES + (out * 4 * mult if dedup else 0)
+    return Wire(data, out * 4 * mult + chunks * 2 * 4 * (peers - 1))
+
+
+TRANSPORT_BYTES = {"padded": _padded, "ragged": _ragged}
+
+
+def sent_bytes(transport: str, ids, peers: int, num_experts: int, hidden: int, top_k: int, *, dedup: bool = True,
+               chunks: int = 1) -> Wire | None:
+    """Wire of one step of the layer's `transport` (module docstring) without capacity_factor,
+    for ids [T, k] of all P ranks' tokens; None for a transport this script cannot count."""
+    count = TRANSPORT_BYTES.get(transport)
+    return None if count is None else count(ids, peers, num_experts, hidden, top_k, dedup, chunks)
 
 
 def _memory(case, mesh, tokens, dedup, capacity_factor):
@@ -79,46 +186,61 @@ def _memory(case, mesh, tokens, dedup, capacity_factor):
     return compiled_memory_bytes(jax.jit(layer).lower(*inputs).compile()), fwd_bwd_memory_bytes(layer, inputs, ct)
 
 
+def exchange_row(case, peers: int, per_rank: int, routing: str) -> dict:
+    """The wire columns of one case, EP size and routing (module docstring)."""
+    experts, hidden, k = case["E"], case["H"], case["top_k"]
+    logits = jax.random.normal(jax.random.key(0), (peers * per_rank, experts), jnp.float32)
+    ids = route_ids(case, routing_logits(logits, routing))
+    ideal = ideal_bytes(ids, peers, experts, hidden)
+    row = {"case": case["name"], "peers": peers, "routing": routing, "tokens_per_rank": per_rank,
+           "imbalance": imbalance(ids, peers, experts), "ideal_mib": ideal.max() / MIB}
+    for dd, on in (("no_dedup", False), ("dedup", True)):
+        between = rows_between(ids, peers, experts, on)
+        row[f"rows_{dd}"] = int(between.sum() - np.trace(between))
+    for transport in TRANSPORT_BYTES:
+        for dd, on in (("dedup", True), ("no_dedup", False)):
+            sent = sent_bytes(transport, ids, peers, experts, hidden, k, dedup=on).forward()
+            row[f"{transport}_{dd}_mib"] = sent.max() / MIB
+            row[f"{transport}_{dd}_ratio"] = float(np.max(sent / ideal)) if ideal.min() > 0 else None
+    return row
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     parser.add_argument("--cases", nargs="*")
-    parser.add_argument("--peers", type=int, default=8)
+    parser.add_argument("--peers", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--tokens-per-rank", type=int, default=4096)
     parser.add_argument("--capacity-factor", type=float, default=1.25)
     parser.add_argument("--no-memory", action="store_true", help="skip the compile-time memory figures")
     args = parser.parse_args()
-    peers, per_rank = args.peers, args.tokens_per_rank
-    if len(jax.devices()) < peers:
-        sys.exit(f"ep_exchange: needs {peers} devices, found {len(jax.devices())}")
-    mesh = Mesh(np.array(jax.devices()[:peers]), ("ep",))
+    most = max(args.peers)
+    if not args.no_memory and len(jax.devices()) < most:
+        sys.exit(f"ep_exchange: the memory figures need {most} devices, found {len(jax.devices())} (or --no-memory)")
     rows = []
     for case in CASES["moe_layer"]:
         if args.cases and case["name"] not in args.cases:
             continue
-        tokens, hidden, k, experts = peers * per_rank, case["H"], case["top_k"], case["E"]
-        mult = min(k, experts // peers)
-        plain, dedup = wire_rows(_routing(case, tokens), peers, experts)
-        row_bytes = hidden * 2
-        row = {"case": case["name"], "peers": peers, "tokens_per_rank": per_rank,
-               "rows_no_dedup": plain, "rows_dedup": dedup, "row_ratio": dedup / plain if plain else None,
-               "wire_mib_per_rank_no_dedup": plain * (2 * row_bytes + 4) / peers / MIB,
-               "wire_mib_per_rank_dedup": dedup * (2 * row_bytes + 8 * mult) / peers / MIB}
-        row["wire_ratio"] = row["wire_mib_per_rank_dedup"] / row["wire_mib_per_rank_no_dedup"] if plain else None
-        for name, on in (("no_dedup", False), ("dedup", True)):
-            sizes = sizing.exchange_sizes(per_rank, k, experts, peers, dedup=on)  # one chunk (moe's default)
-            row[f"padded_mib_per_rank_{name}"] = 2 * sizes.rows * (peers - 1) * row_bytes / MIB
-        if not args.no_memory:
+        for peers in args.peers:
+            if case["E"] % peers:
+                print(f"ep_exchange: {case['name']}: {case['E']} experts do not split over {peers} ranks", flush=True)
+                continue
+            for routing in ROUTINGS:
+                rows.append(exchange_row(case, peers, args.tokens_per_rank, routing))
+                print(rows[-1], flush=True)
+        if not args.no_memory and case["E"] % most == 0:
+            mesh = Mesh(np.array(jax.devices()[:most]), ("ep",))
+            row = {"case": case["name"], "peers": most}
             for name, on in (("no_dedup", False), ("dedup", True)):
                 for cf_name, cf in (("worst", None), (f"cf{args.capacity_factor:g}", args.capacity_factor)):
-                    fwd, bwd = _memory(case, mesh, tokens, on, cf)
+                    fwd, bwd = _memory(case, mesh, most * args.tokens_per_rank, on, cf)
                     row[f"mem_gib_fwd_{name}_{cf_name}"] = gib(fwd)
                     row[f"mem_gib_fwdbwd_{name}_{cf_name}"] = gib(bwd)
-        rows.append(row)
-        print(row, flush=True)
-    columns = ["case", "rows_no_dedup", "rows_dedup", "wire_mib_per_rank_no_dedup", "wire_mib_per_rank_dedup",
-               "wire_ratio", "padded_mib_per_rank_no_dedup", "padded_mib_per_rank_dedup"]
-    columns += [c for c in (rows[0] if rows else {}) if c.startswith("mem_gib")]
+            rows.append(row)
+            print(row, flush=True)
+    columns = ["case", "peers", "routing", "imbalance", "rows_no_dedup", "rows_dedup", "ideal_mib"]
+    columns += [f"{t}_{dd}_{v}" for t in TRANSPORT_BYTES for dd in ("dedup", "no_dedup") for v in ("mib", "ratio")]
+    columns += list(dict.fromkeys(c for r in rows for c in r if c.startswith("mem_gib")))
     write_results(args.out, f"ep_exchange_{jax.devices()[0].platform}", environment(), rows, columns)
 
 

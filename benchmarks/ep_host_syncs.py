@@ -25,11 +25,10 @@ the rest of the layer's.
 from __future__ import annotations
 
 import argparse
-import collections
 import re
 from pathlib import Path
 
-from _timing import CASES, environment, fwd_bwd, moe_inputs, routing_options, trace_events, write_results
+from _timing import CASES, environment, fwd_bwd, host_syncs, moe_inputs, routing_options, trace_events, write_results
 
 import jax
 import numpy as np
@@ -37,37 +36,11 @@ from jax.sharding import Mesh
 
 import moe_xla
 
-_D2H = re.compile(r"dtoh|d2h|devicetohost", re.IGNORECASE)
-_D2D = re.compile(r"dtod|d2d|devicetodevice", re.IGNORECASE)
-
 
 def count_syncs(fn, args, steps: int) -> dict:
-    """Per-step counts of the trace events described in the module docstring, and the
-    names behind each count (for reading the trace by hand)."""
-    events = trace_events(fn, args, steps)
-    procs = {e["pid"]: str(e["args"].get("name", "")) for e in events
-             if e.get("ph") == "M" and e.get("name") == "process_name"}
-    threads = {(e["pid"], e["tid"]): str(e["args"].get("name", "")) for e in events
-               if e.get("ph") == "M" and e.get("name") == "thread_name"}
-    counts, names = collections.Counter(), collections.defaultdict(collections.Counter)
-    for e in events:
-        if e.get("ph") != "X":
-            continue
-        name, on_gpu = e["name"], "gpu" in procs.get(e["pid"], "").lower()
-        stream = "stream" in threads.get((e["pid"], e["tid"]), "").lower()
-        if on_gpu and "memcpy" in name.lower() and _D2H.search(name):
-            kind = "d2h_copies"
-        elif on_gpu and "memcpy" in name.lower() and _D2D.search(name):
-            kind = "d2d_copies"
-        elif on_gpu and stream and "memcpy" not in name.lower() and "memset" not in name.lower():
-            kind = "kernels"
-        else:
-            continue
-        counts[kind] += 1
-        names[kind][name[:60]] += 1
-    row = {k: counts[k] / steps for k in ("d2h_copies", "d2d_copies", "kernels")}
-    row["names"] = {k: dict(v.most_common(8)) for k, v in names.items() if k != "kernels"}
-    return row
+    """Per-step counts of the trace events described in the module docstring
+    (_timing.host_syncs), and the names behind each count (for reading the trace by hand)."""
+    return host_syncs(trace_events(fn, args, steps), steps)
 
 
 def main():

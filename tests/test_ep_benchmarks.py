@@ -1,0 +1,109 @@
+"""The EP benchmarks' counts against the layer itself, and a smoke run of ep_scaling.py, on
+CPU devices at tiny scale: the padded transport's bytes (benchmarks/ep_exchange.py) equal
+the all-to-alls of the lowered layer, the rows it counts equal the layer's
+dispatched_rows, the wait-free communication time matches launches across devices, and
+ep_scaling.py runs its check / scaling / memory sections end to end."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import moe_xla
+from conftest import requires_8_devices
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+import ep_exchange  # noqa: E402
+import ep_scaling  # noqa: E402
+
+_BYTES = {"bf16": 2, "f32": 4, "s32": 4, "pred": 1}
+
+
+def _all_to_all_bytes(hlo: str) -> int:
+    """Bytes of the results of every all-to-all in an HLO module's text, per device (of the
+    lowered module: XLA:CPU's optimised one moves bf16 collectives as f32)."""
+    total = 0
+    for result in re.findall(r"= (.*?) all-to-all(?:-start)?\(", hlo):
+        for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", result):
+            total += _BYTES[dtype] * int(np.prod([int(d) for d in dims.split(",") if d]))
+    return total
+
+
+@requires_8_devices
+@pytest.mark.parametrize("routing", ep_exchange.ROUTINGS)
+@pytest.mark.parametrize("dedup", [True, False])
+def test_padded_bytes_and_rows_are_the_layers(routing, dedup):
+    peers, per_rank, hidden, ffn, experts, k = 4, 16, 16, 8, 8, 3
+    case = {"name": "tiny", "E": experts, "top_k": k, "score": "softmax"}
+    keys = jax.random.split(jax.random.key(1), 4)
+    tokens = peers * per_rank
+    logits = ep_exchange.routing_logits(jax.random.normal(keys[0], (tokens, experts)), routing)
+    x = jax.random.normal(keys[1], (tokens, hidden)).astype(jnp.bfloat16)
+    w_in = (jax.random.normal(keys[2], (experts, hidden, 2 * ffn)) / 4).astype(jnp.bfloat16)
+    w_out = (jax.random.normal(keys[3], (experts, ffn, hidden)) / 4).astype(jnp.bfloat16)
+    mesh = Mesh(np.array(jax.devices()[:peers]), ("ep",))
+    args = jax.device_put((x, logits, w_in, w_out), NamedSharding(mesh, P("ep")))
+    layer = jax.jit(lambda *a: moe_xla.moe(*a, top_k=k, mesh=mesh, expert_axis="ep", transport="padded",
+                                           dedup=dedup, return_aux=True))
+    lowered = layer.lower(*args)
+    ids = ep_exchange.route_ids(case, logits)
+    wire = ep_exchange.sent_bytes("padded", ids, peers, experts, hidden, k, dedup=dedup)
+    # a tiled all_to_all keeps 1/P of its buffer on the own rank and sends the rest
+    assert np.all(wire.forward() == _all_to_all_bytes(lowered.as_text(dialect="hlo")) * (peers - 1) // peers)
+    between = ep_exchange.rows_between(ids, peers, experts, dedup)
+    assert int(lowered.compile()(*args)[1].dispatched_rows) == between.sum()
+    ideal = ep_exchange.ideal_bytes(ids, peers, experts, hidden)
+    distinct = ep_exchange.rows_between(ids, peers, experts, dedup=True)
+    assert ideal.sum() == 2 * (distinct.sum() - np.trace(distinct)) * hidden * 2  # each row there and back
+    assert np.all(ep_exchange.sent_bytes("ragged", ids, peers, experts, hidden, k, dedup=dedup).data >= ideal)
+
+
+def test_imbalance_and_rows_between_by_hand():
+    # 4 tokens, 2 ranks of 2 experts; rank 0 holds tokens 0-1, rank 1 tokens 2-3
+    ids = np.array([[0, 1], [0, 2], [3, 2], [1, 0]])
+    assert ep_exchange.imbalance(ids, 2, 4) == 5 / 4  # pairs per rank 5, 3
+    np.testing.assert_array_equal(ep_exchange.rows_between(ids, 2, 4, dedup=False), [[3, 1], [2, 2]])
+    np.testing.assert_array_equal(ep_exchange.rows_between(ids, 2, 4, dedup=True), [[2, 1], [1, 1]])
+    # rank 0 sends 1 row and returns 1, rank 1 the same: 2 rows of 2 H bytes each
+    np.testing.assert_array_equal(ep_exchange.ideal_bytes(ids, 2, 4, hidden=8), [32, 32])
+
+
+def test_wait_free_takes_the_shortest_of_each_launch():
+    kernels = {"/device:GPU:0": [{"name": "ncclDevKernel_SendRecv", "dur": 10.0}, {"name": "gemm", "dur": 50.0},
+                                 {"name": "ncclDevKernel_SendRecv", "dur": 3.0}],
+               "/device:GPU:1": [{"name": "ncclDevKernel_SendRecv", "dur": 2.0}, {"name": "gemm", "dur": 50.0},
+                                 {"name": "ncclDevKernel_SendRecv", "dur": 7.0}]}
+    assert ep_scaling._wait_free_ms(kernels, calls=1) == pytest.approx((2.0 + 3.0) / 1e3)
+
+
+@requires_8_devices
+def test_ep_scaling_smoke(tmp_path):
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    cmd = [sys.executable, str(BENCHMARKS / "ep_scaling.py"), "--scale", "0.02", "--tokens-per-device", "32",
+           "--peers", "2", "--cases", "qwen3-30b-a3b", "--transports", "padded", "--reps", "2", "--out", str(tmp_path)]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = json.loads((tmp_path / "ep_scaling_cpu8.json").read_text())["results"]
+    check = [r for r in rows if r["section"] == "check"]
+    assert len(check) == 2 * 2 and all(r["bitwise_fwd"] for r in check)  # routings x capacity_factor
+    scaling = [r for r in rows if r["section"] == "scaling"]
+    assert {(r["routing"], r["peers"], r["transport"]) for r in scaling} == {
+        (routing, p, t) for routing in ep_exchange.ROUTINGS for p, t in ((1, "moe()"), (2, "padded"))}
+    for r in scaling:
+        if r["peers"] == 2:
+            assert r["sent_ratio"] >= 1 and r["ideal_efficiency"] == pytest.approx(1 / r["imbalance"])
+    assert any(r["section"] == "memory" for r in rows)
+    assert "sent_ratio" in (tmp_path / "ep_scaling_cpu8.md").read_text()
