@@ -77,44 +77,47 @@ def cuda_library(name, srcs, hdrs = [], deps = [], archs = PORTABLE_ARCHS, **kwa
     objs = [_nvcc_object(name, src.replace("/", "_")[:-3], src, hdrs, archs) for src in srcs]
     _objects_library(name, objs, hdrs, deps, kwargs)
 
-# Short names of the enumerators in a CUTLASS instance's object file name.
-_DTYPE_NAMES = {"kBF16": "bf16", "kF16": "f16"}
-_LAYOUT_NAMES = {"kGmm": "gmm", "kGmmTransposed": "gmm_t", "kTgmm": "tgmm"}
+# Short names of the enumerators in a CUTLASS instance's object file name; others are
+# written in snake case (kCoop128x256Cluster1x2 -> coop128x256cluster1x2).
+_SHORT_NAMES = {
+    "kBF16": "bf16",
+    "kF16": "f16",
+    "kF32": "f32",
+    "kGmm": "gmm",
+    "kGmmTransposed": "gmm_t",
+    "kTgmm": "tgmm",
+}
 
-def _snake(name):
-    """kCoop128x256Cluster1x2 -> coop128x256cluster1x2."""
-    return name[1:].lower()
+def _short(enumerator):
+    return _SHORT_NAMES.get(enumerator, enumerator[1:].lower())
 
-def cutlass_instances(name, src, instances, hdrs = [], deps = [], **kwargs):
-    """The CUTLASS grouped-GEMM instantiations of the table `instances`.
+def cutlass_instances(name, src, instances, fields = ("DTYPE", "LAYOUT", "TILE"), hdrs = [], deps = [], **kwargs):
+    """The CUTLASS instantiations of the table `instances`.
 
-    `instances` lists (dtype, layout, tile) as the enumerator names of DType,
-    GroupedLayout and TileConfig. Each entry is one nvcc compilation of `src` with
-    -DMOE_XLA_CUTLASS_{DTYPE,LAYOUT,TILE}. The genrule `name`_list writes `name`.inc, one
-    MOE_XLA_CUTLASS_INSTANCE(dtype, layout, tile) line per entry, from which the dispatcher
-    builds its list of the compiled instantiations.
+    Each entry of `instances` is a tuple of enumerator names, one per entry of `fields`
+    (by default the DType, GroupedLayout and TileConfig of a bf16/f16 grouped GEMM). Each
+    entry is one nvcc compilation of `src` with -DMOE_XLA_CUTLASS_<field>=<enumerator>. The
+    genrule `name`_list writes `name`.inc, one MOE_XLA_CUTLASS_INSTANCE(<enumerators>) line
+    per entry, from which the dispatcher builds its list of the compiled instantiations.
     """
     objs = []
-    for dtype, layout, tile in instances:
-        stem = "cutlass_%s_%s_%s" % (_DTYPE_NAMES[dtype], _LAYOUT_NAMES[layout], _snake(tile))
+    for entry in instances:
+        if len(entry) != len(fields):
+            fail("cutlass_instances %s: entry %s does not have one enumerator per field of %s" % (name, entry, fields))
         objs.append(_nvcc_object(
             name,
-            stem,
+            "cutlass_" + "_".join([_short(e) for e in entry]),
             src,
             hdrs,
             HOPPER_ARCHS,
-            defines = [
-                "MOE_XLA_CUTLASS_DTYPE=" + dtype,
-                "MOE_XLA_CUTLASS_LAYOUT=" + layout,
-                "MOE_XLA_CUTLASS_TILE=" + tile,
-            ],
+            defines = ["MOE_XLA_CUTLASS_%s=%s" % (f, e) for f, e in zip(fields, entry)],
             cutlass = True,
         ))
     native.genrule(
         name = name + "_list",
         outs = [name + ".inc"],
         cmd = "printf '%%s\\n' %s > $@" % " ".join([
-            "'MOE_XLA_CUTLASS_INSTANCE(%s, %s, %s)'" % entry
+            "'MOE_XLA_CUTLASS_INSTANCE(%s)'" % ", ".join(entry)
             for entry in instances
         ]),
     )

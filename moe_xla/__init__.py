@@ -3,8 +3,10 @@
 import importlib
 
 from moe_xla.aux_losses import MoeAux
+from moe_xla.fp8 import Fp8Weights, quantize_fp8_weights
+from moe_xla.grouped import gmm
 from moe_xla.moe import moe
-from moe_xla.primitives.gmm import gmm
+from moe_xla.primitives.gmm_fp8 import gmm_fp8
 from moe_xla.primitives.permute import permute
 from moe_xla.primitives.quantize_fp8_blocks import quantize_fp8_blocks
 from moe_xla.primitives.quantize_fp8_rows import quantize_fp8_rows
@@ -13,8 +15,8 @@ from moe_xla.primitives.route import route
 from moe_xla.primitives.tgmm import tgmm
 from moe_xla.primitives.unpermute import unpermute
 
-__all__ = ["MoeAux", "gmm", "moe", "permute", "quantize_fp8_blocks",
-           "quantize_fp8_rows", "ragged_dot", "route", "tgmm", "unpermute"]
+__all__ = ["Fp8Weights", "MoeAux", "gmm", "gmm_fp8", "moe", "permute", "quantize_fp8_blocks",
+           "quantize_fp8_rows", "quantize_fp8_weights", "ragged_dot", "route", "tgmm", "unpermute"]
 
 
 def __getattr__(name):

@@ -34,10 +34,11 @@ _SYMBOLS = {
     for op in ("gmm", "tgmm", "route", "permute", "unpermute")
     for platform in ("cpu", "cuda")
 }
-# FP8 quantisation (common/fp8_blockwise.h): symbols in CamelCase, MoeXlaQuantizeFp8RowsCpu.
+# FP8 ops (common/fp8_blockwise.h, fp8_grouped_gemm.h): symbols in CamelCase,
+# MoeXlaQuantizeFp8RowsCpu, MoeXlaGmmFp8Cuda.
 _SYMBOLS.update({
     (op, platform): f"MoeXla{op.title().replace('_', '')}{platform.capitalize()}"
-    for op in ("quantize_fp8_rows", "quantize_fp8_blocks")
+    for op in ("quantize_fp8_rows", "quantize_fp8_blocks", "gmm_fp8")
     for platform in ("cpu", "cuda")
 })
 
@@ -118,7 +119,7 @@ def require_kernel(op: str, platform: str) -> str:
     """Returns the FFI target name of `op` on `platform`, or raises with build instructions
     (or, for CUDA, when a local GPU has no kernel image for it)."""
     if platform == "cuda":
-        _check_cuda_devices(op in ("gmm", "tgmm"))
+        _check_cuda_devices(op in ("gmm", "tgmm", "gmm_fp8"))
     if _load() is None:
         raise RuntimeError(f"{_BUILD_HINT} (looked at {library_path()})")
     if not has_kernel(op, platform):

@@ -9,18 +9,19 @@ from __future__ import annotations
 import jax
 
 from moe_xla.activations import activate
-from moe_xla.primitives.gmm import gmm
+from moe_xla.grouped import gmm
 
 
-def expert_mlp(x_sorted, w_in, w_out, group_sizes, activation: str):
+def expert_mlp(x_sorted, w_in, w_out, group_sizes, activation: str, quantization=None):
     """The experts on rows grouped by expert: out[rows of e] = act(x[rows of e] @ w_in[e]) @ w_out[e];
-    rows past sum(group_sizes) give 0."""
+    rows past sum(group_sizes) give 0. Both products in the precision `quantization` names
+    (moe_xla.gmm's option); h and act(h) stay in x's dtype."""
     with jax.named_scope("moe_xla/gmm_in"):
-        h = gmm(x_sorted, w_in, group_sizes)
+        h = gmm(x_sorted, w_in, group_sizes, quantization=quantization)
     with jax.named_scope("moe_xla/act"):
         a = activate(h, activation)
     with jax.named_scope("moe_xla/gmm_out"):
-        return gmm(a, w_out, group_sizes)
+        return gmm(a, w_out, group_sizes, quantization=quantization)
 
 
 def shared_mlp(x, shared_experts, activation: str):

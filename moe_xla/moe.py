@@ -20,13 +20,16 @@ from moe_xla.activations import ACTIVATIONS, GATED
 from moe_xla.aux_losses import router_aux
 from moe_xla.ep.layer import moe_ep
 from moe_xla.experts import expert_mlp, shared_mlp
+from moe_xla.fp8 import Fp8Weights
+from moe_xla.grouped import check_quantization
 from moe_xla.primitives import _checks
 from moe_xla.primitives.permute import permute
 from moe_xla.primitives.route import route
 from moe_xla.primitives.unpermute import unpermute
 
 
-def _check(x, router_logits, w_in, w_out, top_k, activation, shared_experts):
+def _check(x, router_logits, w_in, w_out, top_k, activation, shared_experts, quantization):
+    check_quantization("moe", quantization)
     if activation not in ACTIVATIONS:
         raise ValueError(f"moe: expected activation in {ACTIVATIONS}, got {activation!r}")
     if x.ndim < 2:
@@ -46,8 +49,11 @@ def _check(x, router_logits, w_in, w_out, top_k, activation, shared_experts):
                          f"got an odd last dim {w_in.shape[2]}")
     if w_out.shape != (experts, f, hidden):
         raise ValueError(f"moe: expected w_out of shape {(experts, f, hidden)} [E, F, H], got {w_out.shape}")
-    _checks.same_dtype("moe", "x", x, "w_in", w_in)
-    _checks.same_dtype("moe", "x", x, "w_out", w_out)
+    for name, w in (("w_in", w_in), ("w_out", w_out)):
+        if not isinstance(w, Fp8Weights):
+            _checks.same_dtype("moe", "x", x, name, w)
+        elif quantization != "fp8_blockwise":
+            raise TypeError(f"moe: {name} is an Fp8Weights (pre-quantised weights); pass quantization='fp8_blockwise'")
     if shared_experts is not None:
         s_in, s_out = shared_experts
         fs = s_in.shape[1] // 2 if activation in GATED else s_in.shape[1]
@@ -59,7 +65,8 @@ def _check(x, router_logits, w_in, w_out, top_k, activation, shared_experts):
 
 def moe(x, router_logits, w_in, w_out, *, top_k, activation="swiglu", score="softmax", bias=None, n_groups=None,
         topk_groups=None, renormalize=True, scale=1.0, shared_experts=None, return_aux=False, mesh=None,
-        expert_axis=None, data_axes=None, transport="auto", dedup=True, capacity_factor=None, chunks=1):
+        expert_axis=None, data_axes=None, transport="auto", dedup=True, capacity_factor=None, chunks=1,
+        quantization=None):
     """Dropless MoE layer: y = sum_j weights_j * expert_{e_j}(x) (+ shared expert).
 
     x [..., H]; router_logits [..., E]; w_in [E, H, 2F] (gate | up) for gated
@@ -79,14 +86,22 @@ def moe(x, router_logits, w_in, w_out, *, top_k, activation="swiglu", score="sof
     communication with another's grouped GEMMs. Each chunk more makes the GEMMs smaller and
     adds one full-size weight-gradient sum; on one and two H200s one chunk was the fastest
     (benchmarks/results/LOG.md), hence the default.
+
+    quantization="fp8_blockwise" runs both expert products in FP8 (moe_xla.fp8: rows in
+    1 x 128 tiles, weights in 128 x 128 blocks, float32 accumulation, bf16 weight gradient);
+    w_in and w_out may then be moe_xla.Fp8Weights (pre-quantised, no gradient; one device).
     """
-    tokens, hidden, experts = _check(x, router_logits, w_in, w_out, top_k, activation, shared_experts)
+    tokens, hidden, experts = _check(x, router_logits, w_in, w_out, top_k, activation, shared_experts, quantization)
     if mesh is not None or expert_axis is not None:
+        if isinstance(w_in, Fp8Weights) or isinstance(w_out, Fp8Weights):
+            raise TypeError("moe: pre-quantised Fp8Weights are not supported with expert parallelism; pass the "
+                            "weights as arrays with quantization='fp8_blockwise'")
         routing = dict(score=score, n_groups=n_groups, topk_groups=topk_groups, renormalize=renormalize, scale=scale)
         return moe_ep(x, router_logits, w_in, w_out, dims=(tokens, hidden, experts), top_k=top_k,
                       activation=activation, routing=routing, bias=bias, shared_experts=shared_experts,
                       return_aux=return_aux, mesh=mesh, expert_axis=expert_axis, data_axes=data_axes,
-                      transport=transport, dedup=dedup, capacity_factor=capacity_factor, chunks=chunks)
+                      transport=transport, dedup=dedup, capacity_factor=capacity_factor, chunks=chunks,
+                      quantization=quantization)
     lead = x.shape[:-1]
     x2 = x.reshape(tokens, hidden)
     logits2 = router_logits.reshape(tokens, experts)
@@ -95,7 +110,7 @@ def moe(x, router_logits, w_in, w_out, *, top_k, activation="swiglu", score="sof
                              renormalize=renormalize, scale=scale)
     with jax.named_scope("moe_xla/dispatch"):
         x_sorted, group_sizes, row_map = permute(x2, ids, experts)
-    y_sorted = expert_mlp(x_sorted, w_in, w_out, group_sizes, activation)
+    y_sorted = expert_mlp(x_sorted, w_in, w_out, group_sizes, activation, quantization)
     with jax.named_scope("moe_xla/combine"):
         y = unpermute(y_sorted, row_map, weights, unique_rows=True)  # permute's row_map
     if shared_experts is not None:

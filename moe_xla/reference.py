@@ -299,3 +299,35 @@ def dequantize_fp8_blocks(q, scales, dtype=jnp.float32):
 def dequantize_fp8_group_cols(q, scales, group_sizes, dtype=jnp.float32):
     """q [M, K] * scales[tile(r)] (fp8_group_col_tiles), in float32."""
     return (q.astype(jnp.float32) * scales[fp8_group_col_tiles(group_sizes, q.shape[0])]).astype(dtype)
+
+
+def gmm_fp8(lhs, lhs_scales, rhs, rhs_scales, group_sizes, *, preferred_element_type=jnp.bfloat16):
+    """The FP8 blockwise grouped product of common/fp8_grouped_gemm.h.
+
+    lhs [M, K] float8_e4m3fn with lhs_scales [M, ceil(K/128)] (1 x 128 row tiles); rhs
+    [G, N, K] float8_e4m3fn (each expert's matrix transposed, K contiguous) with rhs_scales
+    [G, ceil(K/128), ceil(N/128)] (128 x 128 blocks, rhs[g, n, k] scaled by
+    rhs_scales[g, k // 128, n // 128]). For a row r of group g, with P_j the float32 sum of
+    the 128-deep block j of lhs[r] * rhs[g, n]:
+        out[r, n] = sum over j in order of fl(lhs_scales[r, j] * rhs_scales[g, j, n // 128]) * P_j
+    in float32, then rounded to preferred_element_type; rows past the groups are 0. The
+    kernels' block sums and their fma may round differently (a few float32 ulps).
+    """
+    m, k = lhs.shape
+    num_groups, n, _ = rhs.shape
+    kt = _fp8_tiles(k)
+    pad = kt * FP8_TILE - k
+    a = jnp.pad(lhs.astype(jnp.float32), ((0, 0), (0, pad))).reshape(m, kt, FP8_TILE)
+    b = jnp.pad(rhs.astype(jnp.float32), ((0, 0), (0, 0), (0, pad))).reshape(num_groups, n, kt, FP8_TILE)
+    col_scales = jnp.repeat(rhs_scales, FP8_TILE, axis=2)[:, :, :n]  # [G, Kt, N]
+    groups = row_groups(group_sizes, m)
+
+    def add_group(acc, g):
+        blocks = jnp.einsum("mjk,njk->jmn", a, b[g], precision="highest")
+        out = jnp.zeros((m, n), jnp.float32)
+        for j in range(kt):
+            out = out + (lhs_scales[:, j, None] * col_scales[g, j][None, :]) * blocks[j]
+        return acc + jnp.where((groups == g)[:, None], out, 0.0), None
+
+    out, _ = jax.lax.scan(add_group, jnp.zeros((m, n), jnp.float32), jnp.arange(num_groups))
+    return out.astype(preferred_element_type)

@@ -13,7 +13,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "moe_xla"
 
 # The layer pieces moe() and the EP layer share.
-LAYER_PIECES = {"moe_xla.activations", "moe_xla.experts", "moe_xla.aux_losses"}
+LAYER_PIECES = {"moe_xla.activations", "moe_xla.experts", "moe_xla.aux_losses", "moe_xla.fp8", "moe_xla.grouped"}
 
 
 def _module_name(path: Path) -> str:
@@ -62,7 +62,8 @@ def _reach(graph, start: str) -> set[str]:
 def test_graph_is_read():
     graph = _graph()
     assert "moe_xla.ep.layer" in graph["moe_xla.moe"]
-    assert "moe_xla.primitives.gmm" in graph["moe_xla.experts"]
+    assert "moe_xla.grouped" in graph["moe_xla.experts"]
+    assert "moe_xla.primitives.gmm" in graph["moe_xla.grouped"]
 
 
 def test_import_graph_is_acyclic():

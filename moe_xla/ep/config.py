@@ -27,10 +27,11 @@ class EpConfig(NamedTuple):
     dedup: bool
     capacity_factor: float | None
     chunks: int
+    quantization: str | None  # moe_xla.gmm's option for the expert products
 
 
 def ep_config(mesh, *, dims, top_k, activation, routing, expert_axis, data_axes, transport, dedup, capacity_factor,
-              chunks):
+              chunks, quantization=None):
     """(the mesh to shard over, EpConfig) from moe()'s options, or a ValueError naming the
     option that is wrong. dims = (tokens, hidden, experts) as moe() derived them."""
     mesh = _resolve_mesh(mesh, expert_axis)
@@ -65,7 +66,7 @@ def ep_config(mesh, *, dims, top_k, activation, routing, expert_axis, data_axes,
     transport = "padded" if transport == "auto" else transport
     return mesh, EpConfig(expert_axis, token_axes, peers, experts, top_k, activation, routing, transport,
                           _platform(mesh) != "cpu", bool(dedup), capacity_factor,
-                          max(1, min(int(chunks), tokens // shards)))
+                          max(1, min(int(chunks), tokens // shards)), quantization)
 
 
 def _resolve_mesh(mesh, expert_axis):

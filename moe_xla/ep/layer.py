@@ -25,13 +25,13 @@ from moe_xla.primitives.unpermute import unpermute
 
 
 def moe_ep(x, router_logits, w_in, w_out, *, dims, top_k, activation, routing, bias, shared_experts, return_aux,
-           mesh, expert_axis, data_axes, transport, dedup, capacity_factor, chunks):
+           mesh, expert_axis, data_axes, transport, dedup, capacity_factor, chunks, quantization=None):
     """moe() with its experts split over `expert_axis` of `mesh`. Arguments are moe()'s,
     already checked by it; dims = (tokens, hidden, experts) as moe() derived them; routing
     holds route()'s options other than bias."""
     mesh, cfg = ep_config(mesh, dims=dims, top_k=top_k, activation=activation, routing=routing,
                           expert_axis=expert_axis, data_axes=data_axes, transport=transport, dedup=dedup,
-                          capacity_factor=capacity_factor, chunks=chunks)
+                          capacity_factor=capacity_factor, chunks=chunks, quantization=quantization)
     tokens, hidden, experts = dims
     tok, rep = P(cfg.token_axes), P()
     specs = (tok, tok, P(expert_axis), P(expert_axis), rep, rep)
@@ -101,12 +101,12 @@ def _round(cfg: EpConfig, sizes: ExchangeSizes, r, floats: RoundFloats, ints: Ro
         x_recv = chunk_link.send(floats.x, 0, r)
         lids = chunk_link.send(ints.lids, sizes.local_experts, r)
         w = None if floats.w is None else chunk_link.send(floats.w, 0, r)
-    y = _experts(x_recv, lids, w, floats.w_in, floats.w_out, sizes, cfg.activation)
+    y = _experts(x_recv, lids, w, floats.w_in, floats.w_out, sizes, cfg.activation, cfg.quantization)
     with jax.named_scope("moe_xla/combine"):
         return chunk_link.back(y, r, floats.x.shape[0])
 
 
-def _experts(x_recv, lids, w, w_in, w_out, sizes: ExchangeSizes, activation):
+def _experts(x_recv, lids, w, w_in, w_out, sizes: ExchangeSizes, activation, quantization):
     """The receiving rank: rows [N, H] asking for lids [N, mult] -> back rows [N, H]."""
     n = lids.shape[0]
     with jax.named_scope("moe_xla/dispatch"):
@@ -114,6 +114,6 @@ def _experts(x_recv, lids, w, w_in, w_out, sizes: ExchangeSizes, activation):
         slots = slots.reshape(lids.shape)
         ones = jnp.ones(lids.shape, jnp.float32)
         x_exp = expand_p.bind(x_recv, slots, ones, num_pairs=sizes.pairs)
-    y_exp = expert_mlp(x_exp, w_in, w_out, group_sizes, activation)
+    y_exp = expert_mlp(x_exp, w_in, w_out, group_sizes, activation, quantization)
     with jax.named_scope("moe_xla/combine"):
         return gather_sum_p.bind(y_exp, slots, ones if w is None else w)

@@ -27,14 +27,13 @@ def outputs(x_shape, scales_shape):
     return [jax.core.ShapedArray(tuple(x_shape), FP8_DTYPE), jax.core.ShapedArray(tuple(scales_shape), jnp.float32)]
 
 
-def not_differentiable(op: str):
+def not_differentiable(op: str, why: str = ""):
     """A JVP rule that raises: `op` has no derivative (see the module docstring)."""
+    why = why or ("FP8 quantisation has zero derivative almost everywhere. Differentiate the FP8 gmm, "
+                  f"whose rules see the unquantised inputs, or apply jax.lax.stop_gradient to the input of {op}")
 
     def jvp(primals, tangents, **params):
-        raise TypeError(
-            f"{op} is not differentiable: FP8 quantisation has zero derivative almost everywhere. "
-            f"Differentiate the FP8 gmm, whose rules see the unquantised inputs, or apply "
-            f"jax.lax.stop_gradient to the input of {op}.")
+        raise TypeError(f"{op} is not differentiable: {why}.")
 
     return jvp
 

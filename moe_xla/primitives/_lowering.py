@@ -33,6 +33,7 @@ _REFERENCE = {
     "unpermute": lambda y_sorted, row_map, weights, *, unique_rows: reference.unpermute(y_sorted, row_map, weights),
     "quantize_fp8_rows": lambda x, *, pow2_scale: list(reference.quantize_fp8_rows(x, pow2_scale=pow2_scale)),
     "quantize_fp8_blocks": lambda w, *, pow2_scale: list(reference.quantize_fp8_blocks(w, pow2_scale=pow2_scale)),
+    "gmm_fp8": reference.gmm_fp8,
 }
 
 
@@ -83,3 +84,8 @@ def register(prim, op: str, attributes: Callable[..., dict], cuda_workspace: Cal
 def grouped_gemm_workspace(lhs, rhs, group_sizes, **_) -> int:
     """Workspace bytes of the CUDA gmm / tgmm handlers: a bound that depends on G only."""
     return _lib.cuda_workspace_bytes("MoeXlaGmmWorkspaceBytes", group_sizes.shape[0])
+
+
+def fp8_gemm_workspace(lhs, lhs_scales, rhs, rhs_scales, group_sizes, **_) -> int:
+    """Workspace bytes of the CUDA gmm_fp8 handler: a bound that depends on G only."""
+    return _lib.cuda_workspace_bytes("MoeXlaGmmFp8WorkspaceBytes", group_sizes.shape[0])

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Callable
 
 import jax
@@ -54,6 +55,7 @@ except (ImportError, AttributeError):
     _DEVICES_DURING_LOWERING = None
 
 Axes = tuple  # mesh axis names of one dimension, () when replicated
+TILE = 128    # the FP8 tile edge (common/fp8_blockwise.h)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +64,9 @@ class Rule:
     specs: Callable                            # (arg_axes, **params) -> (in_axes, out_axes, sum_axes)
     need_replication: tuple[str, ...] = ()
     reduction: tuple[str, ...] = ()
+    # (operand, dim) pairs split only into whole FP8 tiles of 128: a split that would cut a
+    # tile (its scale belongs to one shard) is dropped, the dimension then stays whole.
+    whole_tiles: tuple[tuple[int, int], ...] = ()
 
 
 def axes(entry) -> Axes:
@@ -77,13 +82,18 @@ def entry(ax: Axes):
     return None if not ax else ax[0] if len(ax) == 1 else tuple(ax)
 
 
-def _arg_axes(arg_shapes):
+def _arg_axes(arg_shapes, whole_tiles=()):
     out = []
     for a in arg_shapes:
         spec = tuple(a.sharding.spec) if isinstance(a.sharding, NamedSharding) else ()
         spec = spec + (None,) * (len(a.shape) - len(spec))
-        out.append(tuple(axes(e) for e in spec))
-    return out
+        out.append([axes(e) for e in spec])
+    for arg, dim in whole_tiles:
+        ax = out[arg][dim]
+        shards = math.prod(arg_shapes[arg].sharding.mesh.shape[name] for name in ax) if ax else 1
+        if arg_shapes[arg].shape[dim] % (shards * TILE) != 0:
+            out[arg][dim] = ()
+    return [tuple(a) for a in out]
 
 
 def needs_partitioning(ctx) -> bool:
@@ -123,7 +133,7 @@ def partitioned(prim, rule: Rule, params: tuple):
     fn = custom_partitioning(body)
 
     def plan(arg_shapes):
-        return rule.specs(_arg_axes(arg_shapes), **params)
+        return rule.specs(_arg_axes(arg_shapes, rule.whole_tiles), **params)
 
     def shardings(mesh, out_axes):
         out = tuple(_named(mesh, a) for a in out_axes)

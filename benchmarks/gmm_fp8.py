@@ -1,0 +1,148 @@
+"""Benchmark: the FP8 blockwise grouped GEMM against bf16 moe_xla.gmm, torch._grouped_mm
+(bf16) and torch._scaled_grouped_mm (FP8 with row-wise scales, where torch has it), in one
+run on the grouped_matmul cases of cases.json.
+
+    python benchmarks/gmm_fp8.py [--out benchmarks/results] [--cases NAME ...] [--kinds uniform zipf1.2]
+                                 [--m-scale 1.0] [--turn-seconds 0.4] [--rounds 3]
+
+Forward contenders, taking turns on the device (_timing.alternating_times, so none runs
+on a cooler GPU than the others):
+  bf16         moe_xla.gmm(lhs, w)                                    bf16 operands
+  fp8          moe_xla.gmm_fp8 on pre-quantised operands (lhs in 1 x 128 tiles, the
+               weights' 128 x 128 blocks transposed): the GEMM alone
+  fp8_quant    moe_xla.gmm(lhs, w, quantization="fp8_blockwise"): quantisation of lhs and
+               of the weights included (what a training step's forward pays)
+  torch_bf16   torch._grouped_mm
+  torch_fp8    torch._scaled_grouped_mm, e4m3 operands with row-wise scales (pre-quantised)
+Backward pair, also in turns: bf16 dgrad (gmm with the weights transposed) + bf16 wgrad
+(tgmm) against the FP8 dgrad (dy quantised inside, pre-quantised weights) + the same bf16
+wgrad; and the dgrads alone. TFLOP/s count 2 M K N per product.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from pathlib import Path
+
+from _timing import alternating_times, environment, grouped_matmul_inputs, torch_grouped_mm, torch_sync, write_results
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import moe_xla
+
+
+def _torch_scaled_grouped_mm(lhs, rhs, gs):
+    """A no-argument call of torch._scaled_grouped_mm with row-wise e4m3 operands, or None
+    (with the reason printed) where torch, CUDA or the op is missing or refuses."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available() or not hasattr(torch, "_scaled_grouped_mm"):
+        return None
+    a = torch.from_numpy(np.array(lhs, np.float32)).to("cuda")
+    b = torch.from_numpy(np.array(rhs, np.float32)).to("cuda")  # [G, K, N]
+    sa = a.abs().amax(dim=1).clamp(min=1e-12) / 448.0
+    sb = b.abs().amax(dim=1).clamp(min=1e-12) / 448.0  # [G, N]
+    qa = (a / sa[:, None]).to(torch.float8_e4m3fn)
+    qb = (b / sb[:, None, :]).to(torch.float8_e4m3fn).transpose(1, 2).contiguous().transpose(1, 2)
+    offs = torch.from_numpy(np.cumsum(np.asarray(gs)).astype(np.int32)).to("cuda")
+
+    def call():
+        return torch._scaled_grouped_mm(qa, qb, sa, sb, offs=offs, out_dtype=torch.bfloat16)
+
+    try:
+        call()
+        torch.cuda.synchronize()
+    except Exception as err:  # noqa: BLE001 - a torch build without the kernel is a result, not a crash
+        print(f"torch._scaled_grouped_mm unavailable here: {err}", flush=True)
+        return None
+    return call
+
+
+def _forward_contenders(lhs, rhs, gs):
+    wq = moe_xla.quantize_fp8_weights(rhs)
+    qx, sx = jax.jit(moe_xla.quantize_fp8_rows)(lhs)
+    bf16 = jax.jit(moe_xla.gmm).lower(lhs, rhs, gs).compile()
+    fp8 = jax.jit(moe_xla.gmm_fp8).lower(qx, sx, wq.data_t, wq.scales, gs).compile()
+    quant = jax.jit(lambda a, w, g: moe_xla.gmm(a, w, g, quantization="fp8_blockwise")).lower(lhs, rhs, gs).compile()
+    block = jax.block_until_ready
+    impls = {"bf16": (lambda: bf16(lhs, rhs, gs), block),
+             "fp8": (lambda: fp8(qx, sx, wq.data_t, wq.scales, gs), block),
+             "fp8_quant": (lambda: quant(lhs, rhs, gs), block)}
+    for name, make in (("torch_bf16", torch_grouped_mm), ("torch_fp8", _torch_scaled_grouped_mm)):
+        call = make(lhs, rhs, gs)
+        if call is not None:
+            impls[name] = (call, torch_sync)
+    return impls
+
+
+def _backward_contenders(lhs, rhs, gs):
+    wq = moe_xla.quantize_fp8_weights(rhs)
+    dy = jnp.ones((lhs.shape[0], rhs.shape[2]), lhs.dtype) * 0.01
+
+    def dgrad_bf16(dy, w, g):
+        return moe_xla.gmm(dy, w, g, transpose_rhs=True)
+
+    def dgrad_fp8(dy, wq, g):
+        q, s = moe_xla.quantize_fp8_rows(dy)
+        return moe_xla.gmm_fp8(q, s, wq.data, jnp.swapaxes(wq.scales, 1, 2), g)
+
+    def pair(dgrad):
+        return lambda x, dy, w, g: (dgrad(dy, w, g), moe_xla.tgmm(x, dy, g))
+
+    block = jax.block_until_ready
+    comp = {name: jax.jit(fn).lower(*args).compile() for name, fn, args in (
+        ("dgrad_bf16", dgrad_bf16, (dy, rhs, gs)), ("dgrad_fp8", dgrad_fp8, (dy, wq, gs)),
+        ("pair_bf16", pair(dgrad_bf16), (lhs, dy, rhs, gs)), ("pair_fp8", pair(dgrad_fp8), (lhs, dy, wq, gs)))}
+    return {"dgrad_bf16": (lambda: comp["dgrad_bf16"](dy, rhs, gs), block),
+            "dgrad_fp8": (lambda: comp["dgrad_fp8"](dy, wq, gs), block),
+            "pair_bf16": (lambda: comp["pair_bf16"](lhs, dy, rhs, gs), block),
+            "pair_fp8": (lambda: comp["pair_fp8"](lhs, dy, wq, gs), block)}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--cases", nargs="*", help="case names (default: all)")
+    parser.add_argument("--kinds", nargs="*", help="group-size kinds (default: all)")
+    parser.add_argument("--m-scale", type=float, default=1.0)
+    parser.add_argument("--turn-seconds", type=float, default=0.4)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--skip-backward", action="store_true")
+    args = parser.parse_args()
+    rows = []
+    for case, kind, lhs, rhs, gs in grouped_matmul_inputs(args.cases, args.kinds, m_scale=args.m_scale):
+        (m, k), n = lhs.shape, rhs.shape[2]
+        flops = 2.0 * m * k * n
+        row = {"case": case["name"], "groups": kind, "M": m, "K": k, "N": n, "G": rhs.shape[0]}
+        sections = [("fwd", _forward_contenders(lhs, rhs, gs))]
+        if not args.skip_backward:
+            sections.append(("bwd", _backward_contenders(lhs, rhs, gs)))
+        for _, impls in sections:
+            times, _ = alternating_times(impls, args.turn_seconds, args.rounds)
+            for name, ts in times.items():
+                t = statistics.median(ts)
+                products = 2 if name.startswith("pair") else 1
+                row[f"{name}_ms"] = t * 1e3
+                row[f"{name}_tflops"] = products * flops / t / 1e12
+        row["fp8_vs_bf16"] = row["bf16_ms"] / row["fp8_ms"]
+        row["fp8_quant_vs_bf16"] = row["bf16_ms"] / row["fp8_quant_ms"]
+        if "torch_fp8_ms" in row:
+            row["fp8_vs_torch_fp8"] = row["torch_fp8_ms"] / row["fp8_ms"]
+        if not args.skip_backward:
+            row["dgrad_fp8_vs_bf16"] = row["dgrad_bf16_ms"] / row["dgrad_fp8_ms"]
+            row["pair_fp8_vs_bf16"] = row["pair_bf16_ms"] / row["pair_fp8_ms"]
+        rows.append(row)
+        print(row, flush=True)
+    columns = ["case", "groups", "bf16_tflops", "fp8_tflops", "fp8_quant_tflops", "torch_bf16_tflops",
+               "torch_fp8_tflops", "fp8_vs_bf16", "fp8_quant_vs_bf16", "fp8_vs_torch_fp8", "dgrad_fp8_vs_bf16",
+               "pair_fp8_vs_bf16"]
+    write_results(args.out, f"gmm_fp8_{jax.devices()[0].platform}", environment(), rows, columns)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+// Internal interface between the FP8 dispatcher (fp8_grouped_gemm.cu) and the CUTLASS
+// FP8 instantiations (cutlass_fp8_instance.cu, compiled once per entry of the table in
+// cuda/BUILD.bazel). Not part of the API.
+#ifndef MOE_XLA_CUDA_FP8_GROUPED_GEMM_INTERNAL_H_
+#define MOE_XLA_CUDA_FP8_GROUPED_GEMM_INTERNAL_H_
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "common/fp8_grouped_gemm.h"
+#include "common/status.h"
+#include "cuda/grouped_gemm_internal.h"  // kWorkspaceAlign, align_up, RasterOrder
+
+namespace moe_xla {
+namespace cuda {
+namespace detail {
+
+// CUTLASS configurations of the FP8 blockwise grouped GEMM (CutlassFp8Tile in
+// cutlass_fp8_grouped.cuh): kernel schedule, CTA tile MxNxK and cluster MxN. K is 128,
+// one scale block per k step (CUTLASS requires the tile's K to be a multiple of the scale
+// granularity).
+enum class Fp8TileConfig : int32_t {
+  kCoop128x128Cluster1x2 = 0,     // cooperative 128x128x128, cluster 1x2 (A multicast)
+  kCoop128x128Cluster2x1 = 1,     // cooperative 128x128x128, cluster 2x1 (B multicast)
+  kPingpong64x128Cluster1x1 = 2,  // pingpong    64x128x128,  cluster 1x1
+};
+
+struct CutlassFp8Args {
+  const Fp8GroupedGemmParams* params;
+  void* workspace;  // kWorkspaceAlign-aligned
+  size_t workspace_bytes;
+  int sm_count;
+  cudaStream_t stream;
+  RasterOrder raster = RasterOrder::kAlongM;
+};
+
+// Defined in cutlass_fp8_grouped.cuh, instantiated by cutlass_fp8_instance.cu for one
+// (output dtype, tile) entry of the table. The run enqueues two kernels: prep (per-group
+// problem shapes, operand and scale pointers, and the zeroing of rows past the groups),
+// then the GEMM.
+template <DType kOut, Fp8TileConfig kTile>
+size_t cutlass_fp8_workspace_bytes(int64_t num_groups, int sm_count);
+
+template <DType kOut, Fp8TileConfig kTile>
+Status cutlass_fp8_run(const CutlassFp8Args& args);
+
+}  // namespace detail
+}  // namespace cuda
+}  // namespace moe_xla
+
+#endif  // MOE_XLA_CUDA_FP8_GROUPED_GEMM_INTERNAL_H_

@@ -1,0 +1,111 @@
+"""FP8 blockwise grouped products that differentiate: the DeepSeek-V3 recipe on Hopper.
+
+    Fp8Weights            expert weights w [G, K, N] quantised in 128 x 128 blocks, held in
+                          the two layouts the products read (data [G, K, N] for the dgrad,
+                          data_t [G, N, K] for the forward; 2 bytes per weight in all, as bf16)
+                          and one scale per block, scales [G, ceil(K/128), ceil(N/128)].
+    quantize_fp8_weights  w -> Fp8Weights (once per step; or once, for frozen weights).
+    gmm_fp8_blockwise     out[rows of g] = lhs[rows of g] @ w[g] with lhs quantised in 1 x 128
+                          row tiles and w in 128 x 128 blocks (moe_xla.gmm(quantization=
+                          "fp8_blockwise") calls it).
+
+Forward: out = gmm_fp8(Q_rows(lhs), Q_blocks(w)) (primitives/gmm_fp8.py states the sum).
+Backward, the straight-through estimate (quantisation's derivative taken as 1):
+    d lhs = gmm_fp8(Q_rows(dy), Q_blocks(w)^T): dy quantised in 1 x 128 tiles along N, the
+            forward's weight blocks transposed (no requantisation);
+    d w   = tgmm(lhs, dy) in lhs's dtype (bf16 for a bf16 model) with float32 accumulation.
+The wgrad stays in bf16: it contracts over each group's rows, whose count is data-dependent,
+and CUTLASS's sm90 FP8 grouped kernel has no k-grouped form; FP8 copies of x^T and dy^T
+with 128-row tiles restarting at each group are not built yet.
+Pre-quantised weights (an Fp8Weights as rhs) get no gradient.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from moe_xla.primitives.gmm_fp8 import gmm_fp8
+from moe_xla.primitives.quantize_fp8_blocks import quantize_fp8_blocks
+from moe_xla.primitives.quantize_fp8_rows import quantize_fp8_rows
+from moe_xla.primitives.tgmm import tgmm
+
+
+class Fp8Weights(NamedTuple):
+    """Expert weights w [G, K, N] in 128 x 128 FP8 blocks (see the module docstring)."""
+
+    data: jax.Array    # [G, K, N] float8_e4m3fn
+    data_t: jax.Array  # [G, N, K] float8_e4m3fn, data with its last two axes swapped
+    scales: jax.Array  # [G, ceil(K/128), ceil(N/128)] float32
+
+    @property
+    def shape(self):
+        """(G, K, N): the shape of the weights it holds."""
+        return self.data.shape
+
+
+def quantize_fp8_weights(w, *, pow2_scale=False) -> Fp8Weights:
+    """w [G, K, N] -> Fp8Weights (128 x 128 blocks; no gradient flows through)."""
+    if jnp.ndim(w) != 3:
+        raise ValueError(f"quantize_fp8_weights: expected w of rank 3 [G, K, N], got shape {jnp.shape(w)}")
+    q, scales = quantize_fp8_blocks(jax.lax.stop_gradient(w), pow2_scale=pow2_scale)
+    return Fp8Weights(q, jnp.swapaxes(q, 1, 2), scales)
+
+
+def _kernel_dtype(dtype):
+    """The kernels write bf16 or f32; other dtypes are cast from f32."""
+    return jnp.dtype(jnp.bfloat16) if jnp.dtype(dtype) == jnp.bfloat16 else jnp.dtype(jnp.float32)
+
+
+def _product(x, data, scales, group_sizes, out_dtype):
+    q, s = quantize_fp8_rows(x)
+    return gmm_fp8(q, s, data, scales, group_sizes, preferred_element_type=_kernel_dtype(out_dtype)).astype(out_dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _gmm(lhs, w, weights, group_sizes, out_dtype):
+    return _product(lhs, weights.data_t, weights.scales, group_sizes, out_dtype)
+
+
+def _gmm_fwd(lhs, w, weights, group_sizes, out_dtype):
+    out = _product(lhs, weights.data_t, weights.scales, group_sizes, out_dtype)
+    # Residuals are arrays: dtypes ride along as empty arrays; lhs is kept for the wgrad only.
+    lhs_dtype = jnp.zeros((0,), lhs.dtype)
+    wgrad = None if w is None else (lhs, jnp.zeros((0,), w.dtype))
+    return out, (weights, group_sizes, lhs_dtype, wgrad)
+
+
+def _gmm_bwd(out_dtype, residuals, dy):
+    weights, group_sizes, lhs_dtype, wgrad = residuals
+    d_lhs = _product(dy, weights.data, jnp.swapaxes(weights.scales, 1, 2), group_sizes, lhs_dtype.dtype)
+    d_w = None
+    if wgrad is not None:
+        lhs, w_dtype = wgrad
+        d_w = tgmm(lhs, dy.astype(lhs.dtype), group_sizes, preferred_element_type=w_dtype.dtype)
+    return d_lhs, d_w, jax.tree.map(jnp.zeros_like, weights), None
+
+
+_gmm.defvjp(_gmm_fwd, _gmm_bwd)
+
+
+def gmm_fp8_blockwise(lhs, rhs, group_sizes, *, transpose_rhs=False, preferred_element_type=None):
+    """out[rows of g] = lhs[rows of g] @ rhs[g] (rhs[g]^T with transpose_rhs) in FP8 blockwise.
+
+    lhs [M, K] float32 / bfloat16 / float16; rhs [G, K, N] ([G, N, K] with transpose_rhs) of a
+    float dtype, or an Fp8Weights of w [G, K, N] (transpose_rhs False); group_sizes [G] int32.
+    Returns [M, N] in preferred_element_type (default lhs.dtype), differentiable w.r.t. lhs
+    and an array rhs (see the module docstring for the rules).
+    """
+    out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
+    if isinstance(rhs, Fp8Weights):
+        if transpose_rhs:
+            raise ValueError("gmm(quantization='fp8_blockwise'): transpose_rhs must be False for Fp8Weights "
+                             "(the container holds w [G, K, N] in both layouts)")
+        return _gmm(lhs, None, rhs, group_sizes, out_dtype)
+    if jnp.ndim(rhs) != 3:
+        raise ValueError(f"gmm(quantization='fp8_blockwise'): expected rhs of rank 3, got shape {jnp.shape(rhs)}")
+    w = jnp.swapaxes(rhs, 1, 2) if transpose_rhs else rhs
+    return _gmm(lhs, w, quantize_fp8_weights(w), group_sizes, out_dtype)

@@ -1,0 +1,104 @@
+"""gmm_fp8: the FP8 blockwise grouped product on quantised operands (the contract is
+common/fp8_grouped_gemm.h).
+
+    lhs [M, K] float8_e4m3fn, lhs_scales [M, ceil(K/128)] float32      (1 x 128 row tiles)
+    rhs [G, N, K] float8_e4m3fn, rhs_scales [G, ceil(K/128), ceil(N/128)] float32
+                                           (128 x 128 blocks of each expert's rhs[g]^T)
+    group_sizes [G] int32  ->  out [M, N] bfloat16 or float32 (preferred_element_type)
+
+For a row r of group g (groups clamped to the M rows as gmm's; rows past them are 0):
+    out[r, n] = sum_j fl(lhs_scales[r, j] * rhs_scales[g, j, n // 128]) * P_j[r, n],
+    P_j[r, n] = sum over k in the 128-deep block j of lhs[r, k] * rhs[g, n, k]
+accumulated in float32 block by block. K is contiguous in both operands: the forward of
+an FP8 layer passes the weights' quantised blocks transposed ([G, N, K]); its dgrad
+passes them as stored ([G, K, N] read as [G, N' = K, K' = N]) with the scales swapped.
+
+A primitive on quantised data, so not differentiable: moe_xla.fp8 wraps it in the
+differentiable gmm(quantization="fp8_blockwise"). vmap folds the batch into M and G
+(one all-zero spacer expert per element); under a mesh it splits along N when every
+shard holds whole 128-column blocks.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching
+
+from moe_xla.primitives import _batching, _checks, _fp8, _impl, _lowering, _sharding
+
+gmm_fp8_p = Primitive("moe_xla_gmm_fp8")
+
+OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+
+
+def gmm_fp8(lhs, lhs_scales, rhs, rhs_scales, group_sizes, *, preferred_element_type=jnp.bfloat16):
+    """out[rows of g] = dequant(lhs)[rows of g] @ dequant(rhs[g])^T blockwise. See the module docstring."""
+    out_dtype = jnp.dtype(preferred_element_type)
+    if out_dtype not in OUT_DTYPES:
+        raise TypeError(f"gmm_fp8: expected preferred_element_type bfloat16 or float32, got {out_dtype}")
+    return gmm_fp8_p.bind(lhs, lhs_scales, rhs, rhs_scales, group_sizes, preferred_element_type=out_dtype)
+
+
+def _fp8_operand(name, x):
+    if jnp.dtype(x.dtype) != _fp8.FP8_DTYPE:
+        raise TypeError(f"gmm_fp8: expected {name} of dtype float8_e4m3fn, got {x.dtype}")
+
+
+def _scales(name, s, shape):
+    if jnp.dtype(s.dtype) != jnp.dtype(jnp.float32):
+        raise TypeError(f"gmm_fp8: expected float32 {name}, got {s.dtype}")
+    if tuple(s.shape) != tuple(shape):
+        raise ValueError(f"gmm_fp8: expected {name} of shape {tuple(shape)}, got {tuple(s.shape)}")
+
+
+def _abstract_eval(lhs, lhs_scales, rhs, rhs_scales, group_sizes, *, preferred_element_type):
+    _checks.rank("gmm_fp8", "lhs", lhs, 2, "[M, K]")
+    _checks.rank("gmm_fp8", "rhs", rhs, 3, "[G, N, K]")
+    _fp8_operand("lhs", lhs)
+    _fp8_operand("rhs", rhs)
+    m, k = lhs.shape
+    g, n, rhs_k = rhs.shape
+    _checks.dim("gmm_fp8", "rhs.shape[2] (K of lhs [M, K])", k, rhs_k)
+    _scales("lhs_scales", lhs_scales, (m, _fp8.tiles(k)))
+    _scales("rhs_scales", rhs_scales, (g, _fp8.tiles(k), _fp8.tiles(n)))
+    _checks.group_sizes("gmm_fp8", group_sizes, g)
+    return jax.core.ShapedArray((m, n), preferred_element_type)
+
+
+def _batch(args, dims, *, preferred_element_type):
+    (lhs, lhs_scales, rhs, rhs_scales, group_sizes), _ = _batching.all_to_front(args, dims)
+    b, m, k = lhs.shape
+    g = rhs.shape[1]
+    # One all-zero spacer expert per batch element covers its rows past its groups, whose
+    # results are then set to exactly 0 (a NaN code times 0 is NaN).
+    rhs = jnp.concatenate([rhs, jnp.zeros((b, 1) + rhs.shape[2:], rhs.dtype)], axis=1)
+    rhs_scales = jnp.concatenate([rhs_scales, jnp.ones((b, 1) + rhs_scales.shape[2:], jnp.float32)], axis=1)
+    folded = _batching.folded_group_sizes(group_sizes, m)
+    out = gmm_fp8_p.bind(lhs.reshape(b * m, k), lhs_scales.reshape(b * m, -1),
+                         rhs.reshape((b * (g + 1),) + rhs.shape[2:]),
+                         rhs_scales.reshape((b * (g + 1),) + rhs_scales.shape[2:]), folded,
+                         preferred_element_type=preferred_element_type)
+    out = out.reshape(b, m, out.shape[-1])
+    covered = m - folded.reshape(b, g + 1)[:, g:]
+    return jnp.where((jnp.arange(m) < covered)[..., None], out, jnp.zeros((), out.dtype)), 0
+
+
+def _specs(arg_axes, **_):
+    n = arg_axes[2][1]
+    return ([((), ()), ((), ()), ((), n, ()), ((), (), n), ((),)], [((), n)], ())
+
+
+# Column-parallel experts: N split (rhs dim 1 and its scale blocks, rhs_scales dim 2) when
+# each shard holds whole 128-column blocks; rows, groups and K stay whole.
+SHARDING = _sharding.Rule(sharding_rule=lambda **_: "m k, m t, g n k, g t u, g -> m n", specs=_specs,
+                          need_replication=("m", "k", "t", "g"), whole_tiles=((2, 1),))
+
+_impl.def_jitted_impl(gmm_fp8_p)
+gmm_fp8_p.def_abstract_eval(_abstract_eval)
+ad.primitive_jvps[gmm_fp8_p] = _fp8.not_differentiable(
+    "gmm_fp8", "it takes quantised operands; differentiate moe_xla.gmm(..., quantization=\"fp8_blockwise\")")
+batching.primitive_batchers[gmm_fp8_p] = _batch
+_lowering.register(gmm_fp8_p, "gmm_fp8", lambda **_: {}, cuda_workspace=_lowering.fp8_gemm_workspace,
+                   sharding=SHARDING)
