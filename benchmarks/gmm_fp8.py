@@ -16,7 +16,9 @@ on a cooler GPU than the others):
   torch_fp8    torch._scaled_grouped_mm, e4m3 operands with row-wise scales (pre-quantised)
 Backward pair, also in turns: bf16 dgrad (gmm with the weights transposed) + bf16 wgrad
 (tgmm) against the FP8 dgrad (dy quantised inside, pre-quantised weights) + the same bf16
-wgrad; and the dgrads alone. TFLOP/s count 2 M K N per product.
+wgrad; and the dgrads alone. TFLOP/s count 2 M K N per product. Each forward
+contender's output is checked against bf16 moe_xla's (<name>_rel_err), so a contender
+that computes something else shows.
 """
 
 from __future__ import annotations
@@ -122,6 +124,11 @@ def main():
         sections = [("fwd", _forward_contenders(lhs, rhs, gs))]
         if not args.skip_backward:
             sections.append(("bwd", _backward_contenders(lhs, rhs, gs)))
+        ref = np.asarray(sections[0][1]["bf16"][0](), np.float32)
+        for name, (call, _) in sections[0][1].items():
+            out = call()
+            out = np.asarray(out.float().cpu() if hasattr(out, "cpu") else out, np.float32)
+            row[f"{name}_rel_err"] = float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
         for _, impls in sections:
             times, _ = alternating_times(impls, args.turn_seconds, args.rounds)
             for name, ts in times.items():
@@ -139,7 +146,7 @@ def main():
         rows.append(row)
         print(row, flush=True)
     columns = ["case", "groups", "bf16_tflops", "fp8_tflops", "fp8_quant_tflops", "torch_bf16_tflops",
-               "torch_fp8_tflops", "fp8_vs_bf16", "fp8_quant_vs_bf16", "fp8_vs_torch_fp8", "dgrad_fp8_vs_bf16",
+               "torch_fp8_tflops", "fp8_rel_err", "torch_bf16_rel_err", "torch_fp8_rel_err", "fp8_vs_bf16", "fp8_quant_vs_bf16", "fp8_vs_torch_fp8", "dgrad_fp8_vs_bf16",
                "pair_fp8_vs_bf16"]
     write_results(args.out, f"gmm_fp8_{jax.devices()[0].platform}", environment(), rows, columns)
 

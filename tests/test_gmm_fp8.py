@@ -139,8 +139,11 @@ GPU_SHAPES = [(1000, 512, 384, 8), (4096, 1024, 256, 4), (700, 272, 136, 16), (3
 @pytest.mark.parametrize("kind", ["random", "empty_and_short", "clamped"])
 @pytest.mark.parametrize("shape", GPU_SHAPES)
 def test_gpu_cutlass_path_against_the_cpu(rng, shape, kind):
-    """Tensor-core block sums round differently: per element within 2^-18 of the sum of
-    |scaled block sums| (a few float32 ulps of each block), exact zeros where the CPU's are."""
+    """Hopper's FP8 tensor cores sum a 128-deep step with about 14 significant bits before
+    CUTLASS promotes it to the float32 accumulator (the limit DeepSeek-V3's report measured
+    and its 128-deep promotion interval bounds): per element within 2^-12 of sum_j |fl(s_a
+    s_b) P_j| (the product of the dequantised magnitudes). Measured on an H200: 8.5e-5 of
+    it at most."""
     m, k, n, g = shape
     lhs, lhs_s, rhs, rhs_s = ops = _operands(rng, m, k, n, g)
     sizes = _sizes(kind, m, g, rng)
@@ -153,9 +156,9 @@ def test_gpu_cutlass_path_against_the_cpu(rng, shape, kind):
     for e, size in enumerate(np.asarray(reference.group_ends(jnp.asarray(sizes), m)) - 0):
         bound[start:size] = x[start:size] @ w[e]
         start = size
-    assert np.all(np.abs(gpu - cpu) <= 2.0 ** -18 * bound), np.max(np.abs(gpu - cpu) / np.maximum(bound, 1e-30))
+    assert np.all(np.abs(gpu - cpu) <= 2.0 ** -12 * bound), np.max(np.abs(gpu - cpu) / np.maximum(bound, 1e-30))
     bf16 = np.asarray(_run(jax.devices("gpu")[0], ops, sizes, jnp.bfloat16), np.float64)
-    assert np.all(np.abs(bf16 - cpu) <= 2.0 ** -8 * np.abs(cpu) + 2.0 ** -18 * bound)
+    assert np.all(np.abs(bf16 - cpu) <= 2.0 ** -8 * np.abs(cpu) + 2.0 ** -12 * bound)
 
 
 def test_vmap_equals_a_loop(rng):
