@@ -257,7 +257,9 @@ def test_fp8_gmm_forward_and_gradients(rng, dtype, transpose_rhs):
     for e, rows in _grouped(None, sizes, m):
         dx_want[rows] = qdy[rows] @ qw[e].T
         dw_want[e] = xs[rows].T @ dys[rows]
-    tol = 1e-2 if dtype == jnp.bfloat16 else 1e-6
+    # f32: CPU bitwise up to numpy's order; the GPU's tensor cores sum 128-deep FP8 steps
+    # with ~14 bits (H200: 1.3e-4).
+    tol = 1e-2 if dtype == jnp.bfloat16 else 5e-4 if ON_GPU else 1e-6
     assert rel_err(dx, dx_want) < tol
     dw = jnp.swapaxes(drhs, 1, 2) if transpose_rhs else drhs
     assert rel_err(dw, dw_want) < tol
