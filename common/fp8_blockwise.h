@@ -35,8 +35,8 @@
 //   conversion to float8_e4m3fn canonicalises NaN), so no result may depend on it.
 // - The classification m(x), the power-of-two rounding and the E4M3 rounding are integer
 //   operations on the float32 bits (fp8_e4m3_from_float below), identical on host and
-//   device; the hardware cvt.satfinite instruction is not used, so sm_80 (which lacks
-//   it) computes the same bits.
+//   device; GPUs that have it (8.9 and later) round with the cvt.rn.satfinite instruction,
+//   which gives the same bits, and sm_80 (which lacks it) takes the integer path.
 #ifndef MOE_XLA_COMMON_FP8_BLOCKWISE_H_
 #define MOE_XLA_COMMON_FP8_BLOCKWISE_H_
 
@@ -90,12 +90,21 @@ MOE_XLA_HOST_DEVICE inline float scale_from_amax(float amax, bool pow2) {
 }
 
 // e4m3(v): round to nearest even to float8_e4m3fn bits, saturating to +-448; NaN -> the
-// NaN code 0x7f. Integer operations only.
+// NaN code 0x7f. Integer operations; on GPUs with FP8 conversion (compute capability 8.9
+// and later) the one instruction cvt.rn.satfinite.e4m3x2.f32, which rounds the same way
+// (round to nearest even, +-inf and overflow to +-448, gradual underflow to a signed
+// zero; the GPU tests compare both with the host's bits).
 MOE_XLA_HOST_DEVICE inline uint8_t fp8_e4m3_from_float(float v) {
   const uint32_t bits = float_bits(v);
   const uint8_t sign = static_cast<uint8_t>((bits >> 24) & 0x80u);
   const uint32_t a = bits & 0x7fffffffu;
   if (a > kInfBits) return kE4M3NanBits;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  (void)sign;
+  unsigned short pair;  // (e4m3(0), e4m3(v)): v in the low byte
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(0.0f), "f"(v));
+  return static_cast<uint8_t>(pair & 0xffu);
+#else
   if (a > float_bits(kE4M3Max)) return sign | kE4M3MaxBits;  // saturate, +-inf included
   if (a >= (121u << 23)) {
     // Normal E4M3 (|v| >= 2^-6): keep 3 of the 23 mantissa bits, ties to even; a carry
@@ -112,6 +121,7 @@ MOE_XLA_HOST_DEVICE inline uint8_t fp8_e4m3_from_float(float v) {
   if (shift > 25) return sign;  // |v| * 2^9 < 2^-2 rounds to 0
   const uint32_t q = (man + (1u << (shift - 1)) - 1u + ((man >> shift) & 1u)) >> shift;
   return sign | static_cast<uint8_t>(q);
+#endif
 }
 
 // q(x) for one element with its tile's scale (the per-element function of both kernel
