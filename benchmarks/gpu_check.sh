@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU visit: kernel self-checks, the pytest suite on the GPU, then benchmarks.
 # Usage (on the H200 machine, from the repo root):
-#   benchmarks/gpu_check.sh [selftest|sanitize|pytest|pytest-memcheck|bench-cutlass|demo|bench-fp8|bench-gmm|gmm-trace|gmm-sustained|kernel-resources|ncu-gmm|bench-moe]...
+#   benchmarks/gpu_check.sh [selftest|sanitize|pytest|pytest-memcheck|bench-cutlass|demo|demo-fp8|bench-fp8|bench-gmm|gmm-trace|gmm-sustained|kernel-resources|ncu-gmm|bench-moe]...
 # selftest, sanitize and bench-cutlass run the binaries in $GPU_BIN (default ./.gpu_bin),
 # which scripts/build_gpu_tests.sh builds on a machine with Bazel; the Python steps load
 # $MOE_XLA_LIBRARY (default: $GPU_BIN/libmoe_xla.so if present, else moe_xla/_native/).
@@ -47,6 +47,9 @@ for step in "$@"; do
       grep -E "^BEST|geomean|speed-up|OK|FAILED" "$OUT/grouped_gemm_bench.log" | tail -60 ;;
     demo)
       python3 -m moe_xla.demo --out "$OUT/demo" "${DEMO_ARGS[@]}" > "$OUT/demo.log" 2>&1 || status=1; tail -30 "$OUT/demo.log" ;;
+    demo-fp8)  # the demo with DEMO_ARGS twice, bf16 and --quantization fp8_blockwise: mean losses of the last 50 steps within 2%
+      python3 benchmarks/demo_fp8_vs_bf16.py --out "$OUT/demo_fp8" ${DEMO_FP8_ARGS:-} -- "${DEMO_ARGS[@]}" \
+        > "$OUT/demo_fp8_vs_bf16.log" 2>&1 || status=1; tail -14 "$OUT/demo_fp8_vs_bf16.log" ;;
     bench-fp8)
       python3 benchmarks/gmm_fp8.py --out "$OUT" ${FP8_ARGS:-} > "$OUT/bench_gmm_fp8.log" 2>&1 || status=1; tail -14 "$OUT/bench_gmm_fp8.log" ;;
     bench-gmm)

@@ -68,9 +68,12 @@ class MoE(nnx.Module):
     x [..., H] -> y [..., H]: the router scores logits = x @ router (float32), moe_xla.moe
     routes every token to its top_k experts, each expert computes
     act(x @ w_in[e]) @ w_out[e], and the outputs are summed with the routing weights; see
-    moe_xla.moe for the routing and parallelism options (score, n_groups, topk_groups,
-    renormalize, scale, mesh, expert_axis, data_axes, transport, dedup, capacity_factor,
-    chunks), all accepted here as **moe_options.
+    moe_xla.moe for the routing, parallelism and quantisation options (score, n_groups,
+    topk_groups, renormalize, scale, mesh, expert_axis, data_axes, transport, dedup,
+    capacity_factor, chunks, quantization), all accepted here as **moe_options and passed
+    to every call: quantization="fp8_blockwise" runs both expert products in FP8 blockwise
+    on the parameters cast to `dtype` (quantised afresh each call, so w_in and w_out get
+    their gradients as usual; the router and the shared expert stay unquantised).
 
     Args:
         hidden_size: H. ffn_size: F, each expert's hidden width. num_experts: E. top_k: k.

@@ -1,8 +1,15 @@
 """The README demo trains end to end on moe_xla.nnx.MoE: the loss falls, the HLO shows the
-moe_xla custom calls, the plots are written, orbax checkpoints restore and resume, and a text
-file can replace the built-in corpus."""
+moe_xla custom calls, the plots and summary.json are written, orbax checkpoints restore and
+resume, a text file can replace the built-in corpus, and --quantization fp8_blockwise trains
+with the FP8 grouped products."""
 
 from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import shlex
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -53,8 +60,42 @@ def test_demo_trains_dumps_hlo_and_plots(tmp_path, capsys):
         assert height > 200 and width > 200, name
     assert Checkpoints(tmp_path / "checkpoints").steps() == [30]  # --checkpoint-every 100: the last step only
 
+    # The final loss: the mean over the last 50 steps, here all 30.
+    assert result["final_loss_window"] == 30
+    np.testing.assert_allclose(result["final_loss"], np.mean(losses), rtol=1e-6)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert result["summary_path"] == tmp_path / "summary.json"
+    assert summary["quantization"] == "none" and "quantization" not in summary["model"]["moe"]
+    assert summary["final_loss"] == result["final_loss"] and summary["final_loss_window"] == 30
+    assert summary["first_loss"] == losses[0] and summary["last_loss"] == losses[-1]
+    assert summary["ms_per_step"] == result["ms_per_step"] > 0 and summary["steps"] == 30 and summary["seed"] == 0
+
     out = capsys.readouterr().out
     assert "device:" in out and "tokens/s" in out and f"moe_xla_gmm_{PLATFORM}_v1" in out
+    assert f"mean loss over the last 30 steps: {result['final_loss']:.4f}" in out
+    assert "quantization=none" in out
+
+
+def test_final_loss_is_the_mean_of_the_last_50_steps():
+    assert cli.final_loss([4.0, 2.0]) == (3.0, 2)
+    assert cli.final_loss([9.0] * 10 + [1.0] * 50) == (1.0, 50)
+
+
+def test_demo_trains_with_fp8_blockwise(tmp_path, capsys):
+    """--quantization fp8_blockwise: both expert products run in moe_xla_gmm_fp8 (the bf16
+    gmm is gone from the step), and the loss stays finite and falls."""
+    result = cli.main(TINY + ["--steps", "16", "--sample-chars", "4", "--quantization", "fp8_blockwise",
+                              "--out", str(tmp_path)])
+    losses = np.asarray(result["losses"])
+    assert losses.shape == (16,) and np.all(np.isfinite(losses)), losses
+    assert result["loss_fell"] and losses[-1] < losses[0] - 0.2, losses
+    assert losses[-4:].mean() < losses[:4].mean() - 0.2, losses
+    assert result["custom_calls"].get(f"moe_xla_gmm_fp8_{PLATFORM}_v1", 0) >= 2
+    assert f"moe_xla_gmm_{PLATFORM}_v1" not in result["custom_calls"]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["quantization"] == summary["model"]["moe"]["quantization"] == "fp8_blockwise"
+    assert np.isfinite(summary["final_loss"]) and summary["final_loss_window"] == 16
+    assert "quantization=fp8_blockwise" in capsys.readouterr().out
 
 
 def test_checkpoint_restores_parameters_and_training_resumes(tmp_path, capsys):
@@ -97,13 +138,33 @@ def test_trains_on_a_text_file(tmp_path, capsys):
         cli.main(TINY + ["--text", str(path), "--prompt", "xyz"])
 
 
+def test_fp8_comparison_defaults_to_gpu_check_demo_args():
+    """benchmarks/demo_fp8_vs_bf16.py compares the runs of gpu_check.sh's demo step."""
+    root = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("demo_fp8_vs_bf16", root / "benchmarks" / "demo_fp8_vs_bf16.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    line = re.search(r"^DEMO_ARGS=\((.*)\)$", (root / "benchmarks" / "gpu_check.sh").read_text(), re.M)
+    assert shlex.split(line.group(1)) == script.GPU_DEMO_ARGS
+    cli.parse_args(script.GPU_DEMO_ARGS + script.RUNS["fp8_blockwise"])  # valid demo arguments
+    with pytest.raises(SystemExit):
+        script.main(["--out", "unused", "--", "--quantization", "fp8_blockwise"])
+
+
 def test_moe_options_reach_every_moe_layer():
     options = cli.moe_options(cli.parse_args(["--activation", "gelu", "--score", "sigmoid"]))
-    assert options == {"activation": "gelu", "score": "sigmoid"}
+    assert options == {"activation": "gelu", "score": "sigmoid"}  # quantization "none": moe()'s default
     cfg = Config(vocab=5, hidden=8, heads=2, layers=3, experts=4, top_k=2, ffn=6, dtype="float32", moe=options)
     moe = LanguageModel(cfg, rngs=nnx.Rngs(0)).blocks.moe
     assert moe.activation == "gelu" and moe.moe_options == {"score": "sigmoid"}
     assert moe.w_in.shape == (3, 4, 8, 6)  # [L, E, H, F]: not gated
+
+    options = cli.moe_options(cli.parse_args(["--quantization", "fp8_blockwise"]))
+    assert options == {"activation": "swiglu", "score": "softmax", "quantization": "fp8_blockwise"}
+    moe = LanguageModel(cfg._replace(moe=options), rngs=nnx.Rngs(0)).blocks.moe
+    assert moe.moe_options == {"score": "softmax", "quantization": "fp8_blockwise"}
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--quantization", "int8"])
 
 
 def test_moe_custom_calls_counts_only_moe_xla_targets():

@@ -1,6 +1,6 @@
 """moe_xla.nnx.MoE against moe() with the same parameters: forward (bitwise), gradients,
-nnx.jit / nnx.scan / nnx.remat, the sown aux losses, an 8-CPU-device expert-sharded mesh,
-and MaxText-style weights in and out."""
+quantization="fp8_blockwise" passed through, nnx.jit / nnx.scan / nnx.remat, the sown aux
+losses, an 8-CPU-device expert-sharded mesh, and MaxText-style weights in and out."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from flax import nnx  # noqa: E402
 
 import moe_xla  # noqa: E402
 from moe_xla.nnx import MoE, RouterBias  # noqa: E402
-from conftest import assert_close, normal, requires_8_devices  # noqa: E402
+from conftest import assert_close, normal, rel_err, requires_8_devices  # noqa: E402
 
 # Plain calls (outside nnx.capture) sow into the module, which flax >= 0.12.6 deprecates.
 pytestmark = pytest.mark.filterwarnings("ignore:Using 'Module.sow\\(\\)' outside:DeprecationWarning")
@@ -122,6 +122,39 @@ def test_grad_and_jit_match_moe(rng, config):
     for name in params:
         assert_close(grads[name].get_value(), ref[name].get_value(), jnp.float32)
     assert_close(nnx.jit(lambda m: m(x))(model), _reference(model, x), jnp.float32)
+
+
+@pytest.mark.parametrize("config", ["swiglu", "gelu-shared"])
+def test_fp8_blockwise_quantization_passes_through_to_moe(rng, config):
+    """quantization="fp8_blockwise" reaches moe(): the forward equals moe(..., quantization=
+    "fp8_blockwise") on the same parameters bitwise (and differs from the unquantised layer),
+    and the gradients reach w_in, w_out and the router (and the shared expert), equal to
+    moe()'s."""
+    model = _module(rng, config, quantization="fp8_blockwise")
+    assert model.moe_options["quantization"] == "fp8_blockwise"
+    x = normal(rng, (B, S, H), jnp.float32)
+    cot = normal(rng, (B, S, H), jnp.float32)
+    y, (aux,) = _captured(model, x)
+    y_ref, aux_ref = _reference(model, x, return_aux=True)
+    np.testing.assert_array_equal(y, y_ref)
+    np.testing.assert_array_equal(aux.tokens_per_expert, aux_ref.tokens_per_expert)
+    assert rel_err(y, _reference(model, x, quantization=None)) > 1e-4  # quantised
+
+    grads = nnx.jit(nnx.grad(lambda m: jnp.sum(m(x) * cot)))(model)
+    params = nnx.state(model, nnx.Param)
+    ref = jax.jit(jax.grad(lambda p: jnp.sum(_reference(model, x, p) * cot)))(params)
+    assert set(grads.keys()) == set(ref.keys()) == set(params.keys())
+    for name in params:
+        got = grads[name].get_value()
+        assert np.all(np.isfinite(got)) and np.any(got != 0), name
+        assert_close(got, ref[name].get_value(), jnp.float32)
+
+    bf16 = MoE(H, F, E, K, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, quantization="fp8_blockwise")
+    y16 = bf16(x)
+    assert y16.dtype == jnp.bfloat16
+    y16_ref = moe_xla.moe(x.astype(jnp.bfloat16), x @ bf16.router[...], bf16.w_in[...].astype(jnp.bfloat16),
+                          bf16.w_out[...].astype(jnp.bfloat16), top_k=K, quantization="fp8_blockwise")
+    np.testing.assert_array_equal(np.asarray(y16, np.float32), np.asarray(y16_ref, np.float32))
 
 
 def _stack(rng, layers, **options):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import sys
 import time
 from collections import Counter
@@ -22,6 +23,7 @@ from moe_xla.demo.data import Vocabulary, make_corpus, read_text
 from moe_xla.demo.model import Config, LanguageModel, generate
 from moe_xla.demo.plots import plot_expert_load, plot_loss
 from moe_xla.demo.train import TrainState, init_state, make_train_step, optimizer, schedule
+from moe_xla.grouped import QUANTIZATIONS
 from moe_xla.inspect import inspect_hlo
 from moe_xla.primitives.route import SCORES
 
@@ -29,6 +31,10 @@ SAMPLE_PROMPT = "the "
 # The options of the "MoE layer" group are stored under this prefix and passed to every
 # moe_xla.nnx.MoE as keywords of the same name.
 MOE_OPTION = "moe."
+# The final loss a run reports: the mean over this many last steps (all steps of a shorter run).
+FINAL_LOSS_WINDOW = 50
+# --quantization's choices: "none" (moe()'s default, bf16/f32 products) or a moe() quantization.
+QUANTIZATION_CHOICES = ("none",) + tuple(q for q in QUANTIZATIONS if q is not None)
 
 
 def expert_load_chart(tokens_per_expert: np.ndarray, width: int = 40) -> str:
@@ -71,6 +77,10 @@ def parse_args(argv) -> argparse.Namespace:
                      help="expert activation (default: %(default)s)")
     moe.add_argument("--score", dest=MOE_OPTION + "score", choices=SCORES, default="softmax",
                      help="router scores (default: %(default)s)")
+    moe.add_argument("--quantization", dest=MOE_OPTION + "quantization", choices=QUANTIZATION_CHOICES,
+                     default="none",
+                     help="the expert products' arithmetic: none (the --dtype products) or fp8_blockwise (E4M3, "
+                          "1x128 activation tiles, 128x128 weight blocks; see moe_xla.fp8) (default: %(default)s)")
     train = p.add_argument_group("training")
     train.add_argument("--steps", type=int, default=400, help="training steps in all (default: %(default)s)")
     train.add_argument("--batch", type=int, default=16, help="sequences per step (default: %(default)s)")
@@ -108,8 +118,20 @@ def parse_args(argv) -> argparse.Namespace:
 
 
 def moe_options(args: argparse.Namespace) -> dict:
-    """The "MoE layer" options: keyword -> value, as moe_xla.nnx.MoE takes them."""
-    return {k.removeprefix(MOE_OPTION): v for k, v in vars(args).items() if k.startswith(MOE_OPTION)}
+    """The "MoE layer" options: keyword -> value, as moe_xla.nnx.MoE takes them; quantization
+    only when it is not "none" (moe()'s default), so that a bf16/f32 model's config (and the
+    checkpoints that hold it) stays as before the option existed."""
+    options = {k.removeprefix(MOE_OPTION): v for k, v in vars(args).items() if k.startswith(MOE_OPTION)}
+    if options.get("quantization") == "none":
+        del options["quantization"]
+    return options
+
+
+def final_loss(losses) -> tuple[float, int]:
+    """(the mean loss over the last FINAL_LOSS_WINDOW steps, or over all of them when there
+    are fewer; the number of steps averaged)."""
+    window = min(FINAL_LOSS_WINDOW, len(losses))
+    return float(np.mean(losses[-window:])), window
 
 
 def _error(message: str):
@@ -139,8 +161,10 @@ def _starting_point(args, checkpoints: Checkpoints, state: TrainState, meta: dic
 
 def main(argv=None) -> dict:
     """Runs the demo; returns losses (every step, those of a resumed run's checkpoint included),
-    tokens_per_s, custom_calls, tokens_per_expert (the last step's, [L, E]), sample,
-    loss_fell, hlo_path and state (the final TrainState)."""
+    final_loss (their mean over the last FINAL_LOSS_WINDOW steps) and final_loss_window,
+    tokens_per_s, ms_per_step, custom_calls, tokens_per_expert (the last step's, [L, E]),
+    sample, loss_fell, hlo_path, summary_path (summary.json under --out) and state (the final
+    TrainState)."""
     args = parse_args(argv)
     device = jax.devices()[0]
     print(f"device: {device.platform} ({device.device_kind}), the first of {jax.device_count()}; jax {jax.__version__}")
@@ -164,7 +188,8 @@ def main(argv=None) -> dict:
     n_params = sum(w.size for w in jax.tree.leaves(params))
     expert_params = model.blocks.moe.w_in.size + model.blocks.moe.w_out.size
     active = n_params - expert_params * (cfg.experts - cfg.top_k) // cfg.experts
-    options = ", ".join(f"{k}={v}" for k, v in cfg.moe.items())
+    quantization = cfg.moe.get("quantization", "none")
+    options = ", ".join(f"{k}={v}" for k, v in dict(cfg.moe, quantization=quantization).items())
     print(f"model: {cfg.layers} layers, H={cfg.hidden}, {cfg.heads} heads, E={cfg.experts} experts of F={cfg.ffn}, "
           f"top_k={cfg.top_k}, {options}, {args.dtype}; {n_params:,} parameters, {active:,} active per token")
 
@@ -224,9 +249,12 @@ def main(argv=None) -> dict:
     checkpoints.close()
     losses = history["loss"]
     tokens_per_s = (args.steps - start - 1) * args.batch * args.seq / elapsed
+    ms_per_step = 1e3 * elapsed / (args.steps - start - 1)
+    mean_final, window = final_loss(losses)
 
     print(f"\nloss: step 1 {losses[0]:.4f} -> step {args.steps} {losses[-1]:.4f}")
-    print(f"throughput: {tokens_per_s:,.0f} tokens/s ({1e3 * elapsed / (args.steps - start - 1):.1f} ms/step, "
+    print(f"mean loss over the last {window} steps: {mean_final:.4f}")
+    print(f"throughput: {tokens_per_s:,.0f} tokens/s ({ms_per_step:.1f} ms/step, "
           f"steps {start + 2}..{args.steps}, checkpoint saving excluded)")
     print(f"checkpoints: steps {checkpoints.steps()} in {checkpoints.directory}")
     tokens_per_expert = np.asarray(history["tokens_per_expert"][-1])
@@ -249,6 +277,17 @@ def main(argv=None) -> dict:
     loss_fell = losses[-1] < losses[0]
     if not loss_fell:
         print(f"\nFAILED: the final loss {losses[-1]:.4f} is not below the first {losses[0]:.4f}")
-    return {"losses": losses, "tokens_per_s": tokens_per_s, "custom_calls": custom_calls,
-            "tokens_per_expert": tokens_per_expert, "sample": sample, "loss_fell": loss_fell, "hlo_path": hlo_path,
+    summary = {"device": f"{device.platform} ({device.device_kind})", "platform": device.platform,
+               "jax": jax.__version__, "argv": list(sys.argv[1:] if argv is None else argv), "seed": args.seed,
+               "steps": args.steps, "batch": args.batch, "seq": args.seq, "model": cfg._asdict(),
+               "quantization": quantization, "first_loss": losses[0], "last_loss": losses[-1],
+               "final_loss": mean_final, "final_loss_window": window, "ms_per_step": ms_per_step,
+               "timed_steps": args.steps - start - 1, "tokens_per_s": tokens_per_s, "loss_fell": loss_fell,
+               "custom_calls": custom_calls}
+    summary_path = args.out / "summary.json"
+    summary_path.write_text(json.dumps(summary, indent=1) + "\n")
+    print(f"summary: {summary_path}")
+    return {"losses": losses, "final_loss": mean_final, "final_loss_window": window, "tokens_per_s": tokens_per_s,
+            "ms_per_step": ms_per_step, "custom_calls": custom_calls, "tokens_per_expert": tokens_per_expert,
+            "sample": sample, "loss_fell": loss_fell, "hlo_path": hlo_path, "summary_path": summary_path,
             "state": state}
