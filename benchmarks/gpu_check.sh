@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU visit: kernel self-checks, the pytest suite on the GPU, then benchmarks.
 # Usage (on the H200 machine, from the repo root):
-#   benchmarks/gpu_check.sh [selftest|sanitize|pytest|pytest-memcheck|bench-cutlass|demo|demo-fp8|bench-fp8|bench-gmm|gmm-trace|gmm-sustained|kernel-resources|ncu-gmm|bench-moe]...
+#   benchmarks/gpu_check.sh [selftest|sanitize|pytest|pytest-memcheck|bench-cutlass|demo|demo-fp8|bench-fp8|bench-gmm|gmm-trace|gmm-sustained|kernel-resources|ncu-gmm|bench-moe|bench-stages]...
 # selftest, sanitize and bench-cutlass run the binaries in $GPU_BIN (default ./.gpu_bin),
 # which scripts/build_gpu_tests.sh builds on a machine with Bazel; the Python steps load
 # $MOE_XLA_LIBRARY (default: $GPU_BIN/libmoe_xla.so if present, else moe_xla/_native/).
@@ -76,6 +76,8 @@ for step in "$@"; do
       python3 benchmarks/gmm_trace.py --out "$OUT" ${TRACE_ARGS:-} > "$OUT/gmm_trace.log" 2>&1 || status=1; tail -14 "$OUT/gmm_trace.log" ;;
     bench-moe)
       python3 benchmarks/moe_layer.py --out "$OUT" > "$OUT/bench_moe.log" 2>&1 || status=1; tail -10 "$OUT/bench_moe.log" ;;
+    bench-stages)  # kernel time per stage and direction of one moe fwd+bwd step, GB/s of the memory-bound ones (issue 19)
+      python3 benchmarks/moe_layer_stages.py --out "$OUT" ${STAGES_ARGS:-} > "$OUT/bench_stages.log" 2>&1 || status=1; tail -100 "$OUT/bench_stages.log" ;;
   esac
 done
 exit $status

@@ -1,0 +1,305 @@
+"""Where one forward+backward step of moe_xla.moe goes, stage by stage (issue 19, item 1).
+
+    python benchmarks/moe_layer_stages.py [--out benchmarks/results] [--cases NAME ...] [--t-scale 1.0]
+                                          [--reps N] [--trace-steps N]
+
+Cases: every "moe_layer" and "sonicmoe" case of cases.json (bf16, swiglu experts w_in
+[E, d, 2n], w_out [E, n, d], the case's routing). Notation: T tokens, d hidden (H), n
+expert FFN width (F), E experts, K = top_k, TK = T*K routed rows, b = 2 bytes (bf16).
+
+Timing (benchmarks/_timing.time_jax, wall ms per call of back-to-back jitted calls):
+  t_f   the forward, y = moe(x, logits, w_in, w_out);
+  t_fb  one forward+backward step, _timing.fwd_bwd: jax.grad of sum(y.astype(f32) * ct)
+        w.r.t. x, router logits, w_in and w_out.
+  fwd TFLOP/s = 6 T K d n / t_f  (gmm_in 2 TK d 2n + gmm_out 2 TK n d),
+  bwd TFLOP/s = 12 T K d n / (t_fb - t_f)  (each product's dgrad and wgrad),
+  fwd+bwd TFLOP/s = 18 T K d n / t_fb.
+The loss is linear in y, so its gradient does not need y: XLA drops the forward combine
+from the step, and t_fb - t_f is the backward less the forward combine (moe_layer.py and
+issue 19's figures time the same step).
+
+Stages: one profiler trace of --trace-steps steps (_timing.trace_events / gpu_kernels);
+every GPU kernel (and memcpy / memset on a stream) is put in one stage and direction:
+  stage      the named scope moe_xla/<stage> the layer puts its ops under: route,
+             dispatch (permute), gmm_in, act, gmm_out, combine (unpermute);
+  direction  "bwd" when JAX's transpose(...) wraps the scope in the op_name
+             ("transpose(jvp(moe_xla/act))/mul"), else "fwd" ("jvp(moe_xla/act)/mul").
+How a kernel finds its op names: XLA:GPU runs each thunk under a profiler annotation
+that names its HLO instruction, and the trace gives that name as the kernel's "hlo_op"
+arg. Every kernel has one: while a profiler session is active XLA runs command buffers
+as plain thunk sequences (unless --xla_enable_command_buffers_during_profiling, default
+false, is set), and a custom call's kernels all carry the custom call's name. The
+instruction is looked up in the compiled step's own HLO text (same executable, so same
+names): its op_name metadata and those of every op fused into it (a fusion's body,
+through calls=). Where the hlo_op is not in that module, the op names of the annotation
+itself are read instead (args "name" / "op_name" / "long_name" / "tf_op", which newer
+XLA fills with the instruction's op_name). A kernel whose ops name several (stage,
+direction) pairs (a fusion: XLA fuses cheap ops of earlier stages, such as bitcasts,
+broadcasts or the forward activation the backward recomputes, into a later stage's
+kernel) goes to the latest of them in program order (forward route ... combine, then
+backward combine ... route), the only place it can run; these are listed with the pairs
+they name in the JSON (mixed_kernels, total mixed_ms). A kernel whose ops name no stage
+goes to "other" (other_kernels, other_ms): ops outside the scopes, e.g. the cast of ct
+to bf16 under "transpose(jvp())", and any kernel without an hlo_op or op names.
+On CPU the trace has no GPU kernels: the stage columns stay empty (None) and a note is
+printed.
+
+Per stage and direction, per step: <stage>_<dir>_ms (kernel time in the traced steps),
+_share (that over the untraced t_fb), and
+  gmm_in / gmm_out: _tflops from the products' FLOPs, fwd 4 TK d n / 2 TK n d, bwd twice;
+  the memory-bound stages: _gbps = compulsory bytes / kernel time, where the compulsory
+  bytes read each input and write each output once (f32 logits / weights, int32 ids /
+  row map; the operands a stage needs, not what the implementation moves):
+    route fwd     logits in, weights + ids out                   4TE + 8TK
+    route bwd     logits, d_weights, ids in; d_logits out        8TE + 8TK
+    dispatch fwd  x, ids in; x_sorted, row_map, group_sizes out  b(Td + TKd) + 8TK + 4E
+    dispatch bwd  d_x_sorted, row_map in; d_x out                b(TKd + Td) + 4TK
+    act fwd       h [TK, 2n] in; a [TK, n] out                   b(2TKn + TKn) = 3bTKn
+    act bwd       h, d_a in; d_h out                             b(2TKn + TKn + 2TKn) = 5bTKn
+    combine fwd   y_sorted, row_map, weights in; y out           b(TKd + Td) + 8TK
+    combine bwd   ct (bf16), y_sorted, row_map, weights in;      b(Td + 2TKd) + 12TK
+                  d_y_sorted, d_weights out
+combine fwd is 0 (not in the step, see above). Also: kernels_ms (all kernels of a step),
+other_ms / other_share, mixed_ms, fwd_bwd_mem_gib (XLA's compile-time estimate, as
+moe_layer.py), and for the sonicmoe cases fwd/bwd_vs_sonicmoe = our TFLOP/s / SonicMoE's
+published H100 figure (cases.json, read off its paper's Fig. 14).
+Output: moe_layer_stages_<platform>.json / .md under --out (_timing.write_results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+from pathlib import Path
+
+from _timing import (CASES, compiled_memory_bytes, environment, fwd_bwd, gib, gpu_kernels, moe_inputs, time_jax,
+                     trace_events, write_results)
+from moe_layer import moe_xla_layer
+
+import jax
+
+from moe_xla.inspect import parse_hlo
+
+STAGES = ("route", "dispatch", "gmm_in", "act", "gmm_out", "combine")
+GEMMS = ("gmm_in", "gmm_out")
+DIRECTIONS = ("fwd", "bwd")
+# The order the (stage, direction) pairs run in: the forward, then its transpose backwards.
+PROGRAM_ORDER = [(s, "fwd") for s in STAGES] + [(s, "bwd") for s in reversed(STAGES)]
+CASE_LISTS = ("moe_layer", "sonicmoe")
+# Trace args that may carry an annotation's op names (newer XLA: "name", "op_name").
+OP_NAME_ARGS = ("name", "op_name", "long_name", "tf_op")
+_SCOPE = re.compile(r"moe_xla/(\w+)")
+
+
+# ---------------------------------------------------------------------------- attribution
+
+
+def op_scope(op_name: str):
+    """(stage, direction) of an op_name: the one moe_xla/<stage> of STAGES in it, "bwd"
+    when transpose( wraps it, else "fwd"; None when it names no stage or two."""
+    stages = set(_SCOPE.findall(op_name)) & set(STAGES)
+    if len(stages) != 1:
+        return None
+    return stages.pop(), "bwd" if "transpose(" in op_name else "fwd"
+
+
+def instruction_scopes(hlo_text: str) -> dict:
+    """{HLO instruction name: frozenset of the (stage, direction) pairs of its op_name and of
+    the op_names in the computations it calls (calls=: a fusion's body, recursively)} for
+    every instruction of a module's text (compiled.as_text())."""
+    comps = parse_hlo(hlo_text)
+    memo = {}
+
+    def computation(name):
+        if name not in memo:
+            memo[name] = frozenset().union(*map(instruction, comps[name].instructions)) if name in comps \
+                else frozenset()
+        return memo[name]
+
+    def instruction(ins):
+        own = op_scope(ins.op_name)
+        called = computation(ins.attr("calls")) if ins.attr("calls") else frozenset()
+        return (called | {own}) if own else called
+
+    return {ins.name: instruction(ins) for comp in comps.values() for ins in comp.instructions}
+
+
+def kernel_scopes(event: dict, scopes: dict) -> frozenset:
+    """The (stage, direction) pairs of a trace kernel event: those of its "hlo_op" arg in
+    `scopes` (instruction_scopes of the traced program), else those of the op names in its
+    OP_NAME_ARGS."""
+    args = event.get("args", {})
+    if args.get("hlo_op") in scopes:
+        return scopes[args["hlo_op"]]
+    return frozenset(filter(None, (op_scope(str(args.get(key, ""))) for key in OP_NAME_ARGS)))
+
+
+def kernel_stage(found: frozenset):
+    """The (stage, direction) a kernel with the pairs `found` is put in: the one pair; for a
+    kernel whose ops name several, the latest in program order (PROGRAM_ORDER), since it
+    runs after all of them and XLA fuses earlier stages' cheap ops (bitcasts, broadcasts,
+    recomputed elementwise forward ops) into a later stage's kernel. found is not empty."""
+    return max(found, key=PROGRAM_ORDER.index)
+
+
+def stage_ms(kernels, scopes: dict, steps: int):
+    """({(stage, direction): kernel ms per step}, mixed, other) of trace kernel events
+    (durations in us), each kernel put in kernel_stage(kernel_scopes(...)). mixed: Counter
+    {kernel: ms per step} of the kernels whose ops name several pairs (counted in the
+    stage kernel_stage picks); other: the same of those that name none. Kernels are keyed
+    by hlo_op, kernel name and the pairs they name."""
+    ms, mixed, other = collections.Counter(), collections.Counter(), collections.Counter()
+    for e in kernels:
+        found = kernel_scopes(e, scopes)
+        per_step = e["dur"] / steps / 1e3
+        label = (f"{e.get('args', {}).get('hlo_op', '?')} {e['name'][:80]} "
+                 f"[{' + '.join(f'{s} {d}' for s, d in sorted(found, key=PROGRAM_ORDER.index)) or 'no stage'}]")
+        if found:
+            ms[kernel_stage(found)] += per_step
+        if len(found) != 1:
+            (mixed if found else other)[label] += per_step
+    return ms, mixed, other
+
+
+# ---------------------------------------------------------------------------- stage work
+
+
+def compulsory_bytes(stage: str, direction: str, t: int, k: int, d: int, n: int, e: int, b: int) -> int:
+    """Bytes a memory-bound stage must read and write once (module docstring): b bytes per
+    x / h / y element, 4 per f32 logit / weight and int32 id / row-map entry."""
+    tk = t * k
+    return {
+        ("route", "fwd"): 4 * t * e + 8 * tk,
+        ("route", "bwd"): 8 * t * e + 8 * tk,
+        ("dispatch", "fwd"): b * (t * d + tk * d) + 8 * tk + 4 * e,
+        ("dispatch", "bwd"): b * (tk * d + t * d) + 4 * tk,
+        ("act", "fwd"): 3 * b * tk * n,
+        ("act", "bwd"): 5 * b * tk * n,
+        ("combine", "fwd"): b * (tk * d + t * d) + 8 * tk,
+        ("combine", "bwd"): b * (t * d + 2 * tk * d) + 12 * tk,
+    }[(stage, direction)]
+
+
+def gemm_flops(stage: str, direction: str, t: int, k: int, d: int, n: int) -> float:
+    """FLOPs of a grouped-GEMM stage: gmm_in 2 TK d 2n, gmm_out 2 TK n d forward; the
+    backward twice that (dgrad and wgrad)."""
+    fwd = {"gmm_in": 4.0, "gmm_out": 2.0}[stage] * t * k * d * n
+    return fwd if direction == "fwd" else 2 * fwd
+
+
+def stage_columns(kernels, scopes: dict, steps: int, step_ms: float, dims: dict) -> dict:
+    """The per-stage row entries (module docstring) of one case's trace kernels; None
+    everywhere when the trace has no kernels (CPU). dims: t, k, d, n, e and b (bytes of an
+    element of x)."""
+    ms, mixed, other = stage_ms(kernels, scopes, steps)
+    traced = bool(kernels)
+    row = {}
+    for stage in STAGES:
+        for direction in DIRECTIONS:
+            key, v = f"{stage}_{direction}", ms[(stage, direction)] if traced else None
+            row[f"{key}_ms"] = v
+            row[f"{key}_share"] = v / step_ms if traced else None
+            if stage in GEMMS:
+                work = gemm_flops(stage, direction, dims["t"], dims["k"], dims["d"], dims["n"])
+                row[f"{key}_tflops"] = work / v / 1e9 if v else None
+            else:
+                row[f"{key}_gbps"] = compulsory_bytes(stage, direction, **dims) / v / 1e6 if v else None
+    other_ms = sum(other.values())
+    row.update(kernels_ms=sum(ms.values()) + other_ms if traced else None, other_ms=other_ms if traced else None,
+               other_share=other_ms / step_ms if traced else None, other_kernels=dict(other.most_common()),
+               mixed_ms=sum(mixed.values()) if traced else None, mixed_kernels=dict(mixed.most_common()))
+    return row
+
+
+def format_stages(row: dict) -> str:
+    """The stage entries of a row as lines: stage, direction, ms, % of the step, GB/s or TFLOP/s."""
+    lines = []
+    for stage in STAGES:
+        for direction in DIRECTIONS:
+            key = f"{stage}_{direction}"
+            rate, unit = (row[key + "_tflops"], "TFLOP/s") if stage in GEMMS else (row[key + "_gbps"], "GB/s")
+            rate = f"{rate:.0f} {unit}" if rate else ""
+            lines.append(f"    {stage:<9}{direction}  {row[key + '_ms']:8.3f} ms  "
+                         f"{100 * row[key + '_share']:5.1f}%  {rate}")
+    lines.append(f"    {'other':<12} {row['other_ms']:8.3f} ms  {100 * row['other_share']:5.1f}%  "
+                 f"(kernels {row['kernels_ms']:.3f} ms of {row['fwd_bwd_ms']:.3f} ms)")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- measuring
+
+
+def default_cases() -> list:
+    """Every case of the CASE_LISTS of cases.json."""
+    return [case for name in CASE_LISTS for case in CASES[name]]
+
+
+def measure_case(case: dict, t_scale: float, reps: int, inner: int, trace_steps: int, key) -> dict:
+    """One row: the case's timings, TFLOP/s and stage columns (module docstring)."""
+    t = max(1, int(case["T"] * t_scale))
+    d, n, e, k = case["H"], case["F"], case["E"], case["top_k"]
+    inputs, ct = moe_inputs(key, t, d, n, e)
+    layer = moe_xla_layer(case)
+    fwd = jax.jit(layer).lower(*inputs).compile()
+    step = jax.jit(fwd_bwd(layer, len(inputs))).lower(*inputs, ct).compile()
+    t_f = time_jax(fwd, *inputs, reps=reps, inner=inner)
+    t_fb = time_jax(step, *inputs, ct, reps=reps, inner=inner)
+    kernels = [ev for ks in gpu_kernels(trace_events(step, inputs + (ct,), trace_steps)).values() for ev in ks]
+    flops = 6.0 * t * k * d * n
+    row = {"case": case["name"], "T": t, "H": d, "F": n, "E": e, "top_k": k, "score": case["score"],
+           "fwd_ms": t_f * 1e3, "fwd_bwd_ms": t_fb * 1e3, "bwd_ms": (t_fb - t_f) * 1e3,
+           "fwd_tflops": flops / t_f / 1e12, "bwd_tflops": 2 * flops / (t_fb - t_f) / 1e12 if t_fb > t_f else None,
+           "fwd_bwd_tflops": 3 * flops / t_fb / 1e12, "fwd_bwd_mem_gib": gib(compiled_memory_bytes(step))}
+    for tag in ("fwd", "bwd"):
+        ref = case.get(f"sonicmoe_h100_{tag}_tflops")
+        row[f"{tag}_vs_sonicmoe"] = row[f"{tag}_tflops"] / ref if ref and row[f"{tag}_tflops"] else None
+    row.update(stage_columns(kernels, instruction_scopes(step.as_text()), trace_steps, t_fb * 1e3,
+                             dict(t=t, k=k, d=d, n=n, e=e, b=inputs[0].dtype.itemsize)))
+    return row
+
+
+COLUMNS = (["case", "T", "fwd_ms", "fwd_bwd_ms", "fwd_tflops", "bwd_tflops", "fwd_vs_sonicmoe", "bwd_vs_sonicmoe",
+            "fwd_bwd_mem_gib", "kernels_ms", "other_ms"]
+           + [f"{s}_{d}_ms" for s in STAGES for d in DIRECTIONS]
+           + [f"{s}_{d}_{'tflops' if s in GEMMS else 'gbps'}" for s in STAGES for d in DIRECTIONS])
+
+
+def run(cases, out: Path, t_scale: float, reps: int, inner: int, trace_steps: int) -> list:
+    """Measures `cases` and writes moe_layer_stages_<platform>.json / .md under out."""
+    platform = jax.devices()[0].platform
+    env = environment()
+    env.update(t_scale=t_scale, reps=reps, inner=inner, trace_steps=trace_steps)
+    rows = []
+    for i, case in enumerate(cases):
+        row = measure_case(case, t_scale, reps, inner, trace_steps, jax.random.fold_in(jax.random.key(0), i))
+        rows.append(row)
+        print(f"{row['case']}: fwd {row['fwd_ms']:.3f} ms ({row['fwd_tflops']:.3g} TFLOP/s), fwd+bwd "
+              f"{row['fwd_bwd_ms']:.3f} ms (bwd {row['bwd_tflops'] or float('nan'):.3g} TFLOP/s)", flush=True)
+        if row["kernels_ms"] is None:
+            print(f"  note: the {platform} trace has no GPU kernels; stage columns left empty", flush=True)
+        else:
+            print(format_stages(row), flush=True)
+    write_results(out, f"moe_layer_stages_{platform}", env, rows, COLUMNS)
+    return rows
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--cases", nargs="*", help="case names (default: every moe_layer and sonicmoe case)")
+    parser.add_argument("--t-scale", type=float, default=1.0, help="scale T (for quick runs)")
+    parser.add_argument("--reps", type=int, default=None, help="timed repetitions (default 20 on GPU, 1 on CPU)")
+    parser.add_argument("--trace-steps", type=int, default=None, help="steps traced (default 3 on GPU, 1 on CPU)")
+    args = parser.parse_args(argv)
+    cases = default_cases()
+    unknown = set(args.cases or ()) - {c["name"] for c in cases}
+    if unknown:
+        parser.error(f"unknown cases {sorted(unknown)}; known: {[c['name'] for c in cases]}")
+    on_gpu = jax.devices()[0].platform == "gpu"
+    return run([c for c in cases if not args.cases or c["name"] in args.cases], args.out, args.t_scale,
+               args.reps or (20 if on_gpu else 1), 5 if on_gpu else 1, args.trace_steps or (3 if on_gpu else 1))
+
+
+if __name__ == "__main__":
+    main()
