@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Builds the wheel (`pip wheel .`), checks its tag, installs it into a fresh virtual
+# environment with no Bazel, jax at each version asked for, and runs the kernel tests there
+# against the installed package (a copy of tests/ outside the source tree).
+#
+#   scripts/check_wheel.sh [JAX_VERSION ...]    (default: the floor pyproject.toml declares,
+#                                                0.10.0, and the newest the registry serves)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+WORK=$(mktemp -d)
+trap 'rm -rf "$WORK"' EXIT
+VERSIONS=("$@")
+[ ${#VERSIONS[@]} -gt 0 ] || VERSIONS=(0.10.0 "$(python3 -m pip index versions jax 2>/dev/null | sed -n 's/^jax (\(.*\))$/\1/p')")
+
+python3 -m pip wheel -v --no-deps -w "$WORK/dist" . > "$WORK/wheel.log" 2>&1 || { tail -40 "$WORK/wheel.log"; exit 1; }
+WHEEL=$(ls "$WORK"/dist/moe_xla-*.whl)
+echo "wheel: $(basename "$WHEEL")"
+case "$(basename "$WHEEL")" in
+  *-py3-none-manylinux_*_$(uname -m).whl) ;;
+  *) echo "expected a py3-none-manylinux_*_$(uname -m) wheel"; exit 1 ;;
+esac
+# The Bazel run inside pip's isolated build environment reused the kernels scripts/build.sh
+# compiled (same action keys): no nvcc action ran.
+if grep -q "nvcc cutlass" "$WORK/wheel.log"; then
+  echo "pip wheel recompiled CUDA kernels:"; grep "nvcc" "$WORK/wheel.log" | tail -5; exit 1
+fi
+
+cp -r tests "$WORK/tests"
+TESTS=(test_gmm.py test_gmm_autodiff.py test_gmm_errors.py test_routing.py test_moe.py test_layer_values.py
+       test_fp8_quantize.py test_gmm_fp8.py test_moe_fp8.py test_nnx.py)
+for version in "${VERSIONS[@]}"; do
+  echo "=== jax $version"
+  python3 -m venv "$WORK/venv-$version"
+  PY="$WORK/venv-$version/bin/python"
+  "$PY" -m pip install -q "$WHEEL[test,flax]" "jax==$version" "jaxlib==$version" ml_dtypes > "$WORK/pip-$version.log" 2>&1 \
+    || { tail -20 "$WORK/pip-$version.log"; exit 1; }
+  (cd "$WORK/tests" && "$PY" -c "import moe_xla, jax; print('moe_xla from', moe_xla.__file__, '| jax', jax.__version__)" \
+    && "$PY" -m pytest -q -p no:cacheprovider --rootdir "$WORK/tests" "${TESTS[@]}" > "$WORK/pytest-$version.log" 2>&1) \
+    || { tail -30 "$WORK/pytest-$version.log"; exit 1; }
+  tail -1 "$WORK/pytest-$version.log"
+done
