@@ -1,7 +1,10 @@
-// CPU FP8 blockwise grouped product. Work items are (group, 16 rows, 64 columns) tiles;
-// every output element is computed by one thread in the contract's order, so the thread
-// count never changes a bit. Built with -ffp-contract=off: the product of the two scales
-// is rounded on its own before the per-block fma, as the contract states.
+// CPU FP8 blockwise grouped product. Work items are (group, 16 rows, 64 columns) tiles.
+// A tile's rhs columns are decoded once into a [K, 64] float block, so the innermost loop
+// runs across the 64 columns (one independent sum per column, vectorisable) while each
+// column's block sum still adds its products in k order: every output element is the
+// contract's, whatever the vector width or the thread count. Built with
+// -ffp-contract=off: the product of the two scales is rounded on its own before the
+// per-block fma, as the contract states (the products e(a) * e(b) are exact either way).
 #include "cpu/fp8_grouped_gemm.h"
 
 #include <algorithm>
@@ -32,34 +35,38 @@ struct Tile {
   int64_t group, row0, rows, col0, cols;
 };
 
-// Decoded lhs rows of one tile, [kTileRows, K] floats, reused across a thread's tiles.
+// A thread's scratch, reused across its tiles: the tile's rhs columns decoded and
+// transposed, b[k * kTileCols + c] = e(rhs[g, col0 + c, k]).
 struct Scratch {
-  std::vector<float> a;
+  std::vector<float> b;
 };
 
 void run_tile(const Fp8GroupedGemmParams& p, const Tile& t, Scratch& s) {
   const auto& e = e4m3_table();
   const int64_t k = p.k, kt = fp8::tiles(k), nt = fp8::tiles(p.n);
-  s.a.resize(static_cast<size_t>(t.rows * k));
-  for (int64_t i = 0; i < t.rows * k; ++i) s.a[i] = e[p.lhs[t.row0 * k + i]];
-  const uint8_t* rhs_g = p.rhs + t.group * p.n * k;
-  const float* rhs_scales_g = p.rhs_scales + t.group * kt * nt;
-  for (int64_t c = t.col0; c < t.col0 + t.cols; ++c) {
-    const uint8_t* b = rhs_g + c * k;
-    for (int64_t r = 0; r < t.rows; ++r) {
-      const float* a = s.a.data() + r * k;
-      const float* lhs_scales = p.lhs_scales + (t.row0 + r) * kt;
-      float acc = 0.0f;
-      for (int64_t j = 0; j < kt; ++j) {
-        float partial = 0.0f;
-        for (int64_t i = j * fp8::kTile, end = std::min(i + fp8::kTile, k); i < end; ++i) {
-          partial += a[i] * e[b[i]];
-        }
-        const float scale = lhs_scales[j] * rhs_scales_g[j * nt + c / fp8::kTile];
-        acc = std::fma(scale, partial, acc);
+  s.b.assign(static_cast<size_t>(k * kTileCols), 0.0f);
+  const uint8_t* rhs = p.rhs + (t.group * p.n + t.col0) * k;
+  for (int64_t c = 0; c < t.cols; ++c) {
+    for (int64_t i = 0; i < k; ++i) s.b[i * kTileCols + c] = e[rhs[c * k + i]];
+  }
+  const float* rhs_scales = p.rhs_scales + t.group * kt * nt;
+  for (int64_t r = t.row0; r < t.row0 + t.rows; ++r) {
+    const uint8_t* a = p.lhs + r * k;
+    float acc[kTileCols] = {};
+    for (int64_t j = 0; j < kt; ++j) {
+      float partial[kTileCols] = {};
+      for (int64_t i = j * fp8::kTile, end = std::min(i + fp8::kTile, k); i < end; ++i) {
+        const float ai = e[a[i]];
+        const float* bi = s.b.data() + i * kTileCols;
+        for (int64_t c = 0; c < kTileCols; ++c) partial[c] += ai * bi[c];
       }
-      store_from_float(p.out, (t.row0 + r) * p.n + c, p.out_dtype, acc);
+      const float lhs_scale = p.lhs_scales[r * kt + j];
+      for (int64_t c = 0; c < t.cols; ++c) {
+        const float scale = lhs_scale * rhs_scales[j * nt + (t.col0 + c) / fp8::kTile];
+        acc[c] = std::fma(scale, partial[c], acc[c]);
+      }
     }
+    for (int64_t c = 0; c < t.cols; ++c) store_from_float(p.out, r * p.n + t.col0 + c, p.out_dtype, acc[c]);
   }
 }
 
