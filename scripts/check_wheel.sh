@@ -5,6 +5,8 @@
 #
 #   scripts/check_wheel.sh [JAX_VERSION ...]    (default: the floor pyproject.toml declares,
 #                                                0.10.0, and the newest the registry serves)
+#   PYTHONS="python3.12 python3.13" scripts/check_wheel.sh ...   the interpreters to install
+#                                                it for (default: python3): one wheel, all CPythons
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -29,14 +31,17 @@ fi
 cp -r tests "$WORK/tests"
 TESTS=(test_gmm.py test_gmm_autodiff.py test_gmm_errors.py test_routing.py test_moe.py test_layer_values.py
        test_fp8_quantize.py test_gmm_fp8.py test_moe_fp8.py test_nnx.py)
+for python in ${PYTHONS:-python3}; do
 for version in "${VERSIONS[@]}"; do
-  echo "=== jax $version"
-  python3 -m venv "$WORK/venv-$version"
-  PY="$WORK/venv-$version/bin/python"
-  "$PY" -m pip install -q "$WHEEL[test,flax]" "jax==$version" "jaxlib==$version" ml_dtypes > "$WORK/pip-$version.log" 2>&1 \
-    || { tail -20 "$WORK/pip-$version.log"; exit 1; }
+  echo "=== $python ($("$python" --version 2>&1)), jax $version"
+  run="$WORK/$(basename "$python")-jax$version"
+  "$python" -m venv "$run"
+  PY="$run/bin/python"
+  "$PY" -m pip install -q "$WHEEL[test,flax]" "jax==$version" "jaxlib==$version" ml_dtypes > "$run.pip.log" 2>&1 \
+    || { tail -20 "$run.pip.log"; exit 1; }
   (cd "$WORK/tests" && "$PY" -c "import moe_xla, jax; print('moe_xla from', moe_xla.__file__, '| jax', jax.__version__)" \
-    && "$PY" -m pytest -q -p no:cacheprovider --rootdir "$WORK/tests" "${TESTS[@]}" > "$WORK/pytest-$version.log" 2>&1) \
-    || { tail -30 "$WORK/pytest-$version.log"; exit 1; }
-  tail -1 "$WORK/pytest-$version.log"
+    && "$PY" -m pytest -q -p no:cacheprovider --rootdir "$WORK/tests" "${TESTS[@]}" > "$run.pytest.log" 2>&1) \
+    || { tail -30 "$run.pytest.log"; exit 1; }
+  tail -1 "$run.pytest.log"
+done
 done
