@@ -8,16 +8,22 @@ from __future__ import annotations
 
 import jax
 
+import moe_xla.fp8 as fp8
 from moe_xla.activations import activate
 from moe_xla.grouped import gmm
 
 
-def expert_mlp(x_sorted, w_in, w_out, group_sizes, activation: str, quantization=None):
+def expert_mlp(x_sorted, w_in, w_out, group_sizes, activation: str, quantization=None, x_quantized=None):
     """The experts on rows grouped by expert: out[rows of e] = act(x[rows of e] @ w_in[e]) @ w_out[e];
     rows past sum(group_sizes) give 0. Both products in the precision `quantization` names
-    (moe_xla.gmm's option); h and act(h) stay in x's dtype."""
+    (moe_xla.gmm's option); h and act(h) stay in x's dtype. x_quantized: with
+    "fp8_blockwise", quantize_fp8_rows(x_sorted) made elsewhere (moe() gathers the tokens'
+    quantised rows), used by the first product instead of quantising x_sorted again."""
     with jax.named_scope("moe_xla/gmm_in"):
-        h = gmm(x_sorted, w_in, group_sizes, quantization=quantization)
+        if x_quantized is not None:
+            h = fp8.gmm_fp8_blockwise(x_sorted, w_in, group_sizes, lhs_quantized=x_quantized)
+        else:
+            h = gmm(x_sorted, w_in, group_sizes, quantization=quantization)
     with jax.named_scope("moe_xla/act"):
         a = activate(h, activation)
     with jax.named_scope("moe_xla/gmm_out"):

@@ -60,52 +60,59 @@ def _kernel_dtype(dtype):
     return jnp.dtype(jnp.bfloat16) if jnp.dtype(dtype) == jnp.bfloat16 else jnp.dtype(jnp.float32)
 
 
-def _product(x, data, scales, group_sizes, out_dtype):
-    q, s = quantize_fp8_rows(x)
+def _product(rows, data, scales, group_sizes, out_dtype):
+    """gmm_fp8 of rows (an array, quantised here in 1 x 128 tiles, or its (q, scales))."""
+    q, s = quantize_fp8_rows(rows) if not isinstance(rows, tuple) else rows
     return gmm_fp8(q, s, data, scales, group_sizes, preferred_element_type=_kernel_dtype(out_dtype)).astype(out_dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _gmm(lhs, w, weights, group_sizes, out_dtype):
-    return _product(lhs, weights.data_t, weights.scales, group_sizes, out_dtype)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _gmm(lhs, lhs_q, w, weights, group_sizes, out_dtype):
+    return _product(lhs if lhs_q is None else lhs_q, weights.data_t, weights.scales, group_sizes, out_dtype)
 
 
-def _gmm_fwd(lhs, w, weights, group_sizes, out_dtype):
-    out = _product(lhs, weights.data_t, weights.scales, group_sizes, out_dtype)
+def _gmm_fwd(lhs, lhs_q, w, weights, group_sizes, out_dtype):
+    out = _product(lhs if lhs_q is None else lhs_q, weights.data_t, weights.scales, group_sizes, out_dtype)
     # Residuals are arrays: dtypes ride along as empty arrays; lhs is kept for the wgrad only.
     lhs_dtype = jnp.zeros((0,), lhs.dtype)
     wgrad = None if w is None else (lhs, jnp.zeros((0,), w.dtype))
-    return out, (weights, group_sizes, lhs_dtype, wgrad)
+    return out, (weights, group_sizes, lhs_dtype, wgrad, lhs_q)
 
 
 def _gmm_bwd(out_dtype, residuals, dy):
-    weights, group_sizes, lhs_dtype, wgrad = residuals
+    weights, group_sizes, lhs_dtype, wgrad, lhs_q = residuals
     d_lhs = _product(dy, weights.data, jnp.swapaxes(weights.scales, 1, 2), group_sizes, lhs_dtype.dtype)
     d_w = None
     if wgrad is not None:
         lhs, w_dtype = wgrad
         d_w = tgmm(lhs, dy.astype(lhs.dtype), group_sizes, preferred_element_type=w_dtype.dtype)
-    return d_lhs, d_w, jax.tree.map(jnp.zeros_like, weights), None
+    zeros = functools.partial(jax.tree.map, jnp.zeros_like)
+    return d_lhs, zeros(lhs_q), d_w, zeros(weights), None
 
 
 _gmm.defvjp(_gmm_fwd, _gmm_bwd)
 
 
-def gmm_fp8_blockwise(lhs, rhs, group_sizes, *, transpose_rhs=False, preferred_element_type=None):
+def gmm_fp8_blockwise(lhs, rhs, group_sizes, *, transpose_rhs=False, preferred_element_type=None,
+                      lhs_quantized=None):
     """out[rows of g] = lhs[rows of g] @ rhs[g] (rhs[g]^T with transpose_rhs) in FP8 blockwise.
 
     lhs [M, K] float32 / bfloat16 / float16; rhs [G, K, N] ([G, N, K] with transpose_rhs) of a
     float dtype, or an Fp8Weights of w [G, K, N] (transpose_rhs False); group_sizes [G] int32.
     Returns [M, N] in preferred_element_type (default lhs.dtype), differentiable w.r.t. lhs
-    and an array rhs (see the module docstring for the rules).
+    and an array rhs (see the module docstring for the rules). lhs_quantized, if given, is
+    quantize_fp8_rows(lhs) made elsewhere (e.g. on the tokens before they were gathered
+    into lhs: 1 x 128 row tiles do not depend on the row order); the forward uses it as is.
     """
     out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
+    if lhs_quantized is not None:
+        lhs_quantized = tuple(jax.lax.stop_gradient(a) for a in lhs_quantized)
     if isinstance(rhs, Fp8Weights):
         if transpose_rhs:
             raise ValueError("gmm(quantization='fp8_blockwise'): transpose_rhs must be False for Fp8Weights "
                              "(the container holds w [G, K, N] in both layouts)")
-        return _gmm(lhs, None, rhs, group_sizes, out_dtype)
+        return _gmm(lhs, lhs_quantized, None, rhs, group_sizes, out_dtype)
     if jnp.ndim(rhs) != 3:
         raise ValueError(f"gmm(quantization='fp8_blockwise'): expected rhs of rank 3, got shape {jnp.shape(rhs)}")
     w = jnp.swapaxes(rhs, 1, 2) if transpose_rhs else rhs
-    return _gmm(lhs, w, quantize_fp8_weights(w), group_sizes, out_dtype)
+    return _gmm(lhs, lhs_quantized, w, quantize_fp8_weights(w), group_sizes, out_dtype)

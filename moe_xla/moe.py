@@ -15,6 +15,7 @@ token, no host synchronisation. Each stage runs under jax.named_scope("moe_xla/<
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from moe_xla.activations import ACTIVATIONS, GATED
 from moe_xla.aux_losses import router_aux
@@ -22,6 +23,7 @@ from moe_xla.ep.layer import moe_ep
 from moe_xla.experts import expert_mlp, shared_mlp
 from moe_xla.fp8 import Fp8Weights
 from moe_xla.grouped import check_quantization
+from moe_xla.primitives.quantize_fp8_rows import quantize_fp8_rows
 from moe_xla.primitives import _checks
 from moe_xla.primitives.permute import permute
 from moe_xla.primitives.route import route
@@ -61,6 +63,18 @@ def _check(x, router_logits, w_in, w_out, top_k, activation, shared_experts, qua
             raise ValueError(f"moe: expected shared_experts = (w [H, 2Fs or Fs], w [Fs, H]) with H = {hidden}, got "
                              f"{s_in.shape} and {s_out.shape}")
     return tokens, hidden, experts
+
+
+def _sorted_fp8_rows(x, row_map, top_k):
+    """quantize_fp8_rows(x_sorted) from the T tokens instead of the T*k sorted rows: x is
+    quantised in token order (1 x 128 row tiles do not depend on the row order) and its
+    rows gathered as permute orders them, x_sorted[row_map[t*k + j]] = x[t] (row_map names
+    every sorted row once). k times less quantisation work, and an FP8 gather in place of a
+    second bf16 pass."""
+    q, scales = quantize_fp8_rows(jax.lax.stop_gradient(x))
+    source = jnp.zeros(row_map.shape, jnp.int32).at[row_map].set(jnp.arange(row_map.shape[0], dtype=jnp.int32) // top_k,
+                                                                 unique_indices=True)
+    return jnp.take(q, source, axis=0), jnp.take(scales, source, axis=0)
 
 
 def moe(x, router_logits, w_in, w_out, *, top_k, activation="swiglu", score="softmax", bias=None, n_groups=None,
@@ -110,7 +124,8 @@ def moe(x, router_logits, w_in, w_out, *, top_k, activation="swiglu", score="sof
                              renormalize=renormalize, scale=scale)
     with jax.named_scope("moe_xla/dispatch"):
         x_sorted, group_sizes, row_map = permute(x2, ids, experts)
-    y_sorted = expert_mlp(x_sorted, w_in, w_out, group_sizes, activation, quantization)
+        x_quantized = _sorted_fp8_rows(x2, row_map, top_k) if quantization == "fp8_blockwise" else None
+    y_sorted = expert_mlp(x_sorted, w_in, w_out, group_sizes, activation, quantization, x_quantized)
     with jax.named_scope("moe_xla/combine"):
         y = unpermute(y_sorted, row_map, weights, unique_rows=True)  # permute's row_map
     if shared_experts is not None:

@@ -78,3 +78,31 @@ def test_expert_parallel_fp8_equals_one_device(rng):
     g_one = jax.grad(_loss("fp8_blockwise"), argnums=(2, 3))(x, logits, w_in, w_out, ct)
     for a, b in zip(g_ep, g_one):
         assert rel_err(a, b) < 1e-2
+
+
+def test_token_order_quantisation_equals_quantising_the_sorted_rows(rng):
+    """moe() quantises the T tokens and gathers their FP8 rows into expert order; the result
+    must be bitwise that of quantising the T*k sorted rows (forward and gradients)."""
+    from moe_xla.experts import expert_mlp
+
+    x, logits, w_in, w_out = _inputs(rng)
+    ct = normal(rng, (T, H), jnp.float32)
+
+    def sorted_rows_layer(x, logits, w_in, w_out):
+        weights, ids = moe_xla.route(logits, K)
+        x_sorted, group_sizes, row_map = moe_xla.permute(x, ids, E)
+        y_sorted = expert_mlp(x_sorted, w_in, w_out, group_sizes, "swiglu", "fp8_blockwise")
+        return moe_xla.unpermute(y_sorted, row_map, weights, unique_rows=True)
+
+    def loss(layer):
+        return lambda *a: jnp.sum(layer(*a).astype(jnp.float32) * ct)
+
+    moe_layer = lambda *a: moe_xla.moe(*a, top_k=K, quantization="fp8_blockwise")  # noqa: E731
+    np.testing.assert_array_equal(np.asarray(jax.jit(moe_layer)(x, logits, w_in, w_out), np.float32),
+                                  np.asarray(jax.jit(sorted_rows_layer)(x, logits, w_in, w_out), np.float32))
+    g_moe = jax.jit(jax.grad(loss(moe_layer), argnums=(0, 1, 2, 3)))(x, logits, w_in, w_out)
+    g_ref = jax.jit(jax.grad(loss(sorted_rows_layer), argnums=(0, 1, 2, 3)))(x, logits, w_in, w_out)
+    for a, b in zip(g_moe, g_ref):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    hlo = jax.jit(moe_layer).lower(x, logits, w_in, w_out).as_text()
+    assert hlo.count("moe_xla_quantize_fp8_rows") == 2, "x once in token order, act(h) once; not x_sorted"
