@@ -112,22 +112,21 @@ def _title(what: str, path: Path, environment: dict) -> str:
     return f"{what} on {environment.get('device', '?')} ({versions}): {path.name}"
 
 
-def plot_gmm(path: Path, out: Path) -> Path:
+def _plot(path: Path, out: Path, what: str, label, panels) -> Path:
+    """Draws the results JSON at `path` as out/<stem>.png: one bar group per row, labelled label(row)."""
     result = json.loads(path.read_text())
     rows = result["results"]
     png = out / f"{path.stem}.png"
-    draw(png, _title("grouped GEMM", path, result["environment"]), [f"{r['case']} ({r['groups']})" for r in rows],
-         gmm_panels(rows))
+    draw(png, _title(what, path, result["environment"]), [label(r) for r in rows], panels(rows))
     return png
+
+
+def plot_gmm(path: Path, out: Path) -> Path:
+    return _plot(path, out, "grouped GEMM", lambda r: f"{r['case']} ({r['groups']})", gmm_panels)
 
 
 def plot_moe_layer(path: Path, out: Path) -> Path:
-    result = json.loads(path.read_text())
-    rows = result["results"]
-    png = out / f"{path.stem}.png"
-    draw(png, _title("MoE layer", path, result["environment"]), [f"{r['case']} (T={r['T']})" for r in rows],
-         layer_panels(rows))
-    return png
+    return _plot(path, out, "MoE layer", lambda r: f"{r['case']} (T={r['T']})", layer_panels)
 
 
 def main(argv=None) -> list[Path]:
