@@ -17,9 +17,10 @@ What it counts, per step (events of `--steps` back-to-back steps / steps):
 The batch's final block_until_ready is outside the steps and not counted.
 
 With one peer, capacity_factor 1.25 sizes the exchange for the worst case (one round)
-and 0.25 makes the overflow rounds run (their lax.while_loop, whose predicate XLA:GPU
-reads back to the host each iteration): the two columns separate the loop's syncs from
-the rest of the layer's.
+and 0.25 makes the overflow rounds run (a loop of a trip count fixed by the shapes,
+moe_xla/ep/rounds.py; before, a lax.while_loop whose predicate XLA:GPU read back to the
+host each iteration): the two columns separate the loop's syncs from the rest of the
+layer's.
 """
 
 from __future__ import annotations

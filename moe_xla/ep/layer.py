@@ -87,7 +87,7 @@ def _chunk(cfg: EpConfig, x, weights, ids, w_in, w_out) -> _ChunkOut:
     floats, ints = RoundFloats(rows.x, rows.w, w_in, w_out), RoundInts(rows.lids, arrays)
     y_rows = _round(cfg, sizes, 0, floats, ints)
     if sizes.rounds > 1:
-        y_rows = add_later_rounds(partial(_round, cfg, sizes), y_rows, floats, ints, sizes.rounds, cfg.axis)
+        y_rows = add_later_rounds(partial(_round, cfg, sizes), y_rows, floats, ints, sizes.rounds)
     with jax.named_scope("moe_xla/combine"):
         y = unpermute(y_rows, rows.row_map, rows.combine, unique_rows=True)  # permute's row_map
     return _ChunkOut(y, jnp.sum(rows.counts))

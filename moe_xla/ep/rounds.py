@@ -4,10 +4,13 @@ the loop that runs rounds 1 .. R-1.
 The rows bound for each destination are cut greedily: each round takes, from where the
 last stopped, as many rows as fit both `rows` rows and `capacity` pairs (sizing.py), and
 R rounds cover any routing. Round 0 runs as part of the layer; rounds 1 .. R-1 run in a
-lax.while_loop that stops at the first round with no rows on any rank (a psum'd flag),
-so a step that fits costs one scalar all-reduce more. Under autodiff the same loop re-runs
-each round under jax.jvp (forward) or jax.vjp (reverse) through the primitive
-ep_rounds_tangent, so no round's buffers are stacked or kept.
+loop of R - 1 iterations, a trip count fixed by the shapes: nothing in the step depends
+on a value read back to the host. A round with no rows adds zeros (bitwise, the sum is
+that of the rounds with rows); its grouped GEMMs skip their empty groups, but the padded
+transport still moves its slabs, so a step that fits in round 0 pays R - 1 slab
+exchanges. Under autodiff the same loop re-runs each round under jax.jvp (forward) or
+jax.vjp (reverse) through the primitive ep_rounds_tangent, so no round's buffers are
+stacked or kept.
 """
 
 from __future__ import annotations
@@ -48,7 +51,9 @@ def round_starts(counts, pairs, sizes: ExchangeSizes):
     before = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(pairs, dtype=jnp.int32)])  # pairs before row i
 
     def next_start(start, _):
-        fits = jnp.searchsorted(before, before[start] + sizes.capacity, side="right").astype(jnp.int32) - 1
+        # the last row i with before[i] <= before[start] + C: before is non-decreasing, so
+        # it is the number of such i, less one (comparisons and a sum: no search loop)
+        fits = jnp.sum(before <= before[start][:, None] + sizes.capacity, axis=1, dtype=jnp.int32) - 1
         stop = jnp.minimum(jnp.minimum(start + sizes.rows, fits), ends)
         return stop, stop
 
@@ -56,28 +61,21 @@ def round_starts(counts, pairs, sizes: ExchangeSizes):
     return jnp.concatenate([offsets[None], stops])
 
 
-def _round_has_rows(axis, r, ints: RoundInts):
-    """Whether any rank of `axis` sends rows in round r."""
-    starts = ints.link.starts
-    return jax.lax.psum(jnp.sum(starts[r + 1] - starts[r]), axis) > 0
+def add_later_rounds(round_fn, first, floats: RoundFloats, ints: RoundInts, rounds: int):
+    """first + sum_{r = 1 .. R-1} round_fn(r, floats, ints), in a loop of R - 1 iterations.
 
-
-def add_later_rounds(round_fn, first, floats: RoundFloats, ints: RoundInts, rounds: int, axis):
-    """first + sum_{r = 1 .. R-1} round_fn(r, floats, ints), in a lax.while_loop that stops
-    at the first round with no rows on any rank of `axis` (rounds fill in order).
-
-    A while_loop has no reverse-mode rule, and scanning all R rounds would keep every
-    round's buffers, so the rounds are a custom_jvp whose tangent, sum_r J_r d_floats
-    (J_r the Jacobian of round r in floats), is the linear primitive ep_rounds_tangent:
-    forward mode runs the loop over jax.jvp of each round, reverse mode transposes the
-    primitive into the same loop over jax.vjp of each round (recomputed: nothing stacked).
+    Reverse mode through a loop would keep every round's buffers, so the rounds are a
+    custom_jvp whose tangent, sum_r J_r d_floats (J_r the Jacobian of round r in floats),
+    is the linear primitive ep_rounds_tangent: forward mode runs the loop over jax.jvp of
+    each round, reverse mode transposes the primitive into the same loop over jax.vjp of
+    each round (recomputed: nothing stacked).
     """
-    spec = RoundsSpec(round_fn, partial(_round_has_rows, axis), rounds, jax.tree.structure(floats),
-                      jax.tree.structure(ints), jax.core.ShapedArray(first.shape, first.dtype))
+    spec = RoundsSpec(round_fn, rounds, jax.tree.structure(floats), jax.tree.structure(ints),
+                      jax.core.ShapedArray(first.shape, first.dtype))
 
     @jax.custom_jvp
     def add_later(first, floats, ints):
-        return rounds_loop(spec, ints, lambda r, acc: acc + round_fn(r, floats, ints), first)
+        return rounds_loop(spec, lambda r, acc: acc + round_fn(r, floats, ints), first)
 
     @add_later.defjvp
     def add_later_jvp(primals, tangents):  # tangents arrive instantiated (no symbolic zeros)

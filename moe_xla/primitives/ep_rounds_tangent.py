@@ -1,12 +1,11 @@
 """ep_rounds_tangent: the tangent of the EP layer's capacity rounds 1 .. R-1.
 
-    out = sum_{r = 1 .. R-1, while more rows} J_r d_floats      [T*k, H]
+    out = sum_{r = 1 .. R-1} J_r d_floats      [T*k, H]
 
-J_r is the Jacobian in `floats` of round r, spec.round_fn(r, floats, ints); the sum stops
-at the first round r for which spec.has_rows(r, ints) is false (rounds fill in order, so
-later ones are empty too). Arguments: the leaves of floats, of ints, then of d_floats.
+J_r is the Jacobian in `floats` of round r, spec.round_fn(r, floats, ints) (zero for a
+round with no rows). Arguments: the leaves of floats, of ints, then of d_floats.
 Linear in d_floats, the only arguments it transposes in:
-    impl       a lax.while_loop over jax.jvp of each round
+    impl       a loop of R - 1 iterations (static bounds) over jax.jvp of each round
     transpose  d floats = sum_r J_r^T ct, the same loop over jax.vjp of each round
                (recomputed: no round's buffers are stacked or kept)
     batching   `levels` records the vmaps around it (see _vmapped); lowered through jnp.
@@ -30,21 +29,16 @@ class RoundsSpec(NamedTuple):
     """Static description of a chunk's rounds 1 .. R-1 (a hashable primitive parameter)."""
 
     round_fn: object          # (r, floats, ints) -> [T*k, H]
-    has_rows: object          # (r, ints) -> bool[]: whether round r has rows on any rank
     rounds: int               # R
     floats_tree: object       # pytree structures of floats and ints
     ints_tree: object
     out: jax.core.ShapedArray  # one round's result
 
 
-def rounds_loop(spec: RoundsSpec, ints, body, init):
-    """body(r, acc) over r = 1, 2, ... while r < R and spec.has_rows(r, ints)."""
-
-    def more(carry):
-        r = carry[0]
-        return (r < spec.rounds) & spec.has_rows(r, ints)
-
-    return jax.lax.while_loop(more, lambda c: (c[0] + 1, body(c[0], c[1])), (jnp.int32(1), init))[1]
+def rounds_loop(spec: RoundsSpec, body, init):
+    """acc = body(r, acc) for r = 1 .. R-1, from acc = init: a loop whose trip count, R - 1,
+    XLA knows (static bounds), so no predicate is read back to the host."""
+    return jax.lax.fori_loop(1, spec.rounds, body, init)
 
 
 def _split_args(spec: RoundsSpec, args):
@@ -74,7 +68,7 @@ def _impl(*args, spec: RoundsSpec, levels):
         def body(r, acc):
             return acc + jax.jvp(lambda f: spec.round_fn(r, f, ints), (floats,), (d_floats,))[1]
 
-        return rounds_loop(spec, ints, body, jnp.zeros(spec.out.shape, spec.out.dtype))
+        return rounds_loop(spec, body, jnp.zeros(spec.out.shape, spec.out.dtype))
 
     return _vmapped(one, levels)(*args)
 
@@ -95,7 +89,7 @@ def _transpose(ct, *args, spec: RoundsSpec, levels):
             pull = jax.vjp(lambda f: spec.round_fn(r, f, ints), floats)[1]
             return jax.tree.map(jnp.add, acc, pull(ct)[0])
 
-        return jax.tree.leaves(rounds_loop(spec, ints, body, jax.tree.map(jnp.zeros_like, floats)))
+        return jax.tree.leaves(rounds_loop(spec, body, jax.tree.map(jnp.zeros_like, floats)))
 
     known_levels = tuple((size, in_axes[:n_known]) for size, in_axes in levels)
     d_floats = _vmapped(one, known_levels, lead=(0,))(ct, *known)  # batched at every level

@@ -1,0 +1,74 @@
+"""The EP layer's compiled step has nothing XLA:GPU would drive from the host: every
+`while` in the optimised HLO of a forward + backward step has a known trip count (XLA
+writes `known_trip_count` into its backend_config; a loop without one runs until a
+predicate read back to the host says stop) and there is no `conditional` at all (a
+stronger check than "no conditional's predicate depends on the routing"). Without
+capacity_factor the step has no loop at all.
+
+Checked on 8 CPU devices with and without capacity_factor (whose overflow rounds are a
+loop), for both transports and with dedup on and off; the HLO of XLA:CPU stands in for
+XLA:GPU's here, the loops being those of the traced program.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+import moe_xla
+from conftest import normal, requires_8_devices
+
+pytestmark = requires_8_devices
+
+T, H, F, E, K = 64, 16, 8, 16, 3
+
+
+def loops_and_conditionals(hlo: str):
+    """([(name, known trip count or None)] of every while, [names of conditionals]) in HLO text."""
+    loops, conditionals = [], []
+    for line in hlo.splitlines():
+        op = re.search(r"%(\S+) = .*? (while|conditional)\(", line)
+        if op is None:
+            continue
+        if op.group(2) == "conditional":
+            conditionals.append(op.group(1))
+        else:
+            trips = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', line)
+            loops.append((op.group(1), None if trips is None else int(trips.group(1))))
+    return loops, conditionals
+
+
+def test_loops_and_conditionals_are_read_from_hlo_text():
+    hlo = "\n".join([
+        '  %while.1 = (s32[]) while(%t), condition=%c, body=%b, backend_config={"known_trip_count":{"n":"5"}}',
+        "  %while.2 = (s32[]) while(%t), condition=%c, body=%b, metadata={op_name=\"x\"}",
+        "  %conditional.3 = f32[] conditional(%p, %a, %b), true_computation=%t, false_computation=%f",
+        "  %add.4 = f32[] add(%a, %b)"])
+    assert loops_and_conditionals(hlo) == ([("while.1", 5), ("while.2", None)], ["conditional.3"])
+
+
+@pytest.mark.parametrize("transport,dedup,capacity_factor", [
+    ("padded", True, None), ("padded", False, 0.5), ("ragged", True, 0.5)])
+def test_step_has_known_trip_counts_and_no_conditionals(rng, transport, dedup, capacity_factor):
+    x, logits = normal(rng, (T, H), jnp.float32), normal(rng, (T, E), jnp.float32)
+    w_in, w_out = normal(rng, (E, H, 2 * F), jnp.float32), normal(rng, (E, F, H), jnp.float32)
+    mesh = Mesh(np.array(jax.devices()[:8]), ("ep",))
+
+    def loss(x, logits, w_in, w_out):
+        y = moe_xla.moe(x, logits, w_in, w_out, top_k=K, mesh=mesh, expert_axis="ep", transport=transport,
+                        dedup=dedup, capacity_factor=capacity_factor)
+        return jnp.sum(y * y)
+
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))
+    loops, conditionals = loops_and_conditionals(step.lower(x, logits, w_in, w_out).compile().as_text())
+    assert [name for name, trips in loops if trips is None] == [], loops
+    assert conditionals == []
+    if capacity_factor is None:  # one round: no loop at all (XLA:GPU drives even a bounded one from the host)
+        assert loops == []
+    else:  # the overflow rounds are a loop: it is there, and bounded
+        assert loops
