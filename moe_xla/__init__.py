@@ -14,9 +14,11 @@ from moe_xla.primitives.ragged_dot import ragged_dot
 from moe_xla.primitives.route import route
 from moe_xla.primitives.tgmm import tgmm
 from moe_xla.primitives.unpermute import unpermute
+from moe_xla.routing_bias import update_routing_bias
 
 __all__ = ["Fp8Weights", "MoeAux", "gmm", "gmm_fp8", "moe", "permute", "quantize_fp8_blocks",
-           "quantize_fp8_rows", "quantize_fp8_weights", "ragged_dot", "route", "tgmm", "unpermute"]
+           "quantize_fp8_rows", "quantize_fp8_weights", "ragged_dot", "route", "tgmm", "unpermute",
+           "update_routing_bias"]
 
 
 def __getattr__(name):

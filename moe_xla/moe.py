@@ -80,7 +80,7 @@ def _sorted_fp8_rows(x, row_map, top_k):
 def moe(x, router_logits, w_in, w_out, *, top_k, activation="swiglu", score="softmax", bias=None, n_groups=None,
         topk_groups=None, renormalize=True, scale=1.0, shared_experts=None, return_aux=False, mesh=None,
         expert_axis=None, data_axes=None, transport="auto", dedup=True, capacity_factor=None, chunks=1,
-        quantization=None):
+        quantization=None, redundant_experts=None):
     """Dropless MoE layer: y = sum_j weights_j * expert_{e_j}(x) (+ shared expert).
 
     x [..., H]; router_logits [..., E]; w_in [E, H, 2F] (gate | up) for gated
@@ -100,12 +100,19 @@ def moe(x, router_logits, w_in, w_out, *, top_k, activation="swiglu", score="sof
     communication with another's grouped GEMMs. Each chunk more makes the GEMMs smaller and
     adds one full-size weight-gradient sum; on one and two H200s one chunk was the fastest
     (benchmarks/results/LOG.md), hence the default.
+    redundant_experts replicates hot experts: a tuple of P tuples, the experts each rank of
+    the expert axis hosts as copies of their owners' weights in up to E / P extra slots
+    (moe_xla.ep.place_redundant_experts computes one from tokens_per_expert); an expert's
+    tokens split among its replicas by token index, and the replicas' weight gradients
+    sum into the owner's. It is static: a new placement compiles a new program.
 
     quantization="fp8_blockwise" runs both expert products in FP8 (moe_xla.fp8: rows in
     1 x 128 tiles, weights in 128 x 128 blocks, float32 accumulation, bf16 weight gradient);
     w_in and w_out may then be moe_xla.Fp8Weights (pre-quantised, no gradient; one device).
     """
     tokens, hidden, experts = _check(x, router_logits, w_in, w_out, top_k, activation, shared_experts, quantization)
+    if redundant_experts is not None and mesh is None and expert_axis is None:
+        raise ValueError("moe: redundant_experts needs expert parallelism (mesh= and expert_axis=)")
     if mesh is not None or expert_axis is not None:
         if isinstance(w_in, Fp8Weights) or isinstance(w_out, Fp8Weights):
             raise TypeError("moe: pre-quantised Fp8Weights are not supported with expert parallelism; pass the "
@@ -115,7 +122,7 @@ def moe(x, router_logits, w_in, w_out, *, top_k, activation="swiglu", score="sof
                       activation=activation, routing=routing, bias=bias, shared_experts=shared_experts,
                       return_aux=return_aux, mesh=mesh, expert_axis=expert_axis, data_axes=data_axes,
                       transport=transport, dedup=dedup, capacity_factor=capacity_factor, chunks=chunks,
-                      quantization=quantization)
+                      quantization=quantization, redundant_experts=redundant_experts)
     lead = x.shape[:-1]
     x2 = x.reshape(tokens, hidden)
     logits2 = router_logits.reshape(tokens, experts)

@@ -10,6 +10,8 @@ Per rank, for each of `chunks` slices of its tokens (independent of each other, 
 may run the dispatch of one chunk while the grouped GEMMs of another run):
 
   route     weights, ids = route(logits)                [T, k]; dest = ids // E_l, lid = ids % E_l
+            (with redundant experts, the rank and slot of one of the expert's replicas,
+            placement.py; the rank's weights then gain its S replica slots, replicas.py)
   rows      one row per (token, j) without dedup; with dedup one row per (token,
             destination), sent once however many of the token's experts live there:
               x_rows, counts, row_map = permute(x, row_dest, P)      rows grouped by destination
@@ -30,7 +32,8 @@ may run the dispatch of one chunk while the grouped GEMMs of another run):
 
 Buffers are static and the layer is dropless with no host synchronisation: sizing.py
 sizes the exchange, rounds.py cuts the rows into rounds that fit it, transports.py moves
-them, layer.py is the layer; config.py checks the options.
+them, layer.py is the layer; config.py checks the options; placement.py and replicas.py
+are the redundant experts (place_redundant_experts, public, computes a placement).
 
 Autodiff is JAX's, through rules: all_to_all transposes to all_to_all, ragged_all_to_all to
 ragged_all_to_all, permute / unpermute / gmm by theirs, and the expansion of rows to pairs
@@ -39,3 +42,7 @@ gradients are deterministic. Forward mode (jax.jvp, jax.linearize) works too, th
 capacity rounds included (their tangent is one linear primitive,
 primitives/ep_rounds_tangent.py). jax.vmap of the layer folds the batch into rows.
 """
+
+from moe_xla.ep.placement import place_redundant_experts
+
+__all__ = ["place_redundant_experts"]

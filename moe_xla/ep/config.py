@@ -9,6 +9,8 @@ from typing import NamedTuple
 import jax
 from jax.sharding import AbstractMesh, Mesh
 
+from moe_xla.ep.placement import check_placement
+
 TRANSPORTS = ("auto", "padded", "ragged")
 
 
@@ -28,10 +30,11 @@ class EpConfig(NamedTuple):
     capacity_factor: float | None
     chunks: int
     quantization: str | None  # moe_xla.gmm's option for the expert products
+    placement: tuple        # redundant experts: placement[p] the experts rank p hosts as replicas (placement.py)
 
 
 def ep_config(mesh, *, dims, top_k, activation, routing, expert_axis, data_axes, transport, dedup, capacity_factor,
-              chunks, quantization=None):
+              chunks, quantization=None, redundant_experts=None):
     """(the mesh to shard over, EpConfig) from moe()'s options, or a ValueError naming the
     option that is wrong. dims = (tokens, hidden, experts) as moe() derived them."""
     mesh = _resolve_mesh(mesh, expert_axis)
@@ -56,6 +59,7 @@ def ep_config(mesh, *, dims, top_k, activation, routing, expert_axis, data_axes,
     if experts % peers:
         raise ValueError(f"moe: expected the {experts} experts (w_in.shape[0]) to split evenly over expert_axis "
                          f"{expert_axis!r} of size {peers}")
+    placement = check_placement(redundant_experts, experts, peers)
     token_axes = data_axes + (expert_axis,)
     shards = math.prod(mesh.shape[a] for a in token_axes)
     if tokens % shards:
@@ -66,7 +70,7 @@ def ep_config(mesh, *, dims, top_k, activation, routing, expert_axis, data_axes,
     transport = "padded" if transport == "auto" else transport
     return mesh, EpConfig(expert_axis, token_axes, peers, experts, top_k, activation, routing, transport,
                           _platform(mesh) != "cpu", bool(dedup), capacity_factor,
-                          max(1, min(int(chunks), tokens // shards)), quantization)
+                          max(1, min(int(chunks), tokens // shards)), quantization, placement)
 
 
 def _resolve_mesh(mesh, expert_axis):

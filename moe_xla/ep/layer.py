@@ -12,6 +12,8 @@ from jax.sharding import PartitionSpec as P
 
 from moe_xla.aux_losses import router_aux
 from moe_xla.ep.config import EpConfig, ep_config
+from moe_xla.ep.placement import expert_slots
+from moe_xla.ep.replicas import with_replicas
 from moe_xla.ep.rounds import RoundFloats, RoundInts, add_later_rounds, round_starts
 from moe_xla.ep.rows import rows_by_destination
 from moe_xla.ep.sizing import ExchangeSizes, exchange_sizes
@@ -25,13 +27,15 @@ from moe_xla.primitives.unpermute import unpermute
 
 
 def moe_ep(x, router_logits, w_in, w_out, *, dims, top_k, activation, routing, bias, shared_experts, return_aux,
-           mesh, expert_axis, data_axes, transport, dedup, capacity_factor, chunks, quantization=None):
+           mesh, expert_axis, data_axes, transport, dedup, capacity_factor, chunks, quantization=None,
+           redundant_experts=None):
     """moe() with its experts split over `expert_axis` of `mesh`. Arguments are moe()'s,
     already checked by it; dims = (tokens, hidden, experts) as moe() derived them; routing
-    holds route()'s options other than bias."""
+    holds route()'s options other than bias; redundant_experts a placement (placement.py) or None."""
     mesh, cfg = ep_config(mesh, dims=dims, top_k=top_k, activation=activation, routing=routing,
                           expert_axis=expert_axis, data_axes=data_axes, transport=transport, dedup=dedup,
-                          capacity_factor=capacity_factor, chunks=chunks, quantization=quantization)
+                          capacity_factor=capacity_factor, chunks=chunks, quantization=quantization,
+                          redundant_experts=redundant_experts)
     tokens, hidden, experts = dims
     tok, rep = P(cfg.token_axes), P()
     specs = (tok, tok, P(expert_axis), P(expert_axis), rep, rep)
@@ -60,9 +64,12 @@ def _layer(cfg: EpConfig, x, logits, w_in, w_out, bias, shared):
     """One rank's tokens: route, then every chunk through dispatch / experts / combine."""
     with jax.named_scope("moe_xla/route"):
         weights, ids = route(logits, cfg.top_k, bias=bias, **cfg.routing)
+    with jax.named_scope("moe_xla/dispatch"):
+        dest, lid = expert_slots(ids, cfg.placement, cfg.experts)
+        w_in, w_out = (with_replicas(w, cfg.placement, cfg.axis) for w in (w_in, w_out))
     size, extra = divmod(x.shape[0], cfg.chunks)
     bounds = [c * size + min(c, extra) for c in range(cfg.chunks + 1)]
-    outs = [_chunk(cfg, x[a:b], weights[a:b], ids[a:b], w_in, w_out) for a, b in zip(bounds, bounds[1:])]
+    outs = [_chunk(cfg, x[a:b], weights[a:b], dest[a:b], lid[a:b], w_in, w_out) for a, b in zip(bounds, bounds[1:])]
     y = jnp.concatenate([o.y for o in outs])
     if shared is not None:
         y = y + shared_mlp(x, shared, cfg.activation)
@@ -76,12 +83,12 @@ class _ChunkOut(NamedTuple):
     dispatched: jax.Array   # int32 rows the chunk sent over the expert axis
 
 
-def _chunk(cfg: EpConfig, x, weights, ids, w_in, w_out) -> _ChunkOut:
-    """One chunk of one rank's tokens."""
+def _chunk(cfg: EpConfig, x, weights, dest, lid, w_in, w_out) -> _ChunkOut:
+    """One chunk of one rank's tokens, pair (t, j) served by slot lid[t, j] of rank dest[t, j]."""
     sizes = exchange_sizes(x.shape[0], cfg.top_k, cfg.experts, cfg.peers, dedup=cfg.dedup,
-                           capacity_factor=cfg.capacity_factor)
+                           capacity_factor=cfg.capacity_factor, extra_slots=len(cfg.placement[0]))
     with jax.named_scope("moe_xla/dispatch"):
-        rows = rows_by_destination(x, weights, ids, sizes, cfg.dedup)
+        rows = rows_by_destination(x, weights, dest, lid, sizes, cfg.dedup)
         starts = round_starts(rows.counts, rows.pairs, sizes)
         arrays = link_arrays(cfg, starts)
     floats, ints = RoundFloats(rows.x, rows.w, w_in, w_out), RoundInts(rows.lids, arrays)

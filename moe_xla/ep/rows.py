@@ -29,11 +29,11 @@ class Rows(NamedTuple):
     combine: jax.Array  # [T, k] float32 weights of the final unpermute
 
 
-def rows_by_destination(x, weights, ids, sizes: ExchangeSizes, dedup: bool) -> Rows:
-    """Rows of tokens x [T, H] routed to experts ids [T, k] with weights [T, k]."""
-    t, k = ids.shape
+def rows_by_destination(x, weights, dest, lid, sizes: ExchangeSizes, dedup: bool) -> Rows:
+    """Rows of tokens x [T, H] whose pairs (t, j), of routing weights [T, k], go to slot
+    lid [T, k] of rank dest [T, k] (placement.expert_slots)."""
+    t, k = dest.shape
     local, mult = sizes.local_experts, sizes.mult
-    dest, lid = ids // local, ids % local
     if dedup:
         j = jnp.arange(k)
         same = dest[:, :, None] == dest[:, None, :]                          # [T, k, k]

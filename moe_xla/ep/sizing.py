@@ -39,8 +39,13 @@ class ExchangeSizes(NamedTuple):
     rounds: int
 
 
-def exchange_sizes(tokens, top_k, num_experts, peers, *, dedup=True, capacity_factor=None) -> ExchangeSizes:
+def exchange_sizes(tokens, top_k, num_experts, peers, *, dedup=True, capacity_factor=None,
+                   extra_slots=0) -> ExchangeSizes:
     """The buffer sizes of one chunk of `tokens` tokens per rank (ExchangeSizes).
+
+    With redundant experts (extra_slots S replicas per rank) a rank serves E_l = E / P + S
+    slots, and the worst case and mult are those of E_l; the balanced row budget below
+    keeps E / P (a pair goes to one replica of its expert).
 
     With capacity_factor f the budgets are f times a balanced routing's load: C = f T_c k / P
     pairs and f T_c h rows per peer, h the rows one token sends one peer on average: k / P,
@@ -51,14 +56,15 @@ def exchange_sizes(tokens, top_k, num_experts, peers, *, dedup=True, capacity_fa
     it; then the exchange is the worst-case one, in one round (benchmarks/results/LOG.md
     has the memory measured both ways).
     """
-    local = num_experts // peers
+    owned = num_experts // peers
+    local = owned + extra_slots
     per_rank = min(top_k, local)
     worst = tokens * per_rank
     mult, row_worst = (per_rank, tokens) if dedup else (1, worst)
     one_round = ExchangeSizes(tokens, peers, local, mult, worst, worst, row_worst, peers * worst, 1)
     if capacity_factor is None:
         return one_round
-    hit = 1 - math.comb(num_experts - local, top_k) / math.comb(num_experts, top_k) if dedup else top_k / peers
+    hit = 1 - math.comb(num_experts - owned, top_k) / math.comb(num_experts, top_k) if dedup else top_k / peers
     capacity = min(worst, max(mult, math.ceil(capacity_factor * tokens * top_k / peers)))
     rows = min(row_worst, capacity, max(1, math.ceil(capacity_factor * tokens * hit)))
     if 2 * capacity >= worst and 2 * rows >= row_worst:
