@@ -3,6 +3,7 @@ holds, on the moe_layer cases of cases.json: counted from the routing, nothing t
 
     python benchmarks/ep_exchange.py [--out benchmarks/results] [--cases NAME ...] [--peers 2 4 8]
                                      [--tokens-per-rank 4096] [--capacity-factor 1.25] [--no-memory]
+                                     [--redundant-experts S]
 
 Runs on any backend; on a machine without GPUs it makes max(--peers) CPU devices itself.
 ep_scaling.py imports the routings and the counts below.
@@ -18,6 +19,11 @@ ids = moe_xla.route(logits, the case's score / groups). Rank r holds tokens
 
 Columns, per EP size P and routing (one step forward, one chunk, no capacity_factor):
   imbalance   the largest rank's (token, expert) pairs / the mean pairs per rank.
+  imbalance_redundant   (with --redundant-experts S) the same with min(S, E / P) replicas
+              per rank (moe(redundant_experts=)): placed by moe_xla.ep.place_redundant_experts
+              from the tokens_per_expert of a previous batch (the routing's logits drawn
+              with key 1), each pair counted on the rank of the replica that serves it;
+              redundant_slots gives the slots per rank.
   rows_*      rows crossing a link in the dispatch, summed over ranks (a row to the own
               rank crosses none): no_dedup one per (token, j) whose expert lives on a rank
               d != r; dedup one per (token, d != r) with at least one of its experts on d.
@@ -72,7 +78,8 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import moe_xla  # noqa: E402
-from moe_xla.ep import sizing  # noqa: E402
+from moe_xla.ep import place_redundant_experts, sizing  # noqa: E402
+from moe_xla.ep.placement import expert_slots  # noqa: E402
 
 MIB = 2**20
 ROUTINGS = ("balanced", "skewed")
@@ -93,10 +100,24 @@ def route_ids(case, logits) -> np.ndarray:
     return np.asarray(moe_xla.route(logits, **routing_options(case))[1])
 
 
-def imbalance(ids, peers: int, num_experts: int) -> float:
-    """The largest rank's (token, expert) pairs / the mean pairs per rank."""
-    pairs = np.bincount(ids.reshape(-1) // (num_experts // peers), minlength=peers)
+def imbalance(ids, peers: int, num_experts: int, placement=None) -> float:
+    """The largest rank's (token, expert) pairs / the mean pairs per rank, ids [T, k] of all
+    P ranks' tokens in rank order; with a placement of redundant experts, each pair on the
+    rank of the replica that serves it (moe_xla.ep.placement.expert_slots)."""
+    placement = ((),) * peers if placement is None else placement
+    per_rank = jnp.asarray(ids).reshape(peers, -1, ids.shape[-1])
+    dest = jax.vmap(lambda i: expert_slots(i, placement, num_experts)[0])(per_rank)
+    pairs = np.bincount(np.asarray(dest).reshape(-1), minlength=peers)
     return float(pairs.max() / pairs.mean())
+
+
+def redundant_placement(case, tokens: int, peers: int, routing: str, slots: int) -> tuple:
+    """A placement of min(slots, E / P) replicas per rank from the tokens_per_expert of a
+    previous batch of `tokens` tokens: the routing's logits drawn with key 1 (module docstring)."""
+    logits = jax.random.normal(jax.random.key(1), (tokens, case["E"]), jnp.float32)
+    ids = route_ids(case, routing_logits(logits, routing))
+    load = np.bincount(ids.reshape(-1), minlength=case["E"])
+    return place_redundant_experts(load, peers, min(slots, case["E"] // peers))
 
 
 def rows_between(ids, peers: int, num_experts: int, dedup: bool) -> np.ndarray:
@@ -186,7 +207,7 @@ def _memory(case, mesh, tokens, dedup, capacity_factor):
     return compiled_memory_bytes(jax.jit(layer).lower(*inputs).compile()), fwd_bwd_memory_bytes(layer, inputs, ct)
 
 
-def exchange_row(case, peers: int, per_rank: int, routing: str) -> dict:
+def exchange_row(case, peers: int, per_rank: int, routing: str, redundant_slots: int = 0) -> dict:
     """The wire columns of one case, EP size and routing (module docstring)."""
     experts, hidden, k = case["E"], case["H"], case["top_k"]
     logits = jax.random.normal(jax.random.key(0), (peers * per_rank, experts), jnp.float32)
@@ -194,6 +215,9 @@ def exchange_row(case, peers: int, per_rank: int, routing: str) -> dict:
     ideal = ideal_bytes(ids, peers, experts, hidden)
     row = {"case": case["name"], "peers": peers, "routing": routing, "tokens_per_rank": per_rank,
            "imbalance": imbalance(ids, peers, experts), "ideal_mib": ideal.max() / MIB}
+    if redundant_slots:
+        placement = redundant_placement(case, peers * per_rank, peers, routing, redundant_slots)
+        row.update(redundant_slots=len(placement[0]), imbalance_redundant=imbalance(ids, peers, experts, placement))
     for dd, on in (("no_dedup", False), ("dedup", True)):
         between = rows_between(ids, peers, experts, on)
         row[f"rows_{dd}"] = int(between.sum() - np.trace(between))
@@ -213,6 +237,8 @@ def main():
     parser.add_argument("--tokens-per-rank", type=int, default=4096)
     parser.add_argument("--capacity-factor", type=float, default=1.25)
     parser.add_argument("--no-memory", action="store_true", help="skip the compile-time memory figures")
+    parser.add_argument("--redundant-experts", type=int, default=0, metavar="S",
+                        help="replicas per rank (at most E / P) for the imbalance_redundant column; 0: none")
     args = parser.parse_args()
     most = max(args.peers)
     if not args.no_memory and len(jax.devices()) < most:
@@ -226,7 +252,7 @@ def main():
                 print(f"ep_exchange: {case['name']}: {case['E']} experts do not split over {peers} ranks", flush=True)
                 continue
             for routing in ROUTINGS:
-                rows.append(exchange_row(case, peers, args.tokens_per_rank, routing))
+                rows.append(exchange_row(case, peers, args.tokens_per_rank, routing, args.redundant_experts))
                 print(rows[-1], flush=True)
         if not args.no_memory and case["E"] % most == 0:
             mesh = Mesh(np.array(jax.devices()[:most]), ("ep",))
@@ -238,7 +264,8 @@ def main():
                     row[f"mem_gib_fwdbwd_{name}_{cf_name}"] = gib(bwd)
             rows.append(row)
             print(row, flush=True)
-    columns = ["case", "peers", "routing", "imbalance", "rows_no_dedup", "rows_dedup", "ideal_mib"]
+    columns = ["case", "peers", "routing", "imbalance", "redundant_slots", "imbalance_redundant", "rows_no_dedup",
+               "rows_dedup", "ideal_mib"]
     columns += [f"{t}_{dd}_{v}" for t in TRANSPORT_BYTES for dd in ("dedup", "no_dedup") for v in ("mib", "ratio")]
     columns += list(dict.fromkeys(c for r in rows for c in r if c.startswith("mem_gib")))
     write_results(args.out, f"ep_exchange_{jax.devices()[0].platform}", environment(), rows, columns)

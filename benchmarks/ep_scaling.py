@@ -5,7 +5,7 @@ communication time without waits for late peers, host synchronisations); memory 
 
     python benchmarks/ep_scaling.py [--cases NAME ...] [--peers 1 2 4 8] [--tokens-per-device 4096 16384]
         [--transports padded ragged] [--chunks 1] [--check-capacity-factor 0.25] [--capacity-factor 1.25]
-        [--reps 20] [--scale 1.0] [--out DIR] [--skip check scaling memory]
+        [--reps 20] [--scale 1.0] [--out DIR] [--skip check scaling memory] [--redundant-experts S]
 
 Inputs (_timing.moe_inputs, key 0): x bf16, w_in / w_out ~ N(0, 1/fan_in) bf16, the f32
 cotangent ct, router logits of the routings of ep_exchange.py: "balanced" (every expert
@@ -28,7 +28,9 @@ check    at every EP size P > 1 and the smallest --tokens-per-device T, for each
            rel_err_fwd_dedup  relative (Frobenius) error of the step's y, dedup on;
            rel_err_dx, rel_err_dw_in  of the step's gradients w.r.t. x and w_in (the JSON
                               also has rel_err_dlogits and rel_err_dw_out).
-         The layer has no redundant-experts option, so no row has one.
+         With --redundant-experts S, rows with redundant_slots > 0 run the layer with
+         min(S, E / P) replicas per rank (moe(redundant_experts=), no capacity_factor),
+         placed by ep_exchange.redundant_placement from a previous batch's routing.
 scaling  for each --tokens-per-device T and routing: a baseline row (transport "moe()"),
          moe() without a mesh on one device with T tokens; then at every EP size P that
          divides E, for each transport and --chunks value, the layer (dedup on, no
@@ -40,6 +42,11 @@ scaling  for each --tokens-per-device T and routing: a baseline row (transport "
            imbalance          the largest rank's routed (token, expert) pairs / the mean
                               per rank, from moe_xla.route on the logits;
            ideal_efficiency   1 / imbalance: what the busiest rank's expert work allows;
+                              with --redundant-experts S, each (transport, chunks) row at P > 1
+                              has a twin with redundant_slots = min(S, E / P) replicas per rank
+                              (as in check) whose imbalance counts each pair on the rank of the
+                              replica serving it (ep_exchange.imbalance); the twin has no byte
+                              columns (the byte counts know no replicas);
            ideal_mib          the busiest rank's ideal bytes per step, forward: distinct
                               (token, destination rank != own) rows x 2 H bytes, dispatched
                               or returned in the combine (ep_exchange.ideal_bytes); the
@@ -97,7 +104,8 @@ from pathlib import Path  # noqa: E402
 
 from _timing import (CASES, compiled_memory_bytes, environment, gib, gpu_kernels, host_syncs,  # noqa: E402
                      moe_input_shapes, moe_inputs, routing_options, time_jax_batched, trace_events, write_results)
-from ep_exchange import ACT_BYTES, MIB, ROUTINGS, ideal_bytes, imbalance, route_ids, routing_logits, sent_bytes  # noqa: E402
+from ep_exchange import (ACT_BYTES, MIB, ROUTINGS, ideal_bytes, imbalance, redundant_placement, route_ids,  # noqa: E402
+                         routing_logits, sent_bytes)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -143,9 +151,22 @@ def _routed(inputs, routing):
     return (x, jax.device_put(routing_logits(logits, routing), logits.sharding), *rest)
 
 
-def _options(transport="padded", dedup=True, capacity_factor=None, chunks=1):
+def _options(transport="padded", dedup=True, capacity_factor=None, chunks=1, redundant_experts=None):
     """The EP layer's options, every one spelled out (a key of _program's cache)."""
-    return dict(transport=transport, dedup=dedup, capacity_factor=capacity_factor, chunks=chunks)
+    return dict(transport=transport, dedup=dedup, capacity_factor=capacity_factor, chunks=chunks,
+                redundant_experts=redundant_experts)
+
+
+def _placements(case, tokens, peers, routing, args):
+    """[None], and with --redundant-experts at P > 1 the placement of the module docstring."""
+    if not args.redundant_experts or peers == 1:
+        return [None]
+    return [None, redundant_placement(case, tokens, peers, routing, args.redundant_experts)]
+
+
+def _slots(placement):
+    """Replicas per rank of a placement (0 for None)."""
+    return 0 if placement is None else len(placement[0])
 
 
 def _step(layer):
@@ -193,12 +214,16 @@ def check(case, peers, args):
         one, many = _routed(local, routing), _routed(split, routing)
         y_one = _program(case, 1, "fwd", one)(*one[:4])
         g_one = _program(case, 1, "step", one)(*one)[1]
+        placements = _placements(case, tokens, peers, routing, args)
         for transport in args.transports:
-            for cf in (None, args.check_capacity_factor):
-                plain = _program(case, peers, "fwd", many, _options(transport, False, cf))(*many[:4])
-                y, grads = _program(case, peers, "step", many, _options(transport, True, cf))(*many)
+            configs = [(None, None), (args.check_capacity_factor, None)] + [(None, p) for p in placements[1:]]
+            for cf, placement in configs:
+                opts = dict(capacity_factor=cf, redundant_experts=placement)
+                plain = _program(case, peers, "fwd", many, _options(transport, False, **opts))(*many[:4])
+                y, grads = _program(case, peers, "step", many, _options(transport, True, **opts))(*many)
                 row = {"section": "check", "case": case["name"], "tokens_per_device": tokens // peers, "peers": peers,
                        "routing": routing, "transport": transport, "capacity_factor": cf,
+                       "redundant_slots": _slots(placement),
                        "bitwise_fwd": bool(np.array_equal(np.asarray(plain), np.asarray(y_one))),
                        "rel_err_fwd_dedup": _rel(y.astype(jnp.float32), y_one.astype(jnp.float32))}
                 for name, g, r in zip(("dx", "dlogits", "dw_in", "dw_out"), grads, g_one):
@@ -262,12 +287,13 @@ def _link_gbps(peers, rows, hidden):
     return (peers - 1) * rows * hidden * ACT_BYTES / ms / 1e6 if ms else None
 
 
-def _wire_columns(case, peers, hidden, ids, ideal, transport, chunks):
+def _wire_columns(case, peers, hidden, ids, ideal, transport, chunks, placement):
     """imbalance, ideal and sent bytes (module docstring) of the routing ids [P T, k], ideal
-    the ranks' ideal bytes (ep_exchange.ideal_bytes)."""
-    bound = imbalance(ids, peers, case["E"])
+    the ranks' ideal bytes (ep_exchange.ideal_bytes); with a placement of redundant
+    experts, imbalance alone."""
+    bound = imbalance(ids, peers, case["E"], placement)
     cols = {"imbalance": bound, "ideal_efficiency": 1 / bound}
-    if peers == 1:
+    if peers == 1 or placement is not None:
         return cols
     cols["ideal_mib"] = float(ideal.max()) / MIB
     sent = sent_bytes(transport, ids, peers, case["E"], hidden, case["top_k"], dedup=True, chunks=chunks)
@@ -304,13 +330,15 @@ def scaling(case, peers_list, args):
                 link = None
                 if peers > 1:  # the busiest rank's ideal rows, one direction, per peer
                     link = _link_gbps(peers, math.ceil(ideal.max() / (hidden * ACT_BYTES) / 2 / (peers - 1)), hidden)
+                placements = _placements(case, peers * tokens, peers, routing, args)
                 for transport in transports:
-                    for chunks in args.chunks:
-                        program = _program(case, peers, "step", many, _options(transport, chunks=chunks))
+                    for chunks, placement in [(c, p) for c in args.chunks for p in placements]:
+                        program = _program(case, peers, "step", many,
+                                           _options(transport, chunks=chunks, redundant_experts=placement))
                         row = {"section": "scaling", "case": case["name"], "tokens_per_device": tokens,
                                "routing": routing, "peers": peers, "transport": transport, "chunks": chunks,
-                               **_timed(program, many, args), "link_gbps": link,
-                               **_wire_columns(case, peers, hidden, ids, ideal, transport, chunks)}
+                               "redundant_slots": _slots(placement), **_timed(program, many, args), "link_gbps": link,
+                               **_wire_columns(case, peers, hidden, ids, ideal, transport, chunks, placement)}
                         row["tokens_per_s"] = peers * tokens / row["fwd_bwd_ms"] * 1e3
                         row["efficiency"] = row["tokens_per_s"] / (peers * base[routing])
                         if row.get("comm_ms_wait_free") and "ideal_mib" in row:
@@ -349,6 +377,8 @@ def main():
     parser.add_argument("--capacity-factor", type=float, default=1.25, help="of the memory section")
     parser.add_argument("--reps", type=int, default=20, help="timed batches per step time")
     parser.add_argument("--skip", nargs="*", default=[], choices=["check", "scaling", "memory"])
+    parser.add_argument("--redundant-experts", type=int, default=0, metavar="S",
+                        help="also run the layer with min(S, E / P) replicas per rank (check and scaling); 0: never")
     args = parser.parse_args()
     peers = [p for p in args.peers if p <= len(jax.devices())]
     if len(peers) < len(args.peers):
@@ -371,6 +401,7 @@ def main():
             rows += memory(case, max(fit), args)
         _PROGRAMS.clear()
     columns = ["section", "case", "tokens_per_device", "routing", "peers", "transport", "chunks", "capacity_factor",
+               "redundant_slots",
                "bitwise_fwd", "rel_err_fwd_dedup", "rel_err_dx", "rel_err_dw_in", "fwd_bwd_ms", "tokens_per_s",
                "efficiency", "imbalance", "ideal_efficiency", "ideal_mib", "sent_mib", "sent_ratio", "link_gbps",
                "exch_gbps", "exch_vs_link", "comm_ms", "comm_ms_wait_free", "gemm_ms", "hidden", "host_syncs",

@@ -75,6 +75,13 @@ def test_imbalance_and_rows_between_by_hand():
     # 4 tokens, 2 ranks of 2 experts; rank 0 holds tokens 0-1, rank 1 tokens 2-3
     ids = np.array([[0, 1], [0, 2], [3, 2], [1, 0]])
     assert ep_exchange.imbalance(ids, 2, 4) == 5 / 4  # pairs per rank 5, 3
+    # Replicas: expert 0 on rank 1, and expert 2 (or 3) on rank 0. Token t of a rank takes
+    # replica t mod 2 of a replicated expert, so the (t = 1, expert 0) pairs of both ranks
+    # go to rank 1 and rank 0's (t = 1, expert 2) pair to rank 0: pairs per rank 4, 4.
+    assert ep_exchange.imbalance(ids, 2, 4, placement=((2,), (0,))) == 1.0
+    # with expert 3 replicated instead, rank 1's (t = 0, expert 3) pair stays with its
+    # owner: pairs per rank 3, 5
+    assert ep_exchange.imbalance(ids, 2, 4, placement=((3,), (0,))) == 5 / 4
     np.testing.assert_array_equal(ep_exchange.rows_between(ids, 2, 4, dedup=False), [[3, 1], [2, 2]])
     np.testing.assert_array_equal(ep_exchange.rows_between(ids, 2, 4, dedup=True), [[2, 1], [1, 1]])
     # rank 0 sends 1 row and returns 1, rank 1 the same: 2 rows of 2 H bytes each
@@ -89,21 +96,39 @@ def test_wait_free_takes_the_shortest_of_each_launch():
     assert ep_scaling._wait_free_ms(kernels, calls=1) == pytest.approx((2.0 + 3.0) / 1e3)
 
 
+@pytest.mark.parametrize("case", ["qwen3-30b-a3b", "deepseek-v3-like"])
+def test_redundant_experts_halve_the_skewed_imbalance_at_ep8(case):
+    """Issue 16's bar: E / P replicas per rank, placed from a previous batch, at least halve
+    the largest rank's load over the mean under the benchmarks' skewed routing at EP 8."""
+    spec = next(c for c in ep_exchange.CASES["moe_layer"] if c["name"] == case)
+    row = ep_exchange.exchange_row(spec, 8, 4096, "skewed", redundant_slots=spec["E"] // 8)
+    assert row["redundant_slots"] == spec["E"] // 8
+    assert row["imbalance"] > 5 and row["imbalance_redundant"] <= row["imbalance"] / 2, row
+
+
 @requires_8_devices
 def test_ep_scaling_smoke(tmp_path):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
     cmd = [sys.executable, str(BENCHMARKS / "ep_scaling.py"), "--scale", "0.02", "--tokens-per-device", "32",
-           "--peers", "2", "--cases", "qwen3-30b-a3b", "--transports", "padded", "--reps", "2", "--out", str(tmp_path)]
+           "--peers", "2", "--cases", "qwen3-30b-a3b", "--transports", "padded", "--reps", "2", "--out", str(tmp_path),
+           "--redundant-experts", "4"]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = json.loads((tmp_path / "ep_scaling_cpu8.json").read_text())["results"]
     check = [r for r in rows if r["section"] == "check"]
-    assert len(check) == 2 * 2 and all(r["bitwise_fwd"] for r in check)  # routings x capacity_factor
+    # routings x (capacity_factor none / small, replicas)
+    assert len(check) == 2 * 3 and all(r["bitwise_fwd"] for r in check)
+    assert sorted(r["redundant_slots"] for r in check) == [0, 0, 0, 0, 4, 4]
+    assert all(r["rel_err_dw_in"] < 1e-2 for r in check)  # bf16 steps
     scaling = [r for r in rows if r["section"] == "scaling"]
-    assert {(r["routing"], r["peers"], r["transport"]) for r in scaling} == {
-        (routing, p, t) for routing in ep_exchange.ROUTINGS for p, t in ((1, "moe()"), (2, "padded"))}
+    assert sorted((r["routing"], r["peers"], r["transport"], r.get("redundant_slots")) for r in scaling) == sorted(
+        (routing, p, t, s) for routing in ep_exchange.ROUTINGS
+        for p, t, s in ((1, "moe()", None), (2, "padded", 0), (2, "padded", 4)))
     for r in scaling:
         if r["peers"] == 2:
-            assert r["sent_ratio"] >= 1 and r["ideal_efficiency"] == pytest.approx(1 / r["imbalance"])
+            assert r["ideal_efficiency"] == pytest.approx(1 / r["imbalance"])
+            assert r["redundant_slots"] or r["sent_ratio"] >= 1
+    skewed = {r["redundant_slots"]: r["imbalance"] for r in scaling if r["peers"] == 2 and r["routing"] == "skewed"}
+    assert skewed[4] < skewed[0]
     assert any(r["section"] == "memory" for r in rows)
     assert "sent_ratio" in (tmp_path / "ep_scaling_cpu8.md").read_text()
