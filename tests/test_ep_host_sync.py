@@ -6,7 +6,7 @@ stronger check than "no conditional's predicate depends on the routing"). Withou
 capacity_factor the step has no loop at all.
 
 Checked on 8 CPU devices with and without capacity_factor (whose overflow rounds are a
-loop), for both transports and with dedup on and off; the HLO of XLA:CPU stands in for
+loop), for both transports, with dedup on and off and with redundant experts; the HLO of XLA:CPU stands in for
 XLA:GPU's here, the loops being those of the traced program.
 """
 
@@ -52,16 +52,20 @@ def test_loops_and_conditionals_are_read_from_hlo_text():
     assert loops_and_conditionals(hlo) == ([("while.1", 5), ("while.2", None)], ["conditional.3"])
 
 
-@pytest.mark.parametrize("transport,dedup,capacity_factor", [
-    ("padded", True, None), ("padded", False, 0.5), ("ragged", True, 0.5)])
-def test_step_has_known_trip_counts_and_no_conditionals(rng, transport, dedup, capacity_factor):
+REPLICAS = ((8, 9),) + ((0, 1),) * 7  # experts 0 and 1 on every rank, 8 and 9 on rank 0 too
+
+
+@pytest.mark.parametrize("transport,dedup,capacity_factor,redundant_experts", [
+    ("padded", True, None, None), ("padded", False, 0.5, None), ("ragged", True, 0.5, None),
+    ("padded", True, 0.5, REPLICAS)])
+def test_step_has_known_trip_counts_and_no_conditionals(rng, transport, dedup, capacity_factor, redundant_experts):
     x, logits = normal(rng, (T, H), jnp.float32), normal(rng, (T, E), jnp.float32)
     w_in, w_out = normal(rng, (E, H, 2 * F), jnp.float32), normal(rng, (E, F, H), jnp.float32)
     mesh = Mesh(np.array(jax.devices()[:8]), ("ep",))
 
     def loss(x, logits, w_in, w_out):
         y = moe_xla.moe(x, logits, w_in, w_out, top_k=K, mesh=mesh, expert_axis="ep", transport=transport,
-                        dedup=dedup, capacity_factor=capacity_factor)
+                        dedup=dedup, capacity_factor=capacity_factor, redundant_experts=redundant_experts)
         return jnp.sum(y * y)
 
     step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))
