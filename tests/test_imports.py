@@ -13,7 +13,8 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "moe_xla"
 
 # The layer pieces moe() and the EP layer share.
-LAYER_PIECES = {"moe_xla.activations", "moe_xla.experts", "moe_xla.aux_losses", "moe_xla.fp8", "moe_xla.grouped"}
+LAYER_PIECES = {"moe_xla.activations", "moe_xla.experts", "moe_xla.aux_losses", "moe_xla.fp8", "moe_xla.grouped",
+                "moe_xla.routing_bias"}
 
 
 def _module_name(path: Path) -> str:
