@@ -2,16 +2,22 @@
 quantize_fp8_blocks) in GB/s of compulsory traffic, against a copy-like elementwise op
 (y = -x, which reads and writes every element once) on the same bytes, in the same run.
 
+Ops: rows (quantize_fp8_rows), blocks (quantize_fp8_blocks), blocks_t (the same with
+transposed_copy=True: q and q_t in one pass, what quantize_fp8_weights runs) and
+blocks_then_swap (blocks, then XLA's transpose of q: the two passes blocks_t replaces).
+
     python benchmarks/fp8_quantize.py [--out benchmarks/results] [--name fp8_quantize]
 
 Shapes: the activations of the grouped_matmul cases of cases.json (rows [M, K], bf16) and
-their weights (blocks [G, K, N], bf16). Bytes = input read + q written (1 byte per element)
-+ scales written (4 bytes per tile). The copy moves 2 x the input's bytes.
+their weights (blocks [G, K, N], bf16). Bytes = input read + q written (1 byte per element,
+2 with a transposed copy) + scales written (4 bytes per tile). The copy moves 2 x the
+input's bytes.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 from pathlib import Path
 
 from _timing import CASES, environment, normal, time_jax, write_results
@@ -32,16 +38,24 @@ def main():
     parser.add_argument("--name", default="fp8_quantize")
     args = parser.parse_args()
     negate = jax.jit(jnp.negative)
-    ops = {"rows": jax.jit(moe_xla.quantize_fp8_rows), "blocks": jax.jit(moe_xla.quantize_fp8_blocks)}
+    blocks_t = functools.partial(moe_xla.quantize_fp8_blocks, transposed_copy=True)
+
+    def blocks_then_swap(w):
+        q, scales = moe_xla.quantize_fp8_blocks(w)
+        return q, scales, jnp.swapaxes(q, 1, 2)
+
+    ops = {"rows": moe_xla.quantize_fp8_rows, "blocks": moe_xla.quantize_fp8_blocks, "blocks_t": blocks_t,
+           "blocks_then_swap": blocks_then_swap}
     rows = []
     for i, case in enumerate(CASES["grouped_matmul"]):
         m, g, k, n = case["M"], case["G"], case["K"], case["N"]
-        for kind, shape in (("rows", (m, k)), ("blocks", (g, k, n))):
-            x = normal(jax.random.fold_in(jax.random.key(1), 2 * i + (kind == "blocks")), shape, jnp.bfloat16)
+        for kind in ops:
+            shape = (m, k) if kind == "rows" else (g, k, n)
+            x = normal(jax.random.fold_in(jax.random.key(1), 2 * i + (kind != "rows")), shape, jnp.bfloat16)
             elems = x.size
             tiles = elems // 128 if kind == "rows" else elems // (128 * 128)
-            nbytes = elems * 2 + elems + tiles * 4
-            t = time_jax(ops[kind], x)
+            nbytes = elems * 2 + elems * (1 if kind in ("rows", "blocks") else 2) + tiles * 4
+            t = time_jax(jax.jit(ops[kind]), x)
             t_copy = time_jax(negate, x)
             row = {"case": case["name"], "op": kind, "shape": "x".join(map(str, shape)), "ms": t * 1e3,
                    "gbps": _gbps(nbytes, t), "copy_gbps": _gbps(4 * elems, t_copy)}

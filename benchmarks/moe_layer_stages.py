@@ -26,11 +26,11 @@ every GPU kernel (and memcpy / memset on a stream) is put in one stage and direc
              ("transpose(jvp(moe_xla/act))/mul"), else "fwd" ("jvp(moe_xla/act)/mul").
 How a kernel finds its op names: XLA:GPU runs each thunk under a profiler annotation
 that names its HLO instruction, and the trace gives that name as the kernel's "hlo_op"
-arg. Every kernel has one: while a profiler session is active XLA runs command buffers
-as plain thunk sequences (unless --xla_enable_command_buffers_during_profiling, default
-false, is set), and a custom call's kernels all carry the custom call's name. The
-instruction is looked up in the compiled step's own HLO text (same executable, so same
-names): its op_name metadata and those of every op fused into it (a fusion's body,
+arg. Inside a command buffer every kernel is named after the buffer ("command_buffer_1"
+on the H200 with jax 0.11.2, profiling or not), so the traced step is a second
+compilation of the timed one with command buffers off (xla_gpu_enable_command_buffer
+empty: its kernels are the same, launched one by one); a custom call's kernels all carry
+the custom call's name. The instruction is looked up in that executable's own HLO text: its op_name metadata and those of every op fused into it (a fusion's body,
 through calls=). Where the hlo_op is not in that module, the op names of the annotation
 itself are read instead (args "name" / "op_name" / "long_name" / "tf_op", which newer
 XLA fills with the instruction's op_name). A kernel whose ops name several (stage,
@@ -69,6 +69,7 @@ Output: moe_layer_stages_<platform>.json / .md under --out (_timing.write_result
 from __future__ import annotations
 
 import argparse
+import functools
 import collections
 import re
 from pathlib import Path
@@ -235,51 +236,60 @@ def default_cases() -> list:
     return [case for name in CASE_LISTS for case in CASES[name]]
 
 
-def measure_case(case: dict, t_scale: float, reps: int, inner: int, trace_steps: int, key) -> dict:
+def measure_case(case: dict, t_scale: float, reps: int, inner: int, trace_steps: int, key,
+                 quantization=None) -> dict:
     """One row: the case's timings, TFLOP/s and stage columns (module docstring)."""
     t = max(1, int(case["T"] * t_scale))
     d, n, e, k = case["H"], case["F"], case["E"], case["top_k"]
     inputs, ct = moe_inputs(key, t, d, n, e)
-    layer = moe_xla_layer(case)
+    layer = functools.partial(moe_xla_layer(case), quantization=quantization)
     fwd = jax.jit(layer).lower(*inputs).compile()
     step = jax.jit(fwd_bwd(layer, len(inputs))).lower(*inputs, ct).compile()
     t_f = time_jax(fwd, *inputs, reps=reps, inner=inner)
     t_fb = time_jax(step, *inputs, ct, reps=reps, inner=inner)
-    kernels = [ev for ks in gpu_kernels(trace_events(step, inputs + (ct,), trace_steps)).values() for ev in ks]
+    # The traced step is compiled without command buffers: inside one, every kernel carries
+    # the command buffer's name ("command_buffer_1") instead of its HLO instruction's.
+    traced = jax.jit(fwd_bwd(layer, len(inputs))).lower(*inputs, ct).compile(
+        compiler_options={"xla_gpu_enable_command_buffer": ""})
+    kernels = [ev for ks in gpu_kernels(trace_events(traced, inputs + (ct,), trace_steps)).values() for ev in ks]
     flops = 6.0 * t * k * d * n
-    row = {"case": case["name"], "T": t, "H": d, "F": n, "E": e, "top_k": k, "score": case["score"],
+    row = {"case": case["name"], "quantization": quantization or "none", "T": t, "H": d, "F": n, "E": e, "top_k": k, "score": case["score"],
            "fwd_ms": t_f * 1e3, "fwd_bwd_ms": t_fb * 1e3, "bwd_ms": (t_fb - t_f) * 1e3,
            "fwd_tflops": flops / t_f / 1e12, "bwd_tflops": 2 * flops / (t_fb - t_f) / 1e12 if t_fb > t_f else None,
            "fwd_bwd_tflops": 3 * flops / t_fb / 1e12, "fwd_bwd_mem_gib": gib(compiled_memory_bytes(step))}
     for tag in ("fwd", "bwd"):
         ref = case.get(f"sonicmoe_h100_{tag}_tflops")
         row[f"{tag}_vs_sonicmoe"] = row[f"{tag}_tflops"] / ref if ref and row[f"{tag}_tflops"] else None
-    row.update(stage_columns(kernels, instruction_scopes(step.as_text()), trace_steps, t_fb * 1e3,
+    row.update(stage_columns(kernels, instruction_scopes(traced.as_text()), trace_steps, t_fb * 1e3,
                              dict(t=t, k=k, d=d, n=n, e=e, b=inputs[0].dtype.itemsize)))
     return row
 
 
-COLUMNS = (["case", "T", "fwd_ms", "fwd_bwd_ms", "fwd_tflops", "bwd_tflops", "fwd_vs_sonicmoe", "bwd_vs_sonicmoe",
+COLUMNS = (["case", "quantization", "T", "fwd_ms", "fwd_bwd_ms", "fwd_tflops", "bwd_tflops", "fwd_vs_sonicmoe", "bwd_vs_sonicmoe",
             "fwd_bwd_mem_gib", "kernels_ms", "other_ms"]
            + [f"{s}_{d}_ms" for s in STAGES for d in DIRECTIONS]
            + [f"{s}_{d}_{'tflops' if s in GEMMS else 'gbps'}" for s in STAGES for d in DIRECTIONS])
 
 
-def run(cases, out: Path, t_scale: float, reps: int, inner: int, trace_steps: int) -> list:
-    """Measures `cases` and writes moe_layer_stages_<platform>.json / .md under out."""
+def run(cases, out: Path, t_scale: float, reps: int, inner: int, trace_steps: int, quantizations=(None,)) -> list:
+    """Measures `cases` (once per entry of quantizations, moe()'s option) and writes
+    moe_layer_stages_<platform>.json / .md under out."""
     platform = jax.devices()[0].platform
     env = environment()
     env.update(t_scale=t_scale, reps=reps, inner=inner, trace_steps=trace_steps)
     rows = []
     for i, case in enumerate(cases):
-        row = measure_case(case, t_scale, reps, inner, trace_steps, jax.random.fold_in(jax.random.key(0), i))
-        rows.append(row)
-        print(f"{row['case']}: fwd {row['fwd_ms']:.3f} ms ({row['fwd_tflops']:.3g} TFLOP/s), fwd+bwd "
-              f"{row['fwd_bwd_ms']:.3f} ms (bwd {row['bwd_tflops'] or float('nan'):.3g} TFLOP/s)", flush=True)
-        if row["kernels_ms"] is None:
-            print(f"  note: the {platform} trace has no GPU kernels; stage columns left empty", flush=True)
-        else:
-            print(format_stages(row), flush=True)
+        for quantization in quantizations:
+            row = measure_case(case, t_scale, reps, inner, trace_steps, jax.random.fold_in(jax.random.key(0), i),
+                               quantization)
+            rows.append(row)
+            print(f"{row['case']} ({row['quantization']}): fwd {row['fwd_ms']:.3f} ms "
+                  f"({row['fwd_tflops']:.3g} TFLOP/s), fwd+bwd {row['fwd_bwd_ms']:.3f} ms "
+                  f"(bwd {row['bwd_tflops'] or float('nan'):.3g} TFLOP/s)", flush=True)
+            if row["kernels_ms"] is None:
+                print(f"  note: the {platform} trace has no GPU kernels; stage columns left empty", flush=True)
+            else:
+                print(format_stages(row), flush=True)
     write_results(out, f"moe_layer_stages_{platform}", env, rows, COLUMNS)
     return rows
 
@@ -291,6 +301,9 @@ def main(argv=None):
     parser.add_argument("--t-scale", type=float, default=1.0, help="scale T (for quick runs)")
     parser.add_argument("--reps", type=int, default=None, help="timed repetitions (default 20 on GPU, 1 on CPU)")
     parser.add_argument("--trace-steps", type=int, default=None, help="steps traced (default 3 on GPU, 1 on CPU)")
+    parser.add_argument("--quantization", nargs="*", default=["none"], choices=["none", "fp8_blockwise"],
+                        help="moe()'s quantization, each measured in turn (FP8: quantisation kernels fall in the "
+                             "stage of the product they feed; the GB/s columns still count bf16 bytes)")
     args = parser.parse_args(argv)
     cases = default_cases()
     unknown = set(args.cases or ()) - {c["name"] for c in cases}
@@ -298,7 +311,8 @@ def main(argv=None):
         parser.error(f"unknown cases {sorted(unknown)}; known: {[c['name'] for c in cases]}")
     on_gpu = jax.devices()[0].platform == "gpu"
     return run([c for c in cases if not args.cases or c["name"] in args.cases], args.out, args.t_scale,
-               args.reps or (20 if on_gpu else 1), 5 if on_gpu else 1, args.trace_steps or (3 if on_gpu else 1))
+               args.reps or (20 if on_gpu else 1), 5 if on_gpu else 1, args.trace_steps or (3 if on_gpu else 1),
+               [None if q == "none" else q for q in args.quantization])
 
 
 if __name__ == "__main__":

@@ -153,11 +153,14 @@ MOE_XLA_HOST_DEVICE inline float fp8_e4m3_to_float(uint8_t q) {
 // tile_rows = 1 gives the 1 x 128 row tiles, tile_rows = 128 the 128 x 128 blocks.
 //   q      [batch, rows, cols]                                 float8_e4m3fn bits
 //   scales [batch, ceil(rows / tile_rows), ceil(cols / 128)]   float32
+//   q_t    [batch, cols, rows], q_t[b, c, r] = q[b, r, c]      optional (blocks only): the
+//          layout the FP8 forward reads weights in, written in the same pass
 struct Fp8QuantizeParams {
   const void* x;
   DType dtype;      // of x
   uint8_t* q;
   float* scales;
+  uint8_t* q_t;       // null: no transposed copy
   int64_t batch;
   int64_t rows;
   int64_t cols;

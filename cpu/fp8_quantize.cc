@@ -1,5 +1,6 @@
 // CPU FP8 blockwise quantisation: per tile, amax over the tile, then the scale, then each
-// element through fp8::quantize_element, the function the CUDA kernel uses too. The
+// element through fp8::quantize_element, the function the CUDA kernel uses too. The fused
+// form first computes a tile of the expert activation, rounded to its dtype. The
 // operations are integer ones and single float32 divisions of normal numbers
 // (common/fp8_blockwise.h), so XLA's flush-to-zero mode on its CPU threads changes nothing.
 #include "cpu/fp8_quantize.h"
@@ -31,9 +32,33 @@ void fp8_quantize(const Fp8QuantizeParams& p) {
           for (int64_t c = c0; c < c1; ++c) {
             const int64_t i = (b * p.rows + r) * p.cols + c;
             p.q[i] = fp8::quantize_element(load_as_float(p.x, i, p.dtype), scale);
+            if (p.q_t != nullptr) p.q_t[(b * p.cols + c) * p.rows + r] = p.q[i];
           }
         }
       }
+    }
+  }
+}
+
+void fp8_activate_quantize(const Fp8ActivateQuantizeParams& p) {
+  const bool gated = is_gated(p.activation);
+  const int64_t h_cols = gated ? 2 * p.cols : p.cols, col_tiles = fp8::tiles(p.cols);
+  float tile[fp8::kTile];
+  for (int64_t r = 0; r < p.rows; ++r) {
+    for (int64_t ct = 0; ct < col_tiles; ++ct) {
+      const int64_t c0 = ct * fp8::kTile, n = std::min(fp8::kTile, p.cols - c0);
+      float amax = 0.0f;
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t c = c0 + j;
+        const float gate = load_as_float(p.h, r * h_cols + c, p.dtype);
+        const float up = gated ? load_as_float(p.h, r * h_cols + p.cols + c, p.dtype) : 0.0f;
+        store_from_float(p.a, r * p.cols + c, p.dtype, activate(p.activation, gate, up));
+        tile[j] = load_as_float(p.a, r * p.cols + c, p.dtype);  // a as stored, rounded
+        amax = std::max(amax, fp8::tile_magnitude(tile[j]));
+      }
+      const float scale = fp8::scale_from_amax(amax, p.pow2_scale);
+      p.scales[r * col_tiles + ct] = scale;
+      for (int64_t j = 0; j < n; ++j) p.q[r * p.cols + c0 + j] = fp8::quantize_element(tile[j], scale);
     }
   }
 }

@@ -1,19 +1,28 @@
 // CUDA FP8 blockwise quantisation (common/fp8_blockwise.h), one pass over x.
 //
-// Each lane owns 4 consecutive columns of a 128-wide tile (32 lanes x 4 = 128), loaded
-// with one 16-byte (f32) or 8-byte (bf16, f16) access when the columns and the pointers
-// allow it, element by element otherwise (tails, odd widths):
-//   1 x 128 row tiles:   one warp per tile, 8 tiles per block; amax by warp shuffles.
-//   128 x 128 blocks:    one block of 16 warps per tile, 8 rows per warp; amax by warp
-//                        shuffles, then across the 16 warps in shared memory.
-// A lane keeps its elements in registers as loaded (converted to float where used) from
-// the amax to the quantisation, so x is read once. Scale and elements go through common/fp8_blockwise.h, like the CPU kernel; max is
-// exact whatever the reduction order, so the results are bitwise those of the CPU.
+// A CTA covers a region of 128 columns of one batch entry; a thread owns 8 consecutive
+// columns (16 threads per row) of 2 rows, loaded with one access each (16 bytes for bf16 /
+// f16), both issued before either is used:
+//   row tiles: CTAs of 256 threads, regions of 32 rows; a 1 x 128 tile is the 16 threads
+//              of one row (a half warp): amax by shuffles within it, one scale per row;
+//   blocks:    CTAs of 1024 threads, regions of 128 rows (one 128 x 128 block): amax by
+//              warp shuffles, then across the 32 warps in shared memory, one scale.
+// Two rows per thread keep a thread at 64 registers or fewer, so an SM holds 1024 threads
+// and 32 KiB of loads in flight (8 rows per thread needed 178 registers: one CTA per SM,
+// benchmarks/results/LOG.md).
+// Elements stay in registers as loaded from the amax to the quantisation (x is read
+// once). With a transposed copy (blocks only), the block's E4M3 bytes go through shared
+// memory and each thread writes 32 consecutive bytes of one row of q_t [b, cols, rows]
+// (a whole 32-byte sector), so q and q_t cost one read of x.
+// Scale and elements go through common/fp8_blockwise.h like the CPU kernel; max is exact
+// in any order, so the results are bitwise those of the CPU.
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
+#include "common/expert_activation.h"
 #include "common/fp8_blockwise.h"
 #include "common/status.h"
 #include "cuda/device.h"
@@ -23,12 +32,18 @@ namespace moe_xla {
 namespace cuda {
 namespace {
 
-constexpr int kWarp = 32;
-constexpr int kPerLane = fp8::kTile / kWarp;  // 4 columns per lane
+constexpr int kLaneCols = 8;                         // consecutive columns per thread
+constexpr int kRowThreads = fp8::kTile / kLaneCols;  // 16 threads per row of a region
+constexpr int kPasses = 2;                           // rows per thread
+constexpr int kSegment = 32;                         // transposed bytes per thread and task
 
-// Warps per block: 8 row tiles, or the 16 warps of one 128 x 128 block (8 rows each).
-template <int kTileRows>
-constexpr int kBlockWarps = kTileRows == 1 ? 8 : 16;
+template <bool kBlocks>
+constexpr int kThreads = kBlocks ? 1024 : 256;
+template <bool kBlocks>
+constexpr int kPassRows = kThreads<kBlocks> / kRowThreads;  // rows per pass of the CTA
+template <bool kBlocks>
+constexpr int kRegionRows = kPassRows<kBlocks> * kPasses;   // 128 (blocks) or 32
+static_assert(kRegionRows<true> == fp8::kTile, "a blocks region is one 128 x 128 block");
 
 template <DType D>
 struct Elem;
@@ -36,114 +51,263 @@ template <>
 struct Elem<DType::kF32> {
   using Bits = uint32_t;
   static __device__ __forceinline__ float to_float(uint32_t b) { return __uint_as_float(b); }
+  static __device__ __forceinline__ uint32_t from_float(float v) { return __float_as_uint(v); }
 };
 template <>
 struct Elem<DType::kBF16> {
   using Bits = uint16_t;
   static __device__ __forceinline__ float to_float(uint16_t b) { return __uint_as_float(uint32_t{b} << 16); }
+  static __device__ __forceinline__ uint16_t from_float(float v) { return __bfloat16_as_ushort(__float2bfloat16_rn(v)); }
 };
 template <>
 struct Elem<DType::kF16> {
   using Bits = uint16_t;
   static __device__ __forceinline__ float to_float(uint16_t b) { return __half2float(__ushort_as_half(b)); }
+  static __device__ __forceinline__ uint16_t from_float(float v) { return __half_as_ushort(__float2half_rn(v)); }
 };
 
-// A lane's 4 elements as one aligned access.
+// A thread's 8 elements of one row as one aligned access (two 16-byte loads for f32).
 template <typename T>
-struct alignas(kPerLane * sizeof(T)) Quad {
-  T v[kPerLane];
+struct alignas(kLaneCols * sizeof(T)) Lane {
+  T v[kLaneCols];
 };
 
-// kTileRows 1 or 128; kVector: cols % 4 == 0 and x, q aligned for Quad accesses.
-template <DType D, int kTileRows, bool kVector>
-__global__ void __launch_bounds__(kWarp * kBlockWarps<kTileRows>)
-    quantize_tiles(const typename Elem<D>::Bits* __restrict__ x, uint8_t* __restrict__ q,
-                   float* __restrict__ scales, int64_t rows, int64_t cols, int64_t row_tiles,
-                   int64_t col_tiles, int64_t num_tiles, bool pow2) {
-  using Bits = typename Elem<D>::Bits;
-  constexpr int kWarps = kBlockWarps<kTileRows>;
-  constexpr int kWarpsPerTile = kTileRows == 1 ? 1 : kWarps;
-  constexpr int kRowsPerWarp = kTileRows / kWarpsPerTile;
-  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
-  const int64_t tile = static_cast<int64_t>(blockIdx.x) * (kWarps / kWarpsPerTile) + warp / kWarpsPerTile;
-  if (tile >= num_tiles) return;  // whole blocks for kTileRows 128 (one tile per block)
-  const int64_t ct = tile % col_tiles, batch_row_tile = tile / col_tiles;
-  const int64_t b = batch_row_tile / row_tiles, rt = batch_row_tile % row_tiles;
-  const int64_t c = ct * fp8::kTile + lane * kPerLane;
-  const int valid = static_cast<int>(cols - c < 0 ? 0 : (cols - c < kPerLane ? cols - c : kPerLane));
-  const int64_t first_row = rt * kTileRows + warp % kWarpsPerTile;
+struct Region {
+  int64_t b, row0, col0;  // batch entry, first row, first column
+};
 
-  Quad<Bits> raw[kRowsPerWarp];  // the tile's elements as loaded (zero bits outside x)
-  float amax = 0.0f;
+__device__ __forceinline__ Region region_of(int64_t index, int64_t row_regions, int64_t col_tiles, int region_rows) {
+  const int64_t ct = index % col_tiles, rest = index / col_tiles;
+  return {rest / row_regions, (rest % row_regions) * region_rows, ct * fp8::kTile};
+}
+
+// What a kernel quantises, as a thread's 8 elements of row r from column c (valid of them
+// inside the matrix, r inside it): x itself ...
+template <DType D, bool kVec>
+struct Stored {
+  using Bits = typename Elem<D>::Bits;
+  static constexpr bool kVector = kVec;
+  const Bits* __restrict__ x;
+  int64_t rows, cols;
+
+  __device__ __forceinline__ Lane<Bits> load(int64_t b, int64_t r, int64_t c, int valid) const {
+    const Bits* src = x + (b * rows + r) * cols + c;
+    if constexpr (kVec) return *reinterpret_cast<const Lane<Bits>*>(src);
+    Lane<Bits> out{};
 #pragma unroll
-  for (int i = 0; i < kRowsPerWarp; ++i) {
-    const int64_t r = first_row + static_cast<int64_t>(i) * kWarpsPerTile;
-    const int64_t base = (b * rows + r) * cols + c;
+    for (int j = 0; j < kLaneCols; ++j) out.v[j] = j < valid ? src[j] : Bits{0};
+    return out;
+  }
+};
+
+// ... or the expert activation of h (common/expert_activation.h), rounded to D and stored
+// to a on the way (batch 1).
+template <DType D, bool kVec>
+struct Activated {
+  using Bits = typename Elem<D>::Bits;
+  static constexpr bool kVector = kVec;
+  const Bits* __restrict__ h;
+  Bits* __restrict__ a;
+  int64_t cols;
+  Activation act;
+
+  __device__ __forceinline__ Lane<Bits> load(int64_t, int64_t r, int64_t c, int valid) const {
+    const bool gated = is_gated(act);
+    const Bits* gate = h + r * (gated ? 2 * cols : cols) + c;
+    Lane<Bits> g{}, u{}, out{};
     if constexpr (kVector) {
-      raw[i] = (r < rows && valid == kPerLane) ? *reinterpret_cast<const Quad<Bits>*>(x + base) : Quad<Bits>{};
+      g = *reinterpret_cast<const Lane<Bits>*>(gate);
+      if (gated) u = *reinterpret_cast<const Lane<Bits>*>(gate + cols);
     } else {
 #pragma unroll
-      for (int j = 0; j < kPerLane; ++j) raw[i].v[j] = (r < rows && j < valid) ? x[base + j] : Bits{0};
+      for (int j = 0; j < kLaneCols; ++j) {
+        if (j < valid) g.v[j] = gate[j];
+        if (j < valid && gated) u.v[j] = gate[cols + j];
+      }
     }
 #pragma unroll
-    for (int j = 0; j < kPerLane; ++j) amax = fmaxf(amax, fp8::tile_magnitude(Elem<D>::to_float(raw[i].v[j])));
+    for (int j = 0; j < kLaneCols; ++j) {
+      const float v = activate(act, Elem<D>::to_float(g.v[j]), Elem<D>::to_float(u.v[j]));
+      out.v[j] = j < valid ? Elem<D>::from_float(v) : Bits{0};
+    }
+    Bits* dst = a + r * cols + c;
+    if constexpr (kVector) {
+      *reinterpret_cast<Lane<Bits>*>(dst) = out;
+    } else {
+      for (int j = 0; j < valid; ++j) dst[j] = out.v[j];
+    }
+    return out;
   }
+};
+
+// kBlocks: one 128 x 128 block per region, else 128 row tiles. Source: Stored or
+// Activated; kVector: cols % 8 == 0 and every pointer aligned for Lane accesses. q_t
+// (blocks only) may be null: no transposed copy.
+template <DType D, bool kBlocks, bool kVector, class Source>
+__global__ void __launch_bounds__(kThreads<kBlocks>)
+    quantize_regions(Source src, uint8_t* __restrict__ q, uint8_t* __restrict__ q_t, float* __restrict__ scales,
+                     int64_t rows, int64_t cols, int64_t row_regions, int64_t col_tiles, bool pow2, bool vector_t) {
+  using Bits = typename Elem<D>::Bits;
+  const int t = threadIdx.x, lane = t % 32, warp = t / 32;
+  constexpr int kRows = kPassRows<kBlocks>;
+  const Region reg = region_of(blockIdx.x, row_regions, col_tiles, kRegionRows<kBlocks>);
+  const int col = (t % kRowThreads) * kLaneCols;  // within the region
+  const int64_t c = reg.col0 + col;
+  const int valid = static_cast<int>(cols - c <= 0 ? 0 : (cols - c < kLaneCols ? cols - c : kLaneCols));
+  const int first = t / kRowThreads;               // row within the region of pass 0
+
+  Lane<Bits> raw[kPasses];  // the elements to quantise; zero bits outside the matrix
 #pragma unroll
-  for (int offset = kWarp / 2; offset > 0; offset /= 2) {
-    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+  for (int i = 0; i < kPasses; ++i) {
+    const int64_t r = reg.row0 + first + i * kRows;
+    raw[i] = (r < rows && valid > 0) ? src.load(reg.b, r, c, valid) : Lane<Bits>{};
   }
-  if constexpr (kWarpsPerTile > 1) {
+
+  float scale[kBlocks ? 1 : kPasses];
+  if constexpr (kBlocks) {
+    float amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kPasses; ++i) {
+#pragma unroll
+      for (int j = 0; j < kLaneCols; ++j) amax = fmaxf(amax, fp8::tile_magnitude(Elem<D>::to_float(raw[i].v[j])));
+    }
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+    constexpr int kWarps = kThreads<kBlocks> / 32;
     __shared__ float warp_amax[kWarps];
     if (lane == 0) warp_amax[warp] = amax;
     __syncthreads();
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) amax = fmaxf(amax, warp_amax[w]);
+    scale[0] = fp8::scale_from_amax(amax, pow2);
+    if (t == 0) scales[blockIdx.x] = scale[0];  // regions are numbered as the scales
+  } else {
+#pragma unroll
+    for (int i = 0; i < kPasses; ++i) {
+      float amax = 0.0f;
+#pragma unroll
+      for (int j = 0; j < kLaneCols; ++j) amax = fmaxf(amax, fp8::tile_magnitude(Elem<D>::to_float(raw[i].v[j])));
+      // The 16 threads of a row are a half warp: offsets below 16 stay inside it.
+#pragma unroll
+      for (int offset = kRowThreads / 2; offset > 0; offset /= 2) {
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+      }
+      scale[i] = fp8::scale_from_amax(amax, pow2);
+      const int64_t r = reg.row0 + first + i * kRows;
+      if (t % kRowThreads == 0 && r < rows) scales[(reg.b * rows + r) * col_tiles + reg.col0 / fp8::kTile] = scale[i];
+    }
   }
-  const float scale = fp8::scale_from_amax(amax, pow2);
-  if (threadIdx.x % (kWarp * kWarpsPerTile) == 0) scales[tile] = scale;
 
+  // q_t's staging area: the region's bytes, row-major (only blocks with a transposed copy).
+  __shared__ alignas(16) uint8_t staged[kBlocks ? fp8::kTile : 1][kBlocks ? fp8::kTile : 1];
 #pragma unroll
-  for (int i = 0; i < kRowsPerWarp; ++i) {
-    const int64_t r = first_row + static_cast<int64_t>(i) * kWarpsPerTile;
+  for (int i = 0; i < kPasses; ++i) {
+    const int64_t r = reg.row0 + first + i * kRows;
+    Lane<uint8_t> out;
+#pragma unroll
+    for (int j = 0; j < kLaneCols; ++j) {
+      out.v[j] = fp8::quantize_element(Elem<D>::to_float(raw[i].v[j]), scale[kBlocks ? 0 : i]);
+    }
+    if constexpr (kBlocks) {
+      if (q_t != nullptr) *reinterpret_cast<Lane<uint8_t>*>(&staged[first + i * kRows][col]) = out;
+    }
     if (r >= rows || valid == 0) continue;
-    const int64_t base = (b * rows + r) * cols + c;
-    Quad<uint8_t> out;
-#pragma unroll
-    for (int j = 0; j < kPerLane; ++j) out.v[j] = fp8::quantize_element(Elem<D>::to_float(raw[i].v[j]), scale);
+    const int64_t base = (reg.b * rows + r) * cols + c;
     if constexpr (kVector) {
-      *reinterpret_cast<Quad<uint8_t>*>(q + base) = out;
+      *reinterpret_cast<Lane<uint8_t>*>(q + base) = out;
     } else {
       for (int j = 0; j < valid; ++j) q[base + j] = out.v[j];
     }
   }
+  if constexpr (kBlocks) {
+    if (q_t == nullptr) return;
+    __syncthreads();
+    // Task: 32 consecutive rows of one column of the region, i.e. 32 bytes of one row of
+    // q_t; consecutive threads take consecutive columns (rows of q_t).
+    for (int task = t; task < fp8::kTile * (fp8::kTile / kSegment); task += kThreads<kBlocks>) {
+      const int n = task % fp8::kTile, seg = task / fp8::kTile;
+      const int64_t gn = reg.col0 + n, k0 = reg.row0 + seg * kSegment;
+      if (gn >= cols || k0 >= rows) continue;
+      alignas(16) uint8_t bytes[kSegment];
+#pragma unroll
+      for (int j = 0; j < kSegment; ++j) bytes[j] = staged[seg * kSegment + j][n];
+      uint8_t* dst = q_t + (reg.b * cols + gn) * rows + k0;
+      if (vector_t && k0 + kSegment <= rows) {
+        reinterpret_cast<uint4*>(dst)[0] = reinterpret_cast<const uint4*>(bytes)[0];
+        reinterpret_cast<uint4*>(dst)[1] = reinterpret_cast<const uint4*>(bytes)[1];
+      } else {
+        const int64_t count = rows - k0 < kSegment ? rows - k0 : kSegment;
+        for (int j = 0; j < count; ++j) dst[j] = bytes[j];
+      }
+    }
+  }
 }
 
-template <DType D, int kTileRows>
-cudaError_t launch(const Fp8QuantizeParams& p, int64_t num_tiles, cudaStream_t stream) {
-  using Bits = typename Elem<D>::Bits;
-  const int64_t row_tiles = (p.rows + kTileRows - 1) / kTileRows, col_tiles = fp8::tiles(p.cols);
-  constexpr int kThreads = kWarp * kBlockWarps<kTileRows>;
-  const int64_t tiles_per_block = kTileRows == 1 ? kBlockWarps<kTileRows> : 1;
-  const int64_t blocks = (num_tiles + tiles_per_block - 1) / tiles_per_block;
-  if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
-  const bool vector = p.cols % kPerLane == 0 && reinterpret_cast<uintptr_t>(p.x) % sizeof(Quad<Bits>) == 0 &&
-                      reinterpret_cast<uintptr_t>(p.q) % sizeof(Quad<uint8_t>) == 0;
-  const auto* x = static_cast<const Bits*>(p.x);
-  const dim3 grid(static_cast<unsigned>(blocks));
-  if (vector) {
-    quantize_tiles<D, kTileRows, true><<<grid, kThreads, 0, stream>>>(x, p.q, p.scales, p.rows, p.cols, row_tiles,
-                                                                       col_tiles, num_tiles, p.pow2_scale);
-  } else {
-    quantize_tiles<D, kTileRows, false><<<grid, kThreads, 0, stream>>>(x, p.q, p.scales, p.rows, p.cols, row_tiles,
-                                                                        col_tiles, num_tiles, p.pow2_scale);
-  }
+template <DType D, bool kBlocks, class Source>
+cudaError_t launch(const Source& src, uint8_t* q, uint8_t* q_t, float* scales, int64_t batch, int64_t rows,
+                   int64_t cols, bool pow2, cudaStream_t stream) {
+  const int64_t row_regions = (rows + kRegionRows<kBlocks> - 1) / kRegionRows<kBlocks>;
+  const int64_t col_tiles = fp8::tiles(cols);
+  const int64_t regions = batch * row_regions * col_tiles;
+  if (regions > 0x7fffffff) return cudaErrorInvalidConfiguration;
+  const bool vector_t = q_t != nullptr && rows % 16 == 0 && reinterpret_cast<uintptr_t>(q_t) % 16 == 0;
+  quantize_regions<D, kBlocks, Source::kVector><<<static_cast<unsigned>(regions), kThreads<kBlocks>, 0, stream>>>(
+      src, q, q_t, scales, rows, cols, row_regions, col_tiles, pow2, vector_t);
   return cudaGetLastError();
 }
 
+bool aligned(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+
 template <DType D>
-cudaError_t dispatch(const Fp8QuantizeParams& p, int64_t num_tiles, cudaStream_t stream) {
-  return p.tile_rows == 1 ? launch<D, 1>(p, num_tiles, stream) : launch<D, fp8::kTile>(p, num_tiles, stream);
+cudaError_t quantize(const Fp8QuantizeParams& p, cudaStream_t stream) {
+  using Bits = typename Elem<D>::Bits;
+  const bool vector = p.cols % kLaneCols == 0 && aligned(p.x, sizeof(Lane<Bits>)) && aligned(p.q, kLaneCols);
+  const auto* x = static_cast<const Bits*>(p.x);
+  auto run = [&](auto src, auto blocks) {
+    return launch<D, decltype(blocks)::value>(src, p.q, p.q_t, p.scales, p.batch, p.rows, p.cols, p.pow2_scale,
+                                                stream);
+  };
+  auto with_tiles = [&](auto src) {
+    return p.tile_rows == 1 ? run(src, std::false_type{}) : run(src, std::true_type{});
+  };
+  return vector ? with_tiles(Stored<D, true>{x, p.rows, p.cols}) : with_tiles(Stored<D, false>{x, p.rows, p.cols});
 }
+
+template <DType D>
+cudaError_t activate_quantize(const Fp8ActivateQuantizeParams& p, cudaStream_t stream) {
+  using Bits = typename Elem<D>::Bits;
+  const bool vector = p.cols % kLaneCols == 0 && aligned(p.h, sizeof(Lane<Bits>)) &&
+                      aligned(p.a, sizeof(Lane<Bits>)) && aligned(p.q, kLaneCols);
+  const auto* h = static_cast<const Bits*>(p.h);
+  auto* a = static_cast<Bits*>(p.a);
+  auto run = [&](auto src) {
+    return launch<D, false>(src, p.q, nullptr, p.scales, 1, p.rows, p.cols, p.pow2_scale, stream);
+  };
+  return vector ? run(Activated<D, true>{h, a, p.cols, p.activation})
+                : run(Activated<D, false>{h, a, p.cols, p.activation});
+}
+
+template <template <DType> class Body, class Params>
+Status by_dtype(const Params& p, cudaStream_t stream, const char* op) {
+  switch (p.dtype) {
+    case DType::kF32: MOE_XLA_RETURN_IF_CUDA_ERROR(Body<DType::kF32>::run(p, stream)); break;
+    case DType::kBF16: MOE_XLA_RETURN_IF_CUDA_ERROR(Body<DType::kBF16>::run(p, stream)); break;
+    case DType::kF16: MOE_XLA_RETURN_IF_CUDA_ERROR(Body<DType::kF16>::run(p, stream)); break;
+    default: return Status::InvalidArgument(std::string(op) + ": unsupported dtype");
+  }
+  return Status();
+}
+
+template <DType D>
+struct Quantize {
+  static cudaError_t run(const Fp8QuantizeParams& p, cudaStream_t stream) { return quantize<D>(p, stream); }
+};
+template <DType D>
+struct ActivateQuantize {
+  static cudaError_t run(const Fp8ActivateQuantizeParams& p, cudaStream_t stream) {
+    return activate_quantize<D>(p, stream);
+  }
+};
 
 }  // namespace
 
@@ -153,15 +317,22 @@ Status fp8_quantize(const Fp8QuantizeParams& p, cudaStream_t stream) {
   if (p.tile_rows != 1 && p.tile_rows != fp8::kTile) {
     return Status::InvalidArgument("fp8 quantize: tile_rows must be 1 or 128, got " + std::to_string(p.tile_rows));
   }
-  const int64_t num_tiles = p.batch * ((p.rows + p.tile_rows - 1) / p.tile_rows) * fp8::tiles(p.cols);
-  if (num_tiles == 0) return Status();
-  switch (p.dtype) {
-    case DType::kF32: MOE_XLA_RETURN_IF_CUDA_ERROR(dispatch<DType::kF32>(p, num_tiles, stream)); break;
-    case DType::kBF16: MOE_XLA_RETURN_IF_CUDA_ERROR(dispatch<DType::kBF16>(p, num_tiles, stream)); break;
-    case DType::kF16: MOE_XLA_RETURN_IF_CUDA_ERROR(dispatch<DType::kF16>(p, num_tiles, stream)); break;
-    default: return Status::InvalidArgument("fp8 quantize: unsupported dtype");
+  if (p.q_t != nullptr && p.tile_rows != fp8::kTile) {
+    return Status::InvalidArgument("fp8 quantize: a transposed copy needs tile_rows 128");
   }
-  return Status();
+  if (p.batch * p.rows * p.cols == 0) return Status();
+  return by_dtype<Quantize>(p, stream, "fp8 quantize");
+}
+
+Status fp8_activate_quantize(const Fp8ActivateQuantizeParams& p, cudaStream_t stream) {
+  MOE_XLA_RETURN_IF_ERROR(require_device(DeviceSupport::kSimt, "fp8 activate quantize"));
+  if (p.rows < 0 || p.cols < 0) return Status::InvalidArgument("fp8 activate quantize: negative dimension");
+  if (static_cast<int32_t>(p.activation) < 0 || static_cast<int32_t>(p.activation) >= kNumActivations) {
+    return Status::InvalidArgument("fp8 activate quantize: unknown activation " +
+                                   std::to_string(static_cast<int32_t>(p.activation)));
+  }
+  if (p.rows * p.cols == 0) return Status();
+  return by_dtype<ActivateQuantize>(p, stream, "fp8 activate quantize");
 }
 
 }  // namespace cuda

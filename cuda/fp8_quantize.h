@@ -1,5 +1,5 @@
 // CUDA FP8 blockwise quantisation in tiles of tile_rows x 128 (contract in
-// common/fp8_blockwise.h). Framework-free: no XLA, no Python.
+// common/fp8_blockwise.h), alone or fused with the expert activation. Framework-free: no XLA, no Python.
 //
 // Only enqueues work on `stream` (no host copy, no synchronisation, no global state:
 // CUDA-graph safe) and is bitwise deterministic. Reads x once. Runs on compute capability
@@ -9,14 +9,19 @@
 
 #include <cuda_runtime_api.h>
 
+#include "common/expert_activation.h"
 #include "common/fp8_blockwise.h"
 #include "common/status.h"
 
 namespace moe_xla {
 namespace cuda {
 
-// Fills p.q and p.scales (device memory) from p.x.
+// Fills p.q, p.scales and p.q_t if not null (device memory) from p.x.
 Status fp8_quantize(const Fp8QuantizeParams& p, cudaStream_t stream);
+
+// Fills p.a, p.q and p.scales (device memory): the expert activation of p.h and its
+// 1 x 128 row quantisation in one pass (common/expert_activation.h).
+Status fp8_activate_quantize(const Fp8ActivateQuantizeParams& p, cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace moe_xla

@@ -9,6 +9,7 @@
 #include <string>
 #include <utility>
 
+#include "common/expert_activation.h"
 #include "common/fp8_blockwise.h"
 #include "ffi/grouped_gemm_args.h"  // shape_string, type_name, to_dtype, invalid, expect_shape
 #include "xla/ffi/api/ffi.h"
@@ -20,9 +21,11 @@ namespace ffi = xla::ffi;
 // x [M, K] (tile_rows 1: 1 x 128 row tiles) or [G, K, N] (tile_rows 128: 128 x 128
 // blocks) of f32 / bf16 / f16; q float8_e4m3fn of x's shape; scales f32 of shape
 // [M, ceil(K/128)] or [G, ceil(K/128), ceil(N/128)].
+// q_t (blocks only; null for the rows handlers) is [G, N, K] float8_e4m3fn, or has no
+// element when no transposed copy is wanted.
 inline ffi::ErrorOr<Fp8QuantizeParams> decode_fp8_quantize(ffi::AnyBuffer x, ffi::AnyBuffer q,
                                                            ffi::Buffer<ffi::F32> scales, int64_t tile_rows,
-                                                           bool pow2_scale) {
+                                                           bool pow2_scale, ffi::AnyBuffer* q_t = nullptr) {
   const auto dims = x.dimensions();
   const char* name = tile_rows == 1 ? "x" : "w";  // the primitives' argument names
   Fp8QuantizeParams p{};
@@ -57,6 +60,15 @@ inline ffi::ErrorOr<Fp8QuantizeParams> decode_fp8_quantize(ffi::AnyBuffer x, ffi
     return invalid(std::string("q: expected the shape of ") + name + " " + shape_string(dims) + ", got " +
                    shape_string(q.dimensions()));
   }
+  if (q_t != nullptr && q_t->element_count() > 0) {
+    if (q_t->element_type() != ffi::DataType::F8E4M3FN) {
+      return invalid("q_t: expected dtype float8_e4m3fn, got " + type_name(q_t->element_type()));
+    }
+    if (auto e = expect_shape("q_t", q_t->dimensions(), {p.batch, p.cols, p.rows}); e.failure()) {
+      return ffi::Unexpected<ffi::Error>(std::move(e));
+    }
+    p.q_t = static_cast<uint8_t*>(q_t->untyped_data());
+  }
   p.x = x.untyped_data();
   p.dtype = *dtype;
   p.q = static_cast<uint8_t*>(q.untyped_data());
@@ -66,16 +78,74 @@ inline ffi::ErrorOr<Fp8QuantizeParams> decode_fp8_quantize(ffi::AnyBuffer x, ffi
   return p;
 }
 
+// h [M, 2F] (gated) or [M, F] of f32 / bf16 / f16; a [M, F] of h's dtype; q [M, F]
+// float8_e4m3fn; scales [M, ceil(F/128)] f32; activation one of common/expert_activation.h.
+inline ffi::ErrorOr<Fp8ActivateQuantizeParams> decode_fp8_activate_quantize(ffi::AnyBuffer h, ffi::AnyBuffer a,
+                                                                            ffi::AnyBuffer q,
+                                                                            ffi::Buffer<ffi::F32> scales,
+                                                                            int32_t activation, bool pow2_scale) {
+  if (activation < 0 || activation >= kNumActivations) {
+    return invalid("activation: expected 0 .. " + std::to_string(kNumActivations - 1) + ", got " +
+                   std::to_string(activation));
+  }
+  Fp8ActivateQuantizeParams p{};
+  p.activation = static_cast<Activation>(activation);
+  const auto dims = h.dimensions();
+  if (dims.size() != 2) return invalid("h: expected rank 2 [M, 2F] or [M, F], got shape " + shape_string(dims));
+  const bool gated = is_gated(p.activation);
+  if (gated && dims[1] % 2 != 0) return invalid("h: expected an even last dim (gate | up), got " + shape_string(dims));
+  p.rows = dims[0];
+  p.cols = gated ? dims[1] / 2 : dims[1];
+  auto dtype = to_dtype(h.element_type(), "h");
+  if (dtype.has_error()) return ffi::Unexpected<ffi::Error>(dtype.error());
+  if (a.element_type() != h.element_type()) {
+    return invalid("a: expected the dtype of h " + type_name(h.element_type()) + ", got " + type_name(a.element_type()));
+  }
+  if (q.element_type() != ffi::DataType::F8E4M3FN) {
+    return invalid("q: expected dtype float8_e4m3fn, got " + type_name(q.element_type()));
+  }
+  for (auto [name, got] : {std::pair{"a", a.dimensions()}, std::pair{"q", q.dimensions()}}) {
+    if (auto e = expect_shape(name, got, {p.rows, p.cols}); e.failure()) return ffi::Unexpected<ffi::Error>(std::move(e));
+  }
+  if (auto e = expect_shape("scales", scales.dimensions(), {p.rows, fp8::tiles(p.cols)}); e.failure()) {
+    return ffi::Unexpected<ffi::Error>(std::move(e));
+  }
+  p.h = h.untyped_data();
+  p.dtype = *dtype;
+  p.a = a.untyped_data();
+  p.q = static_cast<uint8_t*>(q.untyped_data());
+  p.scales = scales.typed_data();
+  p.pow2_scale = pow2_scale;
+  return p;
+}
+
+// The operands and attributes of the activate_quantize_fp8 handlers, appended to `binding`.
+template <class Binding>
+auto bind_fp8_activate_quantize(Binding&& binding) {
+  return std::move(binding)
+      .template Arg<ffi::AnyBuffer>()          // h [M, 2F] or [M, F]
+      .template Ret<ffi::AnyBuffer>()          // a [M, F], dtype of h
+      .template Ret<ffi::AnyBuffer>()          // q [M, F], float8_e4m3fn
+      .template Ret<ffi::Buffer<ffi::F32>>()   // scales [M, ceil(F/128)]
+      .template Attr<int32_t>("activation")
+      .template Attr<bool>("pow2_scale");
+}
+
 // The operands and attributes of the quantisation handlers, appended to `binding` (the
 // CUDA handlers bind them after their stream); the attribute name is the one the
 // primitives' lowerings pass. The tile shape is fixed per handler, not an attribute.
-template <class Binding>
+// The blocks handlers return q_t as well (quantize_fp8_blocks(transposed_copy=...)).
+template <bool kBlocks, class Binding>
 auto bind_fp8_quantize(Binding&& binding) {
-  return std::move(binding)
-      .template Arg<ffi::AnyBuffer>()          // x [M, K] or w [G, K, N]
-      .template Ret<ffi::AnyBuffer>()          // q, float8_e4m3fn, shape of x
-      .template Ret<ffi::Buffer<ffi::F32>>()   // scales, one per tile
-      .template Attr<bool>("pow2_scale");
+  auto common = std::move(binding)
+                    .template Arg<ffi::AnyBuffer>()          // x [M, K] or w [G, K, N]
+                    .template Ret<ffi::AnyBuffer>()          // q, float8_e4m3fn, shape of x
+                    .template Ret<ffi::Buffer<ffi::F32>>();  // scales, one per tile
+  if constexpr (kBlocks) {
+    return std::move(common).template Ret<ffi::AnyBuffer>().template Attr<bool>("pow2_scale");  // q_t or empty
+  } else {
+    return std::move(common).template Attr<bool>("pow2_scale");
+  }
 }
 
 }  // namespace moe_xla::ffi_args

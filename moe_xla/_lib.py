@@ -35,10 +35,10 @@ _SYMBOLS = {
     for platform in ("cpu", "cuda")
 }
 # FP8 ops (common/fp8_blockwise.h, fp8_grouped_gemm.h): symbols in CamelCase,
-# MoeXlaQuantizeFp8RowsCpu, MoeXlaGmmFp8Cuda.
+# MoeXlaQuantizeFp8RowsCpu, MoeXlaActivateQuantizeFp8Cpu, MoeXlaGmmFp8Cuda.
 _SYMBOLS.update({
     (op, platform): f"MoeXla{op.title().replace('_', '')}{platform.capitalize()}"
-    for op in ("quantize_fp8_rows", "quantize_fp8_blocks", "gmm_fp8")
+    for op in ("quantize_fp8_rows", "quantize_fp8_blocks", "activate_quantize_fp8", "gmm_fp8")
     for platform in ("cpu", "cuda")
 })
 

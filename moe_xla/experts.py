@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 
 import moe_xla.fp8 as fp8
-from moe_xla.activations import activate
+from moe_xla.activations import activate, activate_fp8
 from moe_xla.grouped import gmm
 
 
@@ -18,15 +18,23 @@ def expert_mlp(x_sorted, w_in, w_out, group_sizes, activation: str, quantization
     rows past sum(group_sizes) give 0. Both products in the precision `quantization` names
     (moe_xla.gmm's option); h and act(h) stay in x's dtype. x_quantized: with
     "fp8_blockwise", quantize_fp8_rows(x_sorted) made elsewhere (moe() gathers the tokens'
-    quantised rows), used by the first product instead of quantising x_sorted again."""
+    quantised rows), used by the first product instead of quantising x_sorted again. With
+    "fp8_blockwise" the activation and the quantisation of its output are one kernel
+    (activations.activate_fp8)."""
     with jax.named_scope("moe_xla/gmm_in"):
         if x_quantized is not None:
             h = fp8.gmm_fp8_blockwise(x_sorted, w_in, group_sizes, lhs_quantized=x_quantized)
         else:
             h = gmm(x_sorted, w_in, group_sizes, quantization=quantization)
     with jax.named_scope("moe_xla/act"):
-        a = activate(h, activation)
+        if quantization == "fp8_blockwise":
+            # One pass over h writes a (for the wgrad) and its FP8 rows (for the product).
+            a, *a_quantized = activate_fp8(h, activation)
+        else:
+            a = activate(h, activation)
     with jax.named_scope("moe_xla/gmm_out"):
+        if quantization == "fp8_blockwise":
+            return fp8.gmm_fp8_blockwise(a, w_out, group_sizes, lhs_quantized=tuple(a_quantized))
         return gmm(a, w_out, group_sizes, quantization=quantization)
 
 

@@ -105,4 +105,5 @@ def test_token_order_quantisation_equals_quantising_the_sorted_rows(rng):
     for a, b in zip(g_moe, g_ref):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
     hlo = jax.jit(moe_layer).lower(x, logits, w_in, w_out).as_text()
-    assert hlo.count("moe_xla_quantize_fp8_rows") == 2, "x once in token order, act(h) once; not x_sorted"
+    assert hlo.count("moe_xla_quantize_fp8_rows") == 1, "x once in token order; not x_sorted"
+    assert hlo.count("moe_xla_activate_quantize_fp8") == 1, "act(h) and its rows in one kernel"
