@@ -5,11 +5,12 @@
 // f16), both issued before either is used:
 //   row tiles: CTAs of 256 threads, regions of 32 rows; a 1 x 128 tile is the 16 threads
 //              of one row (a half warp): amax by shuffles within it, one scale per row;
+//              at most 48 registers, 5 CTAs per SM;
 //   blocks:    CTAs of 1024 threads, regions of 128 rows (one 128 x 128 block): amax by
-//              warp shuffles, then across the 32 warps in shared memory, one scale.
-// Two rows per thread keep a thread at 64 registers or fewer, so an SM holds 1024 threads
-// and 32 KiB of loads in flight (8 rows per thread needed 178 registers: one CTA per SM,
-// benchmarks/results/LOG.md).
+//              warp shuffles, then across the 32 warps in shared memory, one scale; at
+//              most 64 registers, one CTA per SM.
+// The alternatives measured slower (benchmarks/results/LOG.md): 8 rows per thread (178
+// registers, one CTA per SM), blocks in 512-thread CTAs of 4 rows per thread.
 // Elements stay in registers as loaded from the amax to the quantisation (x is read
 // once). With a transposed copy (blocks only), the block's E4M3 bytes go through shared
 // memory and each thread writes 32 consecutive bytes of one row of q_t [b, cols, rows]
@@ -144,7 +145,7 @@ struct Activated {
 // Activated; kVector: cols % 8 == 0 and every pointer aligned for Lane accesses. q_t
 // (blocks only) may be null: no transposed copy.
 template <DType D, bool kBlocks, bool kVector, class Source>
-__global__ void __launch_bounds__(kThreads<kBlocks>)
+__global__ void __launch_bounds__(kThreads<kBlocks>, kBlocks ? 1 : 5)
     quantize_regions(Source src, uint8_t* __restrict__ q, uint8_t* __restrict__ q_t, float* __restrict__ scales,
                      int64_t rows, int64_t cols, int64_t row_regions, int64_t col_tiles, bool pow2, bool vector_t) {
   using Bits = typename Elem<D>::Bits;
