@@ -65,16 +65,25 @@ def _check(x, router_logits, w_in, w_out, top_k, activation, shared_experts, qua
     return tokens, hidden, experts
 
 
-def _sorted_fp8_rows(x, row_map, top_k):
+def _sorted_fp8_rows(x, ids, experts):
     """quantize_fp8_rows(x_sorted) from the T tokens instead of the T*k sorted rows: x is
     quantised in token order (1 x 128 row tiles do not depend on the row order) and its
-    rows gathered as permute orders them, x_sorted[row_map[t*k + j]] = x[t] (row_map names
-    every sorted row once). k times less quantisation work, and an FP8 gather in place of a
-    second bf16 pass."""
+    FP8 rows and scales are put in expert order by permute with the same ids (the same
+    stable sort as x_sorted's). k times less quantisation work, and the gather of the FP8
+    rows is permute's kernel. permute moves float rows: the E4M3 bytes travel in pairs as
+    bf16 bits (H even; an odd H takes XLA's gather by the inverse of row_map)."""
     q, scales = quantize_fp8_rows(jax.lax.stop_gradient(x))
-    source = jnp.zeros(row_map.shape, jnp.int32).at[row_map].set(jnp.arange(row_map.shape[0], dtype=jnp.int32) // top_k,
-                                                                 unique_indices=True)
-    return jnp.take(q, source, axis=0), jnp.take(scales, source, axis=0)
+    scales_sorted, _, row_map = permute(scales, ids, experts)
+    t, h = q.shape
+    if h % 2 == 0:
+        pairs = jax.lax.bitcast_convert_type(q.reshape(t, h // 2, 2), jnp.bfloat16)
+        q_sorted = jax.lax.bitcast_convert_type(permute(pairs, ids, experts)[0], q.dtype).reshape(-1, h)
+    else:
+        top_k = ids.shape[1]
+        source = jnp.zeros(row_map.shape, jnp.int32).at[row_map].set(
+            jnp.arange(row_map.shape[0], dtype=jnp.int32) // top_k, unique_indices=True)
+        q_sorted = jnp.take(q, source, axis=0)
+    return q_sorted, scales_sorted
 
 
 def moe(x, router_logits, w_in, w_out, *, top_k, activation="swiglu", score="softmax", bias=None, n_groups=None,
@@ -131,7 +140,7 @@ def moe(x, router_logits, w_in, w_out, *, top_k, activation="swiglu", score="sof
                              renormalize=renormalize, scale=scale)
     with jax.named_scope("moe_xla/dispatch"):
         x_sorted, group_sizes, row_map = permute(x2, ids, experts)
-        x_quantized = _sorted_fp8_rows(x2, row_map, top_k) if quantization == "fp8_blockwise" else None
+        x_quantized = _sorted_fp8_rows(x2, ids, experts) if quantization == "fp8_blockwise" else None
     y_sorted = expert_mlp(x_sorted, w_in, w_out, group_sizes, activation, quantization, x_quantized)
     with jax.named_scope("moe_xla/combine"):
         y = unpermute(y_sorted, row_map, weights, unique_rows=True)  # permute's row_map

@@ -22,11 +22,11 @@ import moe_xla
 T, H, F, E, K = 256, 256, 128, 8, 2
 
 
-def _inputs(rng, dtype=jnp.bfloat16):
-    x = normal(rng, (T, H), dtype)
+def _inputs(rng, dtype=jnp.bfloat16, h=H):
+    x = normal(rng, (T, h), dtype)
     logits = normal(rng, (T, E), jnp.float32)
-    w_in = normal(rng, (E, H, 2 * F), dtype) * (1 / 16)
-    w_out = normal(rng, (E, F, H), dtype) * (1 / 12)
+    w_in = normal(rng, (E, h, 2 * F), dtype) * (1 / 16)
+    w_out = normal(rng, (E, F, h), dtype) * (1 / 12)
     return x, logits, w_in, w_out
 
 
@@ -80,13 +80,14 @@ def test_expert_parallel_fp8_equals_one_device(rng):
         assert rel_err(a, b) < 1e-2
 
 
-def test_token_order_quantisation_equals_quantising_the_sorted_rows(rng):
+@pytest.mark.parametrize("h", [H, 129], ids=["even_H", "odd_H"])  # FP8 rows permuted as bf16 pairs / gathered
+def test_token_order_quantisation_equals_quantising_the_sorted_rows(rng, h):
     """moe() quantises the T tokens and gathers their FP8 rows into expert order; the result
     must be bitwise that of quantising the T*k sorted rows (forward and gradients)."""
     from moe_xla.experts import expert_mlp
 
-    x, logits, w_in, w_out = _inputs(rng)
-    ct = normal(rng, (T, H), jnp.float32)
+    x, logits, w_in, w_out = _inputs(rng, h=h)
+    ct = normal(rng, (T, h), jnp.float32)
 
     def sorted_rows_layer(x, logits, w_in, w_out):
         weights, ids = moe_xla.route(logits, K)
