@@ -160,12 +160,12 @@ struct Fp8QuantizeParams {
   DType dtype;      // of x
   uint8_t* q;
   float* scales;
-  uint8_t* q_t;       // null: no transposed copy
   int64_t batch;
   int64_t rows;
   int64_t cols;
   int64_t tile_rows;  // 1 or fp8::kTile
   bool pow2_scale;
+  uint8_t* q_t = nullptr;  // null: no transposed copy
 };
 
 }  // namespace moe_xla
