@@ -3,15 +3,19 @@ quantize_fp8_blocks) in GB/s of compulsory traffic, against a copy-like elementw
 (y = -x, which reads and writes every element once) on the same bytes, in the same run.
 
 Ops: rows (quantize_fp8_rows), blocks (quantize_fp8_blocks), blocks_t (the same with
-transposed_copy=True: q and q_t in one pass, what quantize_fp8_weights runs) and
-blocks_then_swap (blocks, then XLA's transpose of q: the two passes blocks_t replaces).
+transposed_copy=True: q and q_t in one pass, what quantize_fp8_weights runs),
+blocks_then_swap (blocks, then XLA's transpose of q: the two passes blocks_t replaces),
+and on the gate_up cases' products h [M, N] = gate | up: swiglu_rows (activations.
+activate_fp8: swiglu and its row quantisation in one kernel, what the FP8 expert MLP
+runs) and swiglu_then_rows (XLA's swiglu, then quantize_fp8_rows of it).
 
     python benchmarks/fp8_quantize.py [--out benchmarks/results] [--name fp8_quantize]
 
-Shapes: the activations of the grouped_matmul cases of cases.json (rows [M, K], bf16) and
-their weights (blocks [G, K, N], bf16). Bytes = input read + q written (1 byte per element,
-2 with a transposed copy) + scales written (4 bytes per tile). The copy moves 2 x the
-input's bytes.
+Shapes: the activations of the grouped_matmul cases of cases.json (rows [M, K], bf16),
+their weights (blocks [G, K, N], bf16) and their products (swiglu [M, N], bf16). Bytes =
+input read + q written (1 byte per element, 2 with a transposed copy) + scales written (4
+bytes per tile); for swiglu, h read (2 bytes per element) + a written (2 bytes per
+output element) + q and scales of a. The copy moves 2 x the input's bytes.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 import moe_xla
+from moe_xla.activations import activate, activate_fp8
 
 
 def _gbps(nbytes, seconds):
@@ -44,17 +49,28 @@ def main():
         q, scales = moe_xla.quantize_fp8_blocks(w)
         return q, scales, jnp.swapaxes(q, 1, 2)
 
+    def swiglu_then_rows(h):
+        a = activate(h, "swiglu")
+        return (a, *moe_xla.quantize_fp8_rows(a))
+
     ops = {"rows": moe_xla.quantize_fp8_rows, "blocks": moe_xla.quantize_fp8_blocks, "blocks_t": blocks_t,
-           "blocks_then_swap": blocks_then_swap}
+           "blocks_then_swap": blocks_then_swap, "swiglu_rows": lambda h: activate_fp8(h, "swiglu"),
+           "swiglu_then_rows": swiglu_then_rows}
     rows = []
     for i, case in enumerate(CASES["grouped_matmul"]):
         m, g, k, n = case["M"], case["G"], case["K"], case["N"]
         for kind in ops:
-            shape = (m, k) if kind == "rows" else (g, k, n)
-            x = normal(jax.random.fold_in(jax.random.key(1), 2 * i + (kind != "rows")), shape, jnp.bfloat16)
+            swiglu = kind.startswith("swiglu")
+            if swiglu and not case["name"].endswith("gate_up"):
+                continue
+            shape = (m, k) if kind == "rows" else (m, n) if swiglu else (g, k, n)
+            x = normal(jax.random.fold_in(jax.random.key(1), 3 * i + (kind != "rows") + swiglu), shape, jnp.bfloat16)
             elems = x.size
-            tiles = elems // 128 if kind == "rows" else elems // (128 * 128)
-            nbytes = elems * 2 + elems * (1 if kind in ("rows", "blocks") else 2) + tiles * 4
+            if swiglu:  # h read, a written, a's q and scales written
+                nbytes = 2 * elems + 2 * (elems // 2) + elems // 2 + elems // 2 // 128 * 4
+            else:
+                tiles = elems // 128 if kind == "rows" else elems // (128 * 128)
+                nbytes = elems * 2 + elems * (1 if kind in ("rows", "blocks") else 2) + tiles * 4
             t = time_jax(jax.jit(ops[kind]), x)
             t_copy = time_jax(negate, x)
             row = {"case": case["name"], "op": kind, "shape": "x".join(map(str, shape)), "ms": t * 1e3,

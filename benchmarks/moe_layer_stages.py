@@ -2,6 +2,7 @@
 
     python benchmarks/moe_layer_stages.py [--out benchmarks/results] [--cases NAME ...] [--t-scale 1.0]
                                           [--reps N] [--trace-steps N]
+                                          [--quantization none fp8_blockwise]
 
 Cases: every "moe_layer" and "sonicmoe" case of cases.json (bf16, swiglu experts w_in
 [E, d, 2n], w_out [E, n, d], the case's routing). Notation: T tokens, d hidden (H), n
@@ -30,9 +31,11 @@ arg. Inside a command buffer every kernel is named after the buffer ("command_bu
 on the H200 with jax 0.11.2, profiling or not), so the traced step is a second
 compilation of the timed one with command buffers off (xla_gpu_enable_command_buffer
 empty: its kernels are the same, launched one by one); a custom call's kernels all carry
-the custom call's name. The instruction is looked up in that executable's own HLO text: its op_name metadata and those of every op fused into it (a fusion's body,
-through calls=). Where the hlo_op is not in that module, the op names of the annotation
-itself are read instead (args "name" / "op_name" / "long_name" / "tf_op", which newer
+the custom call's name. The instruction is looked up in that executable's own HLO text:
+its op_name metadata and those of every op fused into it (a fusion's body, through
+calls=). The stage times are thus those of the traced executable, the step times
+(fwd_ms, fwd_bwd_ms, shares) those of the timed one. Where the hlo_op is not in that
+module, the op names of the annotation itself are read instead (args "name" / "op_name" / "long_name" / "tf_op", which newer
 XLA fills with the instruction's op_name). A kernel whose ops name several (stage,
 direction) pairs (a fusion: XLA fuses cheap ops of earlier stages, such as bitcasts,
 broadcasts or the forward activation the backward recomputes, into a later stage's
@@ -69,8 +72,8 @@ Output: moe_layer_stages_<platform>.json / .md under --out (_timing.write_result
 from __future__ import annotations
 
 import argparse
-import functools
 import collections
+import functools
 import re
 from pathlib import Path
 
@@ -253,7 +256,8 @@ def measure_case(case: dict, t_scale: float, reps: int, inner: int, trace_steps:
         compiler_options={"xla_gpu_enable_command_buffer": ""})
     kernels = [ev for ks in gpu_kernels(trace_events(traced, inputs + (ct,), trace_steps)).values() for ev in ks]
     flops = 6.0 * t * k * d * n
-    row = {"case": case["name"], "quantization": quantization or "none", "T": t, "H": d, "F": n, "E": e, "top_k": k, "score": case["score"],
+    row = {"case": case["name"], "quantization": quantization or "none", "T": t, "H": d, "F": n, "E": e, "top_k": k,
+           "score": case["score"],
            "fwd_ms": t_f * 1e3, "fwd_bwd_ms": t_fb * 1e3, "bwd_ms": (t_fb - t_f) * 1e3,
            "fwd_tflops": flops / t_f / 1e12, "bwd_tflops": 2 * flops / (t_fb - t_f) / 1e12 if t_fb > t_f else None,
            "fwd_bwd_tflops": 3 * flops / t_fb / 1e12, "fwd_bwd_mem_gib": gib(compiled_memory_bytes(step))}
@@ -265,7 +269,8 @@ def measure_case(case: dict, t_scale: float, reps: int, inner: int, trace_steps:
     return row
 
 
-COLUMNS = (["case", "quantization", "T", "fwd_ms", "fwd_bwd_ms", "fwd_tflops", "bwd_tflops", "fwd_vs_sonicmoe", "bwd_vs_sonicmoe",
+COLUMNS = (["case", "quantization", "T", "fwd_ms", "fwd_bwd_ms", "fwd_tflops", "bwd_tflops", "fwd_vs_sonicmoe",
+            "bwd_vs_sonicmoe",
             "fwd_bwd_mem_gib", "kernels_ms", "other_ms"]
            + [f"{s}_{d}_ms" for s in STAGES for d in DIRECTIONS]
            + [f"{s}_{d}_{'tflops' if s in GEMMS else 'gbps'}" for s in STAGES for d in DIRECTIONS])
@@ -301,7 +306,7 @@ def main(argv=None):
     parser.add_argument("--t-scale", type=float, default=1.0, help="scale T (for quick runs)")
     parser.add_argument("--reps", type=int, default=None, help="timed repetitions (default 20 on GPU, 1 on CPU)")
     parser.add_argument("--trace-steps", type=int, default=None, help="steps traced (default 3 on GPU, 1 on CPU)")
-    parser.add_argument("--quantization", nargs="*", default=["none"], choices=["none", "fp8_blockwise"],
+    parser.add_argument("--quantization", nargs="+", default=["none"], choices=["none", "fp8_blockwise"],
                         help="moe()'s quantization, each measured in turn (FP8: quantisation kernels fall in the "
                              "stage of the product they feed; the GB/s columns still count bf16 bytes)")
     args = parser.parse_args(argv)

@@ -14,7 +14,10 @@
 // Elements stay in registers as loaded from the amax to the quantisation (x is read
 // once). With a transposed copy (blocks only), the block's E4M3 bytes go through shared
 // memory and each thread writes 32 consecutive bytes of one row of q_t [b, cols, rows]
-// (a whole 32-byte sector), so q and q_t cost one read of x.
+// (a whole 32-byte sector), so q and q_t cost one read of x. (On the H200 that measured
+// no faster than blocks followed by XLA's transpose of q: benchmarks/results/LOG.md.)
+// The same kernel quantises the expert activation of h on the fly (Activated): the fused
+// activate_quantize_fp8.
 // Scale and elements go through common/fp8_blockwise.h like the CPU kernel; max is exact
 // in any order, so the results are bitwise those of the CPU.
 #include <cuda_bf16.h>
@@ -58,7 +61,9 @@ template <>
 struct Elem<DType::kBF16> {
   using Bits = uint16_t;
   static __device__ __forceinline__ float to_float(uint16_t b) { return __uint_as_float(uint32_t{b} << 16); }
-  static __device__ __forceinline__ uint16_t from_float(float v) { return __bfloat16_as_ushort(__float2bfloat16_rn(v)); }
+  static __device__ __forceinline__ uint16_t from_float(float v) {
+    return __bfloat16_as_ushort(__float2bfloat16_rn(v));
+  }
 };
 template <>
 struct Elem<DType::kF16> {

@@ -1,6 +1,8 @@
 // Decodes and validates the buffers and attributes of the quantize_fp8_rows /
 // quantize_fp8_blocks FFI calls into the framework-free Fp8QuantizeParams of
-// common/fp8_blockwise.h, for both the CPU and the CUDA handlers. Every error names the
+// common/fp8_blockwise.h, and those of activate_quantize_fp8 into the
+// Fp8ActivateQuantizeParams of common/expert_activation.h, for both the CPU and the CUDA
+// handlers. Every error names the
 // argument, what was expected and what was passed.
 #ifndef MOE_XLA_FFI_FP8_QUANTIZE_ARGS_H_
 #define MOE_XLA_FFI_FP8_QUANTIZE_ARGS_H_
@@ -99,13 +101,16 @@ inline ffi::ErrorOr<Fp8ActivateQuantizeParams> decode_fp8_activate_quantize(ffi:
   auto dtype = to_dtype(h.element_type(), "h");
   if (dtype.has_error()) return ffi::Unexpected<ffi::Error>(dtype.error());
   if (a.element_type() != h.element_type()) {
-    return invalid("a: expected the dtype of h " + type_name(h.element_type()) + ", got " + type_name(a.element_type()));
+    return invalid("a: expected the dtype of h " + type_name(h.element_type()) + ", got " +
+                   type_name(a.element_type()));
   }
   if (q.element_type() != ffi::DataType::F8E4M3FN) {
     return invalid("q: expected dtype float8_e4m3fn, got " + type_name(q.element_type()));
   }
   for (auto [name, got] : {std::pair{"a", a.dimensions()}, std::pair{"q", q.dimensions()}}) {
-    if (auto e = expect_shape(name, got, {p.rows, p.cols}); e.failure()) return ffi::Unexpected<ffi::Error>(std::move(e));
+    if (auto e = expect_shape(name, got, {p.rows, p.cols}); e.failure()) {
+      return ffi::Unexpected<ffi::Error>(std::move(e));
+    }
   }
   if (auto e = expect_shape("scales", scales.dimensions(), {p.rows, fp8::tiles(p.cols)}); e.failure()) {
     return ffi::Unexpected<ffi::Error>(std::move(e));

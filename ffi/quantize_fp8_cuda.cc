@@ -1,7 +1,7 @@
 // XLA FFI handlers of quantize_fp8_rows (1 x 128 row tiles), quantize_fp8_blocks
 // (128 x 128 blocks, with their optional transposed copy q_t) and activate_quantize_fp8
-// (the expert activation and its row quantisation) on CUDA: decode, validate
-// and enqueue cuda::fp8_quantize on XLA's stream (no host sync, no scratch;
+// (the expert activation and its row quantisation) on CUDA: decode, validate and enqueue
+// cuda::fp8_quantize / cuda::fp8_activate_quantize on XLA's stream (no host sync, no scratch;
 // command-buffer compatible).
 #include <cuda_runtime_api.h>
 

@@ -42,14 +42,17 @@ def _h(rng, m, f, activation, dtype):
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)
+@pytest.mark.parametrize("pow2", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("shape", SHAPES)
-def test_kernel_against_the_reference(rng, shape, activation, dtype, platform):
+def test_kernel_against_the_reference(rng, shape, activation, dtype, pow2, platform):
     h = _h(rng, *shape, activation, dtype)
     device = jax.devices(platform)[0]
-    a, q, scales = jax.jit(functools.partial(activate_quantize_fp8, activation=activation))(jax.device_put(h, device))
-    assert a.dtype == h.dtype and a.shape == shape and q.shape == shape and scales.shape == (shape[0], -(-shape[1] // 128))
+    fused = functools.partial(activate_quantize_fp8, activation=activation, pow2_scale=pow2)
+    a, q, scales = jax.jit(fused)(jax.device_put(h, device))
+    assert a.dtype == h.dtype and a.shape == shape and q.shape == shape
+    assert scales.shape == (shape[0], -(-shape[1] // 128))
     want = np.asarray(_reference_on("cpu", reference.activate_quantize_fp8, h, activation=activation)[0], np.float64)
     got = np.asarray(a, np.float64)
     # Where the reference is not finite (inf or NaN in h), neither is a: x * sigmoid(x) and
@@ -63,8 +66,17 @@ def test_kernel_against_the_reference(rng, shape, activation, dtype, platform):
         size = h64[:, :shape[1]] * (h64[:, shape[1]:] if activation in GATED else 1.0)
     err = np.abs(got[finite] - want[finite])
     assert np.all(err <= 2 * ULP[dtype] * np.abs(want[finite]) + 2.0 ** -18 * size[finite]), err.max(initial=0)
-    assert_bitwise((q, scales), _reference_on("cpu", reference.quantize_fp8_rows, jax.device_get(a)),
+    assert_bitwise((q, scales), _reference_on("cpu", reference.quantize_fp8_rows, jax.device_get(a), pow2_scale=pow2),
                    "quantize_fp8_rows of the returned a")
+
+
+def test_kernels_number_the_activations_as_the_layer_names_them():
+    """The attribute value of an activation is its index in the primitive's ACTIVATIONS
+    (common/expert_activation.h); the layer's tuple must list them in that order."""
+    from moe_xla.primitives import activate_quantize_fp8 as fused
+
+    assert ACTIVATIONS == fused.ACTIVATIONS
+    assert tuple(GATED) == fused.ACTIVATIONS[:2]
 
 
 @pytest.mark.parametrize("activation", ACTIVATIONS)

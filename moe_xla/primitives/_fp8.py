@@ -38,6 +38,6 @@ def not_differentiable(op: str, why: str = ""):
     return jvp
 
 
-def attributes(*, pow2_scale, **_):
+def attributes(*, pow2_scale, transposed_copy=None):
     """The handlers' one attribute (quantize_fp8_blocks's transposed_copy selects results)."""
     return dict(pow2_scale=pow2_scale)

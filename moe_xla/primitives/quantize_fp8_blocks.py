@@ -9,7 +9,8 @@ contract is common/fp8_blockwise.h).
     w[g, k, n] ~ q[g, k, n] * scales[g, k // 128, n // 128].
 
     with transposed_copy, also q_t [G, N, K] = q with its last two axes swapped, written
-    in the same pass (one read of w instead of a quantisation and a transpose).
+    in the same pass (on the H200 no faster than quantising and then transposing q with
+    XLA: 0.44-0.46 vs 0.45-0.48 of a copy's bandwidth, benchmarks/results/LOG.md).
 
 The weight tiling of the FP8 grouped GEMMs: the forward reads q_t (K contiguous) with
 scales; the dgrad reads the same blocks transposed, q with scales[g].T, so weights are
