@@ -16,11 +16,13 @@ What it counts, per step (events of `--steps` back-to-back steps / steps):
   kernels      kernels run, for scale.
 The batch's final block_until_ready is outside the steps and not counted.
 
-With one peer, capacity_factor 1.25 sizes the exchange for the worst case (one round)
-and 0.25 makes the overflow rounds run (a loop of a trip count fixed by the shapes,
-moe_xla/ep/rounds.py; before, a lax.while_loop whose predicate XLA:GPU read back to the
-host each iteration): the two columns separate the loop's syncs from the rest of the
-layer's.
+With one peer, capacity_factor 1.25 sizes the exchange for the worst case (one round, no
+loop) and 0.25 makes the overflow rounds run: a loop of a trip count fixed by the shapes
+(moe_xla/ep/rounds.py), once forward and once backward. XLA:GPU launches each of its
+iterations from the host but reads nothing back, so both rows should show 0 D2H copies
+(before, the rounds were a lax.while_loop whose predicate XLA:GPU read back to the host
+each iteration: one D2H copy and wait per round); what the 0.25 row adds over the 1.25
+row is the loops themselves, their loop-carry copies and the R - 1 rounds' kernels.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ class Rows(NamedTuple):
     """The rows one rank sends, grouped by destination rank."""
 
     x: jax.Array        # [T*k, H] permute(x, row_dest, P): the rows of destination d, then d + 1, ...
-    lids: jax.Array     # [T*k, mult] int32 the local experts each row asks for; E_l: none
+    lids: jax.Array     # [T*k, mult] int32 the local slots each row asks for; E_l = E / P + S: none
     w: jax.Array | None  # [T*k, mult] float32 their routing weights (dedup), else None
     pairs: jax.Array    # [T*k] int32 number of lids < E_l per row
     counts: jax.Array   # [P] int32 rows per destination

@@ -1,8 +1,9 @@
 """Exchange sizing: the static buffer sizes of one chunk's exchange.
 
 One peer can send one rank at most W = T_c min(k, E_l) (token, expert) pairs, in at most
-T_c rows with dedup (W without); T_c is the chunk's token count, E_l = E / P the experts
-per rank. Without capacity_factor the exchange is sized for that worst case and runs in
+T_c rows with dedup (W without); T_c is the chunk's token count, E_l = E / P + S the expert
+slots per rank: its E / P own experts and S replica slots (redundant experts, S = 0
+without). Without capacity_factor the exchange is sized for that worst case and runs in
 one round. With capacity_factor f a round carries, per peer, at most C = f T_c k / P
 pairs and f times a balanced routing's rows; R rounds, enough for any routing, then carry
 the rows (see rounds.py). Where neither budget halves the worst case, the one worst-case
@@ -18,7 +19,8 @@ from typing import NamedTuple
 class ExchangeSizes(NamedTuple):
     """Static per-rank sizes of one chunk's exchange (see the module docstring).
 
-    tokens: T_c, tokens of the chunk; peers: P; local_experts: E_l = E / P.
+    tokens: T_c, tokens of the chunk; peers: P; local_experts: E_l = E / P + S, a rank's own
+        experts and its S replica slots.
     mult: local experts one row can ask for: min(k, E_l) with dedup, else 1.
     worst: W = T_c min(k, E_l), most (token, expert) pairs one peer can send one rank.
     capacity: C, pairs per peer per round (W in a one-round exchange).
