@@ -1,9 +1,10 @@
-"""The EP layer's compiled step has nothing XLA:GPU would drive from the host: every
+"""The EP layer's compiled step has nothing XLA:GPU would read back to the host: every
 `while` in the optimised HLO of a forward + backward step has a known trip count (XLA
 writes `known_trip_count` into its backend_config; a loop without one runs until a
 predicate read back to the host says stop) and there is no `conditional` at all (a
 stronger check than "no conditional's predicate depends on the routing"). Without
-capacity_factor the step has no loop at all.
+capacity_factor the step has no loop at all; with it the rounds' loops run exactly
+R - 1 times (sizing.exchange_sizes), the bound every step pays whatever the routing.
 
 Checked on 8 CPU devices with and without capacity_factor (whose overflow rounds are a
 loop), for both transports, with dedup on and off and with redundant experts; the HLO of XLA:CPU stands in for
@@ -12,6 +13,7 @@ XLA:GPU's here, the loops being those of the traced program.
 
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
@@ -21,7 +23,8 @@ import pytest
 from jax.sharding import Mesh
 
 import moe_xla
-from conftest import normal, requires_8_devices
+from conftest import requires_8_devices
+from moe_xla.ep.sizing import exchange_sizes
 
 pytestmark = requires_8_devices
 
@@ -53,14 +56,14 @@ def test_loops_and_conditionals_are_read_from_hlo_text():
 
 
 REPLICAS = ((8, 9),) + ((0, 1),) * 7  # experts 0 and 1 on every rank, 8 and 9 on rank 0 too
+STEPS = [("padded", True, None, None), ("padded", False, 0.5, None), ("ragged", True, 0.5, None),
+         ("padded", True, 0.5, REPLICAS)]  # (transport, dedup, capacity_factor, redundant_experts)
 
 
-@pytest.mark.parametrize("transport,dedup,capacity_factor,redundant_experts", [
-    ("padded", True, None, None), ("padded", False, 0.5, None), ("ragged", True, 0.5, None),
-    ("padded", True, 0.5, REPLICAS)])
-def test_step_has_known_trip_counts_and_no_conditionals(rng, transport, dedup, capacity_factor, redundant_experts):
-    x, logits = normal(rng, (T, H), jnp.float32), normal(rng, (T, E), jnp.float32)
-    w_in, w_out = normal(rng, (E, H, 2 * F), jnp.float32), normal(rng, (E, F, H), jnp.float32)
+@functools.cache
+def step_hlo(transport, dedup, capacity_factor, redundant_experts) -> str:
+    """The optimised HLO of a forward + backward step of the EP layer on 8 devices (it
+    depends on the shapes alone, so the arguments are abstract)."""
     mesh = Mesh(np.array(jax.devices()[:8]), ("ep",))
 
     def loss(x, logits, w_in, w_out):
@@ -68,11 +71,31 @@ def test_step_has_known_trip_counts_and_no_conditionals(rng, transport, dedup, c
                         dedup=dedup, capacity_factor=capacity_factor, redundant_experts=redundant_experts)
         return jnp.sum(y * y)
 
-    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))
-    loops, conditionals = loops_and_conditionals(step.lower(x, logits, w_in, w_out).compile().as_text())
+    args = [jax.ShapeDtypeStruct(shape, jnp.float32) for shape in ((T, H), (T, E), (E, H, 2 * F), (E, F, H))]
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3))).lower(*args).compile().as_text()
+
+
+@pytest.mark.parametrize("transport,dedup,capacity_factor,redundant_experts", STEPS)
+def test_step_has_known_trip_counts_and_no_conditionals(transport, dedup, capacity_factor, redundant_experts):
+    loops, conditionals = loops_and_conditionals(step_hlo(transport, dedup, capacity_factor, redundant_experts))
     assert [name for name, trips in loops if trips is None] == [], loops
     assert conditionals == []
-    if capacity_factor is None:  # one round: no loop at all (XLA:GPU drives even a bounded one from the host)
+    if capacity_factor is None:
+        # one round: no loop at all (XLA:GPU launches each iteration of even a bounded loop from the host,
+        # though it reads nothing back)
         assert loops == []
     else:  # the overflow rounds are a loop: it is there, and bounded
         assert loops
+
+
+@pytest.mark.parametrize("transport,dedup,capacity_factor,redundant_experts",
+                         [s for s in STEPS if s[2] is not None])
+def test_rounds_loops_run_rounds_minus_one_times(transport, dedup, capacity_factor, redundant_experts):
+    # The bound is what every step pays (moe_xla/ep/rounds.py), so it is pinned: the
+    # rounds 1 .. R-1 loop (forward) and its transpose (backward) run R - 1 times, and the
+    # only other loop is round_starts' scan over the R rounds.
+    sizes = exchange_sizes(T // 8, K, E, 8, dedup=dedup, capacity_factor=capacity_factor,
+                           extra_slots=0 if redundant_experts is None else len(redundant_experts[0]))
+    assert sizes.rounds > 2  # the overflow rounds are a loop of more than one iteration
+    loops, _ = loops_and_conditionals(step_hlo(transport, dedup, capacity_factor, redundant_experts))
+    assert sorted(trips for _, trips in loops) == [sizes.rounds - 1, sizes.rounds - 1, sizes.rounds], loops
