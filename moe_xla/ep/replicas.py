@@ -8,7 +8,20 @@ M experts, those of its own experts that p replicates (in p's slot order; M the 
 such count over all (q, p), unused places padded with q's expert 0), and p picks its S
 slots out of the P blocks it receives. The gather and the all_to_all transpose to a
 scatter-add and an all_to_all, so autodiff sums each replica's weight gradient back into
-its owner's. The send and receive buffers hold P M experts per rank.
+its owner's.
+
+Cost: the all_to_all is padded, so every rank sends and receives P M experts' weights of
+w_in and of w_out per step, and as many weight gradients in the backward pass, however
+few of them (S) it keeps. M, the largest number of experts one owner sends one rank,
+reaches S when skew puts the hot experts on one owner and one rank takes all its S
+replicas from it; with S = E / P that is P M = E, the whole layer's weights, per step in
+each direction. Under the benchmarks' skewed routing at EP 8 with E / P replicas per
+rank (benchmarks/ep_exchange.py's redundant_placement) P M is 128 of 128 experts for
+qwen3-30b-a3b (bf16: 1.21 GB per rank each way, where its 16 replicas weigh 0.15 GB)
+and 64 of 64 for deepseek-v3-like (5.6 GB, where its 8 replicas weigh 0.70 GB). The fix
+is an exact-size transfer, each rank receiving only its S replicas (ragged_all_to_all,
+or collective permutes by (owner, rank) pair); the transport here is still the padded
+one.
 """
 
 from __future__ import annotations
