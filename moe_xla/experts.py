@@ -13,19 +13,23 @@ from moe_xla.activations import activate, activate_fp8
 from moe_xla.grouped import gmm
 
 
-def expert_mlp(x_sorted, w_in, w_out, group_sizes, activation: str, quantization=None, x_quantized=None):
+def expert_mlp(x_sorted, w_in, w_out, group_sizes, activation: str, quantization=None, x_quantized=None,
+               quantized_weights=(None, None)):
     """The experts on rows grouped by expert: out[rows of e] = act(x[rows of e] @ w_in[e]) @ w_out[e];
     rows past sum(group_sizes) give 0. Both products in the precision `quantization` names
     (moe_xla.gmm's option); h and act(h) stay in x's dtype. x_quantized: with
     "fp8_blockwise", quantize_fp8_rows(x_sorted) made elsewhere (moe() gathers the tokens'
     quantised rows), used by the first product instead of quantising x_sorted again. With
     "fp8_blockwise" the activation and the quantisation of its output are one kernel
-    (activations.activate_fp8)."""
+    (activations.activate_fp8). quantized_weights: with "fp8_blockwise", Fp8Weights of
+    w_in and w_out made elsewhere, used by the products instead of quantising the arrays
+    (which still get their gradients)."""
+    q_in, q_out = quantized_weights
     with jax.named_scope("moe_xla/gmm_in"):
         if x_quantized is not None:
-            h = fp8.gmm_fp8_blockwise(x_sorted, w_in, group_sizes, lhs_quantized=x_quantized)
+            h = fp8.gmm_fp8_blockwise(x_sorted, w_in, group_sizes, lhs_quantized=x_quantized, rhs_quantized=q_in)
         else:
-            h = gmm(x_sorted, w_in, group_sizes, quantization=quantization)
+            h = gmm(x_sorted, w_in, group_sizes, quantization=quantization, quantized_rhs=q_in)
     with jax.named_scope("moe_xla/act"):
         if quantization == "fp8_blockwise":
             # One pass over h writes a (for the wgrad) and its FP8 rows (for the product).
@@ -34,7 +38,8 @@ def expert_mlp(x_sorted, w_in, w_out, group_sizes, activation: str, quantization
             a = activate(h, activation)
     with jax.named_scope("moe_xla/gmm_out"):
         if quantization == "fp8_blockwise":
-            return fp8.gmm_fp8_blockwise(a, w_out, group_sizes, lhs_quantized=tuple(a_quantized))
+            return fp8.gmm_fp8_blockwise(a, w_out, group_sizes, lhs_quantized=tuple(a_quantized),
+                                         rhs_quantized=q_out)
         return gmm(a, w_out, group_sizes, quantization=quantization)
 
 

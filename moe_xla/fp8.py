@@ -17,7 +17,10 @@ Backward, the straight-through estimate (quantisation's derivative taken as 1):
 The wgrad stays in bf16: it contracts over each group's rows, whose count is data-dependent,
 and CUTLASS's sm90 FP8 grouped kernel has no k-grouped form; FP8 copies of x^T and dy^T
 with 128-row tiles restarting at each group are not built yet.
-Pre-quantised weights (an Fp8Weights as rhs) get no gradient.
+Pre-quantised weights (an Fp8Weights as rhs) get no gradient. To quantise weights once and
+still train them (e.g. once per optimizer step for several micro-batches), pass the array
+as rhs and its Fp8Weights as rhs_quantized: the products use rhs_quantized as given, the
+wgrad goes to rhs.
 """
 
 from __future__ import annotations
@@ -94,7 +97,7 @@ _gmm.defvjp(_gmm_fwd, _gmm_bwd)
 
 
 def gmm_fp8_blockwise(lhs, rhs, group_sizes, *, transpose_rhs=False, preferred_element_type=None,
-                      lhs_quantized=None):
+                      lhs_quantized=None, rhs_quantized=None):
     """out[rows of g] = lhs[rows of g] @ rhs[g] (rhs[g]^T with transpose_rhs) in FP8 blockwise.
 
     lhs [M, K] float32 / bfloat16 / float16; rhs [G, K, N] ([G, N, K] with transpose_rhs) of a
@@ -103,6 +106,10 @@ def gmm_fp8_blockwise(lhs, rhs, group_sizes, *, transpose_rhs=False, preferred_e
     and an array rhs (see the module docstring for the rules). lhs_quantized, if given, is
     quantize_fp8_rows(lhs) made elsewhere (e.g. on the tokens before they were gathered
     into lhs: 1 x 128 row tiles do not depend on the row order); the forward uses it as is.
+    rhs_quantized, if given with an array rhs, is an Fp8Weights of rhs as [G, K, N]
+    (quantize_fp8_weights, made once elsewhere): the products use it instead of quantising
+    rhs, and rhs still gets its (bf16) gradient. It is used as given: weights quantised
+    from other values give that forward and the gradient of rhs the backward rule states.
     """
     out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
     if lhs_quantized is not None:
@@ -115,4 +122,12 @@ def gmm_fp8_blockwise(lhs, rhs, group_sizes, *, transpose_rhs=False, preferred_e
     if jnp.ndim(rhs) != 3:
         raise ValueError(f"gmm(quantization='fp8_blockwise'): expected rhs of rank 3, got shape {jnp.shape(rhs)}")
     w = jnp.swapaxes(rhs, 1, 2) if transpose_rhs else rhs
-    return _gmm(lhs, lhs_quantized, w, quantize_fp8_weights(w), group_sizes, out_dtype)
+    if rhs_quantized is None:
+        return _gmm(lhs, lhs_quantized, w, quantize_fp8_weights(w), group_sizes, out_dtype)
+    if not isinstance(rhs_quantized, Fp8Weights):
+        raise TypeError(f"gmm(quantization='fp8_blockwise'): expected rhs_quantized to be an Fp8Weights "
+                        f"(moe_xla.quantize_fp8_weights), got {type(rhs_quantized).__name__}")
+    if tuple(rhs_quantized.shape) != tuple(w.shape):
+        raise ValueError(f"gmm(quantization='fp8_blockwise'): expected rhs_quantized of the weights' shape "
+                         f"{tuple(w.shape)} [G, K, N], got {tuple(rhs_quantized.shape)}")
+    return _gmm(lhs, lhs_quantized, w, jax.tree.map(jax.lax.stop_gradient, rhs_quantized), group_sizes, out_dtype)

@@ -19,13 +19,19 @@ def check_quantization(op: str, quantization):
         raise ValueError(f"{op}: expected quantization None or 'fp8_blockwise', got {quantization!r}")
 
 
-def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, preferred_element_type=None, quantization=None):
+def gmm(lhs, rhs, group_sizes, *, transpose_rhs=False, preferred_element_type=None, quantization=None,
+        quantized_rhs=None):
     """Grouped matmul: out[rows of g] = lhs[rows of g] @ rhs[g]. See the module docstring;
-    with quantization="fp8_blockwise", rhs may be an fp8.Fp8Weights (pre-quantised weights)."""
+    with quantization="fp8_blockwise", rhs may be an fp8.Fp8Weights (pre-quantised weights,
+    no gradient), or an array with quantized_rhs its Fp8Weights (quantised once elsewhere;
+    rhs gets the gradient, fp8.gmm_fp8_blockwise's rhs_quantized)."""
     check_quantization("gmm", quantization)
     if quantization == "fp8_blockwise":
         return fp8.gmm_fp8_blockwise(lhs, rhs, group_sizes, transpose_rhs=transpose_rhs,
-                                     preferred_element_type=preferred_element_type)
+                                     preferred_element_type=preferred_element_type,
+                                     rhs_quantized=quantized_rhs)
+    if quantized_rhs is not None:
+        raise TypeError("gmm: quantized_rhs needs quantization='fp8_blockwise'")
     if isinstance(rhs, fp8.Fp8Weights):
         raise TypeError("gmm: rhs is an Fp8Weights (pre-quantised weights); pass quantization='fp8_blockwise'")
     return gmm_lib.gmm(lhs, rhs, group_sizes, transpose_rhs=transpose_rhs, preferred_element_type=preferred_element_type)

@@ -65,6 +65,25 @@ def _check(x, router_logits, w_in, w_out, top_k, activation, shared_experts, qua
     return tokens, hidden, experts
 
 
+def _check_quantized_weights(w_in, w_out, quantized_weights, quantization):
+    """quantized_weights as (Fp8Weights of w_in, of w_out), or (None, None) when not given."""
+    if quantized_weights is None:
+        return None, None
+    if quantization != "fp8_blockwise":
+        raise TypeError("moe: quantized_weights needs quantization='fp8_blockwise'")
+    if (not isinstance(quantized_weights, (tuple, list)) or len(quantized_weights) != 2
+            or not all(isinstance(q, Fp8Weights) for q in quantized_weights)):
+        raise TypeError("moe: expected quantized_weights = (Fp8Weights of w_in, Fp8Weights of w_out) "
+                        f"(moe_xla.quantize_fp8_weights), got {quantized_weights!r:.200}")
+    for name, w, q in (("w_in", w_in, quantized_weights[0]), ("w_out", w_out, quantized_weights[1])):
+        if isinstance(w, Fp8Weights):
+            raise TypeError(f"moe: {name} is an Fp8Weights and quantized_weights is given; pass the array {name} "
+                            "(it gets the gradient) with its Fp8Weights in quantized_weights")
+        if tuple(q.shape) != tuple(w.shape):
+            raise ValueError(f"moe: expected quantized_weights' {name} of shape {tuple(w.shape)}, got {tuple(q.shape)}")
+    return tuple(quantized_weights)
+
+
 def _sorted_fp8_rows(x, ids, experts):
     """quantize_fp8_rows(x_sorted) from the T tokens instead of the T*k sorted rows: x is
     quantised in token order (1 x 128 row tiles do not depend on the row order) and its
@@ -89,7 +108,7 @@ def _sorted_fp8_rows(x, ids, experts):
 def moe(x, router_logits, w_in, w_out, *, top_k, activation="swiglu", score="softmax", bias=None, n_groups=None,
         topk_groups=None, renormalize=True, scale=1.0, shared_experts=None, return_aux=False, mesh=None,
         expert_axis=None, data_axes=None, transport="auto", dedup=True, capacity_factor=None, chunks=1,
-        quantization=None, redundant_experts=None):
+        quantization=None, redundant_experts=None, quantized_weights=None):
     """Dropless MoE layer: y = sum_j weights_j * expert_{e_j}(x) (+ shared expert).
 
     x [..., H]; router_logits [..., E]; w_in [E, H, 2F] (gate | up) for gated
@@ -117,15 +136,19 @@ def moe(x, router_logits, w_in, w_out, *, top_k, activation="swiglu", score="sof
 
     quantization="fp8_blockwise" runs both expert products in FP8 (moe_xla.fp8: rows in
     1 x 128 tiles, weights in 128 x 128 blocks, float32 accumulation, bf16 weight gradient);
-    w_in and w_out may then be moe_xla.Fp8Weights (pre-quantised, no gradient; one device).
+    w_in and w_out may then be moe_xla.Fp8Weights (pre-quantised, no gradient; one device),
+    or arrays with quantized_weights = (quantize_fp8_weights(w_in), quantize_fp8_weights(w_out))
+    made once elsewhere (e.g. once per optimizer step for several micro-batches): the
+    products use those, w_in and w_out still get their gradients (one device).
     """
     tokens, hidden, experts = _check(x, router_logits, w_in, w_out, top_k, activation, shared_experts, quantization)
+    quantized_weights = _check_quantized_weights(w_in, w_out, quantized_weights, quantization)
     if redundant_experts is not None and mesh is None and expert_axis is None:
         raise ValueError("moe: redundant_experts needs expert parallelism (mesh= and expert_axis=)")
     if mesh is not None or expert_axis is not None:
-        if isinstance(w_in, Fp8Weights) or isinstance(w_out, Fp8Weights):
-            raise TypeError("moe: pre-quantised Fp8Weights are not supported with expert parallelism; pass the "
-                            "weights as arrays with quantization='fp8_blockwise'")
+        if isinstance(w_in, Fp8Weights) or isinstance(w_out, Fp8Weights) or quantized_weights != (None, None):
+            raise TypeError("moe: pre-quantised Fp8Weights (as w_in / w_out or quantized_weights) are not supported "
+                            "with expert parallelism; pass the weights as arrays with quantization='fp8_blockwise'")
         routing = dict(score=score, n_groups=n_groups, topk_groups=topk_groups, renormalize=renormalize, scale=scale)
         return moe_ep(x, router_logits, w_in, w_out, dims=(tokens, hidden, experts), top_k=top_k,
                       activation=activation, routing=routing, bias=bias, shared_experts=shared_experts,
@@ -141,7 +164,7 @@ def moe(x, router_logits, w_in, w_out, *, top_k, activation="swiglu", score="sof
     with jax.named_scope("moe_xla/dispatch"):
         x_sorted, group_sizes, row_map = permute(x2, ids, experts)
         x_quantized = _sorted_fp8_rows(x2, ids, experts) if quantization == "fp8_blockwise" else None
-    y_sorted = expert_mlp(x_sorted, w_in, w_out, group_sizes, activation, quantization, x_quantized)
+    y_sorted = expert_mlp(x_sorted, w_in, w_out, group_sizes, activation, quantization, x_quantized, quantized_weights)
     with jax.named_scope("moe_xla/combine"):
         y = unpermute(y_sorted, row_map, weights, unique_rows=True)  # permute's row_map
     if shared_experts is not None:

@@ -287,6 +287,30 @@ def test_prequantised_weights_get_no_gradient_and_need_the_option(rng):
         moe_xla.gmm(x, w, sizes, quantization="fp8")
 
 
+@pytest.mark.parametrize("transpose_rhs", [False, True])
+def test_quantized_rhs_is_used_and_rhs_gets_the_gradient(rng, transpose_rhs):
+    m, k, n, g = 64, 128, 256, 2
+    x, w = normal(rng, (m, k), jnp.bfloat16), normal(rng, (g, k, n), jnp.bfloat16)
+    rhs = jnp.swapaxes(w, 1, 2) if transpose_rhs else w
+    sizes = jnp.asarray([30, 34], jnp.int32)
+
+    def f(x, rhs, wq):
+        out = moe_xla.gmm(x, rhs, sizes, transpose_rhs=transpose_rhs, quantization="fp8_blockwise", quantized_rhs=wq)
+        return out.astype(jnp.float32).sum()
+
+    inside = jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(x, rhs, None)
+    outside = jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(x, rhs, moe_xla.quantize_fp8_weights(w))
+    for a, b in zip(jax.tree.leaves(inside), jax.tree.leaves(outside)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    with pytest.raises(TypeError, match="quantized_rhs needs quantization='fp8_blockwise'"):
+        moe_xla.gmm(x, rhs, sizes, transpose_rhs=transpose_rhs, quantized_rhs=moe_xla.quantize_fp8_weights(w))
+    with pytest.raises(ValueError, match=r"expected rhs_quantized of the weights' shape \(2, 128, 256\)"):
+        moe_xla.gmm(x, rhs, sizes, transpose_rhs=transpose_rhs, quantization="fp8_blockwise",
+                    quantized_rhs=moe_xla.quantize_fp8_weights(w[:, :, :128]))
+    with pytest.raises(TypeError, match="expected rhs_quantized to be an Fp8Weights"):
+        moe_xla.gmm(x, rhs, sizes, transpose_rhs=transpose_rhs, quantization="fp8_blockwise", quantized_rhs=w)
+
+
 def test_fp8_gmm_under_vmap_checkpoint_and_scan(rng):
     b, m, k, n, g = 2, 64, 128, 128, 2
     x, w = normal(rng, (b, m, k), jnp.bfloat16), normal(rng, (b, g, k, n), jnp.bfloat16)

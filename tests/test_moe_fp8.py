@@ -62,6 +62,38 @@ def test_prequantised_weights_give_the_same_forward(rng):
         moe_xla.moe(x, logits, w_in, w_out, top_k=K, quantization="int8")
 
 
+def test_quantized_weights_are_used_and_the_arrays_get_the_gradients(rng):
+    """quantized_weights made once outside: forward and gradients bitwise those of quantising
+    inside, no weight quantisation in the step; quantised from other weights, the forward
+    follows them while the gradients stay those of the arrays passed."""
+    x, logits, w_in, w_out = _inputs(rng)
+    ct = normal(rng, (T, H), jnp.float32)
+    qw = (moe_xla.quantize_fp8_weights(w_in), moe_xla.quantize_fp8_weights(w_out))
+
+    def loss(x, logits, w_in, w_out, qw):
+        y = moe_xla.moe(x, logits, w_in, w_out, top_k=K, quantization="fp8_blockwise", quantized_weights=qw)
+        return jnp.sum(y.astype(jnp.float32) * ct)
+
+    inside = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))(x, logits, w_in, w_out, None)
+    outside = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))(x, logits, w_in, w_out, qw)
+    for a, b in zip(jax.tree.leaves(inside), jax.tree.leaves(outside)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    hlo = jax.jit(jax.grad(loss, argnums=(2, 3))).lower(x, logits, w_in, w_out, qw).as_text()
+    assert "moe_xla_quantize_fp8_blocks" not in hlo
+
+    stale = (moe_xla.quantize_fp8_weights(w_in * 2), qw[1])  # e.g. quantised before an update
+    y_stale = moe_xla.moe(x, logits, w_in, w_out, top_k=K, quantization="fp8_blockwise", quantized_weights=stale)
+    y_twice = moe_xla.moe(x, logits, w_in * 2, w_out, top_k=K, quantization="fp8_blockwise")
+    np.testing.assert_array_equal(np.asarray(y_stale, np.float32), np.asarray(y_twice, np.float32))
+
+    with pytest.raises(TypeError, match="quantized_weights needs quantization='fp8_blockwise'"):
+        moe_xla.moe(x, logits, w_in, w_out, top_k=K, quantized_weights=qw)
+    with pytest.raises(ValueError, match=r"expected quantized_weights' w_out of shape \(8, 128, 256\)"):
+        moe_xla.moe(x, logits, w_in, w_out, top_k=K, quantization="fp8_blockwise", quantized_weights=(qw[0], qw[0]))
+    with pytest.raises(TypeError, match="expected quantized_weights = "):
+        moe_xla.moe(x, logits, w_in, w_out, top_k=K, quantization="fp8_blockwise", quantized_weights=qw[0])
+
+
 @requires_8_devices
 def test_expert_parallel_fp8_equals_one_device(rng):
     x, logits, w_in, w_out = _inputs(rng)
