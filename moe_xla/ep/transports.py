@@ -22,14 +22,26 @@ import jax
 import jax.numpy as jnp
 
 from moe_xla.ep.config import EpConfig
+from moe_xla.primitives.ep_gather_sum import gather_sum_p
 
 
 def _slabs(rows, starts, sizes, block: int, fill):
-    """[P*block, ...]: slab d holds rows [starts[d], starts[d] + sizes[d]), then `fill`."""
+    """[P*block, ...]: slab d holds rows [starts[d], starts[d] + sizes[d]), then `fill`.
+
+    The ranges of different d do not overlap (rows grouped by destination), so each row
+    lands in at most one slot. Float rows with fill 0 go through ep_gather_sum with one
+    slot per output row and weight 1 (exact in any dtype): its transpose is ep_expand, one
+    gather through the inverse of the slots, where a gather's own transpose would be a
+    scatter-add over the rows."""
     pos = jnp.arange(block, dtype=jnp.int32)
+    valid = (pos < sizes[:, None]).reshape(-1)
+    if rows.ndim == 2 and jnp.issubdtype(rows.dtype, jnp.inexact) and fill == 0:
+        # Slots past a slab's rows name no row (each a place of its own past the rows).
+        past = rows.shape[0] + jnp.arange(valid.shape[0], dtype=jnp.int32)
+        slots = jnp.where(valid, (starts[:, None] + pos).reshape(-1), past)[:, None]
+        return gather_sum_p.bind(rows, slots, jnp.ones(slots.shape, jnp.float32))
     idx = jnp.clip(starts[:, None] + pos, 0, rows.shape[0] - 1).reshape(-1)
-    valid = (pos < sizes[:, None]).reshape((-1,) + (1,) * (rows.ndim - 1))
-    return jnp.where(valid, rows[idx], jnp.asarray(fill, rows.dtype))
+    return jnp.where(valid.reshape((-1,) + (1,) * (rows.ndim - 1)), rows[idx], jnp.asarray(fill, rows.dtype))
 
 
 def _unslab(out, slabs, starts, sizes, block: int):
