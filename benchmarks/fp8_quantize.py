@@ -2,10 +2,8 @@
 quantize_fp8_blocks) in GB/s of compulsory traffic, against a copy-like elementwise op
 (y = -x, which reads and writes every element once) on the same bytes, in the same run.
 
-Ops: rows (quantize_fp8_rows), blocks (quantize_fp8_blocks), blocks_t (the same with
-transposed_copy=True: q and q_t in one pass, what quantize_fp8_weights runs),
-blocks_then_swap (blocks, then XLA's transpose of q: the two passes blocks_t replaces),
-and on the gate_up cases' products h [M, N] = gate | up: swiglu_rows (activations.
+Ops: rows (quantize_fp8_rows), blocks (quantize_fp8_blocks), weights
+(quantize_fp8_weights: blocks, then XLA's transpose of q for the forward's layout), and on the gate_up cases' products h [M, N] = gate | up: swiglu_rows (activations.
 activate_fp8: swiglu and its row quantisation in one kernel, what the FP8 expert MLP
 runs) and swiglu_then_rows (XLA's swiglu, then quantize_fp8_rows of it).
 
@@ -21,7 +19,6 @@ output element) + q and scales of a. The copy moves 2 x the input's bytes.
 from __future__ import annotations
 
 import argparse
-import functools
 from pathlib import Path
 
 from _timing import CASES, environment, normal, time_jax, write_results
@@ -43,18 +40,12 @@ def main():
     parser.add_argument("--name", default="fp8_quantize")
     args = parser.parse_args()
     negate = jax.jit(jnp.negative)
-    blocks_t = functools.partial(moe_xla.quantize_fp8_blocks, transposed_copy=True)
-
-    def blocks_then_swap(w):
-        q, scales = moe_xla.quantize_fp8_blocks(w)
-        return q, scales, jnp.swapaxes(q, 1, 2)
-
     def swiglu_then_rows(h):
         a = activate(h, "swiglu")
         return (a, *moe_xla.quantize_fp8_rows(a))
 
-    ops = {"rows": moe_xla.quantize_fp8_rows, "blocks": moe_xla.quantize_fp8_blocks, "blocks_t": blocks_t,
-           "blocks_then_swap": blocks_then_swap, "swiglu_rows": lambda h: activate_fp8(h, "swiglu"),
+    ops = {"rows": moe_xla.quantize_fp8_rows, "blocks": moe_xla.quantize_fp8_blocks,
+           "weights": moe_xla.quantize_fp8_weights, "swiglu_rows": lambda h: activate_fp8(h, "swiglu"),
            "swiglu_then_rows": swiglu_then_rows}
     rows = []
     for i, case in enumerate(CASES["grouped_matmul"]):

@@ -153,8 +153,6 @@ MOE_XLA_HOST_DEVICE inline float fp8_e4m3_to_float(uint8_t q) {
 // tile_rows = 1 gives the 1 x 128 row tiles, tile_rows = 128 the 128 x 128 blocks.
 //   q      [batch, rows, cols]                                 float8_e4m3fn bits
 //   scales [batch, ceil(rows / tile_rows), ceil(cols / 128)]   float32
-//   q_t    [batch, cols, rows], q_t[b, c, r] = q[b, r, c]      optional (blocks only): the
-//          layout the FP8 forward reads weights in, written in the same pass
 struct Fp8QuantizeParams {
   const void* x;
   DType dtype;      // of x
@@ -165,7 +163,6 @@ struct Fp8QuantizeParams {
   int64_t cols;
   int64_t tile_rows;  // 1 or fp8::kTile
   bool pow2_scale;
-  uint8_t* q_t = nullptr;  // null: no transposed copy
 };
 
 }  // namespace moe_xla

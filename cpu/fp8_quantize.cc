@@ -32,7 +32,6 @@ void fp8_quantize(const Fp8QuantizeParams& p) {
           for (int64_t c = c0; c < c1; ++c) {
             const int64_t i = (b * p.rows + r) * p.cols + c;
             p.q[i] = fp8::quantize_element(load_as_float(p.x, i, p.dtype), scale);
-            if (p.q_t != nullptr) p.q_t[(b * p.cols + c) * p.rows + r] = p.q[i];
           }
         }
       }

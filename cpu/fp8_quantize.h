@@ -8,7 +8,7 @@
 
 namespace moe_xla::cpu {
 
-// Fills p.q, p.scales and p.q_t if not null (host memory). Expects p.tile_rows of 1 or 128 and
+// Fills p.q and p.scales (host memory). Expects p.tile_rows of 1 or 128 and
 // non-negative sizes (the handlers check both).
 void fp8_quantize(const Fp8QuantizeParams& p);
 

@@ -12,11 +12,7 @@
 // The alternatives measured slower (benchmarks/results/LOG.md): 8 rows per thread (178
 // registers, one CTA per SM), blocks in 512-thread CTAs of 4 rows per thread.
 // Elements stay in registers as loaded from the amax to the quantisation (x is read
-// once). With a transposed copy (blocks only), the block's E4M3 bytes go through shared
-// memory and each thread writes 32 consecutive bytes of one row of q_t [b, cols, rows]
-// (a whole 32-byte sector), so q and q_t cost one read of x. (On the H200 that measured
-// no faster than blocks followed by XLA's transpose of q: benchmarks/results/LOG.md.)
-// The same kernel quantises the expert activation of h on the fly (Activated): the fused
+// once). The same kernel quantises the expert activation of h on the fly (Activated): the fused
 // activate_quantize_fp8.
 // Scale and elements go through common/fp8_blockwise.h like the CPU kernel; max is exact
 // in any order, so the results are bitwise those of the CPU.
@@ -39,7 +35,6 @@ namespace {
 constexpr int kLaneCols = 8;                         // consecutive columns per thread
 constexpr int kRowThreads = fp8::kTile / kLaneCols;  // 16 threads per row of a region
 constexpr int kPasses = 2;                           // rows per thread
-constexpr int kSegment = 32;                         // transposed bytes per thread and task
 
 template <bool kBlocks>
 constexpr int kThreads = kBlocks ? 1024 : 256;
@@ -147,12 +142,11 @@ struct Activated {
 };
 
 // kBlocks: one 128 x 128 block per region, else 128 row tiles. Source: Stored or
-// Activated; kVector: cols % 8 == 0 and every pointer aligned for Lane accesses. q_t
-// (blocks only) may be null: no transposed copy.
+// Activated; kVector: cols % 8 == 0 and every pointer aligned for Lane accesses.
 template <DType D, bool kBlocks, bool kVector, class Source>
 __global__ void __launch_bounds__(kThreads<kBlocks>, kBlocks ? 1 : 5)
-    quantize_regions(Source src, uint8_t* __restrict__ q, uint8_t* __restrict__ q_t, float* __restrict__ scales,
-                     int64_t rows, int64_t cols, int64_t row_regions, int64_t col_tiles, bool pow2, bool vector_t) {
+    quantize_regions(Source src, uint8_t* __restrict__ q, float* __restrict__ scales, int64_t rows, int64_t cols,
+                     int64_t row_regions, int64_t col_tiles, bool pow2) {
   using Bits = typename Elem<D>::Bits;
   const int t = threadIdx.x, lane = t % 32, warp = t / 32;
   constexpr int kRows = kPassRows<kBlocks>;
@@ -204,8 +198,6 @@ __global__ void __launch_bounds__(kThreads<kBlocks>, kBlocks ? 1 : 5)
     }
   }
 
-  // q_t's staging area: the region's bytes, row-major (only blocks with a transposed copy).
-  __shared__ alignas(16) uint8_t staged[kBlocks ? fp8::kTile : 1][kBlocks ? fp8::kTile : 1];
 #pragma unroll
   for (int i = 0; i < kPasses; ++i) {
     const int64_t r = reg.row0 + first + i * kRows;
@@ -213,9 +205,6 @@ __global__ void __launch_bounds__(kThreads<kBlocks>, kBlocks ? 1 : 5)
 #pragma unroll
     for (int j = 0; j < kLaneCols; ++j) {
       out.v[j] = fp8::quantize_element(Elem<D>::to_float(raw[i].v[j]), scale[kBlocks ? 0 : i]);
-    }
-    if constexpr (kBlocks) {
-      if (q_t != nullptr) *reinterpret_cast<Lane<uint8_t>*>(&staged[first + i * kRows][col]) = out;
     }
     if (r >= rows || valid == 0) continue;
     const int64_t base = (reg.b * rows + r) * cols + c;
@@ -225,40 +214,17 @@ __global__ void __launch_bounds__(kThreads<kBlocks>, kBlocks ? 1 : 5)
       for (int j = 0; j < valid; ++j) q[base + j] = out.v[j];
     }
   }
-  if constexpr (kBlocks) {
-    if (q_t == nullptr) return;
-    __syncthreads();
-    // Task: 32 consecutive rows of one column of the region, i.e. 32 bytes of one row of
-    // q_t; consecutive threads take consecutive columns (rows of q_t).
-    for (int task = t; task < fp8::kTile * (fp8::kTile / kSegment); task += kThreads<kBlocks>) {
-      const int n = task % fp8::kTile, seg = task / fp8::kTile;
-      const int64_t gn = reg.col0 + n, k0 = reg.row0 + seg * kSegment;
-      if (gn >= cols || k0 >= rows) continue;
-      alignas(16) uint8_t bytes[kSegment];
-#pragma unroll
-      for (int j = 0; j < kSegment; ++j) bytes[j] = staged[seg * kSegment + j][n];
-      uint8_t* dst = q_t + (reg.b * cols + gn) * rows + k0;
-      if (vector_t && k0 + kSegment <= rows) {
-        reinterpret_cast<uint4*>(dst)[0] = reinterpret_cast<const uint4*>(bytes)[0];
-        reinterpret_cast<uint4*>(dst)[1] = reinterpret_cast<const uint4*>(bytes)[1];
-      } else {
-        const int64_t count = rows - k0 < kSegment ? rows - k0 : kSegment;
-        for (int j = 0; j < count; ++j) dst[j] = bytes[j];
-      }
-    }
-  }
 }
 
 template <DType D, bool kBlocks, class Source>
-cudaError_t launch(const Source& src, uint8_t* q, uint8_t* q_t, float* scales, int64_t batch, int64_t rows,
-                   int64_t cols, bool pow2, cudaStream_t stream) {
+cudaError_t launch(const Source& src, uint8_t* q, float* scales, int64_t batch, int64_t rows, int64_t cols,
+                   bool pow2, cudaStream_t stream) {
   const int64_t row_regions = (rows + kRegionRows<kBlocks> - 1) / kRegionRows<kBlocks>;
   const int64_t col_tiles = fp8::tiles(cols);
   const int64_t regions = batch * row_regions * col_tiles;
   if (regions > 0x7fffffff) return cudaErrorInvalidConfiguration;
-  const bool vector_t = q_t != nullptr && rows % 16 == 0 && reinterpret_cast<uintptr_t>(q_t) % 16 == 0;
   quantize_regions<D, kBlocks, Source::kVector><<<static_cast<unsigned>(regions), kThreads<kBlocks>, 0, stream>>>(
-      src, q, q_t, scales, rows, cols, row_regions, col_tiles, pow2, vector_t);
+      src, q, scales, rows, cols, row_regions, col_tiles, pow2);
   return cudaGetLastError();
 }
 
@@ -270,8 +236,7 @@ cudaError_t quantize(const Fp8QuantizeParams& p, cudaStream_t stream) {
   const bool vector = p.cols % kLaneCols == 0 && aligned(p.x, sizeof(Lane<Bits>)) && aligned(p.q, kLaneCols);
   const auto* x = static_cast<const Bits*>(p.x);
   auto run = [&](auto src, auto blocks) {
-    return launch<D, decltype(blocks)::value>(src, p.q, p.q_t, p.scales, p.batch, p.rows, p.cols, p.pow2_scale,
-                                                stream);
+    return launch<D, decltype(blocks)::value>(src, p.q, p.scales, p.batch, p.rows, p.cols, p.pow2_scale, stream);
   };
   auto with_tiles = [&](auto src) {
     return p.tile_rows == 1 ? run(src, std::false_type{}) : run(src, std::true_type{});
@@ -287,7 +252,7 @@ cudaError_t activate_quantize(const Fp8ActivateQuantizeParams& p, cudaStream_t s
   const auto* h = static_cast<const Bits*>(p.h);
   auto* a = static_cast<Bits*>(p.a);
   auto run = [&](auto src) {
-    return launch<D, false>(src, p.q, nullptr, p.scales, 1, p.rows, p.cols, p.pow2_scale, stream);
+    return launch<D, false>(src, p.q, p.scales, 1, p.rows, p.cols, p.pow2_scale, stream);
   };
   return vector ? run(Activated<D, true>{h, a, p.cols, p.activation})
                 : run(Activated<D, false>{h, a, p.cols, p.activation});
@@ -322,9 +287,6 @@ Status fp8_quantize(const Fp8QuantizeParams& p, cudaStream_t stream) {
   if (p.batch < 0 || p.rows < 0 || p.cols < 0) return Status::InvalidArgument("fp8 quantize: negative dimension");
   if (p.tile_rows != 1 && p.tile_rows != fp8::kTile) {
     return Status::InvalidArgument("fp8 quantize: tile_rows must be 1 or 128, got " + std::to_string(p.tile_rows));
-  }
-  if (p.q_t != nullptr && p.tile_rows != fp8::kTile) {
-    return Status::InvalidArgument("fp8 quantize: a transposed copy needs tile_rows 128");
   }
   if (p.batch * p.rows * p.cols == 0) return Status();
   return by_dtype<Quantize>(p, stream, "fp8 quantize");

@@ -2,8 +2,7 @@
 // quantize_fp8_blocks FFI calls into the framework-free Fp8QuantizeParams of
 // common/fp8_blockwise.h, and those of activate_quantize_fp8 into the
 // Fp8ActivateQuantizeParams of common/expert_activation.h, for both the CPU and the CUDA
-// handlers. Every error names the
-// argument, what was expected and what was passed.
+// handlers. Every error names the argument, what was expected and what was passed.
 #ifndef MOE_XLA_FFI_FP8_QUANTIZE_ARGS_H_
 #define MOE_XLA_FFI_FP8_QUANTIZE_ARGS_H_
 
@@ -23,11 +22,9 @@ namespace ffi = xla::ffi;
 // x [M, K] (tile_rows 1: 1 x 128 row tiles) or [G, K, N] (tile_rows 128: 128 x 128
 // blocks) of f32 / bf16 / f16; q float8_e4m3fn of x's shape; scales f32 of shape
 // [M, ceil(K/128)] or [G, ceil(K/128), ceil(N/128)].
-// q_t (blocks only; null for the rows handlers) is [G, N, K] float8_e4m3fn, or has no
-// element when no transposed copy is wanted.
 inline ffi::ErrorOr<Fp8QuantizeParams> decode_fp8_quantize(ffi::AnyBuffer x, ffi::AnyBuffer q,
                                                            ffi::Buffer<ffi::F32> scales, int64_t tile_rows,
-                                                           bool pow2_scale, ffi::AnyBuffer* q_t = nullptr) {
+                                                           bool pow2_scale) {
   const auto dims = x.dimensions();
   const char* name = tile_rows == 1 ? "x" : "w";  // the primitives' argument names
   Fp8QuantizeParams p{};
@@ -61,15 +58,6 @@ inline ffi::ErrorOr<Fp8QuantizeParams> decode_fp8_quantize(ffi::AnyBuffer x, ffi
   if (!same_shape) {
     return invalid(std::string("q: expected the shape of ") + name + " " + shape_string(dims) + ", got " +
                    shape_string(q.dimensions()));
-  }
-  if (q_t != nullptr && q_t->element_count() > 0) {
-    if (q_t->element_type() != ffi::DataType::F8E4M3FN) {
-      return invalid("q_t: expected dtype float8_e4m3fn, got " + type_name(q_t->element_type()));
-    }
-    if (auto e = expect_shape("q_t", q_t->dimensions(), {p.batch, p.cols, p.rows}); e.failure()) {
-      return ffi::Unexpected<ffi::Error>(std::move(e));
-    }
-    p.q_t = static_cast<uint8_t*>(q_t->untyped_data());
   }
   p.x = x.untyped_data();
   p.dtype = *dtype;
@@ -139,18 +127,13 @@ auto bind_fp8_activate_quantize(Binding&& binding) {
 // The operands and attributes of the quantisation handlers, appended to `binding` (the
 // CUDA handlers bind them after their stream); the attribute name is the one the
 // primitives' lowerings pass. The tile shape is fixed per handler, not an attribute.
-// The blocks handlers return q_t as well (quantize_fp8_blocks(transposed_copy=...)).
-template <bool kBlocks, class Binding>
+template <class Binding>
 auto bind_fp8_quantize(Binding&& binding) {
-  auto common = std::move(binding)
-                    .template Arg<ffi::AnyBuffer>()          // x [M, K] or w [G, K, N]
-                    .template Ret<ffi::AnyBuffer>()          // q, float8_e4m3fn, shape of x
-                    .template Ret<ffi::Buffer<ffi::F32>>();  // scales, one per tile
-  if constexpr (kBlocks) {
-    return std::move(common).template Ret<ffi::AnyBuffer>().template Attr<bool>("pow2_scale");  // q_t or empty
-  } else {
-    return std::move(common).template Attr<bool>("pow2_scale");
-  }
+  return std::move(binding)
+      .template Arg<ffi::AnyBuffer>()          // x [M, K] or w [G, K, N]
+      .template Ret<ffi::AnyBuffer>()          // q, float8_e4m3fn, shape of x
+      .template Ret<ffi::Buffer<ffi::F32>>()   // scales, one per tile
+      .template Attr<bool>("pow2_scale");
 }
 
 }  // namespace moe_xla::ffi_args

@@ -1,8 +1,8 @@
 // XLA FFI handlers of quantize_fp8_rows (1 x 128 row tiles), quantize_fp8_blocks
-// (128 x 128 blocks, with their optional transposed copy q_t) and activate_quantize_fp8
-// (the expert activation and its row quantisation) on CUDA: decode, validate and enqueue
-// cuda::fp8_quantize / cuda::fp8_activate_quantize on XLA's stream (no host sync, no scratch;
-// command-buffer compatible).
+// (128 x 128 blocks) and activate_quantize_fp8 (the expert activation and its row
+// quantisation) on CUDA: decode, validate and enqueue cuda::fp8_quantize /
+// cuda::fp8_activate_quantize on XLA's stream (no host sync, no scratch; command-buffer
+// compatible). One quantisation function, the tile height fixed per symbol.
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
@@ -18,20 +18,13 @@ namespace ffi = xla::ffi;
 namespace moe_xla {
 namespace {
 
-ffi::Error run(const ffi::ErrorOr<Fp8QuantizeParams>& p, cudaStream_t stream, const char* op) {
+template <int64_t kTileRows>
+ffi::Error quantize_fp8_cuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> q,
+                             ffi::ResultBuffer<ffi::F32> scales, bool pow2_scale) {
+  auto p = ffi_args::decode_fp8_quantize(x, *q, *scales, kTileRows, pow2_scale);
   if (p.has_error()) return p.error();
-  return ffi_args::to_error(cuda::fp8_quantize(*p, stream), op);
-}
-
-ffi::Error quantize_rows(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> q,
-                         ffi::ResultBuffer<ffi::F32> scales, bool pow2_scale) {
-  return run(ffi_args::decode_fp8_quantize(x, *q, *scales, 1, pow2_scale), stream, "quantize_fp8_rows");
-}
-
-ffi::Error quantize_blocks(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> q,
-                           ffi::ResultBuffer<ffi::F32> scales, ffi::Result<ffi::AnyBuffer> q_t, bool pow2_scale) {
-  return run(ffi_args::decode_fp8_quantize(x, *q, *scales, fp8::kTile, pow2_scale, &*q_t), stream,
-             "quantize_fp8_blocks");
+  return ffi_args::to_error(cuda::fp8_quantize(*p, stream),
+                            kTileRows == 1 ? "quantize_fp8_rows" : "quantize_fp8_blocks");
 }
 
 ffi::Error activate_quantize(cudaStream_t stream, ffi::AnyBuffer h, ffi::Result<ffi::AnyBuffer> a,
@@ -45,13 +38,13 @@ ffi::Error activate_quantize(cudaStream_t stream, ffi::AnyBuffer h, ffi::Result<
 }  // namespace
 }  // namespace moe_xla
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaQuantizeFp8RowsCuda, moe_xla::quantize_rows,
-                              moe_xla::ffi_args::bind_fp8_quantize<false>(
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaQuantizeFp8RowsCuda, moe_xla::quantize_fp8_cuda<1>,
+                              moe_xla::ffi_args::bind_fp8_quantize(
                                   ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaQuantizeFp8BlocksCuda, moe_xla::quantize_blocks,
-                              moe_xla::ffi_args::bind_fp8_quantize<true>(
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaQuantizeFp8BlocksCuda, moe_xla::quantize_fp8_cuda<moe_xla::fp8::kTile>,
+                              moe_xla::ffi_args::bind_fp8_quantize(
                                   ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});
 

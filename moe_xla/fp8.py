@@ -54,8 +54,8 @@ def quantize_fp8_weights(w, *, pow2_scale=False) -> Fp8Weights:
     """w [G, K, N] -> Fp8Weights (128 x 128 blocks; no gradient flows through)."""
     if jnp.ndim(w) != 3:
         raise ValueError(f"quantize_fp8_weights: expected w of rank 3 [G, K, N], got shape {jnp.shape(w)}")
-    q, scales, q_t = quantize_fp8_blocks(jax.lax.stop_gradient(w), pow2_scale=pow2_scale, transposed_copy=True)
-    return Fp8Weights(q, q_t, scales)
+    q, scales = quantize_fp8_blocks(jax.lax.stop_gradient(w), pow2_scale=pow2_scale)
+    return Fp8Weights(q, jnp.swapaxes(q, 1, 2), scales)
 
 
 def _kernel_dtype(dtype):

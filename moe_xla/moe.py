@@ -84,25 +84,19 @@ def _check_quantized_weights(w_in, w_out, quantized_weights, quantization):
     return tuple(quantized_weights)
 
 
-def _sorted_fp8_rows(x, ids, experts):
-    """quantize_fp8_rows(x_sorted) from the T tokens instead of the T*k sorted rows: x is
-    quantised in token order (1 x 128 row tiles do not depend on the row order) and its
-    FP8 rows and scales are put in expert order by permute with the same ids (the same
-    stable sort as x_sorted's). k times less quantisation work, and the gather of the FP8
-    rows is permute's kernel. permute moves float rows: the E4M3 bytes travel in pairs as
-    bf16 bits (H even; an odd H takes XLA's gather by the inverse of row_map)."""
+def _sorted_fp8_rows(x, x_sorted, ids, experts):
+    """quantize_fp8_rows(x_sorted), bitwise, from the T tokens instead of the T*k sorted
+    rows: x is quantised in token order (1 x 128 row tiles do not depend on the row order)
+    and its FP8 rows and scales are put in expert order by permute with the same ids (the
+    same stable sort as x_sorted's). k times less quantisation work. permute moves float
+    rows, so the E4M3 bytes travel in pairs as bf16 bits; an odd H quantises x_sorted."""
+    t, h = x.shape
+    if h % 2:
+        return quantize_fp8_rows(jax.lax.stop_gradient(x_sorted))
     q, scales = quantize_fp8_rows(jax.lax.stop_gradient(x))
-    scales_sorted, _, row_map = permute(scales, ids, experts)
-    t, h = q.shape
-    if h % 2 == 0:
-        pairs = jax.lax.bitcast_convert_type(q.reshape(t, h // 2, 2), jnp.bfloat16)
-        q_sorted = jax.lax.bitcast_convert_type(permute(pairs, ids, experts)[0], q.dtype).reshape(-1, h)
-    else:
-        top_k = ids.shape[1]
-        source = jnp.zeros(row_map.shape, jnp.int32).at[row_map].set(
-            jnp.arange(row_map.shape[0], dtype=jnp.int32) // top_k, unique_indices=True)
-        q_sorted = jnp.take(q, source, axis=0)
-    return q_sorted, scales_sorted
+    pairs = jax.lax.bitcast_convert_type(q.reshape(t, h // 2, 2), jnp.bfloat16)
+    q_sorted = jax.lax.bitcast_convert_type(permute(pairs, ids, experts)[0], q.dtype).reshape(-1, h)
+    return q_sorted, permute(scales, ids, experts)[0]
 
 
 def moe(x, router_logits, w_in, w_out, *, top_k, activation="swiglu", score="softmax", bias=None, n_groups=None,
@@ -163,7 +157,7 @@ def moe(x, router_logits, w_in, w_out, *, top_k, activation="swiglu", score="sof
                              renormalize=renormalize, scale=scale)
     with jax.named_scope("moe_xla/dispatch"):
         x_sorted, group_sizes, row_map = permute(x2, ids, experts)
-        x_quantized = _sorted_fp8_rows(x2, ids, experts) if quantization == "fp8_blockwise" else None
+        x_quantized = _sorted_fp8_rows(x2, x_sorted, ids, experts) if quantization == "fp8_blockwise" else None
     y_sorted = expert_mlp(x_sorted, w_in, w_out, group_sizes, activation, quantization, x_quantized, quantized_weights)
     with jax.named_scope("moe_xla/combine"):
         y = unpermute(y_sorted, row_map, weights, unique_rows=True)  # permute's row_map

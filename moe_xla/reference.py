@@ -245,25 +245,24 @@ def quantize_fp8_rows(x, *, pow2_scale=False):
     return q, scales
 
 
-def quantize_fp8_blocks(w, *, pow2_scale=False, transposed_copy=False):
+def quantize_fp8_blocks(w, *, pow2_scale=False):
     """w [G, K, N] -> (q [G, K, N] float8_e4m3fn, scales [G, ceil(K/128), ceil(N/128)]
     float32): one scale per 128 x 128 block (partial blocks at the K and N tails);
-    w[g, k, n] ~ q[g, k, n] * scales[g, k // 128, n // 128]. With transposed_copy also
-    q_t [G, N, K] = swapaxes(q, 1, 2), as a third result."""
+    w[g, k, n] ~ q[g, k, n] * scales[g, k // 128, n // 128]."""
     g, k, n = w.shape
     kt, nt = _fp8_tiles(k), _fp8_tiles(n)
     wp = jnp.pad(w.astype(jnp.float32), ((0, 0), (0, kt * FP8_TILE - k), (0, nt * FP8_TILE - n)))
     wp = wp.reshape(g, kt, FP8_TILE, nt, FP8_TILE)
     scales = fp8_scale(jnp.max(fp8_magnitude(wp), axis=(2, 4), initial=0.0), pow2_scale)
-    q = fp8_quantize(wp, scales[:, :, None, :, None]).reshape(g, kt * FP8_TILE, nt * FP8_TILE)[:, :k, :n]
-    return (q, scales, jnp.swapaxes(q, 1, 2)) if transposed_copy else (q, scales)
+    q = fp8_quantize(wp, scales[:, :, None, :, None]).reshape(g, kt * FP8_TILE, nt * FP8_TILE)
+    return q[:, :k, :n], scales
 
 
 def activate_quantize_fp8(h, *, activation: str, pow2_scale=False):
     """h [M, 2F] (gated) or [M, F] -> (a [M, F] in h's dtype, q, scales): a = the expert
     activation of h in float32 rounded to h's dtype, (q, scales) = quantize_fp8_rows(a).
     The kernels' exp / tanh are their platform's, so their a may differ from this one by
-    an ulp before rounding; their q and scales are bitwise quantize_fp8_rows of their a."""
+    a few ulps before rounding; their q and scales are bitwise quantize_fp8_rows of their a."""
     a = expert_activation(h.astype(jnp.float32), activation).astype(h.dtype)
     return (a, *quantize_fp8_rows(a, pow2_scale=pow2_scale))
 

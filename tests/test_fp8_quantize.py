@@ -10,8 +10,6 @@ scattered, and E4M3 rounding ties with their float32 neighbours.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -25,8 +23,7 @@ from moe_xla import reference
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 PLATFORMS = ["cpu", pytest.param("gpu", marks=requires_gpu)]
 # Widths that are multiples of 8 take the CUDA kernel's vector accesses, the others its
-# element-wise path; both with partial tiles. The transposed copy of blocks takes 32-byte
-# stores where K is a multiple of 16 (and byte stores at a K tail shorter than 32).
+# element-wise path; both with partial tiles.
 ROW_SHAPES = [(7, 300), (1, 128), (33, 1), (5, 259), (257, 1000), (4, 0), (0, 5)]
 BLOCK_SHAPES = [(3, 130, 260), (1, 128, 128), (2, 1, 7), (1, 300, 129), (2, 272, 392), (0, 4, 4)]
 
@@ -117,10 +114,6 @@ def _numpy_magnitude(x):
 KERNEL_CASES = [pytest.param(moe_xla.quantize_fp8_rows, reference.quantize_fp8_rows, s, id=f"rows{s}")
                 for s in ROW_SHAPES] + [
                 pytest.param(moe_xla.quantize_fp8_blocks, reference.quantize_fp8_blocks, s, id=f"blocks{s}")
-                for s in BLOCK_SHAPES] + [
-                pytest.param(functools.partial(moe_xla.quantize_fp8_blocks, transposed_copy=True),
-                             functools.partial(reference.quantize_fp8_blocks, transposed_copy=True), s,
-                             id=f"blocks_t{s}")
                 for s in BLOCK_SHAPES]
 
 
@@ -205,11 +198,6 @@ def test_leading_dims_vmap_and_eager_agree(rng):
     assert q.shape == w.shape and s.shape == (2, 3, 2, 2)
     assert_bitwise(moe_xla.quantize_fp8_blocks(w), (q, s))
     assert_bitwise(moe_xla.quantize_fp8_blocks(w[1, 2]), (q[1, 2], s[1, 2]))
-    with_t = functools.partial(moe_xla.quantize_fp8_blocks, transposed_copy=True)
-    q_t = jax.vmap(with_t, in_axes=1, out_axes=1)(w)[2]
-    assert q_t.shape == (2, 3, 129, 130)
-    assert_bitwise(with_t(w), (q, s, jnp.swapaxes(q, -1, -2)))
-    assert_bitwise(q_t, jnp.swapaxes(q, -1, -2))
 
 
 def test_lowers_to_the_versioned_targets():
@@ -229,34 +217,28 @@ def test_lowers_to_the_versioned_targets():
      "expected w of dtype"),
     (lambda: moe_xla.quantize_fp8_blocks(jnp.zeros((8,))), "expected w of rank >= 2"),
     (lambda: moe_xla.quantize_fp8_blocks(jnp.zeros((2, 8, 8)), pow2_scale="yes"), "pow2_scale"),
-    (lambda: moe_xla.quantize_fp8_blocks(jnp.zeros((2, 8, 8)), transposed_copy=1), "transposed_copy"),
 ])
 def test_bad_inputs_raise_at_trace_time(call, message):
     with pytest.raises((TypeError, ValueError), match=message):
         jax.eval_shape(call)
 
 
-@pytest.mark.parametrize("op, x_shape, q, scales, message, q_t", [
+@pytest.mark.parametrize("op, x_shape, q, scales, message", [
     ("quantize_fp8_rows", (4, 300), ((4, 300), jnp.float8_e4m3fn), ((4, 2), jnp.float32),
-     r"scales: expected shape \[4, 3\], got \[4, 2\]", None),
+     r"scales: expected shape \[4, 3\], got \[4, 2\]"),
     ("quantize_fp8_rows", (4, 300), ((4, 300), jnp.int8), ((4, 3), jnp.float32),
-     "q: expected dtype float8_e4m3fn", None),
+     "q: expected dtype float8_e4m3fn"),
     ("quantize_fp8_blocks", (2, 130, 4), ((2, 130, 5), jnp.float8_e4m3fn), ((2, 2, 1), jnp.float32),
-     r"q: expected the shape of w \[2, 130, 4\]", ((0,), jnp.float8_e4m3fn)),
+     r"q: expected the shape of w \[2, 130, 4\]"),
     ("quantize_fp8_blocks", (130, 4), ((130, 4), jnp.float8_e4m3fn), ((2, 1), jnp.float32),
-     r"w: expected rank 3 \[G, K, N\]", ((0,), jnp.float8_e4m3fn)),
-    ("quantize_fp8_blocks", (2, 130, 4), ((2, 130, 4), jnp.float8_e4m3fn), ((2, 2, 1), jnp.float32),
-     r"q_t: expected shape \[2, 4, 130\], got \[2, 130, 4\]", ((2, 130, 4), jnp.float8_e4m3fn)),
-    ("quantize_fp8_blocks", (2, 130, 4), ((2, 130, 4), jnp.float8_e4m3fn), ((2, 2, 1), jnp.float32),
-     "q_t: expected dtype float8_e4m3fn", ((2, 4, 130), jnp.uint8)),
+     r"w: expected rank 3 \[G, K, N\]"),
 ])
-def test_handlers_reject_inconsistent_buffers(op, x_shape, q, scales, message, q_t):
+def test_handlers_reject_inconsistent_buffers(op, x_shape, q, scales, message):
     """The FFI handlers check what the primitives' shape rules already guarantee, for
     callers that reach the targets without them."""
     from moe_xla import _lib
 
-    outs = (q, scales) + (() if q_t is None else (q_t,))  # blocks: q_t, empty for no copy
-    results = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in outs]
+    results = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in (q, scales)]
     call = jax.ffi.ffi_call(_lib.require_kernel(op, "cpu"), results)
     with jax.default_device(_device("cpu")), pytest.raises(Exception, match=message):
         jax.block_until_ready(jax.jit(lambda x: call(x, pow2_scale=False))(jnp.zeros(x_shape)))
@@ -274,8 +256,6 @@ def test_not_differentiable_but_stop_gradient_works(fn):
 @pytest.mark.parametrize("op, ref, shape", [
     (moe_xla.quantize_fp8_rows, reference.quantize_fp8_rows, (64, 300)),
     (moe_xla.quantize_fp8_blocks, reference.quantize_fp8_blocks, (4, 130, 200)),
-    (functools.partial(moe_xla.quantize_fp8_blocks, transposed_copy=True),
-     functools.partial(reference.quantize_fp8_blocks, transposed_copy=True), (4, 130, 200)),
 ])
 def test_shards_along_the_leading_dim_without_gathering(rng, op, ref, shape):
     """Rows (along M) and groups (along G) are independent: each device quantises its shard."""
@@ -288,5 +268,5 @@ def test_shards_along_the_leading_dim_without_gathering(rng, op, ref, shape):
     hlo = f.lower(x).compile().as_text()
     assert "all-gather" not in hlo and "all-to-all" not in hlo and "collective-permute" not in hlo
     out = f(x)
-    assert all(o.sharding.spec[0] == "d" for o in out)
+    assert out[0].sharding.spec[0] == "d" and out[1].sharding.spec[0] == "d"
     assert_bitwise(out, _reference_on("cpu", ref, jax.device_get(x)))

@@ -112,7 +112,7 @@ def test_expert_parallel_fp8_equals_one_device(rng):
         assert rel_err(a, b) < 1e-2
 
 
-@pytest.mark.parametrize("h", [H, 129], ids=["even_H", "odd_H"])  # FP8 rows permuted as bf16 pairs / gathered
+@pytest.mark.parametrize("h", [H, 129], ids=["even_H", "odd_H"])  # FP8 rows permuted as bf16 pairs / sorted rows
 def test_token_order_quantisation_equals_quantising_the_sorted_rows(rng, h):
     """moe() quantises the T tokens and gathers their FP8 rows into expert order; the result
     must be bitwise that of quantising the T*k sorted rows (forward and gradients)."""

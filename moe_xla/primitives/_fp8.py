@@ -38,6 +38,5 @@ def not_differentiable(op: str, why: str = ""):
     return jvp
 
 
-def attributes(*, pow2_scale, transposed_copy=None):
-    """The handlers' one attribute (quantize_fp8_blocks's transposed_copy selects results)."""
+def attributes(*, pow2_scale):
     return dict(pow2_scale=pow2_scale)

@@ -32,24 +32,22 @@ _REFERENCE = {
     "permute": lambda x, expert_ids, *, num_experts: list(reference.permute(x, expert_ids, num_experts)),
     "unpermute": lambda y_sorted, row_map, weights, *, unique_rows: reference.unpermute(y_sorted, row_map, weights),
     "quantize_fp8_rows": lambda x, *, pow2_scale: list(reference.quantize_fp8_rows(x, pow2_scale=pow2_scale)),
-    "quantize_fp8_blocks": lambda w, **params: list(reference.quantize_fp8_blocks(w, **params)),
+    "quantize_fp8_blocks": lambda w, *, pow2_scale: list(reference.quantize_fp8_blocks(w, pow2_scale=pow2_scale)),
     "activate_quantize_fp8": lambda h, **params: list(reference.activate_quantize_fp8(h, **params)),
     "gmm_fp8": reference.gmm_fp8,
 }
 
 
 def register(prim, op: str, attributes: Callable[..., dict], cuda_workspace: Callable[..., int] | None = None,
-             sharding=None, unused_results: Callable[..., list] | None = None) -> None:
+             sharding=None) -> None:
     """Lowers `prim` to the FFI target of `op` on cpu and cuda, and to its reference on
     every platform when MOE_XLA_IMPL=reference.
 
     `attributes(**params)` maps the primitive's params to the typed FFI attributes of the
     call. `cuda_workspace(*avals_in, **params)`, if given, is the byte size of the uint8
     workspace result the CUDA handler takes last (ffi/workspace.h); it is dropped from
-    the primitive's outputs. `unused_results(**params)`, if given, lists avals (empty
-    arrays) of handler results the primitive does not return with these params, which
-    follow its outputs (before the workspace). `sharding`, a `_sharding.Rule`, partitions
-    the call over a mesh without gathering (see _sharding).
+    the primitive's outputs. `sharding`, a `_sharding.Rule`, partitions the call over a
+    mesh without gathering (see _sharding).
     """
     reference_lowering = mlir.lower_fun(_REFERENCE[op], multiple_results=prim.multiple_results)
     partitioned_lowering = None if sharding is None else _sharding.lowering(prim, sharding)
@@ -63,13 +61,12 @@ def register(prim, op: str, attributes: Callable[..., dict], cuda_workspace: Cal
                 return partitioned_lowering(ctx, *args, **params)
             target = _lib.require_kernel(op, _platform)
             call = jax.ffi.ffi_lowering(target)
-            extra = [] if unused_results is None else list(unused_results(**params))
-            if _platform == "cuda" and cuda_workspace is not None:
-                extra.append(jax.core.ShapedArray((max(1, cuda_workspace(*ctx.avals_in, **params)),), np.uint8))
-            if not extra:
+            if _platform != "cuda" or cuda_workspace is None:
                 return call(ctx, *args, **attributes(**params))
-            results = call(ctx.replace(avals_out=[*ctx.avals_out, *extra]), *args, **attributes(**params))
-            return results[:len(ctx.avals_out)]
+            nbytes = max(1, cuda_workspace(*ctx.avals_in, **params))
+            workspace = jax.core.ShapedArray((nbytes,), np.uint8)
+            results = call(ctx.replace(avals_out=[*ctx.avals_out, workspace]), *args, **attributes(**params))
+            return results[:-1]
 
         mlir.register_lowering(prim, lowering, platform=platform)
 

@@ -8,13 +8,9 @@ contract is common/fp8_blockwise.h).
     amax, scale and q per block as for quantize_fp8_rows (1 x 128 tiles there), so
     w[g, k, n] ~ q[g, k, n] * scales[g, k // 128, n // 128].
 
-    with transposed_copy, also q_t [G, N, K] = q with its last two axes swapped, written
-    in the same pass (on the H200 no faster than quantising and then transposing q with
-    XLA: 0.44-0.46 vs 0.45-0.48 of a copy's bandwidth, benchmarks/results/LOG.md).
-
-The weight tiling of the FP8 grouped GEMMs: the forward reads q_t (K contiguous) with
-scales; the dgrad reads the same blocks transposed, q with scales[g].T, so weights are
-quantised once (issue 15, item 3). Groups are independent: the op shards along G and vmaps by folding the batch
+The weight tiling of the FP8 grouped GEMMs: the forward uses (q, scales); the dgrad uses
+the same blocks transposed, q[g].T with scales[g].T, so weights are quantised once (issue
+15, item 3). Groups are independent: the op shards along G and vmaps by folding the batch
 into G. Bitwise the same on the CPU and CUDA kernels and in
 reference.quantize_fp8_blocks. Not differentiable (see _fp8).
 """
@@ -23,7 +19,6 @@ from __future__ import annotations
 
 import math
 
-import jax
 import jax.numpy as jnp
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching
@@ -34,57 +29,42 @@ quantize_fp8_blocks_p = Primitive("moe_xla_quantize_fp8_blocks")
 quantize_fp8_blocks_p.multiple_results = True
 
 
-def quantize_fp8_blocks(w, *, pow2_scale=False, transposed_copy=False):
+def quantize_fp8_blocks(w, *, pow2_scale=False):
     """(q, scales) of w [..., K, N] in 128 x 128 blocks: q has w's shape, scales
-    [..., ceil(K/128), ceil(N/128)]; with transposed_copy, (q, scales, q_t) where q_t
-    [..., N, K] is q with its last two axes swapped. See the module docstring."""
+    [..., ceil(K/128), ceil(N/128)]. See the module docstring for the rules."""
     pow2_scale = _checks.static_bool("quantize_fp8_blocks", "pow2_scale", pow2_scale)
-    transposed_copy = _checks.static_bool("quantize_fp8_blocks", "transposed_copy", transposed_copy)
     if jnp.ndim(w) < 2:
         raise ValueError(f"quantize_fp8_blocks: expected w of rank >= 2 [..., K, N], got shape {jnp.shape(w)}")
     lead, (k, n) = w.shape[:-2], w.shape[-2:]
-    out = quantize_fp8_blocks_p.bind(w.reshape(math.prod(lead), k, n), pow2_scale=pow2_scale,
-                                     transposed_copy=transposed_copy)
-    q, scales = out[0].reshape(w.shape), out[1].reshape(*lead, *out[1].shape[-2:])
-    return (q, scales, out[2].reshape(*lead, n, k)) if transposed_copy else (q, scales)
+    q, scales = quantize_fp8_blocks_p.bind(w.reshape(math.prod(lead), k, n), pow2_scale=pow2_scale)
+    return q.reshape(w.shape), scales.reshape(*lead, *scales.shape[-2:])
 
 
-def _abstract_eval(w, *, pow2_scale, transposed_copy):
+def _abstract_eval(w, *, pow2_scale):
     _checks.rank("quantize_fp8_blocks", "w", w, 3, "[G, K, N]")
     _checks.float_dtype("quantize_fp8_blocks", "w", w)
     g, k, n = w.shape
-    q, scales = _fp8.outputs(w.shape, (g, _fp8.tiles(k), _fp8.tiles(n)))
-    return [q, scales, q.update(shape=(g, n, k))] if transposed_copy else [q, scales]
+    return _fp8.outputs(w.shape, (g, _fp8.tiles(k), _fp8.tiles(n)))
 
 
-def _unused_results(*, transposed_copy, **_):
-    """The handler's q_t result, empty when no transposed copy is asked for."""
-    return [] if transposed_copy else [jax.core.ShapedArray((0,), _fp8.FP8_DTYPE)]
-
-
-def _batch(args, dims, *, pow2_scale, transposed_copy):
+def _batch(args, dims, *, pow2_scale):
     (w,), _ = _batching.batched_to_front(args, dims)
     b, g, k, n = w.shape
-    out = quantize_fp8_blocks_p.bind(w.reshape(b * g, k, n), pow2_scale=pow2_scale, transposed_copy=transposed_copy)
-    shapes = [w.shape, (b, g, *out[1].shape[1:]), (b, g, n, k)]
-    return [o.reshape(shape) for o, shape in zip(out, shapes)], [0] * len(out)
+    q, scales = quantize_fp8_blocks_p.bind(w.reshape(b * g, k, n), pow2_scale=pow2_scale)
+    return [q.reshape(w.shape), scales.reshape(b, g, *scales.shape[1:])], [0, 0]
 
 
-def _specs(arg_axes, *, transposed_copy, **_):
+def _specs(arg_axes, **_):
     g = arg_axes[0][0]
-    return ([(g, (), ())], [(g, (), ())] * (3 if transposed_copy else 2), ())
-
-
-def _sharding_rule(*, transposed_copy, **_):
-    return "g k n -> g k n, g i j" + (", g n k" if transposed_copy else "")
+    return ([(g, (), ())], [(g, (), ()), (g, (), ())], ())
 
 
 # Groups are independent: split along G; the blocks of one group stay whole.
-SHARDING = _sharding.Rule(sharding_rule=_sharding_rule, specs=_specs, need_replication=("k", "n", "i", "j"))
+SHARDING = _sharding.Rule(sharding_rule=lambda **_: "g k n -> g k n, g i j", specs=_specs,
+                          need_replication=("k", "n", "i", "j"))
 
 _impl.def_jitted_impl(quantize_fp8_blocks_p)
 quantize_fp8_blocks_p.def_abstract_eval(_abstract_eval)
 ad.primitive_jvps[quantize_fp8_blocks_p] = _fp8.not_differentiable("quantize_fp8_blocks")
 batching.primitive_batchers[quantize_fp8_blocks_p] = _batch
-_lowering.register(quantize_fp8_blocks_p, "quantize_fp8_blocks", _fp8.attributes, sharding=SHARDING,
-                   unused_results=_unused_results)
+_lowering.register(quantize_fp8_blocks_p, "quantize_fp8_blocks", _fp8.attributes, sharding=SHARDING)
