@@ -4,6 +4,7 @@ run on the grouped_matmul cases of cases.json.
 
     python benchmarks/gmm_fp8.py [--out benchmarks/results] [--cases NAME ...] [--kinds uniform zipf1.2]
                                  [--m-scale 1.0] [--turn-seconds 0.4] [--rounds 3]
+                                 [--paths cutlass_coop128x128_2x1 ...] [--skip-backward]
 
 Forward contenders, taking turns on the device (_timing.alternating_times, so none runs
 on a cooler GPU than the others):
@@ -14,6 +15,8 @@ on a cooler GPU than the others):
                of the weights included (what a training step's forward pays)
   torch_bf16   torch._grouped_mm
   torch_fp8    torch._scaled_grouped_mm, e4m3 operands with row-wise scales (pre-quantised)
+  fp8@<path>   with --paths: gmm_fp8 forced onto each named kernel (gmm_fp8.PATHS), for
+               ranking tile configurations in the same turns ("fp8" is the heuristic's)
 Backward pair, also in turns: bf16 dgrad (gmm with the weights transposed) + bf16 wgrad
 (tgmm) against the FP8 dgrad (dy quantised inside, pre-quantised weights) + the same bf16
 wgrad; and the dgrads alone. TFLOP/s count 2 M K N per product. Each forward
@@ -24,6 +27,7 @@ that computes something else shows.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 from pathlib import Path
 
@@ -34,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import moe_xla
+from moe_xla.primitives import gmm_fp8 as gmm_fp8_module
 
 
 def _torch_scaled_grouped_mm(lhs, rhs, gs):
@@ -65,7 +70,7 @@ def _torch_scaled_grouped_mm(lhs, rhs, gs):
     return call
 
 
-def _forward_contenders(lhs, rhs, gs):
+def _forward_contenders(lhs, rhs, gs, paths=()):
     wq = moe_xla.quantize_fp8_weights(rhs)
     qx, sx = jax.jit(moe_xla.quantize_fp8_rows)(lhs)
     bf16 = jax.jit(moe_xla.gmm).lower(lhs, rhs, gs).compile()
@@ -75,6 +80,10 @@ def _forward_contenders(lhs, rhs, gs):
     impls = {"bf16": (lambda: bf16(lhs, rhs, gs), block),
              "fp8": (lambda: fp8(qx, sx, wq.data_t, wq.scales, gs), block),
              "fp8_quant": (lambda: quant(lhs, rhs, gs), block)}
+    for path in paths:
+        forced = jax.jit(functools.partial(moe_xla.gmm_fp8, path=path)).lower(
+            qx, sx, wq.data_t, wq.scales, gs).compile()
+        impls[f"fp8@{path}"] = (functools.partial(forced, qx, sx, wq.data_t, wq.scales, gs), block)
     for name, make in (("torch_bf16", torch_grouped_mm), ("torch_fp8", _torch_scaled_grouped_mm)):
         call = make(lhs, rhs, gs)
         if call is not None:
@@ -115,13 +124,15 @@ def main():
     parser.add_argument("--turn-seconds", type=float, default=0.4)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--skip-backward", action="store_true")
+    parser.add_argument("--paths", nargs="*", default=[], choices=gmm_fp8_module.PATHS[1:],
+                        help="also time gmm_fp8 forced onto these kernels")
     args = parser.parse_args()
     rows = []
     for case, kind, lhs, rhs, gs in grouped_matmul_inputs(args.cases, args.kinds, m_scale=args.m_scale):
         (m, k), n = lhs.shape, rhs.shape[2]
         flops = 2.0 * m * k * n
         row = {"case": case["name"], "groups": kind, "M": m, "K": k, "N": n, "G": rhs.shape[0]}
-        sections = [("fwd", _forward_contenders(lhs, rhs, gs))]
+        sections = [("fwd", _forward_contenders(lhs, rhs, gs, args.paths))]
         if not args.skip_backward:
             sections.append(("bwd", _backward_contenders(lhs, rhs, gs)))
         ref = np.asarray(sections[0][1]["bf16"][0](), np.float32)
@@ -147,7 +158,7 @@ def main():
         print(row, flush=True)
     columns = ["case", "groups", "bf16_tflops", "fp8_tflops", "fp8_quant_tflops", "torch_bf16_tflops",
                "torch_fp8_tflops", "fp8_rel_err", "torch_bf16_rel_err", "torch_fp8_rel_err", "fp8_vs_bf16", "fp8_quant_vs_bf16", "fp8_vs_torch_fp8", "dgrad_fp8_vs_bf16",
-               "pair_fp8_vs_bf16"]
+               "pair_fp8_vs_bf16"] + [f"fp8@{path}_tflops" for path in args.paths]
     write_results(args.out, f"gmm_fp8_{jax.devices()[0].platform}", environment(), rows, columns)
 
 

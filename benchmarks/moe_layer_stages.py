@@ -2,7 +2,7 @@
 
     python benchmarks/moe_layer_stages.py [--out benchmarks/results] [--cases NAME ...] [--t-scale 1.0]
                                           [--reps N] [--trace-steps N]
-                                          [--quantization none fp8_blockwise]
+                                          [--quantization none fp8_blockwise fp8_blockwise_prequantized]
 
 Cases: every "moe_layer" and "sonicmoe" case of cases.json (bf16, swiglu experts w_in
 [E, d, 2n], w_out [E, n, d], the case's routing). Notation: T tokens, d hidden (H), n
@@ -65,7 +65,11 @@ _share (that over the untraced t_fb), and
 combine fwd is 0 (not in the step, see above). Also: kernels_ms (all kernels of a step),
 other_ms / other_share, mixed_ms, fwd_bwd_mem_gib (XLA's compile-time estimate, as
 moe_layer.py), and for the sonicmoe cases fwd/bwd_vs_sonicmoe = our TFLOP/s / SonicMoE's
-published H100 figure (cases.json, read off its paper's Fig. 14).
+published H100 figure (cases.json, read off its paper's Fig. 14). With
+--quantization fp8_blockwise_prequantized the step takes the weights' Fp8Weights as two
+more inputs (not differentiated; the bf16 weights still get their gradients), and
+weights_quant_ms is the time of quantising both weights once, what an optimizer step
+pays for all its micro-batches.
 Output: moe_layer_stages_<platform>.json / .md under --out (_timing.write_results).
 """
 
@@ -83,6 +87,8 @@ from moe_layer import moe_xla_layer
 
 import jax
 
+import moe_xla
+
 from moe_xla.inspect import parse_hlo
 
 STAGES = ("route", "dispatch", "gmm_in", "act", "gmm_out", "combine")
@@ -91,6 +97,8 @@ DIRECTIONS = ("fwd", "bwd")
 # The order the (stage, direction) pairs run in: the forward, then its transpose backwards.
 PROGRAM_ORDER = [(s, "fwd") for s in STAGES] + [(s, "bwd") for s in reversed(STAGES)]
 CASE_LISTS = ("moe_layer", "sonicmoe")
+# FP8 with the weights quantised outside the step (moe's quantized_weights).
+PREQUANTIZED = "fp8_blockwise_prequantized"
 # Trace args that may carry an annotation's op names (newer XLA: "name", "op_name").
 OP_NAME_ARGS = ("name", "op_name", "long_name", "tf_op")
 _SCOPE = re.compile(r"moe_xla/(\w+)")
@@ -245,14 +253,29 @@ def measure_case(case: dict, t_scale: float, reps: int, inner: int, trace_steps:
     t = max(1, int(case["T"] * t_scale))
     d, n, e, k = case["H"], case["F"], case["E"], case["top_k"]
     inputs, ct = moe_inputs(key, t, d, n, e)
-    layer = functools.partial(moe_xla_layer(case), quantization=quantization)
+    weights_quant_ms = None
+    if quantization == PREQUANTIZED:
+        # The weights' FP8 blocks as two more (not differentiated) inputs: quantised once per
+        # optimizer step and shared by its micro-batches; that quantisation is timed apart.
+        quantize = jax.jit(lambda w_in, w_out: (moe_xla.quantize_fp8_weights(w_in),
+                                                moe_xla.quantize_fp8_weights(w_out))).lower(*inputs[2:]).compile()
+        weights_quant_ms = time_jax(quantize, *inputs[2:], reps=reps, inner=inner) * 1e3
+        base = moe_xla_layer(case)
+
+        def layer(x, logits, w_in, w_out, q_in, q_out):
+            return base(x, logits, w_in, w_out, quantization="fp8_blockwise", quantized_weights=(q_in, q_out))
+
+        n_diff, inputs = len(inputs), inputs + quantize(*inputs[2:])
+    else:
+        layer = functools.partial(moe_xla_layer(case), quantization=quantization)
+        n_diff = len(inputs)
     fwd = jax.jit(layer).lower(*inputs).compile()
-    step = jax.jit(fwd_bwd(layer, len(inputs))).lower(*inputs, ct).compile()
+    step = jax.jit(fwd_bwd(layer, n_diff)).lower(*inputs, ct).compile()
     t_f = time_jax(fwd, *inputs, reps=reps, inner=inner)
     t_fb = time_jax(step, *inputs, ct, reps=reps, inner=inner)
     # The traced step is compiled without command buffers: inside one, every kernel carries
     # the command buffer's name ("command_buffer_1") instead of its HLO instruction's.
-    traced = jax.jit(fwd_bwd(layer, len(inputs))).lower(*inputs, ct).compile(
+    traced = jax.jit(fwd_bwd(layer, n_diff)).lower(*inputs, ct).compile(
         compiler_options={"xla_gpu_enable_command_buffer": ""})
     kernels = [ev for ks in gpu_kernels(trace_events(traced, inputs + (ct,), trace_steps)).values() for ev in ks]
     flops = 6.0 * t * k * d * n
@@ -260,7 +283,8 @@ def measure_case(case: dict, t_scale: float, reps: int, inner: int, trace_steps:
            "score": case["score"],
            "fwd_ms": t_f * 1e3, "fwd_bwd_ms": t_fb * 1e3, "bwd_ms": (t_fb - t_f) * 1e3,
            "fwd_tflops": flops / t_f / 1e12, "bwd_tflops": 2 * flops / (t_fb - t_f) / 1e12 if t_fb > t_f else None,
-           "fwd_bwd_tflops": 3 * flops / t_fb / 1e12, "fwd_bwd_mem_gib": gib(compiled_memory_bytes(step))}
+           "fwd_bwd_tflops": 3 * flops / t_fb / 1e12, "fwd_bwd_mem_gib": gib(compiled_memory_bytes(step)),
+           "weights_quant_ms": weights_quant_ms}
     for tag in ("fwd", "bwd"):
         ref = case.get(f"sonicmoe_h100_{tag}_tflops")
         row[f"{tag}_vs_sonicmoe"] = row[f"{tag}_tflops"] / ref if ref and row[f"{tag}_tflops"] else None
@@ -270,7 +294,7 @@ def measure_case(case: dict, t_scale: float, reps: int, inner: int, trace_steps:
 
 
 COLUMNS = (["case", "quantization", "T", "fwd_ms", "fwd_bwd_ms", "fwd_tflops", "bwd_tflops", "fwd_vs_sonicmoe",
-            "bwd_vs_sonicmoe",
+            "bwd_vs_sonicmoe", "weights_quant_ms",
             "fwd_bwd_mem_gib", "kernels_ms", "other_ms"]
            + [f"{s}_{d}_ms" for s in STAGES for d in DIRECTIONS]
            + [f"{s}_{d}_{'tflops' if s in GEMMS else 'gbps'}" for s in STAGES for d in DIRECTIONS])
@@ -306,8 +330,10 @@ def main(argv=None):
     parser.add_argument("--t-scale", type=float, default=1.0, help="scale T (for quick runs)")
     parser.add_argument("--reps", type=int, default=None, help="timed repetitions (default 20 on GPU, 1 on CPU)")
     parser.add_argument("--trace-steps", type=int, default=None, help="steps traced (default 3 on GPU, 1 on CPU)")
-    parser.add_argument("--quantization", nargs="+", default=["none"], choices=["none", "fp8_blockwise"],
-                        help="moe()'s quantization, each measured in turn (FP8: quantisation kernels fall in the "
+    parser.add_argument("--quantization", nargs="+", default=["none"], choices=["none", "fp8_blockwise", PREQUANTIZED],
+                        help="moe()'s quantization, each measured in turn; " + PREQUANTIZED + ": FP8 with the "
+                             "weights quantised outside the step (quantized_weights), that quantisation timed apart "
+                             "as weights_quant_ms (FP8: quantisation kernels fall in the "
                              "stage of the product they feed; the GB/s columns still count bf16 bytes)")
     args = parser.parse_args(argv)
     cases = default_cases()

@@ -29,7 +29,8 @@ namespace cuda {
 // Which kernel computes the product. kAuto lets a shape heuristic choose; the others force
 // a path (tests, benchmarks) and fail with an error message when the product is not
 // eligible for it. CUTLASS paths are named by kernel schedule, CTA tile MxN (K 128) and
-// cluster MxN.
+// cluster MxN. The values are those of gmm_fp8's `path` attribute (primitives/gmm_fp8.py
+// lists the names in this order).
 enum class Fp8GemmPath : int32_t {
   kAuto = 0,
   kSimt = 1,

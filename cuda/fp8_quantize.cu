@@ -1,16 +1,17 @@
 // CUDA FP8 blockwise quantisation (common/fp8_blockwise.h), one pass over x.
 //
 // A CTA covers a region of 128 columns of one batch entry; a thread owns 8 consecutive
-// columns (16 threads per row) of 2 rows, loaded with one access each (16 bytes for bf16 /
-// f16), both issued before either is used:
-//   row tiles: CTAs of 256 threads, regions of 32 rows; a 1 x 128 tile is the 16 threads
-//              of one row (a half warp): amax by shuffles within it, one scale per row;
-//              at most 48 registers, 5 CTAs per SM;
-//   blocks:    CTAs of 1024 threads, regions of 128 rows (one 128 x 128 block): amax by
-//              warp shuffles, then across the 32 warps in shared memory, one scale; at
-//              most 64 registers, one CTA per SM.
-// The alternatives measured slower (benchmarks/results/LOG.md): 8 rows per thread (178
-// registers, one CTA per SM), blocks in 512-thread CTAs of 4 rows per thread.
+// columns (16 threads per row) of several rows, loaded with one access each (16 bytes for
+// bf16 / f16, kept packed in 32-bit words), all issued before any is used (RowsCta,
+// BlocksCta and ActivatedCta below say how many):
+//   row tiles: a 1 x 128 tile is the 16 threads of one row (a half warp): amax by
+//              shuffles within it, one scale per row;
+//   blocks:    regions of 128 rows (one 128 x 128 block): amax by warp shuffles, then
+//              across the CTA's warps in shared memory, one scale.
+// The loads in flight per SM set the bandwidth (benchmarks/results/LOG.md: blocks with 2
+// rows per thread in 1024-thread CTAs reached 0.44 of a copy, 4 rows in 512-thread CTAs
+// 0.60, 8 rows in 256-thread CTAs 0.66); keeping rows as floats instead of packed words
+// spilled.
 // Elements stay in registers as loaded from the amax to the quantisation (x is read
 // once). The same kernel quantises the expert activation of h on the fly (Activated): the fused
 // activate_quantize_fp8.
@@ -21,6 +22,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "common/expert_activation.h"
 #include "common/fp8_blockwise.h"
@@ -34,15 +36,29 @@ namespace {
 
 constexpr int kLaneCols = 8;                         // consecutive columns per thread
 constexpr int kRowThreads = fp8::kTile / kLaneCols;  // 16 threads per row of a region
-constexpr int kPasses = 2;                           // rows per thread
 
-template <bool kBlocks>
-constexpr int kThreads = kBlocks ? 1024 : 256;
-template <bool kBlocks>
-constexpr int kPassRows = kThreads<kBlocks> / kRowThreads;  // rows per pass of the CTA
-template <bool kBlocks>
-constexpr int kRegionRows = kPassRows<kBlocks> * kPasses;   // 128 (blocks) or 32
-static_assert(kRegionRows<true> == fp8::kTile, "a blocks region is one 128 x 128 block");
+// A kernel's CTA: threads, rows per thread (passes, all loaded before any is used) and the
+// CTAs per SM its register cap keeps resident.
+template <int kThreadsV, int kPassesV, int kMinCtasV>
+struct Cta {
+  static constexpr int kThreads = kThreadsV, kPasses = kPassesV, kMinCtas = kMinCtasV;
+  static constexpr int kPassRows = kThreads / kRowThreads;  // rows per pass of the CTA
+  static constexpr int kRegionRows = kPassRows * kPasses;
+};
+// Row tiles: 4 rows per thread in CTAs of 256 with at most 64 registers (4 CTAs per SM;
+// f32 needs 80: 3 CTAs). Blocks: 128 bytes of x in flight per thread, 8 rows of bf16 / f16
+// in CTAs of 256 (64 registers, 4 CTAs per SM), 4 rows of f32 in CTAs of 512. The fused
+// activation reads two inputs per element: 2 rows at 48 registers (5 CTAs per SM; f32 64,
+// 4 CTAs). ptxas reports no spills for any of them. On the H200 (LOG.md, session 11) the
+// row tiles ran 0.50-0.62 of a copy with 8 rows per thread and 0.57-0.59 with 4.
+template <DType D>
+using RowsCta = std::conditional_t<D == DType::kF32, Cta<256, 4, 3>, Cta<256, 4, 4>>;
+template <DType D>
+using BlocksCta = std::conditional_t<D == DType::kF32, Cta<512, 4, 2>, Cta<256, 8, 4>>;
+template <DType D>
+using ActivatedCta = std::conditional_t<D == DType::kF32, Cta<256, 2, 4>, Cta<256, 2, 5>>;
+static_assert(BlocksCta<DType::kF32>::kRegionRows == fp8::kTile && BlocksCta<DType::kBF16>::kRegionRows == fp8::kTile,
+              "a blocks region is one 128 x 128 block");
 
 template <DType D>
 struct Elem;
@@ -67,10 +83,27 @@ struct Elem<DType::kF16> {
   static __device__ __forceinline__ uint16_t from_float(float v) { return __half_as_ushort(__float2half_rn(v)); }
 };
 
-// A thread's 8 elements of one row as one aligned access (two 16-byte loads for f32).
+// A thread's 8 elements of one row as one aligned access (two 16-byte loads for f32),
+// held as 32-bit words: 16-bit elements stay packed two to a register until used.
 template <typename T>
 struct alignas(kLaneCols * sizeof(T)) Lane {
-  T v[kLaneCols];
+  static constexpr int kPerWord = 4 / sizeof(T);
+  static constexpr int kBits = 8 * sizeof(T);
+  uint32_t w[kLaneCols / kPerWord];
+
+  __device__ __forceinline__ T get(int j) const {
+    if constexpr (kPerWord == 1) return static_cast<T>(w[j]);
+    return static_cast<T>(w[j / kPerWord] >> (kBits * (j % kPerWord)));
+  }
+  __device__ __forceinline__ void set(int j, T v) {
+    if constexpr (kPerWord == 1) {
+      w[j] = static_cast<uint32_t>(v);
+    } else {
+      const int shift = kBits * (j % kPerWord);
+      const uint32_t mask = ((1u << kBits) - 1u) << shift;
+      w[j / kPerWord] = (w[j / kPerWord] & ~mask) | (static_cast<uint32_t>(v) << shift);
+    }
+  }
 };
 
 struct Region {
@@ -96,7 +129,7 @@ struct Stored {
     if constexpr (kVec) return *reinterpret_cast<const Lane<Bits>*>(src);
     Lane<Bits> out{};
 #pragma unroll
-    for (int j = 0; j < kLaneCols; ++j) out.v[j] = j < valid ? src[j] : Bits{0};
+    for (int j = 0; j < kLaneCols; ++j) out.set(j, j < valid ? src[j] : Bits{0});
     return out;
   }
 };
@@ -122,20 +155,20 @@ struct Activated {
     } else {
 #pragma unroll
       for (int j = 0; j < kLaneCols; ++j) {
-        if (j < valid) g.v[j] = gate[j];
-        if (j < valid && gated) u.v[j] = gate[cols + j];
+        if (j < valid) g.set(j, gate[j]);
+        if (j < valid && gated) u.set(j, gate[cols + j]);
       }
     }
 #pragma unroll
     for (int j = 0; j < kLaneCols; ++j) {
-      const float v = activate(act, Elem<D>::to_float(g.v[j]), Elem<D>::to_float(u.v[j]));
-      out.v[j] = j < valid ? Elem<D>::from_float(v) : Bits{0};
+      const float v = activate(act, Elem<D>::to_float(g.get(j)), Elem<D>::to_float(u.get(j)));
+      out.set(j, j < valid ? Elem<D>::from_float(v) : Bits{0});
     }
     Bits* dst = a + r * cols + c;
     if constexpr (kVector) {
       *reinterpret_cast<Lane<Bits>*>(dst) = out;
     } else {
-      for (int j = 0; j < valid; ++j) dst[j] = out.v[j];
+      for (int j = 0; j < valid; ++j) dst[j] = out.get(j);
     }
     return out;
   }
@@ -143,14 +176,14 @@ struct Activated {
 
 // kBlocks: one 128 x 128 block per region, else 128 row tiles. Source: Stored or
 // Activated; kVector: cols % 8 == 0 and every pointer aligned for Lane accesses.
-template <DType D, bool kBlocks, bool kVector, class Source>
-__global__ void __launch_bounds__(kThreads<kBlocks>, kBlocks ? 1 : 5)
+template <DType D, bool kBlocks, bool kVector, class Source, class C>
+__global__ void __launch_bounds__(C::kThreads, C::kMinCtas)
     quantize_regions(Source src, uint8_t* __restrict__ q, float* __restrict__ scales, int64_t rows, int64_t cols,
                      int64_t row_regions, int64_t col_tiles, bool pow2) {
   using Bits = typename Elem<D>::Bits;
   const int t = threadIdx.x, lane = t % 32, warp = t / 32;
-  constexpr int kRows = kPassRows<kBlocks>;
-  const Region reg = region_of(blockIdx.x, row_regions, col_tiles, kRegionRows<kBlocks>);
+  constexpr int kRows = C::kPassRows, kPasses = C::kPasses;
+  const Region reg = region_of(blockIdx.x, row_regions, col_tiles, C::kRegionRows);
   const int col = (t % kRowThreads) * kLaneCols;  // within the region
   const int64_t c = reg.col0 + col;
   const int valid = static_cast<int>(cols - c <= 0 ? 0 : (cols - c < kLaneCols ? cols - c : kLaneCols));
@@ -169,11 +202,11 @@ __global__ void __launch_bounds__(kThreads<kBlocks>, kBlocks ? 1 : 5)
 #pragma unroll
     for (int i = 0; i < kPasses; ++i) {
 #pragma unroll
-      for (int j = 0; j < kLaneCols; ++j) amax = fmaxf(amax, fp8::tile_magnitude(Elem<D>::to_float(raw[i].v[j])));
+      for (int j = 0; j < kLaneCols; ++j) amax = fmaxf(amax, fp8::tile_magnitude(Elem<D>::to_float(raw[i].get(j))));
     }
 #pragma unroll
     for (int offset = 16; offset > 0; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-    constexpr int kWarps = kThreads<kBlocks> / 32;
+    constexpr int kWarps = C::kThreads / 32;
     __shared__ float warp_amax[kWarps];
     if (lane == 0) warp_amax[warp] = amax;
     __syncthreads();
@@ -186,7 +219,7 @@ __global__ void __launch_bounds__(kThreads<kBlocks>, kBlocks ? 1 : 5)
     for (int i = 0; i < kPasses; ++i) {
       float amax = 0.0f;
 #pragma unroll
-      for (int j = 0; j < kLaneCols; ++j) amax = fmaxf(amax, fp8::tile_magnitude(Elem<D>::to_float(raw[i].v[j])));
+      for (int j = 0; j < kLaneCols; ++j) amax = fmaxf(amax, fp8::tile_magnitude(Elem<D>::to_float(raw[i].get(j))));
       // The 16 threads of a row are a half warp: offsets below 16 stay inside it.
 #pragma unroll
       for (int offset = kRowThreads / 2; offset > 0; offset /= 2) {
@@ -204,26 +237,26 @@ __global__ void __launch_bounds__(kThreads<kBlocks>, kBlocks ? 1 : 5)
     Lane<uint8_t> out;
 #pragma unroll
     for (int j = 0; j < kLaneCols; ++j) {
-      out.v[j] = fp8::quantize_element(Elem<D>::to_float(raw[i].v[j]), scale[kBlocks ? 0 : i]);
+      out.set(j, fp8::quantize_element(Elem<D>::to_float(raw[i].get(j)), scale[kBlocks ? 0 : i]));
     }
     if (r >= rows || valid == 0) continue;
     const int64_t base = (reg.b * rows + r) * cols + c;
     if constexpr (kVector) {
       *reinterpret_cast<Lane<uint8_t>*>(q + base) = out;
     } else {
-      for (int j = 0; j < valid; ++j) q[base + j] = out.v[j];
+      for (int j = 0; j < valid; ++j) q[base + j] = out.get(j);
     }
   }
 }
 
-template <DType D, bool kBlocks, class Source>
+template <DType D, bool kBlocks, class C, class Source>
 cudaError_t launch(const Source& src, uint8_t* q, float* scales, int64_t batch, int64_t rows, int64_t cols,
                    bool pow2, cudaStream_t stream) {
-  const int64_t row_regions = (rows + kRegionRows<kBlocks> - 1) / kRegionRows<kBlocks>;
+  const int64_t row_regions = (rows + C::kRegionRows - 1) / C::kRegionRows;
   const int64_t col_tiles = fp8::tiles(cols);
   const int64_t regions = batch * row_regions * col_tiles;
   if (regions > 0x7fffffff) return cudaErrorInvalidConfiguration;
-  quantize_regions<D, kBlocks, Source::kVector><<<static_cast<unsigned>(regions), kThreads<kBlocks>, 0, stream>>>(
+  quantize_regions<D, kBlocks, Source::kVector, Source, C><<<static_cast<unsigned>(regions), C::kThreads, 0, stream>>>(
       src, q, scales, rows, cols, row_regions, col_tiles, pow2);
   return cudaGetLastError();
 }
@@ -236,7 +269,9 @@ cudaError_t quantize(const Fp8QuantizeParams& p, cudaStream_t stream) {
   const bool vector = p.cols % kLaneCols == 0 && aligned(p.x, sizeof(Lane<Bits>)) && aligned(p.q, kLaneCols);
   const auto* x = static_cast<const Bits*>(p.x);
   auto run = [&](auto src, auto blocks) {
-    return launch<D, decltype(blocks)::value>(src, p.q, p.scales, p.batch, p.rows, p.cols, p.pow2_scale, stream);
+    constexpr bool kBlocks = decltype(blocks)::value;
+    using C = std::conditional_t<kBlocks, BlocksCta<D>, RowsCta<D>>;
+    return launch<D, kBlocks, C>(src, p.q, p.scales, p.batch, p.rows, p.cols, p.pow2_scale, stream);
   };
   auto with_tiles = [&](auto src) {
     return p.tile_rows == 1 ? run(src, std::false_type{}) : run(src, std::true_type{});
@@ -252,7 +287,7 @@ cudaError_t activate_quantize(const Fp8ActivateQuantizeParams& p, cudaStream_t s
   const auto* h = static_cast<const Bits*>(p.h);
   auto* a = static_cast<Bits*>(p.a);
   auto run = [&](auto src) {
-    return launch<D, false>(src, p.q, p.scales, 1, p.rows, p.cols, p.pow2_scale, stream);
+    return launch<D, false, ActivatedCta<D>>(src, p.q, p.scales, 1, p.rows, p.cols, p.pow2_scale, stream);
   };
   return vector ? run(Activated<D, true>{h, a, p.cols, p.activation})
                 : run(Activated<D, false>{h, a, p.cols, p.activation});

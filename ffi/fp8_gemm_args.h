@@ -74,7 +74,8 @@ auto bind_fp8_gemm(Binding&& binding) {
       .template Arg<ffi::AnyBuffer>()           // rhs [G, N, K] float8_e4m3fn
       .template Arg<ffi::Buffer<ffi::F32>>()    // rhs_scales [G, Kt, Nt]
       .template Arg<ffi::Buffer<ffi::S32>>()    // group_sizes [G]
-      .template Ret<ffi::AnyBuffer>();          // out [M, N] bf16 / f32
+      .template Ret<ffi::AnyBuffer>()           // out [M, N] bf16 / f32
+      .template Attr<int32_t>("path");          // cuda::Fp8GemmPath (ignored on the CPU: one kernel)
 }
 
 }  // namespace moe_xla::ffi_args

@@ -25,9 +25,16 @@ constexpr int kMaxSmCount = 1024;
 
 ffi::Error gmm_fp8_cuda(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::Buffer<ffi::F32> lhs_scales, ffi::AnyBuffer rhs,
                         ffi::Buffer<ffi::F32> rhs_scales, ffi::Buffer<ffi::S32> group_sizes,
-                        ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> workspace_buffer) {
+                        ffi::Result<ffi::AnyBuffer> out, int32_t path,
+                        ffi::Result<ffi::AnyBuffer> workspace_buffer) {
   auto p = ffi_args::decode_fp8_gemm(lhs, lhs_scales, rhs, rhs_scales, group_sizes, *out);
   if (p.has_error()) return p.error();
+  bool known = false;
+  for (cuda::Fp8GemmPath each : cuda::kFp8GemmPaths) known |= static_cast<int32_t>(each) == path;
+  if (path != static_cast<int32_t>(cuda::Fp8GemmPath::kAuto) && !known) {
+    return ffi::Error::InvalidArgument("moe_xla gmm_fp8: path attribute " + std::to_string(path) +
+                                       " names no kernel (cuda/fp8_grouped_gemm.h)");
+  }
   int sm_count = 0;
   if (Status s = cuda::current_device_sm_count(&sm_count); !s.ok()) return ffi_args::to_error(s, "gmm_fp8");
   if (sm_count > kMaxSmCount) {
@@ -37,7 +44,8 @@ ffi::Error gmm_fp8_cuda(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::Buffer<ffi
   const size_t bytes = cuda::fp8_grouped_gemm_workspace_bytes_bound(p->num_groups, sm_count);
   auto workspace = ffi_args::workspace(*workspace_buffer, bytes, "gmm_fp8");
   if (workspace.has_error()) return workspace.error();
-  return ffi_args::to_error(cuda::fp8_grouped_gemm(*p, *workspace, bytes, sm_count, stream), "gmm_fp8");
+  return ffi_args::to_error(
+      cuda::fp8_grouped_gemm(*p, *workspace, bytes, sm_count, stream, static_cast<cuda::Fp8GemmPath>(path)), "gmm_fp8");
 }
 
 }  // namespace

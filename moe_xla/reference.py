@@ -310,7 +310,7 @@ def dequantize_fp8_group_cols(q, scales, group_sizes, dtype=jnp.float32):
     return (q.astype(jnp.float32) * scales[fp8_group_col_tiles(group_sizes, q.shape[0])]).astype(dtype)
 
 
-def gmm_fp8(lhs, lhs_scales, rhs, rhs_scales, group_sizes, *, preferred_element_type=jnp.bfloat16):
+def gmm_fp8(lhs, lhs_scales, rhs, rhs_scales, group_sizes, *, preferred_element_type=jnp.bfloat16, path="auto"):
     """The FP8 blockwise grouped product of common/fp8_grouped_gemm.h.
 
     lhs [M, K] float8_e4m3fn with lhs_scales [M, ceil(K/128)] (1 x 128 row tiles); rhs
@@ -320,8 +320,10 @@ def gmm_fp8(lhs, lhs_scales, rhs, rhs_scales, group_sizes, *, preferred_element_
     the 128-deep block j of lhs[r] * rhs[g, n]:
         out[r, n] = sum over j in order of fl(lhs_scales[r, j] * rhs_scales[g, j, n // 128]) * P_j
     in float32, then rounded to preferred_element_type; rows past the groups are 0. The
-    kernels' block sums and their fma may round differently (a few float32 ulps).
+    kernels' block sums and their fma may round differently (a few float32 ulps). `path`
+    (the CUDA kernel choice of the primitive) does not change the result.
     """
+    del path
     m, k = lhs.shape
     num_groups, n, _ = rhs.shape
     kt = _fp8_tiles(k)

@@ -130,6 +130,36 @@ def test_kernel_is_the_reference_bitwise(rng, op, ref, shape, dtype, pow2, platf
     assert_bitwise(out, _reference_on("cpu", ref, x, pow2_scale=pow2), "the reference on the CPU")
 
 
+def _near_boundaries(rng, tiles, dtype):
+    """[tiles, 128] rows whose quotients x / scale fall within a few float32 ulps of E4M3
+    rounding boundaries (halfway between two E4M3 values), for scales with random mantissas
+    (not powers of two, so x * (1 / scale) and x / scale can round apart): element 0 is the
+    tile's amax, the others fl(B * scale) moved by -8 .. 8 ulps of x's dtype (an integer
+    step of its bits), B a boundary, with random signs."""
+    dt = jnp.dtype(dtype)
+    uint = np.uint32 if dt.itemsize == 4 else np.uint16
+    amax = (rng.uniform(1, 2, tiles) * np.exp2(rng.integers(-20, 20, tiles))).astype(dt)
+    scale = np.maximum(amax.astype(np.float32) / np.float32(448), np.float32(2.0 ** -126))
+    bounds = np.array([1.0625, 1.1875, 3.25, 17.0, 19.0, 100.0, 432.0, 0.5 + 2.0 ** -5], np.float32)
+    near = (bounds[None, :, None] * scale[:, None, None]).astype(dt).view(uint)
+    near = (near.astype(np.int64) + np.arange(-8, 9)).astype(uint).view(dt).reshape(tiles, -1)
+    near = np.resize(near, (tiles, 127)) * rng.choice([-1, 1], (tiles, 127)).astype(dt)
+    return jnp.asarray(np.concatenate([amax[:, None], near], axis=1))
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_quotients_near_e4m3_boundaries_round_as_the_division(rng, dtype, platform):
+    """The CUDA kernels multiply by the reciprocal scale and divide only near a boundary:
+    the rows (one scale per row) and the blocks (one per 128 x 128 block) of such data
+    round bitwise as the reference's division."""
+    x = _near_boundaries(rng, 256, dtype)
+    for op, ref, arg in ((moe_xla.quantize_fp8_rows, reference.quantize_fp8_rows, x),
+                         (moe_xla.quantize_fp8_blocks, reference.quantize_fp8_blocks, x.reshape(2, 128, 128))):
+        out = jax.jit(op)(jax.device_put(arg, _device(platform)))
+        assert_bitwise(out, _reference_on("cpu", ref, arg), "the reference on the CPU")
+
+
 @pytest.mark.parametrize("pow2", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_reference_is_the_contract_in_numpy(rng, dtype, pow2):

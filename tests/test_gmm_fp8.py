@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 import moe_xla
 from moe_xla import reference
+from moe_xla.primitives import gmm_fp8 as gmm_fp8_module
 
 # (M, K, N, G): K and N tails, one group, more groups than rows, a single 128 block.
 SHAPES = [(70, 300, 200, 4), (1, 128, 128, 1), (33, 16, 48, 9), (130, 257, 129, 3)]
@@ -80,9 +81,10 @@ def _emulate(lhs, lhs_s, rhs, rhs_s, sizes, out_dtype):
     return out.astype(ml_dtypes.bfloat16) if out_dtype == jnp.bfloat16 else out
 
 
-def _run(device, operands, sizes, out_dtype):
+def _run(device, operands, sizes, out_dtype, path="auto"):
     args = jax.device_put((*operands, jnp.asarray(sizes)), device)
-    return jax.jit(moe_xla.gmm_fp8, static_argnames="preferred_element_type")(*args, preferred_element_type=out_dtype)
+    return jax.jit(moe_xla.gmm_fp8, static_argnames=("preferred_element_type", "path"))(
+        *args, preferred_element_type=out_dtype, path=path)
 
 
 @pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
@@ -121,11 +123,12 @@ def test_reference_against_the_kernel_and_the_dequantised_product(rng, shape):
 @requires_gpu
 @pytest.mark.parametrize("kind", ["random", "empty_and_short", "clamped"])
 @pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
-def test_gpu_simt_path_bitwise_against_the_cpu(rng, kind, out_dtype):
-    m, k, n, g = 70, 200, 136, 5  # K % 16 != 0: the SIMT path
+@pytest.mark.parametrize("k, path", [(200, "auto"), (256, "simt")])  # K % 16 != 0, or forced
+def test_gpu_simt_path_bitwise_against_the_cpu(rng, kind, out_dtype, k, path):
+    m, n, g = 70, 136, 5
     ops = _operands(rng, m, k, n, g)
     sizes = _sizes(kind, m, g, rng)
-    gpu = np.asarray(_run(jax.devices("gpu")[0], ops, sizes, out_dtype))
+    gpu = np.asarray(_run(jax.devices("gpu")[0], ops, sizes, out_dtype, path))
     cpu = np.asarray(_run(jax.devices("cpu")[0], ops, sizes, out_dtype))
     np.testing.assert_array_equal(gpu.view(np.uint8), cpu.view(np.uint8))
 
@@ -135,10 +138,14 @@ def test_gpu_simt_path_bitwise_against_the_cpu(rng, kind, out_dtype):
 GPU_SHAPES = [(1000, 512, 384, 8), (4096, 1024, 256, 4), (700, 272, 136, 16), (300, 2048, 512, 2)]
 
 
+CUTLASS_PATHS = [p for p in gmm_fp8_module.PATHS if p.startswith("cutlass")]
+
+
 @requires_gpu
+@pytest.mark.parametrize("path", ["auto"] + CUTLASS_PATHS)
 @pytest.mark.parametrize("kind", ["random", "empty_and_short", "clamped"])
 @pytest.mark.parametrize("shape", GPU_SHAPES)
-def test_gpu_cutlass_path_against_the_cpu(rng, shape, kind):
+def test_gpu_cutlass_path_against_the_cpu(rng, shape, kind, path):
     """Hopper's FP8 tensor cores sum a 128-deep step with about 14 significant bits before
     CUTLASS promotes it to the float32 accumulator (the limit DeepSeek-V3's report measured
     and its 128-deep promotion interval bounds): per element within 2^-12 of sum_j |fl(s_a
@@ -147,8 +154,11 @@ def test_gpu_cutlass_path_against_the_cpu(rng, shape, kind):
     m, k, n, g = shape
     lhs, lhs_s, rhs, rhs_s = ops = _operands(rng, m, k, n, g)
     sizes = _sizes(kind, m, g, rng)
-    gpu = np.asarray(_run(jax.devices("gpu")[0], ops, sizes, jnp.float32), np.float64)
     cpu = np.asarray(_run(jax.devices("cpu")[0], ops, sizes, jnp.float32), np.float64)
+    bf16 = np.asarray(_run(jax.devices("gpu")[0], ops, sizes, jnp.bfloat16, path), np.float64)
+    # float32 output is instantiated for the auto path's 128-row tiles only.
+    gpu = np.asarray(_run(jax.devices("gpu")[0], ops, sizes, jnp.float32,
+                          "auto" if path == "auto" else "cutlass_coop128x128_1x2"), np.float64)
     x = np.abs(np.asarray(reference.dequantize_fp8_rows(lhs, lhs_s), np.float64))
     w = np.abs(np.asarray(reference.dequantize_fp8_blocks(jnp.swapaxes(rhs, 1, 2), rhs_s), np.float64))
     bound = np.zeros((m, n))
@@ -157,7 +167,6 @@ def test_gpu_cutlass_path_against_the_cpu(rng, shape, kind):
         bound[start:size] = x[start:size] @ w[e]
         start = size
     assert np.all(np.abs(gpu - cpu) <= 2.0 ** -12 * bound), np.max(np.abs(gpu - cpu) / np.maximum(bound, 1e-30))
-    bf16 = np.asarray(_run(jax.devices("gpu")[0], ops, sizes, jnp.bfloat16), np.float64)
     assert np.all(np.abs(bf16 - cpu) <= 2.0 ** -8 * np.abs(cpu) + 2.0 ** -12 * bound)
 
 
@@ -207,8 +216,20 @@ def test_errors_name_the_argument(rng):
         moe_xla.gmm_fp8(lhs, lhs_s, rhs, rhs_s, gs[:1])
     with pytest.raises(TypeError, match="preferred_element_type bfloat16 or float32"):
         moe_xla.gmm_fp8(lhs, lhs_s, rhs, rhs_s, gs, preferred_element_type=jnp.float16)
+    with pytest.raises(ValueError, match=r"expected path in \('auto', 'simt', .*\), got 'fast'"):
+        moe_xla.gmm_fp8(lhs, lhs_s, rhs, rhs_s, gs, path="fast")
     with pytest.raises(TypeError, match="gmm_fp8 is not differentiable"):
         jax.grad(lambda s: moe_xla.gmm_fp8(lhs, s, rhs, rhs_s, gs).astype(jnp.float32).sum())(lhs_s)
+
+
+@requires_gpu
+@pytest.mark.parametrize("path", CUTLASS_PATHS)
+def test_gpu_forced_path_that_cannot_compute_names_itself(rng, path):
+    """K % 16 != 0 rules out TMA: the error names the path by the name Python passed, which
+    also checks that PATHS lists the kernels in the order of cuda::Fp8GemmPath."""
+    ops = _operands(rng, 64, 200, 128, 2)
+    with pytest.raises(Exception, match=f"path {path} does not support"):
+        np.asarray(_run(jax.devices("gpu")[0], ops, np.asarray([32, 32], np.int32), jnp.bfloat16, path))
 
 
 # --- the differentiable FP8 gmm ----------------------------------------------------------

@@ -179,3 +179,15 @@ def test_main_on_shrunk_cases(tmp_path, monkeypatch, capsys):
     assert "no GPU kernels" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         stages.main(["--out", str(tmp_path), "--cases", "no-such-case"])
+
+
+def test_prequantized_weights_are_inputs_of_the_step(tmp_path, monkeypatch):
+    shrunk = {name: [dict(c, H=32, F=16, E=8, top_k=min(c["top_k"], 4)) for c in stages.CASES[name]]
+              for name in stages.CASE_LISTS}
+    monkeypatch.setattr(stages, "CASES", shrunk)
+    stages.main(["--out", str(tmp_path), "--t-scale", str(1 / 512), "--cases", "qwen3-30b-a3b",
+                 "--quantization", "none", stages.PREQUANTIZED])
+    results = json.loads((tmp_path / "moe_layer_stages_cpu.json").read_text())["results"]
+    assert [r["quantization"] for r in results] == ["none", stages.PREQUANTIZED]
+    assert results[0]["weights_quant_ms"] is None and results[1]["weights_quant_ms"] > 0
+    assert results[1]["fwd_bwd_ms"] > 0

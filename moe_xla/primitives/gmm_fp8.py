@@ -13,6 +13,11 @@ accumulated in float32 block by block. K is contiguous in both operands: the for
 an FP8 layer passes the weights' quantised blocks transposed ([G, N, K]); its dgrad
 passes them as stored ([G, K, N] read as [G, N' = K, K' = N]) with the scales swapped.
 
+`path` picks the CUDA kernel (benchmarks, tests): "auto" (a shape heuristic) or one of
+PATHS, named by kernel schedule, CTA tile M x N (K 128) and cluster M x N; a forced path
+that cannot compute the product (shape, alignment, GPU) fails at run time naming it. The
+CPU has one kernel and ignores it.
+
 A primitive on quantised data, so not differentiable: moe_xla.fp8 wraps it in the
 differentiable gmm(quantization="fp8_blockwise"). vmap folds the batch into M and G
 (one all-zero spacer expert per element); under a mesh it splits along N when every
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching
 
@@ -32,13 +38,18 @@ gmm_fp8_p = Primitive("moe_xla_gmm_fp8")
 
 OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
+# The kernels by their attribute value (cuda::Fp8GemmPath in cuda/fp8_grouped_gemm.h).
+PATHS = ("auto", "simt", "cutlass_coop128x128_1x2", "cutlass_coop128x128_2x1", "cutlass_pingpong64x128_1x1")
 
-def gmm_fp8(lhs, lhs_scales, rhs, rhs_scales, group_sizes, *, preferred_element_type=jnp.bfloat16):
+
+def gmm_fp8(lhs, lhs_scales, rhs, rhs_scales, group_sizes, *, preferred_element_type=jnp.bfloat16, path="auto"):
     """out[rows of g] = dequant(lhs)[rows of g] @ dequant(rhs[g])^T blockwise. See the module docstring."""
     out_dtype = jnp.dtype(preferred_element_type)
     if out_dtype not in OUT_DTYPES:
         raise TypeError(f"gmm_fp8: expected preferred_element_type bfloat16 or float32, got {out_dtype}")
-    return gmm_fp8_p.bind(lhs, lhs_scales, rhs, rhs_scales, group_sizes, preferred_element_type=out_dtype)
+    if path not in PATHS:
+        raise ValueError(f"gmm_fp8: expected path in {PATHS}, got {path!r}")
+    return gmm_fp8_p.bind(lhs, lhs_scales, rhs, rhs_scales, group_sizes, preferred_element_type=out_dtype, path=path)
 
 
 def _fp8_operand(name, x):
@@ -53,7 +64,7 @@ def _scales(name, s, shape):
         raise ValueError(f"gmm_fp8: expected {name} of shape {tuple(shape)}, got {tuple(s.shape)}")
 
 
-def _abstract_eval(lhs, lhs_scales, rhs, rhs_scales, group_sizes, *, preferred_element_type):
+def _abstract_eval(lhs, lhs_scales, rhs, rhs_scales, group_sizes, *, preferred_element_type, path):
     _checks.rank("gmm_fp8", "lhs", lhs, 2, "[M, K]")
     _checks.rank("gmm_fp8", "rhs", rhs, 3, "[G, N, K]")
     _fp8_operand("lhs", lhs)
@@ -67,7 +78,7 @@ def _abstract_eval(lhs, lhs_scales, rhs, rhs_scales, group_sizes, *, preferred_e
     return jax.core.ShapedArray((m, n), preferred_element_type)
 
 
-def _batch(args, dims, *, preferred_element_type):
+def _batch(args, dims, *, preferred_element_type, path):
     (lhs, lhs_scales, rhs, rhs_scales, group_sizes), _ = _batching.all_to_front(args, dims)
     b, m, k = lhs.shape
     g = rhs.shape[1]
@@ -79,7 +90,7 @@ def _batch(args, dims, *, preferred_element_type):
     out = gmm_fp8_p.bind(lhs.reshape(b * m, k), lhs_scales.reshape(b * m, -1),
                          rhs.reshape((b * (g + 1),) + rhs.shape[2:]),
                          rhs_scales.reshape((b * (g + 1),) + rhs_scales.shape[2:]), folded,
-                         preferred_element_type=preferred_element_type)
+                         preferred_element_type=preferred_element_type, path=path)
     out = out.reshape(b, m, out.shape[-1])
     covered = m - folded.reshape(b, g + 1)[:, g:]
     return jnp.where((jnp.arange(m) < covered)[..., None], out, jnp.zeros((), out.dtype)), 0
@@ -100,5 +111,6 @@ gmm_fp8_p.def_abstract_eval(_abstract_eval)
 ad.primitive_jvps[gmm_fp8_p] = _fp8.not_differentiable(
     "gmm_fp8", "it takes quantised operands; differentiate moe_xla.gmm(..., quantization=\"fp8_blockwise\")")
 batching.primitive_batchers[gmm_fp8_p] = _batch
-_lowering.register(gmm_fp8_p, "gmm_fp8", lambda **_: {}, cuda_workspace=_lowering.fp8_gemm_workspace,
+_lowering.register(gmm_fp8_p, "gmm_fp8", lambda *, path, **_: {"path": np.int32(PATHS.index(path))},
+                   cuda_workspace=_lowering.fp8_gemm_workspace,
                    sharding=SHARDING)
