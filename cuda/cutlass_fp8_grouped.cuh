@@ -212,12 +212,12 @@ __global__ void __launch_bounds__(kScanThreads)
 
 template <class Config>
 typename Config::Arguments make_fp8_arguments(int64_t num_groups, int sm_count, RasterOrder raster,
-                                              const typename Config::Meta& meta) {
+                                              int team_clusters, int team_waves, const typename Config::Meta& meta) {
   typename Config::Arguments args{};
   args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
-  // CUTLASS's own tile order (one cluster per team: round robin over the whole grid).
+  // The tile order of team_scheduler.cuh (INT32_MAX clusters per team: CUTLASS's own).
   args.problem_shape = {{static_cast<int>(num_groups), meta.shapes, /*host_problem_shapes=*/nullptr},
-                        INT32_MAX, 1};
+                        team_clusters, team_waves};
   args.mainloop.ptr_A = meta.ptr_a;
   args.mainloop.dA = meta.stride_a;
   args.mainloop.ptr_B = meta.ptr_b;
@@ -246,7 +246,7 @@ size_t cutlass_fp8_workspace_bytes(int64_t num_groups, int sm_count) {
   using Config = CutlassFp8GroupedGemm<kOut, kTile>;
   const typename Config::MetaLayout layout(num_groups);
   const typename Config::Meta meta{};
-  auto args = make_fp8_arguments<Config>(num_groups, sm_count, RasterOrder::kAlongM, meta);
+  auto args = make_fp8_arguments<Config>(num_groups, sm_count, RasterOrder::kAlongM, INT32_MAX, 1, meta);
   return layout.cutlass + align_up(Config::Gemm::get_workspace_size(args), kWorkspaceAlign);
 }
 
@@ -275,7 +275,7 @@ Status cutlass_fp8_run(const CutlassFp8Args& a) {
   cutlass_fp8_prep_kernel<Config><<<static_cast<unsigned>(blocks), kScanThreads, 0, a.stream>>>(p, meta);
   MOE_XLA_RETURN_IF_CUDA_ERROR(cudaGetLastError());  // launch of the prep kernel
 
-  auto args = make_fp8_arguments<Config>(p.num_groups, a.sm_count, a.raster, meta);
+  auto args = make_fp8_arguments<Config>(p.num_groups, a.sm_count, a.raster, a.team_clusters, a.team_waves, meta);
   typename Config::Gemm gemm;
   MOE_XLA_RETURN_IF_ERROR(cutlass_call_status(gemm.can_implement(args), "can_implement"));
   const size_t cutlass_bytes = Config::Gemm::get_workspace_size(args);

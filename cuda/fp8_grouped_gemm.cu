@@ -101,6 +101,20 @@ Fp8GemmPath select_path(const Fp8GroupedGemmParams& p) {
   return Fp8GemmPath::kSimt;
 }
 
+// Tile order (team_scheduler.cuh): teams of 8 clusters in blocks of 8 waves on the 1x2
+// cluster path when K is at most 2048 and an average group has fewer cluster units (128
+// rows x 256 columns) than the grid has clusters, else CUTLASS's round robin. There a
+// cluster changes group at almost every tile, and a short K loop does not hide the
+// rewrite of the TMA descriptors at each change. H200, session 11 (LOG.md): qwen3-30b-a3b
+// products (K 768-2048, 24-64 units per group) +2-6% forward and dgrad; with K >= 4096 or
+// more units (deepseek-v3, mixtral) teams lost 0-7%.
+bool team_order_pays(const Fp8GroupedGemmParams& p, Fp8GemmPath path, int sm_count) {
+  if (path != Fp8GemmPath::kCutlassCoop128x128Cluster1x2 || p.num_groups <= 0 || p.k > 2048) return false;
+  const int64_t row_blocks = (p.m / p.num_groups + fp8::kTile - 1) / fp8::kTile;
+  const int64_t units = row_blocks * ((fp8::tiles(p.n) + 1) / 2);
+  return units < sm_count / 2;
+}
+
 size_t offsets_bytes(int64_t num_groups) {
   return align_up(static_cast<size_t>(num_groups + 1) * sizeof(int64_t), kWorkspaceAlign);
 }
@@ -249,6 +263,10 @@ Status fp8_grouped_gemm(const Fp8GroupedGemmParams& p, void* workspace, size_t w
                                    " does not support this output dtype, shape or alignment");
   }
   CutlassFp8Args args{&p, base, usable, sm_count, stream};
+  if (team_order_pays(p, path, sm_count)) {
+    args.team_clusters = 8;
+    args.team_waves = 8;
+  }
   return inst->run(args).With(std::string("fp8_grouped_gemm path ") + fp8_gemm_path_name(path));
 }
 

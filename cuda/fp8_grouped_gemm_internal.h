@@ -34,6 +34,8 @@ struct CutlassFp8Args {
   int sm_count;
   cudaStream_t stream;
   RasterOrder raster = RasterOrder::kAlongM;
+  int team_clusters = INT32_MAX;  // the tile order of team_scheduler.cuh (S, W); INT32_MAX:
+  int team_waves = 1;             // CUTLASS's round robin over the whole grid
 };
 
 // Defined in cutlass_fp8_grouped.cuh, instantiated by cutlass_fp8_instance.cu for one
