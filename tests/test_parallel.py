@@ -253,16 +253,18 @@ def test_ragged_stand_in_has_ragged_all_to_all_semantics():
     np.testing.assert_array_equal(out, [1, 3, 0, 0, 2, 2, 4, 0])
 
 
-def test_ep_hlo_has_all_to_all_and_kernels_and_no_gather(rng):
+@pytest.mark.parametrize("dedup", [True, False])
+def test_ep_hlo_has_all_to_all_and_kernels_and_no_gather(rng, dedup):
     x = normal(rng, (T, H), jnp.float32)
     logits = _routing(rng, "random", 2)
     w_in, w_out, _ = _weights(rng)
     mesh = _mesh(4, 2)
-    fn = jax.grad(lambda *a: jnp.sum(moe_xla.moe(*a, top_k=2, mesh=mesh, expert_axis="ep", capacity_factor=2.0)),
-                  argnums=(0, 2, 3))
+    fn = jax.value_and_grad(lambda *a: jnp.sum(moe_xla.moe(*a, top_k=2, mesh=mesh, expert_axis="ep",
+                                                           capacity_factor=2.0, dedup=dedup)), argnums=(0, 2, 3))
     hlo = jax.jit(fn).lower(x, logits, w_in, w_out).compile().as_text()
     assert re.search(r"\ball-to-all\(", hlo)
-    for op in ("route", "permute", "gmm", "tgmm", "unpermute"):
+    # With dedup in one round the combine adds the returned rows with weights 1 (no unpermute).
+    for op in ("route", "permute", "gmm", "tgmm") + (() if dedup else ("unpermute",)):
         assert f'custom_call_target="moe_xla_{op}_cpu_v1"' in hlo, op
     for stage in ("route", "dispatch", "gmm_in", "act", "gmm_out", "combine"):
         assert f"moe_xla/{stage}" in hlo, stage

@@ -14,20 +14,23 @@ may run the dispatch of one chunk while the grouped GEMMs of another run):
             placement.py; the rank's weights then gain its S replica slots, replicas.py)
   rows      one row per (token, j) without dedup; with dedup one row per (token,
             destination), sent once however many of the token's experts live there:
-              x_rows, counts, row_map = permute(x, row_dest, P)      rows grouped by destination
+              _, counts, row_map = permute(zeros [T, 0], row_dest, P)   their order, grouped by destination
             each row carries the local experts it asks for, lids [mult] (E_l = none,
             mult = min(k, E_l) with dedup, else 1) and, with dedup, their routing weights
-  dispatch  the rows of destination d go to rank d (a transport, in rounds)
+  dispatch  the rows of destination d go to rank d (a transport, in rounds), packed
+            straight from the tokens into the send slabs (ep_expand: no [T*k, H] rows)
   experts   on the receiving rank, the (row, local expert) pairs in expert order:
               _, group_sizes, slots = permute(zeros [N, 0], lids, E_l)   (the sort alone)
               x_exp[slots[q, j]] = rows[q];  y_exp = gmm(act(gmm(x_exp, w_in)), w_out)
               back[q] = sum_j w[q, j] y_exp[slots[q, j]]    (dedup: the rank's partial sum)
               back[q] = y_exp[slots[q, 0]]                  (no dedup: the expert output)
-  return    back rows travel to their sender, into the places their rows left: y_rows
-  combine   y = unpermute(y_rows, row_map, c), accumulated in float32 in j order:
-            without dedup c = weights, so y[t] = sum_j weights[t, j] y_{e_j}(x[t]) is the
-            single-device sum, bitwise; with dedup c = 1 on the first j of each
-            destination, so y[t] adds the per-rank partial sums (equal to f32 rounding).
+  return    back rows travel to their sender, into the places their rows left
+  combine   y = unpermute(y_rows, row_map, c) of the rows in their grouped places,
+            accumulated in float32 in j order: without dedup c = weights, so
+            y[t] = sum_j weights[t, j] y_{e_j}(x[t]) is the single-device sum, bitwise;
+            with dedup c = 1 on the first j of each destination, so y[t] adds the per-rank
+            partial sums (equal to f32 rounding); with dedup in one round the same sum is
+            taken straight from the returned slabs (ep_gather_sum, weights 1).
   shared    the shared expert on the local tokens (no communication), added last as in moe().
 
 Buffers are static and the layer is dropless with no host synchronisation: sizing.py

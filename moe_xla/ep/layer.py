@@ -17,7 +17,7 @@ from moe_xla.ep.replicas import with_replicas
 from moe_xla.ep.rounds import RoundFloats, RoundInts, add_later_rounds, round_starts
 from moe_xla.ep.rows import rows_by_destination
 from moe_xla.ep.sizing import ExchangeSizes, exchange_sizes
-from moe_xla.ep.transports import link, link_arrays
+from moe_xla.ep.transports import link, link_arrays, pack
 from moe_xla.experts import expert_mlp, shared_mlp
 from moe_xla.primitives.ep_expand import expand_p
 from moe_xla.primitives.ep_gather_sum import gather_sum_p
@@ -88,29 +88,51 @@ def _chunk(cfg: EpConfig, x, weights, dest, lid, w_in, w_out) -> _ChunkOut:
     sizes = exchange_sizes(x.shape[0], cfg.top_k, cfg.experts, cfg.peers, dedup=cfg.dedup,
                            capacity_factor=cfg.capacity_factor, extra_slots=len(cfg.placement[0]))
     with jax.named_scope("moe_xla/dispatch"):
-        rows = rows_by_destination(x, weights, dest, lid, sizes, cfg.dedup)
+        rows = rows_by_destination(weights, dest, lid, sizes, cfg.dedup)
         starts = round_starts(rows.counts, rows.pairs, sizes)
         arrays = link_arrays(cfg, starts)
-    floats, ints = RoundFloats(rows.x, rows.w, w_in, w_out), RoundInts(rows.lids, arrays)
-    y_rows = _round(cfg, sizes, 0, floats, ints)
+    floats = RoundFloats(x, rows.w, w_in, w_out)
+    ints = RoundInts(rows.lids, rows.dest, rows.row, rows.source, arrays)
+    if sizes.rounds == 1 and cfg.dedup:
+        # Every row has combine weight 1: y[t] is the sum of the token's rows (the
+        # destinations' partial sums) in j order straight from the returned slabs, what
+        # unpermute of the rows with weights 1 and 0 adds (1 * v is exact, FMA or not).
+        back, slots = _round(cfg, sizes, 0, floats, ints)
+        with jax.named_scope("moe_xla/combine"):
+            y = gather_sum_p.bind(back, slots, (rows.dest < sizes.peers).astype(jnp.float32))
+        return _ChunkOut(y, jnp.sum(rows.counts))
+    round_rows = partial(_round_rows, cfg, sizes)
+    y_rows = round_rows(0, floats, ints)
     if sizes.rounds > 1:
-        y_rows = add_later_rounds(partial(_round, cfg, sizes), y_rows, floats, ints, sizes.rounds)
+        y_rows = add_later_rounds(round_rows, y_rows, floats, ints, sizes.rounds)
     with jax.named_scope("moe_xla/combine"):
         y = unpermute(y_rows, rows.row_map, rows.combine, unique_rows=True)  # permute's row_map
     return _ChunkOut(y, jnp.sum(rows.counts))
 
 
 def _round(cfg: EpConfig, sizes: ExchangeSizes, r, floats: RoundFloats, ints: RoundInts):
-    """Round r of a chunk: its rows to their ranks, through the experts, and back into
-    their grouped places ([T*k, H], zero at the rows of other rounds)."""
+    """Round r of a chunk: its rows to their ranks and through the experts, and their
+    results back -> (back [P*block, H] in the send buffer's layout, slots [T, n] where
+    row (t, c) sits in it)."""
     chunk_link = link(cfg, sizes.rows, ints.link)
     with jax.named_scope("moe_xla/dispatch"):
-        x_recv = chunk_link.send(floats.x, 0, r)
-        lids = chunk_link.send(ints.lids, sizes.local_experts, r)
-        w = None if floats.w is None else chunk_link.send(floats.w, 0, r)
+        slots = chunk_link.slots(ints.dest, ints.row, r)
+        row_slots, num_rows = slots.reshape(slots.size, 1), sizes.peers * sizes.rows
+        x_recv = chunk_link.send(pack(floats.x, slots, num_rows), 0, r)
+        lids = chunk_link.send(pack(ints.lids, row_slots, num_rows, sizes.local_experts), sizes.local_experts, r)
+        w = None if floats.w is None else chunk_link.send(pack(floats.w, row_slots, num_rows), 0, r)
     y = _experts(x_recv, lids, w, floats.w_in, floats.w_out, sizes, cfg.activation, cfg.quantization)
     with jax.named_scope("moe_xla/combine"):
-        return chunk_link.back(y, r, floats.x.shape[0])
+        return chunk_link.back(y, r), slots
+
+
+def _round_rows(cfg: EpConfig, sizes: ExchangeSizes, r, floats: RoundFloats, ints: RoundInts):
+    """Round r's results in the rows' grouped places ([T*k, H], zero at the rows of other rounds)."""
+    back, slots = _round(cfg, sizes, r, floats, ints)
+    with jax.named_scope("moe_xla/combine"):
+        none = jnp.full((1,), back.shape[0], jnp.int32)  # ints.source's T*n: a row no one sends
+        row_slots = jnp.concatenate([slots.reshape(slots.size), none])[ints.source][:, None]
+        return gather_sum_p.bind(back, row_slots, jnp.ones(row_slots.shape, jnp.float32))
 
 
 def _experts(x_recv, lids, w, w_in, w_out, sizes: ExchangeSizes, activation, quantization):

@@ -44,10 +44,10 @@ from moe_xla.primitives.ep_rounds_tangent import RoundsSpec, rounds_loop, rounds
 
 
 class RoundFloats(NamedTuple):
-    """What a round differentiates in: the sender's grouped rows and the expert weights."""
+    """What a round differentiates in: the sender's tokens, its rows' weights and the expert weights."""
 
-    x: jax.Array           # [T*k, H] the rows, grouped by destination
-    w: jax.Array | None    # [T*k, mult] float32 their routing weights (dedup), else None
+    x: jax.Array           # [T, H] the tokens (each round packs its rows from them)
+    w: jax.Array | None    # [T*n, mult] float32 the routing weights of the token's rows (dedup), else None
     w_in: jax.Array        # [E_l, H, 2F] or [E_l, H, F], this rank's E / P experts, then its S replicas
     w_out: jax.Array       # [E_l, F, H]
 
@@ -55,7 +55,10 @@ class RoundFloats(NamedTuple):
 class RoundInts(NamedTuple):
     """What a round reads but does not differentiate in."""
 
-    lids: jax.Array        # [T*k, mult] int32 the local slots each row asks for; E_l = E / P + S: none
+    lids: jax.Array        # [T*n, mult] int32 the local slots the token's rows ask for; E_l = E / P + S: none
+    dest: jax.Array        # [T, n] int32 the ranks of the token's rows (P: none; rows.Rows)
+    row: jax.Array         # [T, n] int32 their places among the rows grouped by destination
+    source: jax.Array      # [T*k] int32 grouped row -> (t, c) flattened (T*n: none)
     link: LinkArrays       # the chunk's round starts (transports.link_arrays)
 
 

@@ -1,16 +1,19 @@
 """Transports: how a chunk's rows travel to their ranks over the expert axis, and back.
 
-Round r sends the rows grouped by destination [starts[r, d], starts[r+1, d]) to rank d,
-into a [block] slab of its receive buffer [P*block, ...] (slab s from rank s); the
-results return into the places their rows left. Both transports move the same rows
-between the same places:
+Round r sends the rows grouped by destination [starts[r, d], starts[r+1, d]) to rank d.
+The sender packs them straight from its tokens into a send buffer [P*block, ...] (pack:
+slab d holds destination d's rows of the round, then a fill; `slots` says where the row
+of each (token, j) pair sits), rank d receives them into slab s of its receive buffer
+[P*block, ...] (slab s from rank s), and the results return into the sender's send
+buffer layout (the same slots). Both transports move the same rows between the same
+places:
   padded  jax.lax.all_to_all of one [block] slab per peer; unused slots hold a fill
           (zero rows asking for no expert, which every grouped GEMM skips).
-  ragged  jax.lax.ragged_all_to_all: only the round's rows travel, into slab `rank` of
-          d's receive buffer; the return writes them back at the sender's starts, which
-          every peer learns once per chunk. Where XLA has no ragged_all_to_all (XLA:CPU)
-          the same offsets drive ragged_all_to_all_by_all_to_all, a stand-in with its
-          exact semantics, which is also the ragged transport's test double.
+  ragged  jax.lax.ragged_all_to_all: only the round's rows travel, from the head of
+          slab d of the sender into slab `rank` of d's receive buffer, and back. Where
+          XLA has no ragged_all_to_all (XLA:CPU) the same offsets drive
+          ragged_all_to_all_by_all_to_all, a stand-in with its exact semantics, which is
+          also the ragged transport's test double.
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from moe_xla._rows import inverse_rows
 from moe_xla.ep.config import EpConfig
+from moe_xla.primitives.ep_expand import expand_p
 from moe_xla.primitives.ep_gather_sum import gather_sum_p
 
 
@@ -51,6 +56,20 @@ def _unslab(out, slabs, starts, sizes, block: int):
     beyond = out.shape[0] + jnp.arange(peers * block, dtype=jnp.int32).reshape(peers, block)  # distinct, dropped
     idx = jnp.where(pos < sizes[:, None], starts[:, None] + pos, beyond).reshape(-1)
     return out.at[idx].set(slabs, mode="drop", unique_indices=True)
+
+
+def pack(values, slots, num_rows: int, fill=0):
+    """[num_rows, ...]: row slots[q, j] is values[q] (for every j), rows no slot names hold
+    `fill`; slots [N, m] name each row at most once (outside [0, num_rows): none).
+
+    Float values with fill 0 go through ep_expand with weight 1 (exact in any dtype): its
+    transpose is ep_gather_sum, a gather and a sum in j order, where a gather's own
+    transpose would be a scatter-add over the rows."""
+    if jnp.issubdtype(values.dtype, jnp.inexact) and fill == 0:
+        return expand_p.bind(values, slots, jnp.ones(slots.shape, jnp.float32), num_pairs=num_rows)
+    src, named = inverse_rows(slots.reshape(-1), num_rows)
+    taken = values[src // slots.shape[1]]
+    return jnp.where(named.reshape((-1,) + (1,) * (values.ndim - 1)), taken, jnp.asarray(fill, values.dtype))
 
 
 def ragged_all_to_all_by_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
@@ -88,10 +107,13 @@ def link(cfg: EpConfig, block: int, arrays: LinkArrays):
 class Link:
     """A chunk's transport over `axis` (see the module docstring).
 
-    send(rows, fill, r): round r of the grouped rows [T*k, ...] -> the receive buffer
+    slots(dest, row, r): where the rows sent to ranks dest (P: none) from their places
+        `row` among the grouped rows sit in round r's send buffer [P*block] (P*block, no
+        place, for a row not in round r).
+    send(buf, fill, r): round r's send buffer [P*block, ...] (pack) -> the receive buffer
         (slab s from rank s; unused slots hold `fill`).
-    back(y, r, num_rows): results [P*block, H] of round r -> [num_rows, H], each at the
-        place its row left on its sender, 0 elsewhere.
+    back(y, r): results [P*block, H] of round r -> [P*block, H] in the send buffer's
+        layout, each at the place its row left (0 at unused slots).
     """
 
     def __init__(self, axis, block, starts):
@@ -100,16 +122,23 @@ class Link:
     def _sent(self, r):
         return self.starts[r], self.starts[r + 1] - self.starts[r]
 
+    def slots(self, dest, row, r):
+        starts, sizes = self._sent(r)
+        peers = starts.shape[0]
+        d = jnp.clip(dest, 0, peers - 1)
+        at = row - starts[d]
+        inside = (dest < peers) & (at >= 0) & (at < sizes[d])
+        return jnp.where(inside, d * self.block + at, peers * self.block)
+
 
 class Padded(Link):
     """all_to_all of one [block] slab per peer and round."""
 
-    def send(self, rows, fill, r):
-        return jax.lax.all_to_all(_slabs(rows, *self._sent(r), self.block, fill), self.axis, 0, 0, tiled=True)
+    def send(self, buf, fill, r):
+        return jax.lax.all_to_all(buf, self.axis, 0, 0, tiled=True)
 
-    def back(self, y, r, num_rows):
-        slabs = jax.lax.all_to_all(y, self.axis, 0, 0, tiled=True)
-        return _unslab(jnp.zeros((num_rows,) + y.shape[1:], y.dtype), slabs, *self._sent(r), self.block)
+    def back(self, y, r):
+        return jax.lax.all_to_all(y, self.axis, 0, 0, tiled=True)
 
 
 class Ragged(Link):
@@ -128,10 +157,10 @@ class Ragged(Link):
     def _received(self, r):
         return self.theirs[:, r + 1] - self.theirs[:, r]
 
-    def send(self, rows, fill, r):
-        out = jnp.full((self.slabs.shape[0] * self.block,) + rows.shape[1:], fill, rows.dtype)
-        return self.collective(rows, out, *self._sent(r), self.mine, self._received(r))
+    def send(self, buf, fill, r):
+        out = jnp.full(buf.shape, fill, buf.dtype)
+        return self.collective(buf, out, self.slabs, self._sent(r)[1], self.mine, self._received(r))
 
-    def back(self, y, r, num_rows):
-        out = jnp.zeros((num_rows,) + y.shape[1:], y.dtype)
-        return self.collective(y, out, self.slabs, self._received(r), self.theirs[:, r], self._sent(r)[1])
+    def back(self, y, r):
+        out = jnp.zeros(y.shape, y.dtype)
+        return self.collective(y, out, self.slabs, self._received(r), self.mine, self._sent(r)[1])
