@@ -247,6 +247,17 @@ def default_cases() -> list:
     return [case for name in CASE_LISTS for case in CASES[name]]
 
 
+def prequantized_layer(case: dict):
+    """The case's FP8 layer with its weights' Fp8Weights as two more inputs (after x,
+    logits, w_in and w_out): moe(..., quantized_weights=(q_in, q_out))."""
+    base = moe_xla_layer(case)
+
+    def layer(x, logits, w_in, w_out, q_in, q_out):
+        return base(x, logits, w_in, w_out, quantization="fp8_blockwise", quantized_weights=(q_in, q_out))
+
+    return layer
+
+
 def measure_case(case: dict, t_scale: float, reps: int, inner: int, trace_steps: int, key,
                  quantization=None) -> dict:
     """One row: the case's timings, TFLOP/s and stage columns (module docstring)."""
@@ -260,11 +271,7 @@ def measure_case(case: dict, t_scale: float, reps: int, inner: int, trace_steps:
         quantize = jax.jit(lambda w_in, w_out: (moe_xla.quantize_fp8_weights(w_in),
                                                 moe_xla.quantize_fp8_weights(w_out))).lower(*inputs[2:]).compile()
         weights_quant_ms = time_jax(quantize, *inputs[2:], reps=reps, inner=inner) * 1e3
-        base = moe_xla_layer(case)
-
-        def layer(x, logits, w_in, w_out, q_in, q_out):
-            return base(x, logits, w_in, w_out, quantization="fp8_blockwise", quantized_weights=(q_in, q_out))
-
+        layer = prequantized_layer(case)
         n_diff, inputs = len(inputs), inputs + quantize(*inputs[2:])
     else:
         layer = functools.partial(moe_xla_layer(case), quantization=quantization)

@@ -105,9 +105,8 @@ Fp8GemmPath select_path(const Fp8GroupedGemmParams& p) {
 // cluster path when K is at most 2048 and an average group has fewer cluster units (128
 // rows x 256 columns) than the grid has clusters, else CUTLASS's round robin. There a
 // cluster changes group at almost every tile, and a short K loop does not hide the
-// rewrite of the TMA descriptors at each change. H200, session 11 (LOG.md): qwen3-30b-a3b
-// products (K 768-2048, 24-64 units per group) +2-6% forward and dgrad; with K >= 4096 or
-// more units (deepseek-v3, mixtral) teams lost 0-7%.
+// rewrite of the TMA descriptors at each change; with a long K loop, or many units per
+// group, teams only lose L2 sharing (measured on the H200: LOG.md).
 bool team_order_pays(const Fp8GroupedGemmParams& p, Fp8GemmPath path, int sm_count) {
   if (path != Fp8GemmPath::kCutlassCoop128x128Cluster1x2 || p.num_groups <= 0 || p.k > 2048) return false;
   const int64_t row_blocks = (p.m / p.num_groups + fp8::kTile - 1) / fp8::kTile;

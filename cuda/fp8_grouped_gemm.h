@@ -46,6 +46,16 @@ inline constexpr Fp8GemmPath kFp8GemmPaths[] = {
     Fp8GemmPath::kCutlassPingpong64x128Cluster1x1,
 };
 
+// gmm_fp8's `path` attribute is kAuto (0) or a path of kFp8GemmPaths, numbered 1 .. N in
+// its order (the FFI handler checks the range, primitives/gmm_fp8.py lists the names).
+constexpr bool fp8_gemm_paths_numbered_in_order() {
+  for (size_t i = 0; i < sizeof(kFp8GemmPaths) / sizeof(kFp8GemmPaths[0]); ++i) {
+    if (static_cast<int32_t>(kFp8GemmPaths[i]) != static_cast<int32_t>(i) + 1) return false;
+  }
+  return true;
+}
+static_assert(fp8_gemm_paths_numbered_in_order(), "Fp8GemmPath values must be 1 .. N in kFp8GemmPaths order");
+
 // Short name of a path ("auto", "simt", "cutlass_coop128x128_1x2", ...).
 const char* fp8_gemm_path_name(Fp8GemmPath path);
 

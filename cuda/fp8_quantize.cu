@@ -8,10 +8,9 @@
 //              shuffles within it, one scale per row;
 //   blocks:    regions of 128 rows (one 128 x 128 block): amax by warp shuffles, then
 //              across the CTA's warps in shared memory, one scale.
-// The loads in flight per SM set the bandwidth (benchmarks/results/LOG.md: blocks with 2
-// rows per thread in 1024-thread CTAs reached 0.44 of a copy, 4 rows in 512-thread CTAs
-// 0.60, 8 rows in 256-thread CTAs 0.66); keeping rows as floats instead of packed words
-// spilled.
+// The loads in flight per SM set the bandwidth, hence several rows per thread, all loaded
+// first; held as floats instead of packed words they spilled (the measurements of each
+// shape are in benchmarks/results/LOG.md).
 // Elements stay in registers as loaded from the amax to the quantisation (x is read
 // once). The same kernel quantises the expert activation of h on the fly (Activated): the fused
 // activate_quantize_fp8.
@@ -49,8 +48,8 @@ struct Cta {
 // f32 needs 80: 3 CTAs). Blocks: 128 bytes of x in flight per thread, 8 rows of bf16 / f16
 // in CTAs of 256 (64 registers, 4 CTAs per SM), 4 rows of f32 in CTAs of 512. The fused
 // activation reads two inputs per element: 2 rows at 48 registers (5 CTAs per SM; f32 64,
-// 4 CTAs). ptxas reports no spills for any of them. On the H200 (LOG.md, session 11) the
-// row tiles ran 0.50-0.62 of a copy with 8 rows per thread and 0.57-0.59 with 4.
+// 4 CTAs). ptxas reports no spills for any of them; the row tiles ran no faster with 8
+// rows per thread.
 template <DType D>
 using RowsCta = std::conditional_t<D == DType::kF32, Cta<256, 4, 3>, Cta<256, 4, 4>>;
 template <DType D>
@@ -174,7 +173,7 @@ struct Activated {
   }
 };
 
-// kBlocks: one 128 x 128 block per region, else 128 row tiles. Source: Stored or
+// kBlocks: one 128 x 128 block per region, else C::kRegionRows rows of 1 x 128 tiles. Source: Stored or
 // Activated; kVector: cols % 8 == 0 and every pointer aligned for Lane accesses.
 template <DType D, bool kBlocks, bool kVector, class Source, class C>
 __global__ void __launch_bounds__(C::kThreads, C::kMinCtas)
@@ -234,7 +233,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtas)
 #pragma unroll
   for (int i = 0; i < kPasses; ++i) {
     const int64_t r = reg.row0 + first + i * kRows;
-    Lane<uint8_t> out;
+    Lane<uint8_t> out{};
 #pragma unroll
     for (int j = 0; j < kLaneCols; ++j) {
       out.set(j, fp8::quantize_element(Elem<D>::to_float(raw[i].get(j)), scale[kBlocks ? 0 : i]));

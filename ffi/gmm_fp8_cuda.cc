@@ -6,6 +6,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <iterator>
 #include <string>
 
 #include "cuda/device.h"
@@ -29,11 +30,11 @@ ffi::Error gmm_fp8_cuda(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::Buffer<ffi
                         ffi::Result<ffi::AnyBuffer> workspace_buffer) {
   auto p = ffi_args::decode_fp8_gemm(lhs, lhs_scales, rhs, rhs_scales, group_sizes, *out);
   if (p.has_error()) return p.error();
-  bool known = false;
-  for (cuda::Fp8GemmPath each : cuda::kFp8GemmPaths) known |= static_cast<int32_t>(each) == path;
-  if (path != static_cast<int32_t>(cuda::Fp8GemmPath::kAuto) && !known) {
-    return ffi::Error::InvalidArgument("moe_xla gmm_fp8: path attribute " + std::to_string(path) +
-                                       " names no kernel (cuda/fp8_grouped_gemm.h)");
+  // kAuto (0), then one value per path of kFp8GemmPaths, numbered 1 .. N.
+  const int32_t last = static_cast<int32_t>(std::size(cuda::kFp8GemmPaths));
+  if (path < 0 || path > last) {
+    return ffi::Error::InvalidArgument("moe_xla gmm_fp8: path: expected a cuda::Fp8GemmPath value 0 .. " +
+                                       std::to_string(last) + ", got " + std::to_string(path));
   }
   int sm_count = 0;
   if (Status s = cuda::current_device_sm_count(&sm_count); !s.ok()) return ffi_args::to_error(s, "gmm_fp8");

@@ -43,9 +43,15 @@ _SYMBOLS.update({
 })
 
 
+# An op's version rises with each change of its handler's operands or attributes, so that
+# an HLO module written for the old signature fails by name, not by an attribute mismatch.
+# gmm_fp8 v2 takes the `path` attribute.
+_VERSIONS = {"gmm_fp8": 2}
+
+
 def target_name(op: str, platform: str) -> str:
     """The stable, versioned FFI target name users see in HLO dumps."""
-    return f"moe_xla_{op}_{platform}_v1"
+    return f"moe_xla_{op}_{platform}_v{_VERSIONS.get(op, 1)}"
 
 
 def library_path() -> Path:

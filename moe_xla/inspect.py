@@ -8,7 +8,7 @@ a mesh, reads the optimised, scheduled HLO of `jax.jit(f).lower(...).compile().a
 (one device's program after SPMD partitioning) and prints four sections:
 
   custom calls   every `moe_xla_*` custom call: its HLO name, target
-                 (moe_xla_<op>_<platform>_v1), result shapes, and the stage from its
+                 (moe_xla_<op>_<platform>_v<N>), result shapes, and the stage from its
                  op_name metadata (moe_xla/route, dispatch, gmm_in, act, gmm_out, combine,
                  shared; backward stages carry the same names under transpose(...)).
   collectives    every all-to-all, ragged-all-to-all, all-reduce, all-gather,

@@ -90,7 +90,7 @@ def test_demo_trains_with_fp8_blockwise(tmp_path, capsys):
     assert losses.shape == (16,) and np.all(np.isfinite(losses)), losses
     assert result["loss_fell"] and losses[-1] < losses[0] - 0.2, losses
     assert losses[-4:].mean() < losses[:4].mean() - 0.2, losses
-    assert result["custom_calls"].get(f"moe_xla_gmm_fp8_{PLATFORM}_v1", 0) >= 2
+    assert result["custom_calls"].get(f"moe_xla_gmm_fp8_{PLATFORM}_v2", 0) >= 2
     assert f"moe_xla_gmm_{PLATFORM}_v1" not in result["custom_calls"]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["quantization"] == summary["model"]["moe"]["quantization"] == "fp8_blockwise"

@@ -1,4 +1,4 @@
-"""The slab transport's packing (moe_xla/ep/transports._slabs): slab d of P*block rows holds
+"""The ragged transport's stand-in packing (moe_xla/ep/transports._slabs): slab d of P*block rows holds
 the grouped rows [starts[d], starts[d] + sizes[d]), then the fill. Its values and
 gradients against a plain gather, and that its transpose in the rows is no scatter-add
 over [rows, H] in a forward + backward EP step (the dispatch's backward on the H200 spent

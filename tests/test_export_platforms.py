@@ -42,7 +42,7 @@ def test_reference_exports_for_a_platform_without_kernels(monkeypatch, rng, plat
     monkeypatch.setenv("MOE_XLA_IMPL", "reference")
     exported = _export((platform,), _args(rng))
     assert exported.platforms == (platform,)
-    assert not re.search(r"moe_xla_\w+_v1", exported.mlir_module()), "a kernel call in the reference module"
+    assert not re.search(r"moe_xla_\w+_v\d+", exported.mlir_module()), "a kernel call in the reference module"
 
 
 @pytest.mark.parametrize("platform", ["tpu", "rocm"])

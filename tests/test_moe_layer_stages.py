@@ -12,6 +12,8 @@ from pathlib import Path
 import jax
 import pytest
 
+import moe_xla
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import moe_layer_stages as stages  # noqa: E402
@@ -191,3 +193,9 @@ def test_prequantized_weights_are_inputs_of_the_step(tmp_path, monkeypatch):
     assert [r["quantization"] for r in results] == ["none", stages.PREQUANTIZED]
     assert results[0]["weights_quant_ms"] is None and results[1]["weights_quant_ms"] > 0
     assert results[1]["fwd_bwd_ms"] > 0
+    # The timed step quantises no weights: their Fp8Weights come in as inputs.
+    case = shrunk["moe_layer"][0]
+    inputs, ct = moe_inputs(jax.random.key(0), 16, case["H"], case["F"], case["E"])
+    q = (moe_xla.quantize_fp8_weights(inputs[2]), moe_xla.quantize_fp8_weights(inputs[3]))
+    step = jax.jit(fwd_bwd(stages.prequantized_layer(case), 4)).lower(*inputs, *q, ct).as_text()
+    assert "moe_xla_gmm_fp8" in step and "moe_xla_quantize_fp8_blocks" not in step

@@ -263,9 +263,11 @@ def test_ep_hlo_has_all_to_all_and_kernels_and_no_gather(rng, dedup):
                                                            capacity_factor=2.0, dedup=dedup)), argnums=(0, 2, 3))
     hlo = jax.jit(fn).lower(x, logits, w_in, w_out).compile().as_text()
     assert re.search(r"\ball-to-all\(", hlo)
-    # With dedup in one round the combine adds the returned rows with weights 1 (no unpermute).
+    # With dedup in one round the combine adds the returned rows with weights 1 (ep_gather_sum,
+    # no unpermute).
     for op in ("route", "permute", "gmm", "tgmm") + (() if dedup else ("unpermute",)):
         assert f'custom_call_target="moe_xla_{op}_cpu_v1"' in hlo, op
+    assert ('custom_call_target="moe_xla_unpermute_cpu_v1"' in hlo) == (not dedup)
     for stage in ("route", "dispatch", "gmm_in", "act", "gmm_out", "combine"):
         assert f"moe_xla/{stage}" in hlo, stage
     assert "all-gather" not in hlo and "collective-permute" not in hlo

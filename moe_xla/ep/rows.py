@@ -7,7 +7,8 @@ and the final combine adds it once (weight 1, at the first j of its destination)
 
 Only the rows' order is computed here (permute of no columns): the transports pack each
 round's rows straight from the tokens [T, H] into their send buffer (transports.pack),
-so no [T*k, H] array of grouped rows is ever written.
+so no [T*k, H] array of grouped input rows is written. (The rows coming back are put in
+[T*k, H] order for unpermute without dedup or with overflow rounds: layer._round_rows.)
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ class Rows(NamedTuple):
     (n = min(k, P) with dedup, else k): its (t, c), c < n, in j order."""
 
     dest: jax.Array     # [T, n] int32 the rank row (t, c) goes to; P: no such row (the token has fewer)
-    row: jax.Array      # [T, n] int32 its place among the rows grouped by destination (permute's row_map)
+    row: jax.Array      # [T, n] int32 its place among the rows grouped by destination (permute's row_map);
+    #                      where dest == P, a placeholder (j = 0's) that every use masks by dest
     lids: jax.Array     # [T*n, mult] int32 the local slots row (t, c) asks for; E_l = E / P + S: none
     w: jax.Array | None  # [T*n, mult] float32 their routing weights (dedup), else None
     source: jax.Array   # [T*k] int32 grouped row -> its (t, c) flattened (T*n: none, a row no pair sends)
