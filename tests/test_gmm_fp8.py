@@ -15,8 +15,6 @@ within FP8 accuracy of the bf16 product.
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -223,17 +221,6 @@ def test_errors_name_the_argument(rng):
         moe_xla.gmm_fp8(lhs, lhs_s, rhs, rhs_s, gs, path="fast")
     with pytest.raises(TypeError, match="gmm_fp8 is not differentiable"):
         jax.grad(lambda s: moe_xla.gmm_fp8(lhs, s, rhs, rhs_s, gs).astype(jnp.float32).sum())(lhs_s)
-
-
-def test_paths_name_the_cuda_kernels_in_attribute_order():
-    """PATHS[i] is the kernel of attribute value i: kAuto, then kFp8GemmPaths' order
-    (cuda/fp8_grouped_gemm.h), each by fp8_gemm_path_name's string (fp8_grouped_gemm.cu)."""
-    cuda = Path(__file__).resolve().parents[1] / "cuda"
-    header = (cuda / "fp8_grouped_gemm.h").read_text()
-    listed = header[header.index("kFp8GemmPaths[] = {"):]
-    order = re.findall(r"Fp8GemmPath::(k\w+),", listed[:listed.index("};")])
-    names = dict(re.findall(r'case Fp8GemmPath::(k\w+): return "(\w+)";', (cuda / "fp8_grouped_gemm.cu").read_text()))
-    assert gmm_fp8_module.PATHS == (names["kAuto"], *(names[k] for k in order))
 
 
 @requires_gpu

@@ -1,6 +1,10 @@
-"""HLO of jitted gmm code shows the versioned custom calls; the reference lowering is opt-in."""
+"""HLO of jitted gmm code shows the versioned custom calls; the reference lowering is opt-in;
+gmm_fp8's path names match the CUDA sources (a source-tree check)."""
 
 from __future__ import annotations
+
+import re
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -8,6 +12,7 @@ import pytest
 
 import moe_xla
 from moe_xla import _lib
+from moe_xla.primitives import gmm_fp8 as gmm_fp8_module
 
 PLATFORM = "cuda" if jax.default_backend() == "gpu" else "cpu"
 
@@ -46,3 +51,14 @@ def test_missing_library_is_a_clear_error(monkeypatch, tmp_path):
         monkeypatch.undo()
         _lib._load.cache_clear()
         _lib._load()
+
+
+def test_paths_name_the_cuda_kernels_in_attribute_order():
+    """PATHS[i] is the kernel of attribute value i: kAuto, then kFp8GemmPaths' order
+    (cuda/fp8_grouped_gemm.h), each by fp8_gemm_path_name's string (fp8_grouped_gemm.cu)."""
+    cuda = Path(__file__).resolve().parents[1] / "cuda"
+    header = (cuda / "fp8_grouped_gemm.h").read_text()
+    listed = header[header.index("kFp8GemmPaths[] = {"):]
+    order = re.findall(r"Fp8GemmPath::(k\w+),", listed[:listed.index("};")])
+    names = dict(re.findall(r'case Fp8GemmPath::(k\w+): return "(\w+)";', (cuda / "fp8_grouped_gemm.cu").read_text()))
+    assert gmm_fp8_module.PATHS == (names["kAuto"], *(names[k] for k in order))
