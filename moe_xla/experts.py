@@ -24,22 +24,20 @@ def expert_mlp(x_sorted, w_in, w_out, group_sizes, activation: str, quantization
     (activations.activate_fp8). quantized_weights: with "fp8_blockwise", Fp8Weights of
     w_in and w_out made elsewhere, used by the products instead of quantising the arrays
     (which still get their gradients)."""
-    q_in, q_out = quantized_weights
-    with jax.named_scope("moe_xla/gmm_in"):
-        if x_quantized is not None:
+    if quantization == "fp8_blockwise":
+        q_in, q_out = quantized_weights
+        with jax.named_scope("moe_xla/gmm_in"):
             h = fp8.gmm_fp8_blockwise(x_sorted, w_in, group_sizes, lhs_quantized=x_quantized, rhs_quantized=q_in)
-        else:
-            h = gmm(x_sorted, w_in, group_sizes, quantization=quantization, quantized_rhs=q_in)
-    with jax.named_scope("moe_xla/act"):
-        if quantization == "fp8_blockwise":
+        with jax.named_scope("moe_xla/act"):
             # One pass over h writes a (for the wgrad) and its FP8 rows (for the product).
             a, *a_quantized = activate_fp8(h, activation)
-        else:
-            a = activate(h, activation)
+        with jax.named_scope("moe_xla/gmm_out"):
+            return fp8.gmm_fp8_blockwise(a, w_out, group_sizes, lhs_quantized=tuple(a_quantized), rhs_quantized=q_out)
+    with jax.named_scope("moe_xla/gmm_in"):
+        h = gmm(x_sorted, w_in, group_sizes, quantization=quantization)
+    with jax.named_scope("moe_xla/act"):
+        a = activate(h, activation)
     with jax.named_scope("moe_xla/gmm_out"):
-        if quantization == "fp8_blockwise":
-            return fp8.gmm_fp8_blockwise(a, w_out, group_sizes, lhs_quantized=tuple(a_quantized),
-                                         rhs_quantized=q_out)
         return gmm(a, w_out, group_sizes, quantization=quantization)
 
 

@@ -19,15 +19,9 @@ under jax.vjp (its forward again, then its transpose) and adds a full-size weigh
 gradient, [E_l, H, 2F] and [E_l, F, H], to the loop's sum. With the padded transport
 every round also moves its full slabs, `rows` rows to each peer and back: R - 1 slab
 exchanges after round 0's in the forward pass even when round 0 held every row, and
-again for the recomputation and its transpose in reverse mode. R for qwen3-30b-a3b
-(E 128, k 8) at 4096 tokens per rank, EP 8, capacity_factor 1.25 (sizing.exchange_sizes):
-8 rounds of 3418-row slabs with dedup (8 x 3418 = 27344 rows to each peer per direction,
-6.7x the 4096 of the one worst-case round without capacity_factor), 7 of 5120 without
-dedup (35840 against 32768). On 8 CPU devices (512 tokens per rank, H 256, F 128,
-E 64, k 8; R 8 with dedup, 7 without) a reviewer measured the padded forward + backward
-step with capacity_factor 1.25 at 1970 ms against 716 ms before this loop (a while loop
-that stopped at the first round with no rows on any rank), 2.75x, and at 1657 ms without
-capacity_factor: there capacity_factor now costs time instead of saving it.
+again for the recomputation and its transpose in reverse mode. What that comes to for
+the benchmark cases (R, slab rows, the time measured on 8 CPU devices) is in the README's
+expert-parallelism section and benchmarks/results/LOG.md.
 """
 
 from __future__ import annotations
