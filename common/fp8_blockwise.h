@@ -165,6 +165,39 @@ struct Fp8QuantizeParams {
   bool pow2_scale;
 };
 
+// Quantisation of x [rows, cols] in 128 x 1 tiles along the rows that restart at every
+// group boundary, written transposed: the operands of the FP8 wgrad (common/
+// fp8_grouped_gemm.h, Fp8WgradParams), which contracts over each group's rows.
+//   segments  the G groups' rows, clamped to `rows` as common/grouped_gemm.h says, then
+//             the rows past the last group: G + 1 segments [start_s, end_s);
+//   tiles     segment s is cut into ceil(len_s / 128) tiles of 128 rows from start_s;
+//             tiles are numbered in row order, first_tile(s) = sum_{s' < s} ceil(len_s' / 128);
+//             T = ceil(rows / 128) + G bounds their count.
+//   q_t    [cols, 128 T]  float8_e4m3fn bits: x[r, c] (r in tile t of segment s) at
+//                         q_t[c, 128 t + (r - start_s) % 128]; columns of no row hold 0
+//   scales [T, cols]      float32: the scale of tile t in column c, from the amax of
+//                         x[r, c] over the tile's rows; 1 for tiles of no row
+// Each tile's scale and elements follow the rules above (amax, scale, q), so a column
+// tile and a row tile of the same 128 values quantise alike. Group g's rows start at
+// column 128 first_tile(g) of q_t (a 128-byte aligned offset: what TMA needs) and fill
+// ceil(len_g / 128) whole tiles, zero past the group.
+struct Fp8GroupColsParams {
+  const void* x;               // [rows, cols]
+  DType dtype;                 // of x: f32, bf16 or f16
+  const int32_t* group_sizes;  // [num_groups]; device memory for CUDA kernels
+  int64_t num_groups;
+  uint8_t* q_t;                // [cols, 128 T]
+  float* scales;               // [T, cols]
+  int64_t rows;
+  int64_t cols;
+  bool pow2_scale;
+};
+
+// T of Fp8GroupColsParams: the number of 128-row tiles the q_t / scales arrays hold.
+MOE_XLA_HOST_DEVICE inline int64_t group_col_tiles(int64_t rows, int64_t num_groups) {
+  return fp8::tiles(rows) + num_groups;
+}
+
 }  // namespace moe_xla
 
 #endif  // MOE_XLA_COMMON_FP8_BLOCKWISE_H_

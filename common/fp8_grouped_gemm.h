@@ -52,6 +52,38 @@ struct Fp8GroupedGemmParams {
   int64_t num_groups;
 };
 
+// The FP8 wgrad (tgmm_fp8): per group, the product of two operands quantised in 128 x 1
+// column tiles along the rows (Fp8GroupColsParams, transposed), contracted over the rows:
+//   lhs_t [K, 128 T] with lhs_scales [T, K]   (x of the layer's product)
+//   rhs_t [N, 128 T] with rhs_scales [T, N]   (dy)
+//   out   [G, K, N]  bfloat16 or float32,      T = group_col_tiles(M, G)
+// with M the rows both were quantised from and the groups' tiles as that struct says.
+// For group g with tiles t = first_tile(g) .. first_tile(g) + ceil(len_g / 128) - 1:
+//
+//   P_t[k, n] = sum over the 128 columns c of tile t of e(lhs_t[k, c]) * e(rhs_t[n, c])
+//   acc       = 0, then per tile in order:
+//   acc       = fma(fl(P_t[k, n] * lhs_scales[t, k]), rhs_scales[t, n], acc)
+//   out[g, k, n] = acc rounded to the output dtype; 0 for a group with no rows
+//
+// The columns past a group's rows hold 0 in both operands and add nothing. The order per
+// tile is CUTLASS's for per-row and per-column scales (its mainloop adds
+// partial * s_a * s_b, left to right, contracted to one fma); the CPU kernel sums P_t
+// sequentially in c, the tensor cores in their own order, so the GPU differs from the CPU
+// by a few float32 roundings of each tile's partial sum.
+struct Fp8WgradParams {
+  const uint8_t* lhs_t;        // [K, 128 T] float8_e4m3fn bits
+  const float* lhs_scales;     // [T, K]
+  const uint8_t* rhs_t;        // [N, 128 T] float8_e4m3fn bits
+  const float* rhs_scales;     // [T, N]
+  const int32_t* group_sizes;  // [G]; device memory for CUDA kernels
+  void* out;                   // [G, K, N]
+  DType out_dtype;             // kBF16 or kF32
+  int64_t m;                   // rows the operands were quantised from
+  int64_t k;
+  int64_t n;
+  int64_t num_groups;
+};
+
 }  // namespace moe_xla
 
 #endif  // MOE_XLA_COMMON_FP8_GROUPED_GEMM_H_

@@ -23,6 +23,11 @@ Status fp8_quantize(const Fp8QuantizeParams& p, cudaStream_t stream);
 // 1 x 128 row quantisation in one pass (common/expert_activation.h).
 Status fp8_activate_quantize(const Fp8ActivateQuantizeParams& p, cudaStream_t stream);
 
+// Fills p.q_t and p.scales (device memory): x quantised in 128 x 1 column tiles that
+// restart at every group boundary, transposed (common/fp8_blockwise.h,
+// Fp8GroupColsParams). Group sizes stay on the device.
+Status fp8_quantize_group_cols(const Fp8GroupColsParams& p, cudaStream_t stream);
+
 }  // namespace cuda
 }  // namespace moe_xla
 
