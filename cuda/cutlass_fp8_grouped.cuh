@@ -1,8 +1,9 @@
 // CUTLASS 4 sm90 FP8 blockwise-scaled ptr-array grouped GEMM, templated on (output dtype,
 // tile config); the contract is common/fp8_grouped_gemm.h.
 //
-// Only cutlass_fp8_instance.cu includes this header, once per entry of the FP8 instance
-// table in cuda/BUILD.bazel. Per group g (rows r_g = start_g .. end_g, m_g rows), CUTLASS's
+// Only cutlass_fp8_instance.cu (and, for the wgrad's scaling, cutlass_fp8_wgrad.cuh)
+// includes this header, once per entry of an FP8 instance table in cuda/BUILD.bazel.
+// Forward and dgrad: per group g (rows r_g = start_g .. end_g, m_g rows), CUTLASS's
 // D[M,N] = A[M,K] B[K,N] with both operands K-major:
 //   M = m_g, N = N, K = K.  A = lhs + r_g*K ([m_g, K] row-major, ld K);
 //   B = rhs + g*N*K (stored [N, K]: column-major [K, N], ld K); D = out + r_g*N (ld N).
@@ -73,7 +74,22 @@ struct CutlassFp8Tile<Fp8TileConfig::kCoop128x128Cluster2x1> : CutlassFp8TileTra
 template <>
 struct CutlassFp8Tile<Fp8TileConfig::kPingpong64x128Cluster1x1> : CutlassFp8TileTraits<64, 128, 1, 1, true> {};
 
-template <DType kOut, Fp8TileConfig kTile>
+template <Fp8Scaling kScaling>
+struct CutlassFp8ScaleConfig;
+// Scale granularity 1 x 128 (A) and 128 x 128 (B) over (M or N, K); A's scales K-major,
+// B's N-major (see the header comment).
+template <>
+struct CutlassFp8ScaleConfig<Fp8Scaling::kRowTilesBlocks> {
+  using type = cutlass::detail::Sm90BlockwiseScaleConfig<1, 128, 128, cute::GMMA::Major::K, cute::GMMA::Major::MN>;
+};
+// Granularity 1 x 1 x 128: one scale per row of A and per column of B per 128-deep step,
+// both MN-major (cutlass_fp8_wgrad.cuh).
+template <>
+struct CutlassFp8ScaleConfig<Fp8Scaling::kColTiles> {
+  using type = cutlass::detail::Sm90BlockwiseScaleConfig<1, 1, 128, cute::GMMA::Major::MN, cute::GMMA::Major::MN>;
+};
+
+template <DType kOut, Fp8TileConfig kTile, Fp8Scaling kScaling = Fp8Scaling::kRowTilesBlocks>
 struct CutlassFp8GroupedGemm {
   using ElementAB = cutlass::float_e4m3_t;
   using ElementD = typename Fp8OutElement<kOut>::type;
@@ -84,10 +100,7 @@ struct CutlassFp8GroupedGemm {
   static constexpr int kAlignmentAB = 16;                                            // 16 bytes
   static constexpr int kAlignmentD = 128 / cutlass::sizeof_bits<ElementD>::value;    // 16 bytes
 
-  // Scale granularity 1 x 128 (A) and 128 x 128 (B) over (M or N, K); A's scales K-major,
-  // B's N-major (see the header comment).
-  using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, 128, 128, cute::GMMA::Major::K,
-                                                                cute::GMMA::Major::MN>;
+  using ScaleConfig = typename CutlassFp8ScaleConfig<kScaling>::type;
   using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
   using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
 
@@ -241,30 +254,65 @@ typename Config::Arguments make_fp8_arguments(int64_t num_groups, int sm_count, 
   return args;
 }
 
-template <DType kOut, Fp8TileConfig kTile>
-size_t cutlass_fp8_workspace_bytes(int64_t num_groups, int sm_count) {
-  using Config = CutlassFp8GroupedGemm<kOut, kTile>;
+// Workspace bytes of Config's GEMM for `num_groups` groups: metadata arrays, then
+// CUTLASS's own (for the forward and the wgrad alike).
+template <class Config>
+size_t fp8_config_workspace_bytes(int64_t num_groups, int sm_count) {
   const typename Config::MetaLayout layout(num_groups);
   const typename Config::Meta meta{};
   auto args = make_fp8_arguments<Config>(num_groups, sm_count, RasterOrder::kAlongM, INT32_MAX, 1, meta);
   return layout.cutlass + align_up(Config::Gemm::get_workspace_size(args), kWorkspaceAlign);
 }
 
+// Checks that the workspace holds Config's metadata for `num_groups` groups (`what`
+// names the GEMM in errors).
+template <class Config>
+Status check_fp8_metadata(int64_t num_groups, size_t workspace_bytes, const char* what) {
+  if (num_groups <= 0 || num_groups > INT32_MAX) {
+    return Status::InvalidArgument(std::string(what) + ": number of groups " + std::to_string(num_groups) +
+                                   " is outside [1, 2^31)");
+  }
+  const typename Config::MetaLayout layout(num_groups);
+  if (workspace_bytes < layout.cutlass) {
+    return Status::InvalidArgument(std::string(what) + ": workspace of " + std::to_string(workspace_bytes) +
+                                   " bytes, the group metadata needs " + std::to_string(layout.cutlass));
+  }
+  return Status();
+}
+
+// Enqueues Config's GEMM on the metadata that a prep kernel, enqueued before on the same
+// stream, writes into the workspace.
+template <class Config>
+Status run_fp8_gemm(const typename Config::Arguments& args, char* base, size_t workspace_bytes, int64_t num_groups,
+                    cudaStream_t stream, const char* what) {
+  const typename Config::MetaLayout layout(num_groups);
+  typename Config::Gemm gemm;
+  MOE_XLA_RETURN_IF_ERROR(cutlass_call_status(gemm.can_implement(args), "can_implement"));
+  const size_t cutlass_bytes = Config::Gemm::get_workspace_size(args);
+  if (workspace_bytes - layout.cutlass < cutlass_bytes) {
+    return Status::InvalidArgument(std::string(what) + ": workspace of " + std::to_string(workspace_bytes) +
+                                   " bytes, metadata and CUTLASS workspace need " +
+                                   std::to_string(layout.cutlass + cutlass_bytes));
+  }
+  MOE_XLA_RETURN_IF_ERROR(cutlass_call_status(gemm.initialize(args, base + layout.cutlass, stream), "initialize"));
+  MOE_XLA_RETURN_IF_ERROR(cutlass_call_status(gemm.run(stream), "run"));
+  MOE_XLA_RETURN_IF_CUDA_ERROR(cudaGetLastError());
+  return Status();
+}
+
+template <DType kOut, Fp8TileConfig kTile>
+size_t cutlass_fp8_workspace_bytes(int64_t num_groups, int sm_count) {
+  return fp8_config_workspace_bytes<CutlassFp8GroupedGemm<kOut, kTile>>(num_groups, sm_count);
+}
+
 template <DType kOut, Fp8TileConfig kTile>
 Status cutlass_fp8_run(const CutlassFp8Args& a) {
   using Config = CutlassFp8GroupedGemm<kOut, kTile>;
   const Fp8GroupedGemmParams& p = *a.params;
-  if (p.num_groups <= 0 || p.num_groups > INT32_MAX) {
-    return Status::InvalidArgument("CUTLASS FP8 grouped GEMM: number of groups " + std::to_string(p.num_groups) +
-                                   " is outside [1, 2^31)");
-  }
-  const typename Config::MetaLayout layout(p.num_groups);
-  if (a.workspace_bytes < layout.cutlass) {
-    return Status::InvalidArgument("CUTLASS FP8 grouped GEMM: workspace of " + std::to_string(a.workspace_bytes) +
-                                   " bytes, the group metadata needs " + std::to_string(layout.cutlass));
-  }
+  constexpr const char* kWhat = "CUTLASS FP8 grouped GEMM";
+  MOE_XLA_RETURN_IF_ERROR(check_fp8_metadata<Config>(p.num_groups, a.workspace_bytes, kWhat));
   char* base = static_cast<char*>(a.workspace);
-  const typename Config::Meta meta(base, layout);
+  const typename Config::Meta meta(base, typename Config::MetaLayout(p.num_groups));
 
   // Blocks of the prep kernel: enough to zero uncovered rows at full bandwidth (at most two
   // per SM), fewer when G is large, since each block reads all of group_sizes.
@@ -276,18 +324,7 @@ Status cutlass_fp8_run(const CutlassFp8Args& a) {
   MOE_XLA_RETURN_IF_CUDA_ERROR(cudaGetLastError());  // launch of the prep kernel
 
   auto args = make_fp8_arguments<Config>(p.num_groups, a.sm_count, a.raster, a.team_clusters, a.team_waves, meta);
-  typename Config::Gemm gemm;
-  MOE_XLA_RETURN_IF_ERROR(cutlass_call_status(gemm.can_implement(args), "can_implement"));
-  const size_t cutlass_bytes = Config::Gemm::get_workspace_size(args);
-  if (a.workspace_bytes - layout.cutlass < cutlass_bytes) {
-    return Status::InvalidArgument("CUTLASS FP8 grouped GEMM: workspace of " + std::to_string(a.workspace_bytes) +
-                                   " bytes, metadata and CUTLASS workspace need " +
-                                   std::to_string(layout.cutlass + cutlass_bytes));
-  }
-  MOE_XLA_RETURN_IF_ERROR(cutlass_call_status(gemm.initialize(args, base + layout.cutlass, a.stream), "initialize"));
-  MOE_XLA_RETURN_IF_ERROR(cutlass_call_status(gemm.run(a.stream), "run"));
-  MOE_XLA_RETURN_IF_CUDA_ERROR(cudaGetLastError());
-  return Status();
+  return run_fp8_gemm<Config>(args, base, a.workspace_bytes, p.num_groups, a.stream, kWhat);
 }
 
 }  // namespace detail

@@ -27,6 +27,15 @@ enum class Fp8TileConfig : int32_t {
   kPingpong64x128Cluster1x1 = 2,  // pingpong    64x128x128,  cluster 1x1
 };
 
+// How the two operands of a CUTLASS FP8 GEMM are scaled, over (M or N, K) of CUTLASS's
+// D[M, N] = A[M, K] B[K, N]:
+//   kRowTilesBlocks  A per row per 128-deep step (scales [M, Kt], K-major), B per 128 x
+//                    128 block (N-major): the forward and dgrad (Fp8GroupedGemmParams);
+//   kColTiles        A per row and B per column, per 128-deep step, both MN-major
+//                    ([Kt, M] and [Kt, N]): the wgrad (Fp8WgradParams), whose K is the
+//                    rows of the layer's product.
+enum class Fp8Scaling : int32_t { kRowTilesBlocks = 0, kColTiles = 1 };
+
 struct CutlassFp8Args {
   const Fp8GroupedGemmParams* params;
   void* workspace;  // kWorkspaceAlign-aligned
@@ -47,6 +56,25 @@ size_t cutlass_fp8_workspace_bytes(int64_t num_groups, int sm_count);
 
 template <DType kOut, Fp8TileConfig kTile>
 Status cutlass_fp8_run(const CutlassFp8Args& args);
+
+// The wgrad on the CUTLASS kernel of (output dtype, tile) with kColTiles scaling,
+// instantiated by cutlass_fp8_wgrad_instance.cu per entry of its table in
+// cuda/BUILD.bazel (defined in cutlass_fp8_wgrad.cuh). The run enqueues the prep kernel
+// (problem shapes, pointers, and the zeroing of the outputs of groups with no rows), then
+// the GEMM.
+struct CutlassFp8WgradArgs {
+  const Fp8WgradParams* params;
+  void* workspace;  // kWorkspaceAlign-aligned
+  size_t workspace_bytes;
+  int sm_count;
+  cudaStream_t stream;
+};
+
+template <DType kOut, Fp8TileConfig kTile>
+size_t cutlass_fp8_wgrad_workspace_bytes(int64_t num_groups, int sm_count);
+
+template <DType kOut, Fp8TileConfig kTile>
+Status cutlass_fp8_wgrad_run(const CutlassFp8WgradArgs& args);
 
 }  // namespace detail
 }  // namespace cuda

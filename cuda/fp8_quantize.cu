@@ -27,13 +27,17 @@
 #include "common/fp8_blockwise.h"
 #include "common/status.h"
 #include "cuda/device.h"
+#include "cuda/fp8_lanes.cuh"
 #include "cuda/fp8_quantize.h"
 
 namespace moe_xla {
 namespace cuda {
 namespace {
 
-constexpr int kLaneCols = 8;                         // consecutive columns per thread
+using detail::Elem;
+using detail::kLaneCols;
+using detail::Lane;
+
 constexpr int kRowThreads = fp8::kTile / kLaneCols;  // 16 threads per row of a region
 
 // A kernel's CTA: threads, rows per thread (passes, all loaded before any is used) and the
@@ -58,52 +62,6 @@ template <DType D>
 using ActivatedCta = std::conditional_t<D == DType::kF32, Cta<256, 2, 4>, Cta<256, 2, 5>>;
 static_assert(BlocksCta<DType::kF32>::kRegionRows == fp8::kTile && BlocksCta<DType::kBF16>::kRegionRows == fp8::kTile,
               "a blocks region is one 128 x 128 block");
-
-template <DType D>
-struct Elem;
-template <>
-struct Elem<DType::kF32> {
-  using Bits = uint32_t;
-  static __device__ __forceinline__ float to_float(uint32_t b) { return __uint_as_float(b); }
-  static __device__ __forceinline__ uint32_t from_float(float v) { return __float_as_uint(v); }
-};
-template <>
-struct Elem<DType::kBF16> {
-  using Bits = uint16_t;
-  static __device__ __forceinline__ float to_float(uint16_t b) { return __uint_as_float(uint32_t{b} << 16); }
-  static __device__ __forceinline__ uint16_t from_float(float v) {
-    return __bfloat16_as_ushort(__float2bfloat16_rn(v));
-  }
-};
-template <>
-struct Elem<DType::kF16> {
-  using Bits = uint16_t;
-  static __device__ __forceinline__ float to_float(uint16_t b) { return __half2float(__ushort_as_half(b)); }
-  static __device__ __forceinline__ uint16_t from_float(float v) { return __half_as_ushort(__float2half_rn(v)); }
-};
-
-// A thread's 8 elements of one row as one aligned access (two 16-byte loads for f32),
-// held as 32-bit words: 16-bit elements stay packed two to a register until used.
-template <typename T>
-struct alignas(kLaneCols * sizeof(T)) Lane {
-  static constexpr int kPerWord = 4 / sizeof(T);
-  static constexpr int kBits = 8 * sizeof(T);
-  uint32_t w[kLaneCols / kPerWord];
-
-  __device__ __forceinline__ T get(int j) const {
-    if constexpr (kPerWord == 1) return static_cast<T>(w[j]);
-    return static_cast<T>(w[j / kPerWord] >> (kBits * (j % kPerWord)));
-  }
-  __device__ __forceinline__ void set(int j, T v) {
-    if constexpr (kPerWord == 1) {
-      w[j] = static_cast<uint32_t>(v);
-    } else {
-      const int shift = kBits * (j % kPerWord);
-      const uint32_t mask = ((1u << kBits) - 1u) << shift;
-      w[j / kPerWord] = (w[j / kPerWord] & ~mask) | (static_cast<uint32_t>(v) << shift);
-    }
-  }
-};
 
 struct Region {
   int64_t b, row0, col0;  // batch entry, first row, first column

@@ -15,6 +15,38 @@ namespace detail {
 // Threads of a block that runs scan_group_offsets (32 warps: a two-level warp scan).
 constexpr int kScanThreads = 1024;
 
+// Inclusive prefix sum of one value per thread over a whole block of kThreads threads (a
+// multiple of 32, at most 1024; a two-level warp scan); the block's total goes to `total`.
+// Every thread of the block must call it (it synchronises the block twice).
+template <int kThreads = kScanThreads>
+__device__ __forceinline__ int64_t block_inclusive_scan(int64_t v, int64_t* total) {
+  constexpr int kWarps = kThreads / 32;
+  static_assert(kThreads % 32 == 0 && kWarps <= 32, "the two-level warp scan takes 1 .. 32 whole warps");
+  __shared__ int64_t warp_totals[kWarps];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const int64_t up = __shfl_up_sync(0xffffffffu, v, d);
+    if (lane >= d) v += up;
+  }
+  if (lane == 31) warp_totals[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    int64_t w = lane < kWarps ? warp_totals[lane] : 0;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const int64_t up = __shfl_up_sync(0xffffffffu, w, d);
+      if (lane >= d) w += up;
+    }
+    if (lane < kWarps) warp_totals[lane] = w;  // inclusive over warps
+  }
+  __syncthreads();
+  const int64_t inclusive = v + (warp > 0 ? warp_totals[warp - 1] : 0);
+  *total = warp_totals[kWarps - 1];
+  __syncthreads();  // warp_totals is rewritten by the next call
+  return inclusive;
+}
+
 // Row offsets of the groups, computed by one whole block of kScanThreads threads:
 //   start_g = min(M, P_g), end_g = min(M, P_{g+1}),  P_g = sum_{i<g} max(group_sizes[i], 0).
 // This equals the sequential clamp of common/grouped_gemm.h,
@@ -29,49 +61,60 @@ __device__ __forceinline__ int64_t scan_group_offsets(const int32_t* __restrict_
                                                       int64_t num_groups, int64_t m,
                                                       int64_t* __restrict__ offsets,
                                                       Visit&& visit) {
-  __shared__ int64_t warp_totals[kScanThreads / 32];
-  constexpr int kWarps = kScanThreads / 32;
-  static_assert(kWarps == 32, "the two-level warp scan assumes 32 warps");
-  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-  if (offsets != nullptr && tid == 0) offsets[0] = 0;
+  if (offsets != nullptr && threadIdx.x == 0) offsets[0] = 0;
   int64_t carry = 0;
   for (int64_t base = 0; base < num_groups; base += kScanThreads) {
-    const int64_t g = base + tid;
+    const int64_t g = base + threadIdx.x;
     int64_t size = 0;
     if (g < num_groups) {
       const int32_t s = group_sizes[g];
       size = s > 0 ? s : 0;
     }
-    int64_t v = size;
-#pragma unroll
-    for (int d = 1; d < 32; d <<= 1) {
-      const int64_t up = __shfl_up_sync(0xffffffffu, v, d);
-      if (lane >= d) v += up;
-    }
-    if (lane == 31) warp_totals[warp] = v;
-    __syncthreads();
-    if (warp == 0) {
-      int64_t w = warp_totals[lane];
-#pragma unroll
-      for (int d = 1; d < 32; d <<= 1) {
-        const int64_t up = __shfl_up_sync(0xffffffffu, w, d);
-        if (lane >= d) w += up;
-      }
-      warp_totals[lane] = w;  // inclusive over warps
-    }
-    __syncthreads();
+    int64_t chunk = 0;
+    const int64_t inclusive = carry + block_inclusive_scan(size, &chunk);
     if (g < num_groups) {
-      const int64_t inclusive = carry + v + (warp > 0 ? warp_totals[warp - 1] : 0);
       const int64_t end = inclusive < m ? inclusive : m;
       const int64_t exclusive = inclusive - size;
       const int64_t start = exclusive < m ? exclusive : m;
       if (offsets != nullptr) offsets[g + 1] = end;
       visit(g, start, end);
     }
-    carry += warp_totals[kWarps - 1];
-    __syncthreads();  // warp_totals is rewritten by the next chunk
+    carry += chunk;
   }
   return carry < m ? carry : m;
+}
+
+// The tiles of `tile_rows` rows of the groups (128 for common/fp8_blockwise.h's
+// Fp8GroupColsParams): with the rows of scan_group_offsets, group g holds tiles
+// [first_g, first_g + ceil((end_g - start_g) / tile_rows)), first_g the sum of the tile
+// counts of the groups before it. Run by a whole block of kThreads threads; the owner
+// thread of every group calls visit(g, start_g, end_g, first_g). Returns to every thread
+// the covered rows and, in *group_tiles, the tiles of all groups (the rows past the
+// groups are the last segment, whose tiles start there).
+template <int kThreads, class Visit>
+__device__ __forceinline__ int64_t scan_group_tiles(const int32_t* __restrict__ group_sizes, int64_t num_groups,
+                                                    int64_t m, int64_t tile_rows, int64_t* group_tiles,
+                                                    Visit&& visit) {
+  int64_t row_carry = 0, tile_carry = 0;
+  for (int64_t base = 0; base < num_groups; base += kThreads) {
+    const int64_t g = base + threadIdx.x;
+    int64_t size = 0;
+    if (g < num_groups) {
+      const int32_t s = group_sizes[g];
+      size = s > 0 ? s : 0;
+    }
+    int64_t rows_chunk = 0, tiles_chunk = 0;
+    const int64_t inclusive = row_carry + block_inclusive_scan<kThreads>(size, &rows_chunk);
+    const int64_t end = inclusive < m ? inclusive : m;
+    const int64_t start = inclusive - size < m ? inclusive - size : m;
+    const int64_t tiles = g < num_groups ? (end - start + tile_rows - 1) / tile_rows : 0;
+    const int64_t first = tile_carry + block_inclusive_scan<kThreads>(tiles, &tiles_chunk) - tiles;
+    if (g < num_groups) visit(g, start, end, first);
+    row_carry += rows_chunk;
+    tile_carry += tiles_chunk;
+  }
+  *group_tiles = tile_carry;
+  return row_carry < m ? row_carry : m;
 }
 
 // gmm: rows [covered, M) of out [M, N] belong to no group and must be zero. The whole

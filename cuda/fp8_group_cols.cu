@@ -1,0 +1,177 @@
+// CUDA FP8 quantisation in 128 x 1 column tiles that restart at every group boundary,
+// written transposed (common/fp8_blockwise.h, Fp8GroupColsParams): the operands of the
+// FP8 wgrad.
+//
+// One CTA per (tile, run of kBlocksPerCta column blocks of 128). The CTA first finds its
+// tile's rows from the group sizes (a block scan, amortised over the run), then per
+// 128 x 128 block every thread loads 8 consecutive columns of 8 consecutive rows (all
+// loads issued before any is used, as the row-tile kernels do); the column amax goes
+// through warp shuffles and shared memory. A thread's 8 rows of one column are 8
+// consecutive bytes of a q_t row, so it stores them directly: the 4 threads of a warp
+// that share a column write 32 consecutive bytes (whole sectors). Scale and elements go
+// through common/fp8_blockwise.h like the CPU kernel; max is exact in any order, so the
+// results are bitwise those of the CPU.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "common/fp8_blockwise.h"
+#include "common/status.h"
+#include "cuda/device.h"
+#include "cuda/fp8_lanes.cuh"
+#include "cuda/fp8_quantize.h"
+#include "cuda/group_offsets.cuh"
+
+namespace moe_xla {
+namespace cuda {
+namespace {
+
+using detail::Elem;
+using detail::kLaneCols;
+using detail::Lane;
+
+constexpr int kThreads = 256;
+constexpr int kRowRuns = 8;                          // consecutive rows per thread
+constexpr int kColLanes = fp8::kTile / kLaneCols;    // 16 column lanes of 8 columns
+constexpr int kRowGroups = fp8::kTile / kRowRuns;    // 16 row groups of 8 rows
+static_assert(kColLanes * kRowGroups == kThreads, "a CTA covers one 128 x 128 block");
+// A warp: 8 column lanes x 4 row groups (32 consecutive bytes per q_t row it writes);
+// warps 2w and 2w + 1 take the two halves of the columns.
+constexpr int kWarpColLanes = 8, kWarpRowGroups = 4;
+constexpr int kWarps = kThreads / 32;
+constexpr int kBlocksPerCta = 4;  // column blocks per CTA (one scan each)
+
+// CTAs per SM the register cap keeps resident: 64 registers hold a thread's 8 x 8 16-bit
+// elements, float32 needs 128.
+template <DType D>
+constexpr int kMinCtas = D == DType::kF32 ? 2 : 3;
+
+template <DType D, bool kVec>
+__global__ void __launch_bounds__(kThreads, kMinCtas<D>)
+    quantize_group_cols_kernel(const typename Elem<D>::Bits* __restrict__ x, const int32_t* __restrict__ group_sizes,
+                               int64_t num_groups, uint8_t* __restrict__ q_t, float* __restrict__ scales,
+                               int64_t rows, int64_t cols, bool pow2) {
+  using Bits = typename Elem<D>::Bits;
+  __shared__ int64_t tile_rows[2];  // first row, rows of this CTA's tile
+  __shared__ float warp_amax[kWarps / 2][fp8::kTile];
+  __shared__ float col_scale[fp8::kTile];
+
+  const int64_t tile = blockIdx.x;
+  const int64_t width = fp8::kTile * static_cast<int64_t>(gridDim.x);  // 128 T
+  const int t = threadIdx.x, lane = t % 32, warp = t / 32;
+  if (t == 0) tile_rows[0] = tile_rows[1] = 0;
+  __syncthreads();
+  // The tile's segment: a group, or the rows past the groups (thread 0 after the scan).
+  auto claim = [&](int64_t start, int64_t end, int64_t first) {
+    const int64_t r0 = start + (tile - first) * fp8::kTile;
+    if (tile >= first && r0 < end) {
+      tile_rows[0] = r0;
+      tile_rows[1] = end - r0 < fp8::kTile ? end - r0 : fp8::kTile;
+    }
+  };
+  int64_t group_tiles = 0;
+  const int64_t covered = detail::scan_group_tiles<kThreads>(
+      group_sizes, num_groups, rows, fp8::kTile, &group_tiles,
+      [&](int64_t, int64_t start, int64_t end, int64_t first) { claim(start, end, first); });
+  if (t == 0) claim(covered, rows, group_tiles);
+  __syncthreads();
+  const int64_t r0 = tile_rows[0], nrows = tile_rows[1];
+
+  const int col = ((warp % 2) * kWarpColLanes + lane % kWarpColLanes) * kLaneCols;  // in the block
+  const int row = ((warp / 2) * kWarpRowGroups + lane / kWarpColLanes) * kRowRuns;   // in the tile
+  const int64_t col_blocks = fp8::tiles(cols);
+  const int64_t cb_end = (blockIdx.y + 1) * int64_t{kBlocksPerCta};
+  for (int64_t cb = blockIdx.y * int64_t{kBlocksPerCta}; cb < col_blocks && cb < cb_end; ++cb) {
+    const int64_t c = cb * fp8::kTile + col;
+    const int valid = static_cast<int>(cols - c <= 0 ? 0 : (cols - c < kLaneCols ? cols - c : kLaneCols));
+    Lane<Bits> raw[kRowRuns];  // zero bits outside the tile's rows and the matrix
+#pragma unroll
+    for (int i = 0; i < kRowRuns; ++i) {
+      raw[i] = Lane<Bits>{};
+      if (row + i < nrows && valid > 0) {
+        const Bits* src = x + (r0 + row + i) * cols + c;
+        if constexpr (kVec) {
+          raw[i] = *reinterpret_cast<const Lane<Bits>*>(src);
+        } else {
+#pragma unroll
+          for (int j = 0; j < kLaneCols; ++j) raw[i].set(j, j < valid ? src[j] : Bits{0});
+        }
+      }
+    }
+    // Column amax: over the thread's rows, the warp's row groups (lanes l, l + 8, l + 16,
+    // l + 24 share columns), then the warps of the same column half.
+#pragma unroll
+    for (int j = 0; j < kLaneCols; ++j) {
+      float amax = 0.0f;
+#pragma unroll
+      for (int i = 0; i < kRowRuns; ++i) amax = fmaxf(amax, fp8::tile_magnitude(Elem<D>::to_float(raw[i].get(j))));
+      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, kWarpColLanes));
+      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2 * kWarpColLanes));
+      if (lane < kWarpColLanes) warp_amax[warp / 2][col + j] = amax;
+    }
+    __syncthreads();
+    if (t < fp8::kTile) {
+      float amax = 0.0f;
+#pragma unroll
+      for (int w = 0; w < kWarps / 2; ++w) amax = fmaxf(amax, warp_amax[w][t]);
+      const float scale = fp8::scale_from_amax(amax, pow2);
+      col_scale[t] = scale;
+      if (cb * fp8::kTile + t < cols) scales[tile * cols + cb * fp8::kTile + t] = scale;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int j = 0; j < kLaneCols; ++j) {
+      if (j >= valid) break;
+      const float scale = col_scale[col + j];
+      Lane<uint8_t> out{};  // rows row .. row + 7 of column c + j
+#pragma unroll
+      for (int i = 0; i < kRowRuns; ++i) out.set(i, fp8::quantize_element(Elem<D>::to_float(raw[i].get(j)), scale));
+      *reinterpret_cast<Lane<uint8_t>*>(q_t + (c + j) * width + tile * fp8::kTile + row) = out;
+    }
+    __syncthreads();  // warp_amax and col_scale are rewritten by the next block
+  }
+}
+
+bool aligned(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+
+template <DType D>
+cudaError_t launch(const Fp8GroupColsParams& p, cudaStream_t stream) {
+  using Bits = typename Elem<D>::Bits;
+  const int64_t tiles = group_col_tiles(p.rows, p.num_groups);
+  const int64_t runs = (fp8::tiles(p.cols) + kBlocksPerCta - 1) / kBlocksPerCta;
+  if (tiles > 0x7fffffff || runs > 65535) return cudaErrorInvalidConfiguration;
+  const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(runs));
+  const auto* x = static_cast<const Bits*>(p.x);
+  if (p.cols % kLaneCols == 0 && aligned(p.x, sizeof(Lane<Bits>))) {
+    quantize_group_cols_kernel<D, true><<<grid, kThreads, 0, stream>>>(x, p.group_sizes, p.num_groups, p.q_t,
+                                                                      p.scales, p.rows, p.cols, p.pow2_scale);
+  } else {
+    quantize_group_cols_kernel<D, false><<<grid, kThreads, 0, stream>>>(x, p.group_sizes, p.num_groups, p.q_t,
+                                                                       p.scales, p.rows, p.cols, p.pow2_scale);
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+Status fp8_quantize_group_cols(const Fp8GroupColsParams& p, cudaStream_t stream) {
+  MOE_XLA_RETURN_IF_ERROR(require_device(DeviceSupport::kSimt, "fp8 quantize group cols"));
+  if (p.rows < 0 || p.cols < 0 || p.num_groups < 0) {
+    return Status::InvalidArgument("fp8 quantize group cols: negative dimension");
+  }
+  if (p.cols == 0 || group_col_tiles(p.rows, p.num_groups) == 0) return Status();
+  if (!aligned(p.q_t, kRowRuns)) return Status::InvalidArgument("fp8 quantize group cols: q_t is not 8-byte aligned");
+  if (p.num_groups > 0 && p.group_sizes == nullptr) {
+    return Status::InvalidArgument("fp8 quantize group cols: null group_sizes");
+  }
+  switch (p.dtype) {
+    case DType::kF32: MOE_XLA_RETURN_IF_CUDA_ERROR(launch<DType::kF32>(p, stream)); break;
+    case DType::kBF16: MOE_XLA_RETURN_IF_CUDA_ERROR(launch<DType::kBF16>(p, stream)); break;
+    case DType::kF16: MOE_XLA_RETURN_IF_CUDA_ERROR(launch<DType::kF16>(p, stream)); break;
+    default: return Status::InvalidArgument("fp8 quantize group cols: unsupported dtype");
+  }
+  return Status();
+}
+
+}  // namespace cuda
+}  // namespace moe_xla

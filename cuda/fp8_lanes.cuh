@@ -1,0 +1,71 @@
+// Element access shared by the FP8 quantisation kernels (fp8_quantize.cu,
+// fp8_group_cols.cu): a dtype's bits and their float value, and a thread's 8 consecutive
+// elements of a row held as 32-bit words.
+#ifndef MOE_XLA_CUDA_FP8_LANES_CUH_
+#define MOE_XLA_CUDA_FP8_LANES_CUH_
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "common/grouped_gemm.h"  // DType
+
+namespace moe_xla {
+namespace cuda {
+namespace detail {
+
+constexpr int kLaneCols = 8;  // consecutive columns per thread
+
+template <DType D>
+struct Elem;
+template <>
+struct Elem<DType::kF32> {
+  using Bits = uint32_t;
+  static __device__ __forceinline__ float to_float(uint32_t b) { return __uint_as_float(b); }
+  static __device__ __forceinline__ uint32_t from_float(float v) { return __float_as_uint(v); }
+};
+template <>
+struct Elem<DType::kBF16> {
+  using Bits = uint16_t;
+  static __device__ __forceinline__ float to_float(uint16_t b) { return __uint_as_float(uint32_t{b} << 16); }
+  static __device__ __forceinline__ uint16_t from_float(float v) {
+    return __bfloat16_as_ushort(__float2bfloat16_rn(v));
+  }
+};
+template <>
+struct Elem<DType::kF16> {
+  using Bits = uint16_t;
+  static __device__ __forceinline__ float to_float(uint16_t b) { return __half2float(__ushort_as_half(b)); }
+  static __device__ __forceinline__ uint16_t from_float(float v) { return __half_as_ushort(__float2half_rn(v)); }
+};
+
+// A thread's 8 elements of one row as one aligned access (two 16-byte loads for f32),
+// held as 32-bit words: 16-bit elements stay packed two to a register until used.
+template <typename T>
+struct alignas(kLaneCols * sizeof(T)) Lane {
+  static constexpr int kPerWord = 4 / sizeof(T);
+  static constexpr int kBits = 8 * sizeof(T);
+  uint32_t w[kLaneCols / kPerWord];
+
+  __device__ __forceinline__ T get(int j) const {
+    if constexpr (kPerWord == 1) return static_cast<T>(w[j]);
+    return static_cast<T>(w[j / kPerWord] >> (kBits * (j % kPerWord)));
+  }
+  __device__ __forceinline__ void set(int j, T v) {
+    if constexpr (kPerWord == 1) {
+      w[j] = static_cast<uint32_t>(v);
+    } else {
+      const int shift = kBits * (j % kPerWord);
+      const uint32_t mask = ((1u << kBits) - 1u) << shift;
+      w[j / kPerWord] = (w[j / kPerWord] & ~mask) | (static_cast<uint32_t>(v) << shift);
+    }
+  }
+};
+
+}  // namespace detail
+}  // namespace cuda
+}  // namespace moe_xla
+
+#endif  // MOE_XLA_CUDA_FP8_LANES_CUH_
