@@ -8,28 +8,18 @@
 #include "cpu/fp8_grouped_gemm.h"
 
 #include <algorithm>
-#include <array>
 #include <cmath>
 #include <cstring>
 #include <vector>
 
 #include "cpu/dtype.h"
+#include "cpu/fp8_decode.h"
 
 namespace moe_xla::cpu {
 namespace {
 
 constexpr int64_t kTileRows = 16;
 constexpr int64_t kTileCols = 64;
-
-// float32 value of each float8_e4m3fn code.
-const std::array<float, 256>& e4m3_table() {
-  static const std::array<float, 256> table = [] {
-    std::array<float, 256> t{};
-    for (int c = 0; c < 256; ++c) t[c] = fp8::fp8_e4m3_to_float(static_cast<uint8_t>(c));
-    return t;
-  }();
-  return table;
-}
 
 struct Tile {
   int64_t group, row0, rows, col0, cols;

@@ -1,14 +1,17 @@
 // CPU FP8 blockwise quantisation: per tile, amax over the tile, then the scale, then each
 // element through fp8::quantize_element, the function the CUDA kernel uses too. The fused
-// form first computes a tile of the expert activation, rounded to its dtype. The
+// form first computes a tile of the expert activation, rounded to its dtype; the group
+// column form takes its tiles from cpu/fp8_group_tiles.h and writes them transposed. The
 // operations are integer ones and single float32 divisions of normal numbers
 // (common/fp8_blockwise.h), so XLA's flush-to-zero mode on its CPU threads changes nothing.
 #include "cpu/fp8_quantize.h"
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #include "cpu/dtype.h"
+#include "cpu/fp8_group_tiles.h"
 
 namespace moe_xla::cpu {
 
@@ -58,6 +61,33 @@ void fp8_activate_quantize(const Fp8ActivateQuantizeParams& p) {
       const float scale = fp8::scale_from_amax(amax, p.pow2_scale);
       p.scales[r * col_tiles + ct] = scale;
       for (int64_t j = 0; j < n; ++j) p.q[r * p.cols + c0 + j] = fp8::quantize_element(tile[j], scale);
+    }
+  }
+}
+
+void fp8_quantize_group_cols(const Fp8GroupColsParams& p) {
+  const int64_t tile_count = group_col_tiles(p.rows, p.num_groups), width = fp8::kTile * tile_count;
+  std::fill(p.q_t, p.q_t + p.cols * width, uint8_t{0});         // columns of no row
+  std::fill(p.scales, p.scales + tile_count * p.cols, 1.0f);    // tiles of no row
+  std::vector<float> amax(static_cast<size_t>(p.cols));
+  for (const GroupColSegment& s : group_col_segments(p.group_sizes, p.num_groups, p.rows)) {
+    for (int64_t r0 = s.start; r0 < s.start + s.rows; r0 += fp8::kTile) {
+      // Rows r0 .. r0 + n - 1 form tile t; row r0 + j goes to column 128 t + j of q_t.
+      const int64_t t = s.first_tile + (r0 - s.start) / fp8::kTile, n = std::min(fp8::kTile, s.start + s.rows - r0);
+      std::fill(amax.begin(), amax.end(), 0.0f);
+      for (int64_t j = 0; j < n; ++j) {
+        for (int64_t c = 0; c < p.cols; ++c) {
+          amax[c] = std::max(amax[c], fp8::tile_magnitude(load_as_float(p.x, (r0 + j) * p.cols + c, p.dtype)));
+        }
+      }
+      float* scales = p.scales + t * p.cols;
+      for (int64_t c = 0; c < p.cols; ++c) scales[c] = fp8::scale_from_amax(amax[c], p.pow2_scale);
+      for (int64_t j = 0; j < n; ++j) {
+        for (int64_t c = 0; c < p.cols; ++c) {
+          p.q_t[c * width + t * fp8::kTile + j] =
+              fp8::quantize_element(load_as_float(p.x, (r0 + j) * p.cols + c, p.dtype), scales[c]);
+        }
+      }
     }
   }
 }

@@ -1,5 +1,5 @@
-// CPU FP8 blockwise quantisation in tiles of tile_rows x 128 (contract in
-// common/fp8_blockwise.h).
+// CPU FP8 blockwise quantisation in tiles of tile_rows x 128, and in the 128 x 1 column
+// tiles of the FP8 wgrad (contracts in common/fp8_blockwise.h).
 #ifndef MOE_XLA_CPU_FP8_QUANTIZE_H_
 #define MOE_XLA_CPU_FP8_QUANTIZE_H_
 
@@ -15,6 +15,11 @@ void fp8_quantize(const Fp8QuantizeParams& p);
 // Fills p.a, p.q and p.scales (host memory): the activation of h and its 1 x 128 row
 // quantisation (common/expert_activation.h). Expects non-negative sizes.
 void fp8_activate_quantize(const Fp8ActivateQuantizeParams& p);
+
+// Fills p.q_t and p.scales (host memory, p.group_sizes too): x in 128 x 1 column tiles that
+// restart at every group boundary, transposed; columns of no row 0, scales of no tile 1.
+// Group sizes are clamped to the rows as common/grouped_gemm.h says.
+void fp8_quantize_group_cols(const Fp8GroupColsParams& p);
 
 }  // namespace moe_xla::cpu
 

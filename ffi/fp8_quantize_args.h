@@ -1,8 +1,9 @@
 // Decodes and validates the buffers and attributes of the quantize_fp8_rows /
 // quantize_fp8_blocks FFI calls into the framework-free Fp8QuantizeParams of
-// common/fp8_blockwise.h, and those of activate_quantize_fp8 into the
-// Fp8ActivateQuantizeParams of common/expert_activation.h, for both the CPU and the CUDA
-// handlers. Every error names the argument, what was expected and what was passed.
+// common/fp8_blockwise.h, those of quantize_fp8_group_cols into its Fp8GroupColsParams, and
+// those of activate_quantize_fp8 into the Fp8ActivateQuantizeParams of
+// common/expert_activation.h, for both the CPU and the CUDA handlers. Every error names the
+// argument, what was expected and what was passed.
 #ifndef MOE_XLA_FFI_FP8_QUANTIZE_ARGS_H_
 #define MOE_XLA_FFI_FP8_QUANTIZE_ARGS_H_
 
@@ -68,6 +69,39 @@ inline ffi::ErrorOr<Fp8QuantizeParams> decode_fp8_quantize(ffi::AnyBuffer x, ffi
   return p;
 }
 
+// x [M, K] of f32 / bf16 / f16; group_sizes [G] int32; q_t [K, 128 T] float8_e4m3fn and
+// scales [T, K] f32, T = group_col_tiles(M, G).
+inline ffi::ErrorOr<Fp8GroupColsParams> decode_fp8_group_cols(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> group_sizes,
+                                                              ffi::AnyBuffer q_t, ffi::Buffer<ffi::F32> scales,
+                                                              bool pow2_scale) {
+  const auto dims = x.dimensions();
+  if (dims.size() != 2) return invalid("x: expected rank 2 [M, K], got shape " + shape_string(dims));
+  if (group_sizes.dimensions().size() != 1) {
+    return invalid("group_sizes: expected rank 1 [G], got shape " + shape_string(group_sizes.dimensions()));
+  }
+  auto dtype = to_dtype(x.element_type(), "x");
+  if (dtype.has_error()) return ffi::Unexpected<ffi::Error>(dtype.error());
+  if (q_t.element_type() != ffi::DataType::F8E4M3FN) {
+    return invalid("q_t: expected dtype float8_e4m3fn, got " + type_name(q_t.element_type()));
+  }
+  Fp8GroupColsParams p{};
+  p.rows = dims[0];
+  p.cols = dims[1];
+  p.num_groups = group_sizes.dimensions()[0];
+  const int64_t tiles = group_col_tiles(p.rows, p.num_groups);
+  for (auto e : {expect_shape("q_t", q_t.dimensions(), {p.cols, fp8::kTile * tiles}),
+                 expect_shape("scales", scales.dimensions(), {tiles, p.cols})}) {
+    if (e.failure()) return ffi::Unexpected<ffi::Error>(std::move(e));
+  }
+  p.x = x.untyped_data();
+  p.dtype = *dtype;
+  p.group_sizes = group_sizes.typed_data();
+  p.q_t = static_cast<uint8_t*>(q_t.untyped_data());
+  p.scales = scales.typed_data();
+  p.pow2_scale = pow2_scale;
+  return p;
+}
+
 // h [M, 2F] (gated) or [M, F] of f32 / bf16 / f16; a [M, F] of h's dtype; q [M, F]
 // float8_e4m3fn; scales [M, ceil(F/128)] f32; activation one of common/expert_activation.h.
 inline ffi::ErrorOr<Fp8ActivateQuantizeParams> decode_fp8_activate_quantize(ffi::AnyBuffer h, ffi::AnyBuffer a,
@@ -121,6 +155,17 @@ auto bind_fp8_activate_quantize(Binding&& binding) {
       .template Ret<ffi::AnyBuffer>()          // q [M, F], float8_e4m3fn
       .template Ret<ffi::Buffer<ffi::F32>>()   // scales [M, ceil(F/128)]
       .template Attr<int32_t>("activation")
+      .template Attr<bool>("pow2_scale");
+}
+
+// The operands and attributes of the quantize_fp8_group_cols handlers, appended to `binding`.
+template <class Binding>
+auto bind_fp8_group_cols(Binding&& binding) {
+  return std::move(binding)
+      .template Arg<ffi::AnyBuffer>()          // x [M, K]
+      .template Arg<ffi::Buffer<ffi::S32>>()   // group_sizes [G]
+      .template Ret<ffi::AnyBuffer>()          // q_t [K, 128 T], float8_e4m3fn
+      .template Ret<ffi::Buffer<ffi::F32>>()   // scales [T, K]
       .template Attr<bool>("pow2_scale");
 }
 

@@ -1,6 +1,7 @@
 // XLA FFI handlers of quantize_fp8_rows (1 x 128 row tiles), quantize_fp8_blocks
-// (128 x 128 blocks) and activate_quantize_fp8 (the expert activation and its row
-// quantisation) on the host platform. One quantisation function, the tile height fixed
+// (128 x 128 blocks), quantize_fp8_group_cols (the wgrad's 128 x 1 column tiles per group,
+// transposed) and activate_quantize_fp8 (the expert activation and its row quantisation) on
+// the host platform. One quantisation function for rows and blocks, the tile height fixed
 // per symbol.
 #include <cstdint>
 
@@ -23,6 +24,14 @@ ffi::Error quantize_fp8_cpu(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> q, ffi
   return ffi::Error::Success();
 }
 
+ffi::Error quantize_group_cols(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> q_t,
+                               ffi::ResultBuffer<ffi::F32> scales, bool pow2_scale) {
+  auto p = ffi_args::decode_fp8_group_cols(x, group_sizes, *q_t, *scales, pow2_scale);
+  if (p.has_error()) return p.error();
+  cpu::fp8_quantize_group_cols(*p);
+  return ffi::Error::Success();
+}
+
 ffi::Error activate_quantize(ffi::AnyBuffer h, ffi::Result<ffi::AnyBuffer> a, ffi::Result<ffi::AnyBuffer> q,
                              ffi::ResultBuffer<ffi::F32> scales, int32_t activation, bool pow2_scale) {
   auto p = ffi_args::decode_fp8_activate_quantize(h, *a, *q, *scales, activation, pow2_scale);
@@ -42,3 +51,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaQuantizeFp8BlocksCpu, moe_xla::quantize_fp8_
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaActivateQuantizeFp8Cpu, moe_xla::activate_quantize,
                               moe_xla::ffi_args::bind_fp8_activate_quantize(ffi::Ffi::Bind()));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaQuantizeFp8GroupColsCpu, moe_xla::quantize_group_cols,
+                              moe_xla::ffi_args::bind_fp8_group_cols(ffi::Ffi::Bind()));

@@ -176,8 +176,8 @@ def moe(x, router_logits, w_in, w_out, *, top_k, activation="swiglu", score="sof
 #                            dgrad multiplies by the same blocks transposed (q and scales
 #                            swapped along their last two axes), so weights are quantised once.
 #   quantize_fp8_group_cols  128 x 1 tiles along M of [M, K] that restart at every group
-#                            boundary: x and dy of an FP8 wgrad (the contraction is M,
-#                            per group). Needed only if the wgrad is FP8 (item 3).
+#                            boundary, written transposed: x and dy of the FP8 wgrad
+#                            tgmm_fp8 (the contraction is M, per group).
 
 FP8_TILE = 128
 FP8_MAX = 448.0
@@ -267,30 +267,50 @@ def activate_quantize_fp8(h, *, activation: str, pow2_scale=False):
     return (a, *quantize_fp8_rows(a, pow2_scale=pow2_scale))
 
 
+def _group_col_segments(group_sizes, m: int):
+    """The G + 1 segments of the wgrad tiling, in row order: the groups (clamped as
+    common/grouped_gemm.h), then the rows past the last group. -> (start, first_tile,
+    tiles), each [G + 1] int32: segment s has tiles = ceil(len_s / 128) tiles of 128 rows
+    from its first row, numbered first_tile .. first_tile + tiles - 1 (a running sum)."""
+    ends = group_ends(group_sizes, m)
+    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends])
+    lengths = jnp.concatenate([ends, jnp.full((1,), m, jnp.int32)]) - starts
+    tiles = -(-lengths // FP8_TILE)
+    return starts, jnp.cumsum(tiles) - tiles, tiles
+
+
+def fp8_group_col_columns(group_sizes, m: int):
+    """The column of q_t (quantize_fp8_group_cols) each of the m rows goes to: row r of
+    segment s, r = start_s + i, is column i % 128 of its tile first_tile_s + i // 128, i.e.
+    column 128 first_tile_s + i. -> [M] int32, all below 128 (ceil(M/128) + G)."""
+    starts, first_tile, _ = _group_col_segments(group_sizes, m)
+    seg = row_groups(group_sizes, m)
+    return (FP8_TILE * first_tile[seg] + jnp.arange(m, dtype=jnp.int32) - starts[seg]).astype(jnp.int32)
+
+
 def fp8_group_col_tiles(group_sizes, m: int):
     """The wgrad tile of each of the m rows: rows split into the groups (clamped as
     common/grouped_gemm.h) and the rows past the last group, each segment cut into tiles of
     128 rows from its first row; tiles numbered in row order. -> [M] int32, all below
     ceil(M/128) + G (sum over the G + 1 segments of ceil(len / 128))."""
-    ends = group_ends(group_sizes, m)
-    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends])
-    lengths = jnp.concatenate([ends, jnp.full((1,), m, jnp.int32)]) - starts
-    first_tile = jnp.cumsum(-(-lengths // FP8_TILE)) - -(-lengths // FP8_TILE)
-    seg = row_groups(group_sizes, m)
-    return (first_tile[seg] + (jnp.arange(m, dtype=jnp.int32) - starts[seg]) // FP8_TILE).astype(jnp.int32)
+    return fp8_group_col_columns(group_sizes, m) // FP8_TILE
 
 
 def quantize_fp8_group_cols(x, group_sizes, *, pow2_scale=False):
-    """x [M, K], group_sizes [G] -> (q [M, K] float8_e4m3fn, scales [ceil(M/128) + G, K]
-    float32): one scale per column per 128-row tile of fp8_group_col_tiles (tiles restart
-    at every group boundary); x[r, k] ~ q[r, k] * scales[tile(r), k]. Scale rows of no tile
-    are 1."""
+    """x [M, K], group_sizes [G] -> (q_t [K, 128 T] float8_e4m3fn, scales [T, K] float32),
+    T = ceil(M/128) + G: x in 128 x 1 tiles along M that restart at every group boundary
+    (common/fp8_blockwise.h, Fp8GroupColsParams), written transposed. One scale per column
+    per tile of fp8_group_col_tiles; row r is column col(r) = fp8_group_col_columns(r) of
+    q_t, in tile col(r) // 128: x[r, k] ~ q_t[k, col(r)] * scales[col(r) // 128, k].
+    Columns of no row are 0, scale rows of no tile 1."""
     m, k = x.shape
-    tile = fp8_group_col_tiles(group_sizes, m)
-    rows = _fp8_tiles(m) + group_sizes.shape[0]
-    amax = jnp.zeros((rows, k), jnp.float32).at[tile].max(fp8_magnitude(x))
+    cols = fp8_group_col_columns(group_sizes, m)
+    tile = cols // FP8_TILE
+    t = _fp8_tiles(m) + group_sizes.shape[0]
+    amax = jnp.zeros((t, k), jnp.float32).at[tile].max(fp8_magnitude(x))
     scales = fp8_scale(amax, pow2_scale)
-    return fp8_quantize(x, scales[tile]), scales
+    q = fp8_quantize(x, scales[tile])
+    return jnp.zeros((k, FP8_TILE * t), q.dtype).at[:, cols].set(q.T), scales
 
 
 def dequantize_fp8_rows(q, scales, dtype=jnp.float32):
@@ -305,9 +325,12 @@ def dequantize_fp8_blocks(q, scales, dtype=jnp.float32):
     return (q.astype(jnp.float32) * s).astype(dtype)
 
 
-def dequantize_fp8_group_cols(q, scales, group_sizes, dtype=jnp.float32):
-    """q [M, K] * scales[tile(r)] (fp8_group_col_tiles), in float32."""
-    return (q.astype(jnp.float32) * scales[fp8_group_col_tiles(group_sizes, q.shape[0])]).astype(dtype)
+def dequantize_fp8_group_cols(q_t, scales, group_sizes, m: int, dtype=jnp.float32):
+    """The [M, K] that quantize_fp8_group_cols of m rows gave (q_t [K, 128 T], scales [T, K])
+    for: x[r, k] = q_t[k, col(r)] * scales[col(r) // 128, k] in float32 (col:
+    fp8_group_col_columns)."""
+    cols = fp8_group_col_columns(group_sizes, m)
+    return (q_t[:, cols].T.astype(jnp.float32) * scales[cols // FP8_TILE]).astype(dtype)
 
 
 def gmm_fp8(lhs, lhs_scales, rhs, rhs_scales, group_sizes, *, preferred_element_type=jnp.bfloat16, path="auto"):
@@ -342,3 +365,126 @@ def gmm_fp8(lhs, lhs_scales, rhs, rhs_scales, group_sizes, *, preferred_element_
 
     out, _ = jax.lax.scan(add_group, jnp.zeros((m, n), jnp.float32), jnp.arange(num_groups))
     return out.astype(preferred_element_type)
+
+
+# --- a float32 fma in jnp ----------------------------------------------------------------
+#
+# jnp has no fused multiply-add, and XLA decides alone whether a * b + c is one fma (XLA:CPU
+# contracts it where the CPU has FMA, even across an optimization_barrier) or two roundings.
+# fma_f32 gets the single rounding whatever XLA does: its only float products are exact (by
+# powers of two), so contracting them into an addition changes nothing.
+
+
+def _pow2(e):
+    """2^e in float32, built from its bits, for int32 e in [-126, 127]."""
+    return _bits_f32(((e + 127) << 23).astype(jnp.uint32))
+
+
+def _times_pow2(x, e):
+    """x * 2^e for int32 e, exact while the result is a normal float32: two products by
+    powers of two, each within float32's exponent range."""
+    e = jnp.clip(e, -252, 254)
+    half = e >> 1
+    return x * _pow2(half) * _pow2(e - half)
+
+
+def _exact_product(a, b):
+    """(hi, lo) with hi = fl(a * b) and hi + lo = a * b exactly, for normal float32 a and b
+    (and hi, lo clear of underflow): the 48-bit product of the 24-bit significands in 12-bit
+    integer limbs, rounded to 24 bits to nearest even in integers."""
+    ba, bb = _f32_bits(a), _f32_bits(b)
+    ma, mb = (ba & 0x7FFFFF) | 0x800000, (bb & 0x7FFFFF) | 0x800000
+    ah, al, bh, bl = ma >> 12, ma & 0xFFF, mb >> 12, mb & 0xFFF
+    mid = ah * bl + al * bh                          # < 2^25
+    low = al * bl + ((mid & 0xFFF) << 12)            # < 2^25
+    top = ah * bh + (mid >> 12) + (low >> 24)        # ma * mb >> 24, in [2^22, 2^24)
+    low = low & 0xFFFFFF                             # ma * mb mod 2^24
+    wide = (top >> 23) == 1                          # a 48-bit product (else 47 bits)
+    keep = jnp.where(wide, top, (top << 1) | (low >> 23))           # its top 24 bits
+    rest = jnp.where(wide, low, low & 0x7FFFFF)                     # the bits below them
+    half = jnp.where(wide, jnp.uint32(1 << 23), jnp.uint32(1 << 22))
+    up = (rest > half) | ((rest == half) & ((keep & 1) == 1))
+    hi = (keep + up.astype(jnp.uint32)).astype(jnp.float32)
+    lo = (rest.astype(jnp.int32) - jnp.where(up, 2 * half.astype(jnp.int32), 0)).astype(jnp.float32)
+    # a * b = ma * mb * 2^(ea + eb - 300) with ea, eb the biased exponent fields.
+    exp = ((ba >> 23) & 0xFF).astype(jnp.int32) + ((bb >> 23) & 0xFF).astype(jnp.int32) - 300
+    sign = jnp.where(((ba ^ bb) >> 31) == 1, jnp.float32(-1.0), jnp.float32(1.0))
+    return sign * _times_pow2(hi, exp + 23 + wide.astype(jnp.int32)), sign * _times_pow2(lo, exp)
+
+
+def _two_sum(a, b):
+    """(s, e) with s = fl(a + b) and s + e = a + b exactly (Knuth; additions only)."""
+    s = a + b
+    b_virtual = s - a
+    return s, (a - (s - b_virtual)) + (b - b_virtual)
+
+
+def _add_round_odd(a, b):
+    """a + b rounded to odd: the float32 next to a + b whose last significand bit is 1,
+    unless a + b is exact in float32."""
+    s, e = _two_sum(a, b)
+    bits = _f32_bits(s)
+    toward_e = jnp.where((bits >> 31) == (_f32_bits(e) >> 31), bits + 1, bits - 1)
+    return jnp.where((e != 0) & ((bits & 1) == 0), _bits_f32(toward_e), s)
+
+
+def _is_normal(x):
+    exponent = (_f32_bits(x) >> 23) & 0xFF
+    return (exponent > 0) & (exponent < 255)
+
+
+def fma_f32(a, b, c):
+    """fl(a * b + c) in float32 with one rounding (to nearest even), as std::fma / CUDA's
+    fmaf, whether or not XLA contracts products into sums. Boldo and Melquiond's emulation
+    ("Emulation of FMA and correctly rounded sums: proved algorithms using rounding to
+    odd", IEEE TC 2008): a * b = hi + lo exactly, c + hi = th + tl exactly, then
+    fl(th + round_to_odd(tl + lo)). Exact for normal a and b and finite c while the
+    intermediate values stay normal (|a * b| and |c| above about 2^-100, where XLA:CPU's
+    flushing of subnormals would cut the error terms); zeros, infinities and NaN take the
+    plain a * b + c, which rounds the same either way."""
+    hi, lo = _exact_product(a, b)
+    th, tl = _two_sum(c, hi)
+    fused = th + _add_round_odd(tl, lo)
+    return jnp.where(_is_normal(a) & _is_normal(b) & jnp.isfinite(c), fused, a * b + c)
+
+
+def tgmm_fp8(lhs_t, lhs_scales, rhs_t, rhs_scales, group_sizes, *, rows, preferred_element_type=jnp.float32,
+             path="auto"):
+    """The FP8 wgrad of common/fp8_grouped_gemm.h (Fp8WgradParams), in its order exactly.
+
+    lhs_t [K, 128 T] and rhs_t [N, 128 T] float8_e4m3fn with lhs_scales [T, K] and
+    rhs_scales [T, N] float32: quantize_fp8_group_cols of x [M, K] and dy [M, N] with the
+    same group_sizes [G], M = rows, T = ceil(rows/128) + G. For group g, over its tiles t
+    in order (fp8_group_col_tiles of its rows):
+        P_t[k, n] = the float32 sum over the tile's 128 columns c, in order, of
+                    lhs_t[k, c] * rhs_t[n, c]                       (each product exact)
+        acc       = fma_f32(fl(P_t[k, n] * lhs_scales[t, k]), rhs_scales[t, n], acc),  acc_0 = 0
+    -> out [G, K, N]: acc rounded to preferred_element_type; 0 for a group with no rows.
+    Bitwise the CPU kernel's (and the CUDA SIMT path's) within fma_f32's range; `path`
+    (the CUDA kernel choice of the primitive) does not change the result.
+    """
+    del path
+    k, width = lhs_t.shape
+    n = rhs_t.shape[0]
+    t = width // FP8_TILE
+    g = group_sizes.shape[0]
+    # Columns first, [128, T, K] and [128, T, N]: one scan step adds column c of every tile.
+    a = lhs_t.astype(jnp.float32).reshape(k, t, FP8_TILE).transpose(2, 1, 0)
+    b = rhs_t.astype(jnp.float32).reshape(n, t, FP8_TILE).transpose(2, 1, 0)
+
+    def add_column(p, column):
+        a_c, b_c = column
+        return p + a_c[:, :, None] * b_c[:, None, :], None
+
+    p, _ = jax.lax.scan(add_column, jnp.zeros((t, k, n), jnp.float32), (a, b))
+    terms = p * lhs_scales[:, :, None]  # fl(P_t[k, n] * lhs_scales[t, k])
+    # The group each tile belongs to; G for the rows past the groups and for unused tiles.
+    _, first_tile, tiles = _group_col_segments(group_sizes, rows)
+    owner = jnp.minimum(jnp.searchsorted(first_tile + tiles, jnp.arange(t, dtype=jnp.int32), side="right"), g)
+
+    def add_tile(out, tile):
+        term, scale, o = tile
+        return out.at[o].set(fma_f32(term, scale[None, :], out[o])), None
+
+    out, _ = jax.lax.scan(add_tile, jnp.zeros((g + 1, k, n), jnp.float32), (terms, rhs_scales, owner))
+    return out[:g].astype(preferred_element_type)

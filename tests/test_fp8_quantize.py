@@ -198,24 +198,34 @@ def test_reference_is_the_contract_in_numpy(rng, dtype, pow2):
 
 def test_group_col_tiles_restart_at_group_boundaries(rng):
     """The wgrad tiling: 128-row tiles from each group's first row (rows past the last group
-    form one more segment); every scale is its tile's, unused scale rows are 1."""
+    form one more segment), written transposed: row start + i of a segment whose first
+    tile is t0 is column 128 t0 + i of q_t. Every scale is its tile's, unused scale rows
+    are 1, columns of no row 0; dequantize_fp8_group_cols reads the same layout back."""
     m, k = 400, 6
     group_sizes = np.array([0, 130, 3, 200], np.int32)
     x = tricky(rng, (m, k), jnp.float32)
     # On the CPU, as the other checks of the reference against numpy: XLA:GPU's scatter
     # fusion gave scales one ulp above fl(amax / 448) (H200, jax 0.11.2).
     cols = lambda v: reference.quantize_fp8_group_cols(v, jnp.asarray(group_sizes))  # noqa: E731
-    q, scales = (np.asarray(a) for a in _reference_on("cpu", cols, x))
+    q_t, scales = (np.asarray(a) for a in _reference_on("cpu", cols, x))
     starts = [0, 0, 130, 133, 333]
     ends = [0, 130, 133, 333, 400]
     tile_rows = [range(s, min(s + 128, e)) for s, e in zip(starts, ends) for s in range(s, e, 128)]
-    assert scales.shape == (-(-m // 128) + 4, k) and len(tile_rows) == 6
+    tiles = -(-m // 128) + 4
+    assert scales.shape == (tiles, k) and q_t.shape == (k, 128 * tiles) and len(tile_rows) == 6
     x32 = np.asarray(x)
     for t, rows in enumerate(tile_rows):
         want = _numpy_scale(_numpy_magnitude(x32[list(rows)]).max(axis=0), False)
         np.testing.assert_array_equal(_bits(scales[t]), _bits(want))
-        np.testing.assert_array_equal(_bits(q[list(rows)]), _bits(_numpy_quantize(x32[list(rows)], want)))
+        block = q_t[:, 128 * t: 128 * (t + 1)]
+        np.testing.assert_array_equal(_bits(block[:, :len(rows)]).T, _bits(_numpy_quantize(x32[list(rows)], want)))
+        np.testing.assert_array_equal(_bits(block[:, len(rows):]), 0)
     np.testing.assert_array_equal(np.asarray(scales[len(tile_rows):]), 1.0)
+    np.testing.assert_array_equal(_bits(q_t[:, 128 * len(tile_rows):]), 0)
+    back = np.asarray(reference.dequantize_fp8_group_cols(q_t, scales, jnp.asarray(group_sizes), m))
+    finite = np.isfinite(x32) & (np.abs(x32) < 1e30)
+    per_row = np.stack([scales[t] for t, rows in enumerate(tile_rows) for _ in rows])
+    assert np.all(np.abs(back - x32)[finite] <= (16 * per_row)[finite])
 
 
 def test_dequantized_values_are_within_half_an_e4m3_step(rng):

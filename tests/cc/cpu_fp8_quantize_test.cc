@@ -1,4 +1,5 @@
-// The FP8 rules of common/fp8_blockwise.h against brute force, and the CPU kernel's tiling.
+// The FP8 rules of common/fp8_blockwise.h against brute force, and the CPU kernels' tilings
+// (rows, blocks, and the wgrad's group column tiles written transposed).
 //
 // e4m3: the 126 positive finite float8_e4m3fn values are written down from the format's
 // definition (ldexp, double precision); for every float32 in [2^-12, 480] (both signs) and
@@ -134,6 +135,48 @@ void test_kernel() {
   check(q[row * n + 3] == fp8::fp8_e4m3_from_float(7.0f * 64), "row element", 0);
 }
 
+// x [300, 3] in group column tiles with group sizes {0, 130, -4, 3}: segments (start, rows,
+// first tile) (0, 130, 0), (130, 3, 2) and the rows past the groups (133, 167, 3), written
+// down here rather than derived; T = 3 + 4 = 7 tiles, of which 5 and 6 hold no row.
+void test_group_cols() {
+  const int64_t rows = 300, cols = 3, tiles = 7, width = 128 * tiles;
+  std::vector<float> x(rows * cols);
+  for (int64_t i = 0; i < rows * cols; ++i) x[i] = static_cast<float>((i * 37) % 101) - 50.0f;
+  x[131 * cols + 1] = NAN;  // ignored by its tile's amax, the NaN code in q_t
+  const int32_t group_sizes[] = {0, 130, -4, 3};
+  std::vector<uint8_t> q_t(cols * width, 0xAA);
+  std::vector<float> scales(tiles * cols, -1.0f);
+  Fp8GroupColsParams p{x.data(), DType::kF32, group_sizes, 4, q_t.data(), scales.data(), rows, cols, false};
+  cpu::fp8_quantize_group_cols(p);
+  std::vector<bool> written(cols * width, false), scaled(tiles, false);
+  const int64_t segments[][3] = {{0, 130, 0}, {130, 3, 2}, {133, 167, 3}};
+  for (const auto& seg : segments) {
+    for (int64_t i0 = 0; i0 < seg[1]; i0 += 128) {
+      const int64_t t = seg[2] + i0 / 128, n = std::min<int64_t>(128, seg[1] - i0);
+      scaled[t] = true;
+      for (int64_t c = 0; c < cols; ++c) {
+        float amax = 0.0f;
+        for (int64_t i = i0; i < i0 + n; ++i) amax = std::max(amax, fp8::tile_magnitude(x[(seg[0] + i) * cols + c]));
+        const float scale = fp8::scale_from_amax(amax, false);
+        check(scales[t * cols + c] == scale, "group column tile scale", static_cast<double>(t));
+        for (int64_t i = i0; i < i0 + n; ++i) {
+          const int64_t at = c * width + 128 * t + (i - i0);
+          written[at] = true;
+          check(q_t[at] == fp8::quantize_element(x[(seg[0] + i) * cols + c], scale), "group column element",
+                static_cast<double>(seg[0] + i));
+        }
+      }
+    }
+  }
+  for (int64_t i = 0; i < cols * width; ++i) {
+    if (!written[i]) check(q_t[i] == 0, "column of no row is 0", static_cast<double>(i));
+  }
+  for (int64_t t = 0; t < tiles; ++t) {
+    for (int64_t c = 0; c < cols && !scaled[t]; ++c) check(scales[t * cols + c] == 1.0f, "tile of no row: scale 1", t);
+  }
+  check(q_t[1 * width + 128 * 2 + 1] == 0x7f, "NaN in group 3's tile", 131);
+}
+
 }  // namespace
 
 int main() {
@@ -144,6 +187,7 @@ int main() {
   test_scale();
   test_element();
   test_kernel();
+  test_group_cols();
   std::printf("%s: %d failures\n", failures ? "FAIL" : "PASS", failures);
   return failures ? 1 : 0;
 }
