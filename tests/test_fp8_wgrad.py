@@ -8,17 +8,22 @@ inf tiles, rounding ties, huge values) with groups of 0, 1, 127, 128, 129 and 30
 summing to less and to more than M (clamped), M not a multiple of 128, K not a multiple of
 8 nor of 128. The wgrad's CPU kernel bitwise against the reference (its sequential tile sums
 and its fma) and against a numpy emulation of the contract's order that shares no code with
-either; the reference's fma against exact rational arithmetic; the product against the
-float64 product of the dequantised operands; empty groups and tiles outside every group;
-on the GPU, the SIMT path bitwise and the CUTLASS path within the bound its docstring
-states. Rules: vmap against a loop, sharding along K (and N) against one device, errors
+either; the reference's fma against exact rational arithmetic, and the reference again in
+a process whose XLA uses no FMA instruction (XLA:CPU contracts a * b + c where it may, which
+would hide a reference that leans on it); the product against the float64 product of the
+dequantised operands; empty groups and tiles outside every group; on the GPU, the SIMT
+path bitwise and the CUTLASS path within the bound its docstring states. Rules: vmap against a loop, sharding along K (and N) against one device, errors
 naming the argument, in Python and in the FFI handlers.
 """
 
 from __future__ import annotations
 
 import functools
+import os
+import subprocess
+import sys
 from fractions import Fraction
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -156,10 +161,11 @@ def _nearest_f32(q: Fraction) -> np.float32:
     return min(candidates, key=lambda v: (abs(Fraction(float(v)) - q), int(_bits(v)) & 1))
 
 
-def test_reference_fma_is_one_rounding(rng):
+def _check_reference_fma(rng) -> bool:
     """fma_f32 against a * b + c in exact rational arithmetic rounded once, on products
     whose 48-bit significand is an exact float32 midpoint, with addends far below them (the
-    case a long double fma gets wrong), and on near cancellations and random addends."""
+    case a long double fma gets wrong), and on near cancellations and random addends.
+    Returns whether XLA made a plain jitted a * b + c the same single rounding."""
     n = 1500
     a = ((rng.integers(2 ** 23, 2 ** 24, n) | 1) * 2.0 ** rng.integers(-30, -10, n)).astype(np.float32)
     b = (np.where(rng.integers(0, 2, n) == 1, 1.5, 1.0 + rng.uniform(0, 1, n)) * 2.0 ** rng.integers(-10, 10, n)
@@ -169,11 +175,31 @@ def test_reference_fma_is_one_rounding(rng):
     c = np.where(kind == 0, p * 2.0 ** -rng.integers(25, 70, n) * rng.choice([-1.0, 1.0], n),
                  np.where(kind == 1, -p * (1 + rng.integers(-3, 4, n) * 2.0 ** -23),
                           rng.standard_normal(n) * np.abs(p) * 2.0 ** rng.integers(-30, 30, n))).astype(np.float32)
-    out = np.asarray(_on("cpu", reference.fma_f32, jnp.asarray(a), jnp.asarray(b), jnp.asarray(c)))
     want = np.array([_nearest_f32(Fraction(float(x)) * Fraction(float(y)) + Fraction(float(z)))
                      for x, y, z in zip(a, b, c)], np.float32)
-    np.testing.assert_array_equal(_bits(out), _bits(want))
     assert np.sum(_bits((a * b) + c) != _bits(want)) > n // 10, "the data should tell one rounding from two"
+    args = (jnp.asarray(a), jnp.asarray(b), jnp.asarray(c))
+    np.testing.assert_array_equal(_bits(_on("cpu", reference.fma_f32, *args)), _bits(want))
+    return np.array_equal(_bits(_on("cpu", lambda x, y, z: x * y + z, *args)), _bits(want))
+
+
+def test_reference_fma_is_one_rounding(rng):
+    _check_reference_fma(rng)
+
+
+def test_reference_needs_no_fma_instruction():
+    """XLA:CPU contracts a * b + c into one FMA instruction where the CPU has one, which
+    would hide a reference that leans on it. In a process whose XLA may use no FMA
+    instruction (--xla_cpu_max_isa=SSE4_2) a plain a * b + c rounds twice, and fma_f32 and
+    the wgrad reference (against the CPU kernel) are still exact."""
+    code = ("import numpy as np, jax.numpy as jnp, test_fp8_wgrad as t; rng = np.random.default_rng(7); "
+            "assert not t._check_reference_fma(rng), 'XLA contracted a * b + c'; "
+            "t.test_cpu_kernel_is_the_reference_bitwise(rng, t.TGMM_CASES[0], jnp.float32)")
+    here = Path(__file__).parent
+    path = os.pathsep.join(p for p in (str(Path(moe_xla.__file__).parents[1]), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "XLA_FLAGS": "--xla_cpu_max_isa=SSE4_2", "JAX_PLATFORMS": "cpu", "PYTHONPATH": path}
+    run = subprocess.run([sys.executable, "-c", code], cwd=here, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
 
 
 def _dequantised_products(ops, sizes, m):
