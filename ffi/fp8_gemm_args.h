@@ -88,9 +88,9 @@ inline ffi::ErrorOr<Fp8WgradParams> decode_fp8_wgrad(ffi::AnyBuffer lhs_t, ffi::
   for (auto [name, b, dim] : {std::tuple{"lhs_t", lhs_t, "K"}, std::tuple{"rhs_t", rhs_t, "N"}}) {
     const auto dims = b.dimensions();
     if (dims.size() != 2 || dims[1] != fp8::kTile * tiles) {
-      return invalid(std::string(name) + ": expected shape [" + dim + ", " + width + "] (128 T, T = ceil(rows / 128) + G = " +
-                     std::to_string(tiles) + " for rows " + std::to_string(rows) + ", G " +
-                     std::to_string(p.num_groups) + "), got " + shape_string(dims));
+      return invalid(std::string(name) + ": expected shape [" + dim + ", " + width +
+                     "] (128 T, T = ceil(rows / 128) + G = " + std::to_string(tiles) + " for rows " +
+                     std::to_string(rows) + ", G " + std::to_string(p.num_groups) + "), got " + shape_string(dims));
     }
     if (auto e = expect_fp8(name, b); e.failure()) return ffi::Unexpected<ffi::Error>(std::move(e));
   }

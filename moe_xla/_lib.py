@@ -35,10 +35,11 @@ _SYMBOLS = {
     for platform in ("cpu", "cuda")
 }
 # FP8 ops (common/fp8_blockwise.h, fp8_grouped_gemm.h): symbols in CamelCase,
-# MoeXlaQuantizeFp8RowsCpu, MoeXlaActivateQuantizeFp8Cpu, MoeXlaGmmFp8Cuda.
+# MoeXlaQuantizeFp8RowsCpu, MoeXlaActivateQuantizeFp8Cpu, MoeXlaGmmFp8Cuda, MoeXlaTgmmFp8Cpu.
 _SYMBOLS.update({
     (op, platform): f"MoeXla{op.title().replace('_', '')}{platform.capitalize()}"
-    for op in ("quantize_fp8_rows", "quantize_fp8_blocks", "activate_quantize_fp8", "gmm_fp8")
+    for op in ("quantize_fp8_rows", "quantize_fp8_blocks", "quantize_fp8_group_cols", "activate_quantize_fp8",
+               "gmm_fp8", "tgmm_fp8")
     for platform in ("cpu", "cuda")
 })
 
@@ -125,7 +126,7 @@ def require_kernel(op: str, platform: str) -> str:
     """Returns the FFI target name of `op` on `platform`, or raises with build instructions
     (or, for CUDA, when a local GPU has no kernel image for it)."""
     if platform == "cuda":
-        _check_cuda_devices(op in ("gmm", "tgmm", "gmm_fp8"))
+        _check_cuda_devices(op in ("gmm", "tgmm", "gmm_fp8", "tgmm_fp8"))
     if _load() is None:
         raise RuntimeError(f"{_BUILD_HINT} (looked at {library_path()})")
     if not has_kernel(op, platform):

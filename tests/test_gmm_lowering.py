@@ -1,5 +1,5 @@
 """HLO of jitted gmm code shows the versioned custom calls; the reference lowering is opt-in;
-gmm_fp8's path names match the CUDA sources (a source-tree check)."""
+gmm_fp8's and tgmm_fp8's path names match the CUDA sources (a source-tree check)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import pytest
 import moe_xla
 from moe_xla import _lib
 from moe_xla.primitives import gmm_fp8 as gmm_fp8_module
+from moe_xla.primitives import tgmm_fp8 as tgmm_fp8_module
 
 PLATFORM = "cuda" if jax.default_backend() == "gpu" else "cpu"
 
@@ -62,3 +63,13 @@ def test_paths_name_the_cuda_kernels_in_attribute_order():
     order = re.findall(r"Fp8GemmPath::(k\w+),", listed[:listed.index("};")])
     names = dict(re.findall(r'case Fp8GemmPath::(k\w+): return "(\w+)";', (cuda / "fp8_grouped_gemm.cu").read_text()))
     assert gmm_fp8_module.PATHS == (names["kAuto"], *(names[k] for k in order))
+
+
+def test_wgrad_paths_name_the_cuda_enum_in_value_order():
+    """tgmm_fp8's PATHS[i] is cuda::Fp8WgradPath value i (cuda/fp8_wgrad.h), named by its
+    enumerator without the k, and kFp8WgradPathCount (the handler's range) counts them all."""
+    header = (Path(__file__).resolve().parents[1] / "cuda" / "fp8_wgrad.h").read_text()
+    body = header[header.index("enum class Fp8WgradPath"):]
+    values = {int(v): name.lower() for name, v in re.findall(r"\bk(\w+) = (\d+)", body[:body.index("};")])}
+    assert tgmm_fp8_module.PATHS == tuple(values[i] for i in range(len(values)))
+    assert int(re.search(r"kFp8WgradPathCount = (\d+);", header).group(1)) == len(tgmm_fp8_module.PATHS)

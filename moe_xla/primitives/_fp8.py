@@ -1,5 +1,6 @@
-"""What the FP8 quantisation primitives share: their outputs' avals, the error raised when
-one is differentiated, and the typed FFI attribute.
+"""What the FP8 primitives share: the avals of the quantisations' outputs, the checks of
+quantised operands, their scales and the products' options, the error raised when one is
+differentiated, and the typed FFI attribute.
 
 Quantisation is not differentiable here, by choice: q is piecewise constant in x (zero
 derivative almost everywhere) and a straight-through estimate is a modelling decision
@@ -15,6 +16,7 @@ import jax.numpy as jnp
 
 FP8_DTYPE = jnp.dtype(jnp.float8_e4m3fn)
 TILE = 128
+PRODUCT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))  # the FP8 products' outputs
 
 
 def tiles(n: int) -> int:
@@ -22,9 +24,37 @@ def tiles(n: int) -> int:
     return -(-n // TILE)
 
 
-def outputs(x_shape, scales_shape):
-    """(q of x's shape in float8_e4m3fn, float32 scales)."""
-    return [jax.core.ShapedArray(tuple(x_shape), FP8_DTYPE), jax.core.ShapedArray(tuple(scales_shape), jnp.float32)]
+def outputs(q_shape, scales_shape):
+    """(float8_e4m3fn q, float32 scales) of the given shapes."""
+    return [jax.core.ShapedArray(tuple(q_shape), FP8_DTYPE), jax.core.ShapedArray(tuple(scales_shape), jnp.float32)]
+
+
+def product_dtype(op: str, preferred_element_type):
+    """The output dtype of an FP8 product: bfloat16 or float32."""
+    dt = jnp.dtype(preferred_element_type)
+    if dt not in PRODUCT_DTYPES:
+        raise TypeError(f"{op}: expected preferred_element_type bfloat16 or float32, got {dt}")
+    return dt
+
+
+def check_path(op: str, paths: tuple, path) -> None:
+    """An FP8 product's CUDA kernel choice: one of `paths`."""
+    if path not in paths:
+        raise ValueError(f"{op}: expected path in {paths}, got {path!r}")
+
+
+def check_operand(op: str, name: str, x) -> None:
+    """A quantised operand: float8_e4m3fn."""
+    if jnp.dtype(x.dtype) != FP8_DTYPE:
+        raise TypeError(f"{op}: expected {name} of dtype float8_e4m3fn, got {x.dtype}")
+
+
+def check_scales(op: str, name: str, s, shape) -> None:
+    """The scales of a quantised operand: float32 of `shape`."""
+    if jnp.dtype(s.dtype) != jnp.dtype(jnp.float32):
+        raise TypeError(f"{op}: expected float32 {name}, got {s.dtype}")
+    if tuple(s.shape) != tuple(shape):
+        raise ValueError(f"{op}: expected {name} of shape {tuple(shape)}, got {tuple(s.shape)}")
 
 
 def not_differentiable(op: str, why: str = ""):

@@ -33,8 +33,11 @@ _REFERENCE = {
     "unpermute": lambda y_sorted, row_map, weights, *, unique_rows: reference.unpermute(y_sorted, row_map, weights),
     "quantize_fp8_rows": lambda x, *, pow2_scale: list(reference.quantize_fp8_rows(x, pow2_scale=pow2_scale)),
     "quantize_fp8_blocks": lambda w, *, pow2_scale: list(reference.quantize_fp8_blocks(w, pow2_scale=pow2_scale)),
+    "quantize_fp8_group_cols": lambda x, group_sizes, *, pow2_scale: list(
+        reference.quantize_fp8_group_cols(x, group_sizes, pow2_scale=pow2_scale)),
     "activate_quantize_fp8": lambda h, **params: list(reference.activate_quantize_fp8(h, **params)),
     "gmm_fp8": reference.gmm_fp8,
+    "tgmm_fp8": reference.tgmm_fp8,
 }
 
 
@@ -90,3 +93,8 @@ def grouped_gemm_workspace(lhs, rhs, group_sizes, **_) -> int:
 def fp8_gemm_workspace(lhs, lhs_scales, rhs, rhs_scales, group_sizes, **_) -> int:
     """Workspace bytes of the CUDA gmm_fp8 handler: a bound that depends on G only."""
     return _lib.cuda_workspace_bytes("MoeXlaGmmFp8WorkspaceBytes", group_sizes.shape[0])
+
+
+def fp8_wgrad_workspace(lhs_t, lhs_scales, rhs_t, rhs_scales, group_sizes, **_) -> int:
+    """Workspace bytes of the CUDA tgmm_fp8 handler: a bound that depends on G only."""
+    return _lib.cuda_workspace_bytes("MoeXlaTgmmFp8WorkspaceBytes", group_sizes.shape[0])

@@ -36,44 +36,27 @@ from moe_xla.primitives import _batching, _checks, _fp8, _impl, _lowering, _shar
 
 gmm_fp8_p = Primitive("moe_xla_gmm_fp8")
 
-OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
-
 # The kernels by their attribute value (cuda::Fp8GemmPath in cuda/fp8_grouped_gemm.h).
 PATHS = ("auto", "simt", "cutlass_coop128x128_1x2", "cutlass_coop128x128_2x1", "cutlass_pingpong64x128_1x1")
 
 
 def gmm_fp8(lhs, lhs_scales, rhs, rhs_scales, group_sizes, *, preferred_element_type=jnp.bfloat16, path="auto"):
     """out[rows of g] = dequant(lhs)[rows of g] @ dequant(rhs[g])^T blockwise. See the module docstring."""
-    out_dtype = jnp.dtype(preferred_element_type)
-    if out_dtype not in OUT_DTYPES:
-        raise TypeError(f"gmm_fp8: expected preferred_element_type bfloat16 or float32, got {out_dtype}")
-    if path not in PATHS:
-        raise ValueError(f"gmm_fp8: expected path in {PATHS}, got {path!r}")
+    out_dtype = _fp8.product_dtype("gmm_fp8", preferred_element_type)
+    _fp8.check_path("gmm_fp8", PATHS, path)
     return gmm_fp8_p.bind(lhs, lhs_scales, rhs, rhs_scales, group_sizes, preferred_element_type=out_dtype, path=path)
-
-
-def _fp8_operand(name, x):
-    if jnp.dtype(x.dtype) != _fp8.FP8_DTYPE:
-        raise TypeError(f"gmm_fp8: expected {name} of dtype float8_e4m3fn, got {x.dtype}")
-
-
-def _scales(name, s, shape):
-    if jnp.dtype(s.dtype) != jnp.dtype(jnp.float32):
-        raise TypeError(f"gmm_fp8: expected float32 {name}, got {s.dtype}")
-    if tuple(s.shape) != tuple(shape):
-        raise ValueError(f"gmm_fp8: expected {name} of shape {tuple(shape)}, got {tuple(s.shape)}")
 
 
 def _abstract_eval(lhs, lhs_scales, rhs, rhs_scales, group_sizes, *, preferred_element_type, path):
     _checks.rank("gmm_fp8", "lhs", lhs, 2, "[M, K]")
     _checks.rank("gmm_fp8", "rhs", rhs, 3, "[G, N, K]")
-    _fp8_operand("lhs", lhs)
-    _fp8_operand("rhs", rhs)
+    _fp8.check_operand("gmm_fp8", "lhs", lhs)
+    _fp8.check_operand("gmm_fp8", "rhs", rhs)
     m, k = lhs.shape
     g, n, rhs_k = rhs.shape
     _checks.dim("gmm_fp8", "rhs.shape[2] (K of lhs [M, K])", k, rhs_k)
-    _scales("lhs_scales", lhs_scales, (m, _fp8.tiles(k)))
-    _scales("rhs_scales", rhs_scales, (g, _fp8.tiles(k), _fp8.tiles(n)))
+    _fp8.check_scales("gmm_fp8", "lhs_scales", lhs_scales, (m, _fp8.tiles(k)))
+    _fp8.check_scales("gmm_fp8", "rhs_scales", rhs_scales, (g, _fp8.tiles(k), _fp8.tiles(n)))
     _checks.group_sizes("gmm_fp8", group_sizes, g)
     return jax.core.ShapedArray((m, n), preferred_element_type)
 
