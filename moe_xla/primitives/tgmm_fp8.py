@@ -8,7 +8,7 @@ Fp8WgradParams).
     T = ceil(rows / 128) + G
 
 For group g (its rows clamped to the M rows as gmm's), over its tiles t in row order:
-    P_t[k, n] = sum over the tile's 128 columns c of lhs_t[k, c] * rhs_t[n, c]   (float32)
+    P_t[k, n] = sum over the tile's 128 columns c, in order, of lhs_t[k, c] * rhs_t[n, c]   (float32)
     acc       = fma(fl(P_t[k, n] * lhs_scales[t, k]), rhs_scales[t, n], acc),   acc = 0 first
     out[g, k, n] = acc in preferred_element_type; 0 for a group with no rows
 so out[g] ~ x[rows of g]^T @ dy[rows of g]. Both operands must come from the same rows and
