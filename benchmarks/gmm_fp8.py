@@ -19,7 +19,9 @@ on a cooler GPU than the others):
                ranking tile configurations in the same turns ("fp8" is the heuristic's)
 Backward pair, also in turns: bf16 dgrad (gmm with the weights transposed) + bf16 wgrad
 (tgmm) against the FP8 dgrad (dy quantised inside, pre-quantised weights) + the same bf16
-wgrad; and the dgrads alone. TFLOP/s count 2 M K N per product. Each forward
+wgrad (pair_fp8) or + the FP8 wgrad with x and dy quantised in group-column tiles inside
+(pair_fp8_fp8); and the dgrads and wgrads alone (wgrad_fp8: tgmm_fp8 on pre-quantised
+operands; wgrad_fp8_quant: its quantisation included). TFLOP/s count 2 M K N per product. Each forward
 contender's output is checked against bf16 moe_xla's (<name>_rel_err), so a contender
 that computes something else shows.
 """
@@ -94,6 +96,7 @@ def _forward_contenders(lhs, rhs, gs, paths=()):
 def _backward_contenders(lhs, rhs, gs):
     wq = moe_xla.quantize_fp8_weights(rhs)
     dy = jnp.ones((lhs.shape[0], rhs.shape[2]), lhs.dtype) * 0.01
+    m = lhs.shape[0]
 
     def dgrad_bf16(dy, w, g):
         return moe_xla.gmm(dy, w, g, transpose_rhs=True)
@@ -102,17 +105,31 @@ def _backward_contenders(lhs, rhs, gs):
         q, s = moe_xla.quantize_fp8_rows(dy)
         return moe_xla.gmm_fp8(q, s, wq.data, jnp.swapaxes(wq.scales, 1, 2), g)
 
-    def pair(dgrad):
-        return lambda x, dy, w, g: (dgrad(dy, w, g), moe_xla.tgmm(x, dy, g))
+    def wgrad_bf16(x, dy, g):
+        return moe_xla.tgmm(x, dy, g)
 
+    def wgrad_fp8_quant(x, dy, g):
+        qx, sx = moe_xla.quantize_fp8_group_cols(x, g)
+        qdy, sdy = moe_xla.quantize_fp8_group_cols(dy, g)
+        return moe_xla.tgmm_fp8(qx, sx, qdy, sdy, g, rows=m, preferred_element_type=jnp.bfloat16)
+
+    def pair(dgrad, wgrad):
+        return lambda x, dy, w, g: (dgrad(dy, w, g), wgrad(x, dy, g))
+
+    ops = {"dgrad_bf16": (dgrad_bf16, (dy, rhs, gs)), "dgrad_fp8": (dgrad_fp8, (dy, wq, gs)),
+           "wgrad_bf16": (wgrad_bf16, (lhs, dy, gs)), "wgrad_fp8_quant": (wgrad_fp8_quant, (lhs, dy, gs)),
+           "pair_bf16": (pair(dgrad_bf16, wgrad_bf16), (lhs, dy, rhs, gs)),
+           "pair_fp8": (pair(dgrad_fp8, wgrad_bf16), (lhs, dy, wq, gs)),
+           "pair_fp8_fp8": (pair(dgrad_fp8, wgrad_fp8_quant), (lhs, dy, wq, gs))}
+    quantized = (*moe_xla.quantize_fp8_group_cols(lhs, gs), *moe_xla.quantize_fp8_group_cols(dy, gs))
+    ops["wgrad_fp8"] = (functools.partial(moe_xla.tgmm_fp8, rows=m, preferred_element_type=jnp.bfloat16),
+                        (*quantized, gs))
     block = jax.block_until_ready
-    comp = {name: jax.jit(fn).lower(*args).compile() for name, fn, args in (
-        ("dgrad_bf16", dgrad_bf16, (dy, rhs, gs)), ("dgrad_fp8", dgrad_fp8, (dy, wq, gs)),
-        ("pair_bf16", pair(dgrad_bf16), (lhs, dy, rhs, gs)), ("pair_fp8", pair(dgrad_fp8), (lhs, dy, wq, gs)))}
-    return {"dgrad_bf16": (lambda: comp["dgrad_bf16"](dy, rhs, gs), block),
-            "dgrad_fp8": (lambda: comp["dgrad_fp8"](dy, wq, gs), block),
-            "pair_bf16": (lambda: comp["pair_bf16"](lhs, dy, rhs, gs), block),
-            "pair_fp8": (lambda: comp["pair_fp8"](lhs, dy, wq, gs), block)}
+    impls = {}
+    for name, (fn, args) in ops.items():
+        compiled = jax.jit(fn).lower(*args).compile()
+        impls[name] = (functools.partial(compiled, *args), block)
+    return impls
 
 
 def main():
@@ -154,11 +171,15 @@ def main():
         if not args.skip_backward:
             row["dgrad_fp8_vs_bf16"] = row["dgrad_bf16_ms"] / row["dgrad_fp8_ms"]
             row["pair_fp8_vs_bf16"] = row["pair_bf16_ms"] / row["pair_fp8_ms"]
+            row["pair_fp8_fp8_vs_bf16"] = row["pair_bf16_ms"] / row["pair_fp8_fp8_ms"]
+            row["wgrad_fp8_vs_bf16"] = row["wgrad_bf16_ms"] / row["wgrad_fp8_ms"]
+            row["wgrad_fp8_quant_vs_bf16"] = row["wgrad_bf16_ms"] / row["wgrad_fp8_quant_ms"]
         rows.append(row)
         print(row, flush=True)
     columns = ["case", "groups", "bf16_tflops", "fp8_tflops", "fp8_quant_tflops", "torch_bf16_tflops",
                "torch_fp8_tflops", "fp8_rel_err", "torch_bf16_rel_err", "torch_fp8_rel_err", "fp8_vs_bf16", "fp8_quant_vs_bf16", "fp8_vs_torch_fp8", "dgrad_fp8_vs_bf16",
-               "pair_fp8_vs_bf16"] + [f"fp8@{path}_tflops" for path in args.paths]
+               "pair_fp8_vs_bf16", "pair_fp8_fp8_vs_bf16", "wgrad_bf16_tflops", "wgrad_fp8_tflops",
+               "wgrad_fp8_vs_bf16", "wgrad_fp8_quant_vs_bf16"] + [f"fp8@{path}_tflops" for path in args.paths]
     write_results(args.out, f"gmm_fp8_{jax.devices()[0].platform}", environment(), rows, columns)
 
 

@@ -10,7 +10,7 @@ import jax
 
 import moe_xla.fp8 as fp8
 from moe_xla.activations import activate, activate_fp8
-from moe_xla.grouped import gmm
+from moe_xla.grouped import gmm, is_fp8
 
 
 def expert_mlp(x_sorted, w_in, w_out, group_sizes, activation: str, quantization=None, x_quantized=None,
@@ -24,15 +24,18 @@ def expert_mlp(x_sorted, w_in, w_out, group_sizes, activation: str, quantization
     (activations.activate_fp8). quantized_weights: with "fp8_blockwise", Fp8Weights of
     w_in and w_out made elsewhere, used by the products instead of quantising the arrays
     (which still get their gradients)."""
-    if quantization == "fp8_blockwise":
+    if is_fp8(quantization):
         q_in, q_out = quantized_weights
+        wgrad = fp8.QUANTIZATION_WGRAD[quantization]
         with jax.named_scope("moe_xla/gmm_in"):
-            h = fp8.gmm_fp8_blockwise(x_sorted, w_in, group_sizes, lhs_quantized=x_quantized, rhs_quantized=q_in)
+            h = fp8.gmm_fp8_blockwise(x_sorted, w_in, group_sizes, lhs_quantized=x_quantized, rhs_quantized=q_in,
+                                      wgrad=wgrad)
         with jax.named_scope("moe_xla/act"):
             # One pass over h writes a (for the wgrad) and its FP8 rows (for the product).
             a, *a_quantized = activate_fp8(h, activation)
         with jax.named_scope("moe_xla/gmm_out"):
-            return fp8.gmm_fp8_blockwise(a, w_out, group_sizes, lhs_quantized=tuple(a_quantized), rhs_quantized=q_out)
+            return fp8.gmm_fp8_blockwise(a, w_out, group_sizes, lhs_quantized=tuple(a_quantized), rhs_quantized=q_out,
+                                         wgrad=wgrad)
     with jax.named_scope("moe_xla/gmm_in"):
         h = gmm(x_sorted, w_in, group_sizes, quantization=quantization)
     with jax.named_scope("moe_xla/act"):

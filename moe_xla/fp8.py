@@ -33,8 +33,14 @@ import jax.numpy as jnp
 
 from moe_xla.primitives.gmm_fp8 import gmm_fp8
 from moe_xla.primitives.quantize_fp8_blocks import quantize_fp8_blocks
+from moe_xla.primitives.quantize_fp8_group_cols import quantize_fp8_group_cols
 from moe_xla.primitives.quantize_fp8_rows import quantize_fp8_rows
 from moe_xla.primitives.tgmm import tgmm
+from moe_xla.primitives.tgmm_fp8 import tgmm_fp8
+
+WGRADS = ("fp8", "bf16")
+# The FP8 values of moe_xla.gmm's and moe()'s `quantization`, by the wgrad they take.
+QUANTIZATION_WGRAD = {"fp8_blockwise": "fp8", "fp8_blockwise_bf16_wgrad": "bf16"}
 
 
 class Fp8Weights(NamedTuple):
@@ -69,12 +75,23 @@ def _product(rows, data, scales, group_sizes, out_dtype):
     return gmm_fp8(q, s, data, scales, group_sizes, preferred_element_type=_kernel_dtype(out_dtype)).astype(out_dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _gmm(lhs, lhs_q, w, weights, group_sizes, out_dtype):
+def _wgrad(lhs, dy, group_sizes, w_dtype, wgrad):
+    """d w[g] = lhs[rows of g]^T @ dy[rows of g]: FP8 over 128-row tiles of each group
+    ("fp8"), or tgmm in lhs's dtype with float32 accumulation ("bf16")."""
+    if wgrad == "bf16":
+        return tgmm(lhs, dy.astype(lhs.dtype), group_sizes, preferred_element_type=w_dtype)
+    q_x, s_x = quantize_fp8_group_cols(lhs, group_sizes)
+    q_dy, s_dy = quantize_fp8_group_cols(dy, group_sizes)
+    return tgmm_fp8(q_x, s_x, q_dy, s_dy, group_sizes, rows=lhs.shape[0],
+                    preferred_element_type=_kernel_dtype(w_dtype)).astype(w_dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _gmm(lhs, lhs_q, w, weights, group_sizes, out_dtype, wgrad):
     return _product(lhs if lhs_q is None else lhs_q, weights.data_t, weights.scales, group_sizes, out_dtype)
 
 
-def _gmm_fwd(lhs, lhs_q, w, weights, group_sizes, out_dtype):
+def _gmm_fwd(lhs, lhs_q, w, weights, group_sizes, out_dtype, wgrad):
     out = _product(lhs if lhs_q is None else lhs_q, weights.data_t, weights.scales, group_sizes, out_dtype)
     # Residuals are arrays: dtypes ride along as empty arrays; lhs is kept for the wgrad only.
     lhs_dtype = jnp.zeros((0,), lhs.dtype)
@@ -82,13 +99,13 @@ def _gmm_fwd(lhs, lhs_q, w, weights, group_sizes, out_dtype):
     return out, (weights, group_sizes, lhs_dtype, wgrad, lhs_q)
 
 
-def _gmm_bwd(out_dtype, residuals, dy):
+def _gmm_bwd(out_dtype, wgrad_kind, residuals, dy):
     weights, group_sizes, lhs_dtype, wgrad, lhs_q = residuals
     d_lhs = _product(dy, weights.data, jnp.swapaxes(weights.scales, 1, 2), group_sizes, lhs_dtype.dtype)
     d_w = None
     if wgrad is not None:
         lhs, w_dtype = wgrad
-        d_w = tgmm(lhs, dy.astype(lhs.dtype), group_sizes, preferred_element_type=w_dtype.dtype)
+        d_w = _wgrad(lhs, dy, group_sizes, w_dtype.dtype, wgrad_kind)
     zeros = functools.partial(jax.tree.map, jnp.zeros_like)
     return d_lhs, zeros(lhs_q), d_w, zeros(weights), None
 
@@ -97,7 +114,7 @@ _gmm.defvjp(_gmm_fwd, _gmm_bwd)
 
 
 def gmm_fp8_blockwise(lhs, rhs, group_sizes, *, transpose_rhs=False, preferred_element_type=None,
-                      lhs_quantized=None, rhs_quantized=None):
+                      lhs_quantized=None, rhs_quantized=None, wgrad="fp8"):
     """out[rows of g] = lhs[rows of g] @ rhs[g] (rhs[g]^T with transpose_rhs) in FP8 blockwise.
 
     lhs [M, K] float32 / bfloat16 / float16; rhs [G, K, N] ([G, N, K] with transpose_rhs) of a
@@ -110,7 +127,10 @@ def gmm_fp8_blockwise(lhs, rhs, group_sizes, *, transpose_rhs=False, preferred_e
     (quantize_fp8_weights, made once elsewhere): the products use it instead of quantising
     rhs, and rhs still gets its (bf16) gradient. It is used as given: weights quantised
     from other values give that forward and the gradient of rhs the backward rule states.
+    wgrad ("fp8" or "bf16") picks the weight gradient's precision (module docstring).
     """
+    if wgrad not in WGRADS:
+        raise ValueError(f"gmm(quantization='fp8_blockwise'): expected wgrad in {WGRADS}, got {wgrad!r}")
     out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
     if lhs_quantized is not None:
         lhs_quantized = tuple(jax.lax.stop_gradient(a) for a in lhs_quantized)
@@ -118,16 +138,17 @@ def gmm_fp8_blockwise(lhs, rhs, group_sizes, *, transpose_rhs=False, preferred_e
         if transpose_rhs:
             raise ValueError("gmm(quantization='fp8_blockwise'): transpose_rhs must be False for Fp8Weights "
                              "(the container holds w [G, K, N] in both layouts)")
-        return _gmm(lhs, lhs_quantized, None, rhs, group_sizes, out_dtype)
+        return _gmm(lhs, lhs_quantized, None, rhs, group_sizes, out_dtype, wgrad)
     if jnp.ndim(rhs) != 3:
         raise ValueError(f"gmm(quantization='fp8_blockwise'): expected rhs of rank 3, got shape {jnp.shape(rhs)}")
     w = jnp.swapaxes(rhs, 1, 2) if transpose_rhs else rhs
     if rhs_quantized is None:
-        return _gmm(lhs, lhs_quantized, w, quantize_fp8_weights(w), group_sizes, out_dtype)
+        return _gmm(lhs, lhs_quantized, w, quantize_fp8_weights(w), group_sizes, out_dtype, wgrad)
     if not isinstance(rhs_quantized, Fp8Weights):
         raise TypeError(f"gmm(quantization='fp8_blockwise'): expected rhs_quantized to be an Fp8Weights "
                         f"(moe_xla.quantize_fp8_weights), got {type(rhs_quantized).__name__}")
     if tuple(rhs_quantized.shape) != tuple(w.shape):
         raise ValueError(f"gmm(quantization='fp8_blockwise'): expected rhs_quantized of the weights' shape "
                          f"{tuple(w.shape)} [G, K, N], got {tuple(rhs_quantized.shape)}")
-    return _gmm(lhs, lhs_quantized, w, jax.tree.map(jax.lax.stop_gradient, rhs_quantized), group_sizes, out_dtype)
+    return _gmm(lhs, lhs_quantized, w, jax.tree.map(jax.lax.stop_gradient, rhs_quantized), group_sizes, out_dtype,
+                wgrad)

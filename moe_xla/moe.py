@@ -22,7 +22,7 @@ from moe_xla.aux_losses import router_aux
 from moe_xla.ep.layer import moe_ep
 from moe_xla.experts import expert_mlp, shared_mlp
 from moe_xla.fp8 import Fp8Weights
-from moe_xla.grouped import check_quantization
+from moe_xla.grouped import check_quantization, is_fp8
 from moe_xla.primitives.quantize_fp8_rows import quantize_fp8_rows
 from moe_xla.primitives import _checks
 from moe_xla.primitives.permute import permute
@@ -54,7 +54,7 @@ def _check(x, router_logits, w_in, w_out, top_k, activation, shared_experts, qua
     for name, w in (("w_in", w_in), ("w_out", w_out)):
         if not isinstance(w, Fp8Weights):
             _checks.same_dtype("moe", "x", x, name, w)
-        elif quantization != "fp8_blockwise":
+        elif not is_fp8(quantization):
             raise TypeError(f"moe: {name} is an Fp8Weights (pre-quantised weights); pass quantization='fp8_blockwise'")
     if shared_experts is not None:
         s_in, s_out = shared_experts
@@ -69,8 +69,8 @@ def _check_quantized_weights(w_in, w_out, quantized_weights, quantization):
     """quantized_weights as (Fp8Weights of w_in, of w_out), or (None, None) when not given."""
     if quantized_weights is None:
         return None, None
-    if quantization != "fp8_blockwise":
-        raise TypeError("moe: quantized_weights needs quantization='fp8_blockwise'")
+    if not is_fp8(quantization):
+        raise TypeError("moe: quantized_weights needs an FP8 quantization ('fp8_blockwise')")
     if (not isinstance(quantized_weights, (tuple, list)) or len(quantized_weights) != 2
             or not all(isinstance(q, Fp8Weights) for q in quantized_weights)):
         raise TypeError("moe: expected quantized_weights = (Fp8Weights of w_in, Fp8Weights of w_out) "
@@ -157,7 +157,7 @@ def moe(x, router_logits, w_in, w_out, *, top_k, activation="swiglu", score="sof
                              renormalize=renormalize, scale=scale)
     with jax.named_scope("moe_xla/dispatch"):
         x_sorted, group_sizes, row_map = permute(x2, ids, experts)
-        x_quantized = _sorted_fp8_rows(x2, x_sorted, ids, experts) if quantization == "fp8_blockwise" else None
+        x_quantized = _sorted_fp8_rows(x2, x_sorted, ids, experts) if is_fp8(quantization) else None
     y_sorted = expert_mlp(x_sorted, w_in, w_out, group_sizes, activation, quantization, x_quantized, quantized_weights)
     with jax.named_scope("moe_xla/combine"):
         y = unpermute(y_sorted, row_map, weights, unique_rows=True)  # permute's row_map

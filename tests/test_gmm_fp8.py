@@ -9,8 +9,9 @@ bitwise against the CPU and the CUTLASS path within the stated relative error. S
 K and N tails, empty groups, rows past the groups, clamped and negative sizes.
 Rules: vmap against a loop, sharding along N against one device, errors naming the
 argument. The differentiable gmm: forward against the FP8 primitive on quantised inputs,
-gradients against numpy (dgrad through the transposed weight blocks, bf16 wgrad), and
-within FP8 accuracy of the bf16 product.
+gradients against numpy (dgrad through the transposed weight blocks; the FP8 wgrad from
+128-row column tiles of each group, or the bf16 one), and within FP8 accuracy of the
+unquantised product.
 """
 
 from __future__ import annotations
@@ -251,9 +252,16 @@ def _grouped(f, sizes, m):
     return [(e, slice(s, t)) for e, (s, t) in enumerate(zip(np.concatenate([[0], ends[:-1]]), ends))]
 
 
+def _dequant_group_cols(a, sizes):
+    """a [M, K] quantised in the wgrad's group-column tiles and dequantised, in float64."""
+    q, s = moe_xla.quantize_fp8_group_cols(a, sizes)
+    return np.asarray(reference.dequantize_fp8_group_cols(q, s, sizes, a.shape[0]), np.float64)
+
+
+@pytest.mark.parametrize("quantization", ["fp8_blockwise", "fp8_blockwise_bf16_wgrad"])
 @pytest.mark.parametrize("transpose_rhs", [False, True])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_fp8_gmm_forward_and_gradients(rng, dtype, transpose_rhs):
+def test_fp8_gmm_forward_and_gradients(rng, dtype, transpose_rhs, quantization):
     m, k, n, g = 96, 256, 384, 4
     x = normal(rng, (m, k), dtype)
     w = normal(rng, (g, k, n), dtype) * 0.1
@@ -262,7 +270,7 @@ def test_fp8_gmm_forward_and_gradients(rng, dtype, transpose_rhs):
     sizes = jnp.asarray(_sizes("empty_and_short", m, g, rng))
 
     def f(x, rhs):
-        return moe_xla.gmm(x, rhs, sizes, transpose_rhs=transpose_rhs, quantization="fp8_blockwise")
+        return moe_xla.gmm(x, rhs, sizes, transpose_rhs=transpose_rhs, quantization=quantization)
 
     y, vjp = jax.vjp(jax.jit(f), x, rhs)
     dx, drhs = vjp(dy)
@@ -273,18 +281,23 @@ def test_fp8_gmm_forward_and_gradients(rng, dtype, transpose_rhs):
     want = moe_xla.gmm_fp8(qx, sx, wq.data_t, wq.scales, sizes, preferred_element_type=dtype
                            if dtype == jnp.bfloat16 else jnp.float32)
     np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(want, np.float32))
-    # Gradients against numpy: dx = Q(dy) @ Q(w)^T per group, dw = x^T dy per group.
+    # Gradients against numpy: dx = Q(dy) @ Q(w)^T per group, dw = x^T dy per group with x
+    # and dy in the wgrad's column tiles (FP8 wgrad) or as they are (bf16 wgrad).
     qdy, qw, xs, dys = _dequant_rows(dy), _dequant_blocks(w), np.asarray(x, np.float64), np.asarray(dy, np.float64)
-    dx_want, dw_want = np.zeros((m, k)), np.zeros((g, k, n))
+    xw, dyw = (_dequant_group_cols(x, sizes), _dequant_group_cols(dy, sizes)) if quantization == "fp8_blockwise" \
+        else (xs, dys)
+    dx_want, dw_want, dw_exact = np.zeros((m, k)), np.zeros((g, k, n)), np.zeros((g, k, n))
     for e, rows in _grouped(None, sizes, m):
         dx_want[rows] = qdy[rows] @ qw[e].T
-        dw_want[e] = xs[rows].T @ dys[rows]
+        dw_want[e] = xw[rows].T @ dyw[rows]
+        dw_exact[e] = xs[rows].T @ dys[rows]
     # f32: CPU bitwise up to numpy's order; the GPU's tensor cores sum 128-deep FP8 steps
     # with ~14 bits (H200: 1.3e-4).
     tol = 1e-2 if dtype == jnp.bfloat16 else 5e-4 if ON_GPU else 1e-6
     assert rel_err(dx, dx_want) < tol
     dw = jnp.swapaxes(drhs, 1, 2) if transpose_rhs else drhs
     assert rel_err(dw, dw_want) < tol
+    assert rel_err(dw, dw_exact) < 0.06  # FP8 accuracy of the wgrad
     # FP8 accuracy against the unquantised product.
     exact = np.zeros((m, n))
     for e, rows in _grouped(None, sizes, m):
@@ -301,11 +314,12 @@ def test_prequantised_weights_get_no_gradient_and_need_the_option(rng):
     g_pre = jax.jit(jax.grad(f))(x)
     g_arr = jax.grad(lambda x: moe_xla.gmm(x, w, sizes, quantization="fp8_blockwise").astype(jnp.float32).sum())(x)
     np.testing.assert_array_equal(np.asarray(g_pre, np.float32), np.asarray(g_arr, np.float32))
-    with pytest.raises(TypeError, match="pass quantization='fp8_blockwise'"):
+    with pytest.raises(TypeError, match=r"pass an FP8 quantization \('fp8_blockwise'\)"):
         moe_xla.gmm(x, wq, sizes)
     with pytest.raises(ValueError, match="transpose_rhs must be False for Fp8Weights"):
         moe_xla.gmm(x, wq, sizes, transpose_rhs=True, quantization="fp8_blockwise")
-    with pytest.raises(ValueError, match="expected quantization None or 'fp8_blockwise', got 'fp8'"):
+    with pytest.raises(ValueError, match=r"expected quantization in \(None, 'fp8_blockwise', "
+                                         r"'fp8_blockwise_bf16_wgrad'\), got 'fp8'"):
         moe_xla.gmm(x, w, sizes, quantization="fp8")
 
 
@@ -324,7 +338,7 @@ def test_quantized_rhs_is_used_and_rhs_gets_the_gradient(rng, transpose_rhs):
     outside = jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(x, rhs, moe_xla.quantize_fp8_weights(w))
     for a, b in zip(jax.tree.leaves(inside), jax.tree.leaves(outside)):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
-    with pytest.raises(TypeError, match="quantized_rhs needs quantization='fp8_blockwise'"):
+    with pytest.raises(TypeError, match=r"quantized_rhs needs an FP8 quantization \('fp8_blockwise'\)"):
         moe_xla.gmm(x, rhs, sizes, transpose_rhs=transpose_rhs, quantized_rhs=moe_xla.quantize_fp8_weights(w))
     with pytest.raises(ValueError, match=r"expected rhs_quantized of the weights' shape \(2, 128, 256\)"):
         moe_xla.gmm(x, rhs, sizes, transpose_rhs=transpose_rhs, quantization="fp8_blockwise",

@@ -37,14 +37,15 @@ def _loss(quantization, **kw):
     return f
 
 
-def test_fp8_layer_within_fp8_accuracy_of_bf16(rng):
+@pytest.mark.parametrize("quantization", ["fp8_blockwise", "fp8_blockwise_bf16_wgrad"])
+def test_fp8_layer_within_fp8_accuracy_of_bf16(rng, quantization):
     args = _inputs(rng)
     ct = normal(rng, (T, H), jnp.float32)
-    y8 = jax.jit(lambda *a: moe_xla.moe(*a, top_k=K, quantization="fp8_blockwise"))(*args)
+    y8 = jax.jit(lambda *a: moe_xla.moe(*a, top_k=K, quantization=quantization))(*args)
     y16 = jax.jit(lambda *a: moe_xla.moe(*a, top_k=K))(*args)
     assert y8.dtype == jnp.bfloat16
     assert rel_err(y8, y16) < 0.1  # E4M3 keeps 3 mantissa bits: ~5% per product on random data
-    g8 = jax.jit(jax.grad(jax.checkpoint(_loss("fp8_blockwise")), argnums=(0, 1, 2, 3)))(*args, ct)
+    g8 = jax.jit(jax.grad(jax.checkpoint(_loss(quantization)), argnums=(0, 1, 2, 3)))(*args, ct)
     g16 = jax.jit(jax.grad(_loss(None), argnums=(0, 1, 2, 3)))(*args, ct)
     for name, a, b in zip(("dx", "dlogits", "dw_in", "dw_out"), g8, g16):
         assert rel_err(a, b) < 0.12, name
@@ -58,7 +59,7 @@ def test_prequantised_weights_give_the_same_forward(rng):
     np.testing.assert_array_equal(np.asarray(arrays, np.float32), np.asarray(pre, np.float32))
     with pytest.raises(TypeError, match="w_in is an Fp8Weights"):
         moe_xla.moe(x, logits, moe_xla.quantize_fp8_weights(w_in), w_out, top_k=K)
-    with pytest.raises(ValueError, match="expected quantization None or 'fp8_blockwise'"):
+    with pytest.raises(ValueError, match=r"expected quantization in \(None, 'fp8_blockwise', "):
         moe_xla.moe(x, logits, w_in, w_out, top_k=K, quantization="int8")
 
 
@@ -86,7 +87,7 @@ def test_quantized_weights_are_used_and_the_arrays_get_the_gradients(rng):
     y_twice = moe_xla.moe(x, logits, w_in * 2, w_out, top_k=K, quantization="fp8_blockwise")
     np.testing.assert_array_equal(np.asarray(y_stale, np.float32), np.asarray(y_twice, np.float32))
 
-    with pytest.raises(TypeError, match="quantized_weights needs quantization='fp8_blockwise'"):
+    with pytest.raises(TypeError, match=r"quantized_weights needs an FP8 quantization \('fp8_blockwise'\)"):
         moe_xla.moe(x, logits, w_in, w_out, top_k=K, quantized_weights=qw)
     with pytest.raises(ValueError, match=r"expected quantized_weights' w_out of shape \(8, 128, 256\)"):
         moe_xla.moe(x, logits, w_in, w_out, top_k=K, quantization="fp8_blockwise", quantized_weights=(qw[0], qw[0]))
