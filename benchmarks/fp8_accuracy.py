@@ -5,8 +5,8 @@ layer, for bf16 and each FP8 quantization, on the moe_layer cases of cases.json.
 
 Inputs as benchmarks/moe_layer.py makes them (x, weights bf16; logits f32; cotangent
 f32). The truth is the same layer on those values in float32 (moe_xla's f32 kernels).
-For each of "bf16" (quantization None), and the FP8 quantizations ("fp8_blockwise": FP8
-wgrad; "fp8_blockwise_bf16_wgrad"), the relative Frobenius error
+For each of "bf16" (quantization None), and the FP8 quantizations ("fp8_blockwise": bf16
+wgrad; "fp8_blockwise_fp8_wgrad"), the relative Frobenius error
 |a - truth| / |truth| of y, dx, d logits, d w_in and d w_out. The routing is computed
 from the same logits in every variant, so the errors are those of the expert products.
 """
@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import moe_xla
 
 CASES = json.loads((Path(__file__).parent / "cases.json").read_text())
-VARIANTS = {"bf16": None, "fp8_blockwise": "fp8_blockwise", "fp8_blockwise_bf16_wgrad": "fp8_blockwise_bf16_wgrad"}
+VARIANTS = {"bf16": None, "fp8_blockwise": "fp8_blockwise", "fp8_blockwise_fp8_wgrad": "fp8_blockwise_fp8_wgrad"}
 OUTPUTS = ("y", "dx", "dlogits", "dw_in", "dw_out")
 
 

@@ -3,11 +3,14 @@ quantize_fp8_blocks) in GB/s of compulsory traffic, against a copy-like elementw
 (y = -x, which reads and writes every element once) on the same bytes, in the same run.
 
 Ops: rows (quantize_fp8_rows), blocks (quantize_fp8_blocks), weights
-(quantize_fp8_weights: blocks, then XLA's transpose of q for the forward's layout), and on the gate_up cases' products h [M, N] = gate | up: swiglu_rows (activations.
-activate_fp8: swiglu and its row quantisation in one kernel, what the FP8 expert MLP
-runs) and swiglu_then_rows (XLA's swiglu, then quantize_fp8_rows of it).
+(quantize_fp8_weights: blocks, then XLA's transpose of q for the forward's layout),
+group_cols (quantize_fp8_group_cols of the activations with the case's G uniform groups:
+the FP8 wgrad's 128-row column tiles, written transposed), and on the gate_up cases'
+products h [M, N] = gate | up: swiglu_rows (activations.activate_fp8: swiglu and its row
+quantisation in one kernel, what the FP8 expert MLP runs) and swiglu_then_rows (XLA's
+swiglu, then quantize_fp8_rows of it).
 
-    python benchmarks/fp8_quantize.py [--out benchmarks/results] [--name fp8_quantize]
+    python benchmarks/fp8_quantize.py [--out benchmarks/results] [--name fp8_quantize] [--ops rows group_cols ...]
 
 Shapes: the activations of the grouped_matmul cases of cases.json (rows [M, K], bf16),
 their weights (blocks [G, K, N], bf16) and their products (swiglu [M, N], bf16). Bytes =
@@ -38,6 +41,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     parser.add_argument("--name", default="fp8_quantize")
+    parser.add_argument("--ops", nargs="*", help="ops to measure (default: all)")
     args = parser.parse_args()
     negate = jax.jit(jnp.negative)
     def swiglu_then_rows(h):
@@ -47,22 +51,29 @@ def main():
     ops = {"rows": moe_xla.quantize_fp8_rows, "blocks": moe_xla.quantize_fp8_blocks,
            "weights": moe_xla.quantize_fp8_weights, "swiglu_rows": lambda h: activate_fp8(h, "swiglu"),
            "swiglu_then_rows": swiglu_then_rows}
+    if args.ops:
+        ops = {name: fn for name, fn in ops.items() if name in args.ops}
     rows = []
     for i, case in enumerate(CASES["grouped_matmul"]):
         m, g, k, n = case["M"], case["G"], case["K"], case["N"]
-        for kind in ops:
+        gs = jnp.full((g,), m // g, jnp.int32)
+        ops_here = dict(ops)
+        if not args.ops or "group_cols" in args.ops:
+            ops_here["group_cols"] = lambda x: moe_xla.quantize_fp8_group_cols(x, gs)
+        for kind in ops_here:
             swiglu = kind.startswith("swiglu")
             if swiglu and not case["name"].endswith("gate_up"):
                 continue
-            shape = (m, k) if kind == "rows" else (m, n) if swiglu else (g, k, n)
+            activation = kind in ("rows", "group_cols")
+            shape = (m, k) if activation else (m, n) if swiglu else (g, k, n)
             x = normal(jax.random.fold_in(jax.random.key(1), 3 * i + (kind != "rows") + swiglu), shape, jnp.bfloat16)
             elems = x.size
             if swiglu:  # h read, a written, a's q and scales written
                 nbytes = 2 * elems + 2 * (elems // 2) + elems // 2 + elems // 2 // 128 * 4
             else:
-                tiles = elems // 128 if kind == "rows" else elems // (128 * 128)
-                nbytes = elems * 2 + elems * (1 if kind in ("rows", "blocks") else 2) + tiles * 4
-            t = time_jax(jax.jit(ops[kind]), x)
+                tiles = elems // 128 if activation else elems // (128 * 128)
+                nbytes = elems * 2 + elems * (1 if kind in ("rows", "blocks", "group_cols") else 2) + tiles * 4
+            t = time_jax(jax.jit(ops_here[kind]), x)
             t_copy = time_jax(negate, x)
             row = {"case": case["name"], "op": kind, "shape": "x".join(map(str, shape)), "ms": t * 1e3,
                    "gbps": _gbps(nbytes, t), "copy_gbps": _gbps(4 * elems, t_copy)}

@@ -4,7 +4,8 @@ run on the grouped_matmul cases of cases.json.
 
     python benchmarks/gmm_fp8.py [--out benchmarks/results] [--cases NAME ...] [--kinds uniform zipf1.2]
                                  [--m-scale 1.0] [--turn-seconds 0.4] [--rounds 3]
-                                 [--paths cutlass_coop128x128_2x1 ...] [--skip-backward]
+                                 [--paths cutlass_coop128x128_2x1 ...] [--wgrad-paths pingpong ...]
+                                 [--skip-backward]
 
 Forward contenders, taking turns on the device (_timing.alternating_times, so none runs
 on a cooler GPU than the others):
@@ -41,6 +42,7 @@ import numpy as np
 
 import moe_xla
 from moe_xla.primitives import gmm_fp8 as gmm_fp8_module
+from moe_xla.primitives import tgmm_fp8 as tgmm_fp8_module
 
 
 def _torch_scaled_grouped_mm(lhs, rhs, gs):
@@ -93,7 +95,7 @@ def _forward_contenders(lhs, rhs, gs, paths=()):
     return impls
 
 
-def _backward_contenders(lhs, rhs, gs):
+def _backward_contenders(lhs, rhs, gs, wgrad_paths=()):
     wq = moe_xla.quantize_fp8_weights(rhs)
     dy = jnp.ones((lhs.shape[0], rhs.shape[2]), lhs.dtype) * 0.01
     m = lhs.shape[0]
@@ -122,8 +124,9 @@ def _backward_contenders(lhs, rhs, gs):
            "pair_fp8": (pair(dgrad_fp8, wgrad_bf16), (lhs, dy, wq, gs)),
            "pair_fp8_fp8": (pair(dgrad_fp8, wgrad_fp8_quant), (lhs, dy, wq, gs))}
     quantized = (*moe_xla.quantize_fp8_group_cols(lhs, gs), *moe_xla.quantize_fp8_group_cols(dy, gs))
-    ops["wgrad_fp8"] = (functools.partial(moe_xla.tgmm_fp8, rows=m, preferred_element_type=jnp.bfloat16),
-                        (*quantized, gs))
+    for name, path in [("wgrad_fp8", "auto")] + [(f"wgrad_fp8@{p}", p) for p in wgrad_paths]:
+        ops[name] = (functools.partial(moe_xla.tgmm_fp8, rows=m, preferred_element_type=jnp.bfloat16, path=path),
+                     (*quantized, gs))
     block = jax.block_until_ready
     impls = {}
     for name, (fn, args) in ops.items():
@@ -143,6 +146,8 @@ def main():
     parser.add_argument("--skip-backward", action="store_true")
     parser.add_argument("--paths", nargs="*", default=[], choices=gmm_fp8_module.PATHS[1:],
                         help="also time gmm_fp8 forced onto these kernels")
+    parser.add_argument("--wgrad-paths", nargs="*", default=[], choices=tgmm_fp8_module.PATHS[2:],
+                        help="also time tgmm_fp8 forced onto these kernels")
     args = parser.parse_args()
     rows = []
     for case, kind, lhs, rhs, gs in grouped_matmul_inputs(args.cases, args.kinds, m_scale=args.m_scale):
@@ -151,7 +156,7 @@ def main():
         row = {"case": case["name"], "groups": kind, "M": m, "K": k, "N": n, "G": rhs.shape[0]}
         sections = [("fwd", _forward_contenders(lhs, rhs, gs, args.paths))]
         if not args.skip_backward:
-            sections.append(("bwd", _backward_contenders(lhs, rhs, gs)))
+            sections.append(("bwd", _backward_contenders(lhs, rhs, gs, args.wgrad_paths)))
         ref = np.asarray(sections[0][1]["bf16"][0](), np.float32)
         for name, (call, _) in sections[0][1].items():
             out = call()
@@ -179,7 +184,8 @@ def main():
     columns = ["case", "groups", "bf16_tflops", "fp8_tflops", "fp8_quant_tflops", "torch_bf16_tflops",
                "torch_fp8_tflops", "fp8_rel_err", "torch_bf16_rel_err", "torch_fp8_rel_err", "fp8_vs_bf16", "fp8_quant_vs_bf16", "fp8_vs_torch_fp8", "dgrad_fp8_vs_bf16",
                "pair_fp8_vs_bf16", "pair_fp8_fp8_vs_bf16", "wgrad_bf16_tflops", "wgrad_fp8_tflops",
-               "wgrad_fp8_vs_bf16", "wgrad_fp8_quant_vs_bf16"] + [f"fp8@{path}_tflops" for path in args.paths]
+               "wgrad_fp8_vs_bf16", "wgrad_fp8_quant_vs_bf16"] + [f"fp8@{path}_tflops" for path in args.paths] + \
+        [f"wgrad_fp8@{path}_tflops" for path in args.wgrad_paths]
     write_results(args.out, f"gmm_fp8_{jax.devices()[0].platform}", environment(), rows, columns)
 
 

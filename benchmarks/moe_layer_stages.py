@@ -2,7 +2,7 @@
 
     python benchmarks/moe_layer_stages.py [--out benchmarks/results] [--cases NAME ...] [--t-scale 1.0]
                                           [--reps N] [--trace-steps N]
-                                          [--quantization none fp8_blockwise fp8_blockwise_bf16_wgrad
+                                          [--quantization none fp8_blockwise fp8_blockwise_fp8_wgrad
                                                           fp8_blockwise_prequantized]
 
 Cases: every "moe_layer" and "sonicmoe" case of cases.json (bf16, swiglu experts w_in
@@ -339,7 +339,7 @@ def main(argv=None):
     parser.add_argument("--reps", type=int, default=None, help="timed repetitions (default 20 on GPU, 1 on CPU)")
     parser.add_argument("--trace-steps", type=int, default=None, help="steps traced (default 3 on GPU, 1 on CPU)")
     parser.add_argument("--quantization", nargs="+", default=["none"],
-                        choices=["none", "fp8_blockwise", "fp8_blockwise_bf16_wgrad", PREQUANTIZED],
+                        choices=["none", "fp8_blockwise", "fp8_blockwise_fp8_wgrad", PREQUANTIZED],
                         help="moe()'s quantization, each measured in turn; " + PREQUANTIZED + ": FP8 with the "
                              "weights quantised outside the step (quantized_weights), that quantisation timed apart "
                              "as weights_quant_ms (FP8: quantisation kernels fall in the "

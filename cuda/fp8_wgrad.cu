@@ -60,13 +60,16 @@ constexpr CutlassWgradInstance kCutlassWgradInstances[] = {
 // The instantiation that computes this wgrad, or nullptr when none can (output dtype not
 // instantiated, shapes, alignment). TMA needs 16-byte aligned bases and leading
 // dimensions: the operands' rows are 128 T bytes long and groups start at whole tiles.
-const CutlassWgradInstance* cutlass_instance_for(const Fp8WgradParams& p) {
+const CutlassWgradInstance* cutlass_instance_for(const Fp8WgradParams& p, Fp8WgradPath path) {
+  if (path != Fp8WgradPath::kCutlass && path != Fp8WgradPath::kPingpong) return nullptr;
+  const Fp8TileConfig tile =
+      path == Fp8WgradPath::kCutlass ? Fp8TileConfig::kCoop128x128Cluster1x2 : Fp8TileConfig::kPingpong64x128Cluster1x1;
   if (!sizes_in_range(p) || p.k <= 0 || p.n <= 0 || p.num_groups <= 0) return nullptr;
   const int64_t out_vec = 16 / static_cast<int64_t>(dtype_bytes(p.out_dtype));
   if (p.n % out_vec != 0) return nullptr;
   if (!aligned16(p.lhs_t) || !aligned16(p.rhs_t) || !aligned16(p.out)) return nullptr;
   for (const CutlassWgradInstance& inst : kCutlassWgradInstances) {
-    if (inst.out_dtype == p.out_dtype) return &inst;
+    if (inst.out_dtype == p.out_dtype && inst.tile == tile) return &inst;
   }
   return nullptr;
 }
@@ -137,6 +140,7 @@ const char* path_name(Fp8WgradPath path) {
     case Fp8WgradPath::kAuto: return "auto";
     case Fp8WgradPath::kSimt: return "simt";
     case Fp8WgradPath::kCutlass: return "cutlass";
+    case Fp8WgradPath::kPingpong: return "pingpong";
   }
   return "unknown";
 }
@@ -166,14 +170,16 @@ Status fp8_wgrad(const Fp8WgradParams& p, void* workspace, size_t workspace_byte
   if (support == DeviceSupport::kNone) {
     return Status::FailedPrecondition(device_support_error(cc_major, cc_minor, DeviceSupport::kSimt, "fp8_wgrad"));
   }
-  const CutlassWgradInstance* inst = cutlass_instance_for(p);
   if (path == Fp8WgradPath::kAuto) {
-    path = support == DeviceSupport::kFull && inst != nullptr ? Fp8WgradPath::kCutlass : Fp8WgradPath::kSimt;
+    path = support == DeviceSupport::kFull && cutlass_instance_for(p, Fp8WgradPath::kCutlass) != nullptr
+               ? Fp8WgradPath::kCutlass
+               : Fp8WgradPath::kSimt;
   }
-  if (path == Fp8WgradPath::kCutlass && support != DeviceSupport::kFull) {
-    return Status::FailedPrecondition(
-        device_support_error(cc_major, cc_minor, DeviceSupport::kFull, "fp8_wgrad path cutlass"));
+  if (path != Fp8WgradPath::kSimt && support != DeviceSupport::kFull) {
+    const std::string what = std::string("fp8_wgrad path ") + path_name(path);
+    return Status::FailedPrecondition(device_support_error(cc_major, cc_minor, DeviceSupport::kFull, what.c_str()));
   }
+  const CutlassWgradInstance* inst = cutlass_instance_for(p, path);
 
   const size_t out_bytes = static_cast<size_t>(p.num_groups * p.k * p.n) * dtype_bytes(p.out_dtype);
   if (out_bytes == 0) return Status();
@@ -197,7 +203,8 @@ Status fp8_wgrad(const Fp8WgradParams& p, void* workspace, size_t workspace_byte
     return Status::InvalidArgument(std::string("fp8_wgrad: the path ") + path_name(path) +
                                    " does not support this output dtype, shape or alignment");
   }
-  return inst->run(CutlassFp8WgradArgs{&p, base, usable, sm_count, stream}).With("fp8_wgrad path cutlass");
+  return inst->run(CutlassFp8WgradArgs{&p, base, usable, sm_count, stream})
+      .With(std::string("fp8_wgrad path ") + path_name(path));
 }
 
 }  // namespace cuda

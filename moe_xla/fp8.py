@@ -13,10 +13,20 @@ Forward: out = gmm_fp8(Q_rows(lhs), Q_blocks(w)) (primitives/gmm_fp8.py states t
 Backward, the straight-through estimate (quantisation's derivative taken as 1):
     d lhs = gmm_fp8(Q_rows(dy), Q_blocks(w)^T): dy quantised in 1 x 128 tiles along N, the
             forward's weight blocks transposed (no requantisation);
-    d w   = tgmm(lhs, dy) in lhs's dtype (bf16 for a bf16 model) with float32 accumulation.
-The wgrad stays in bf16: it contracts over each group's rows, whose count is data-dependent,
-and CUTLASS's sm90 FP8 grouped kernel has no k-grouped form; FP8 copies of x^T and dy^T
-with 128-row tiles restarting at each group are not built yet.
+    d w   = wgrad="bf16" (the default): tgmm(lhs, dy) in lhs's dtype (bf16 for a bf16 model)
+            with float32 accumulation;
+            wgrad="fp8": tgmm_fp8 of lhs and dy quantised in 128-row column tiles that
+            restart at every group (quantize_fp8_group_cols, written transposed: CUTLASS's
+            FP8 grouped kernel has no k-grouped form, so each group is a problem whose
+            depth is its rows), one scale per column of each operand per tile.
+The default is the bf16 wgrad because it is the faster one on an H200 and the more
+accurate (benchmarks/results/LOG.md, session 12): the FP8 wgrad GEMM runs 0.97-1.03x the
+bf16 tgmm on the qwen3 and deepseek cases (1.18x on mixtral), its two column quantisations
+cost more than that saves (a backward pair of FP8 dgrad + FP8 wgrad at 0.60-1.05x bf16's,
+against 0.88-1.14x with the bf16 wgrad), and against a float32 layer its weight gradients
+are off by 6.3-6.5% (relative Frobenius error, bf16 inputs) where the bf16 wgrad's are off
+by 5.3-5.5% (both dominated by the FP8 forward's error in dy; the bf16 layer's: 0.4%).
+moe_xla.gmm / moe() select it with quantization="fp8_blockwise_fp8_wgrad".
 Pre-quantised weights (an Fp8Weights as rhs) get no gradient. To quantise weights once and
 still train them (e.g. once per optimizer step for several micro-batches), pass the array
 as rhs and its Fp8Weights as rhs_quantized: the products use rhs_quantized as given, the
@@ -40,7 +50,7 @@ from moe_xla.primitives.tgmm_fp8 import tgmm_fp8
 
 WGRADS = ("fp8", "bf16")
 # The FP8 values of moe_xla.gmm's and moe()'s `quantization`, by the wgrad they take.
-QUANTIZATION_WGRAD = {"fp8_blockwise": "fp8", "fp8_blockwise_bf16_wgrad": "bf16"}
+QUANTIZATION_WGRAD = {"fp8_blockwise": "bf16", "fp8_blockwise_fp8_wgrad": "fp8"}
 
 
 class Fp8Weights(NamedTuple):
@@ -114,7 +124,7 @@ _gmm.defvjp(_gmm_fwd, _gmm_bwd)
 
 
 def gmm_fp8_blockwise(lhs, rhs, group_sizes, *, transpose_rhs=False, preferred_element_type=None,
-                      lhs_quantized=None, rhs_quantized=None, wgrad="fp8"):
+                      lhs_quantized=None, rhs_quantized=None, wgrad="bf16"):
     """out[rows of g] = lhs[rows of g] @ rhs[g] (rhs[g]^T with transpose_rhs) in FP8 blockwise.
 
     lhs [M, K] float32 / bfloat16 / float16; rhs [G, K, N] ([G, N, K] with transpose_rhs) of a
@@ -127,7 +137,7 @@ def gmm_fp8_blockwise(lhs, rhs, group_sizes, *, transpose_rhs=False, preferred_e
     (quantize_fp8_weights, made once elsewhere): the products use it instead of quantising
     rhs, and rhs still gets its (bf16) gradient. It is used as given: weights quantised
     from other values give that forward and the gradient of rhs the backward rule states.
-    wgrad ("fp8" or "bf16") picks the weight gradient's precision (module docstring).
+    wgrad ("bf16" or "fp8") picks the weight gradient's precision (module docstring).
     """
     if wgrad not in WGRADS:
         raise ValueError(f"gmm(quantization='fp8_blockwise'): expected wgrad in {WGRADS}, got {wgrad!r}")

@@ -2,7 +2,7 @@
 
     gmm(lhs, rhs, group_sizes, quantization=None)             bf16 / f16 / f32 (primitives/gmm.py)
     gmm(lhs, rhs, group_sizes, quantization="fp8_blockwise")  FP8 1 x 128 / 128 x 128 (fp8.py)
-    quantization="fp8_blockwise_bf16_wgrad"                     the same with a bf16 weight gradient
+    quantization="fp8_blockwise_fp8_wgrad"                      the same with an FP8 weight gradient
 Both: out[rows of g] = lhs[rows of g] @ rhs[g] (rhs[g]^T with transpose_rhs); rows past the
 groups are 0; differentiable w.r.t. lhs and rhs.
 """

@@ -129,7 +129,8 @@ def moe(x, router_logits, w_in, w_out, *, top_k, activation="swiglu", score="sof
     sum into the owner's. It is static: a new placement compiles a new program.
 
     quantization="fp8_blockwise" runs both expert products in FP8 (moe_xla.fp8: rows in
-    1 x 128 tiles, weights in 128 x 128 blocks, float32 accumulation, bf16 weight gradient);
+    1 x 128 tiles, weights in 128 x 128 blocks, float32 accumulation, bf16 weight gradient;
+    "fp8_blockwise_fp8_wgrad" computes the weight gradient in FP8 too, see moe_xla.fp8);
     w_in and w_out may then be moe_xla.Fp8Weights (pre-quantised, no gradient; one device),
     or arrays with quantized_weights = (quantize_fp8_weights(w_in), quantize_fp8_weights(w_out))
     made once elsewhere (e.g. once per optimizer step for several micro-batches): the

@@ -283,30 +283,54 @@ def test_gpu_simt_path_is_the_cpu_bitwise(rng, case, out_dtype):
 
 
 @requires_gpu
-@pytest.mark.parametrize("path", ["auto", "cutlass"])
+@pytest.mark.parametrize("path", ["auto", "cutlass", "pingpong"])
 @pytest.mark.parametrize("case", GPU_CASES, ids=_case_ids)
 def test_gpu_cutlass_path_against_the_cpu(rng, case, path):
-    """Hopper's FP8 tensor cores sum a 128-deep step with about 14 significant bits before
-    CUTLASS promotes it to the float32 accumulator (the bound test_gmm_fp8 states and
-    measured for the forward's blocks): per element within 2^-12 of the sum of the
-    magnitudes of its terms, |x|^T |dy| of the dequantised operands; bf16 output half a
-    bf16 ulp more."""
+    """Hopper's FP8 tensor cores add each 32-deep chunk of products aligned to the largest
+    exponent and keep about 13 bits below it, so a 128-deep tile sum is off by up to
+    32 * 2^-13 = 2^-8 of its terms' magnitudes before CUTLASS promotes it to float32: per
+    element within 2^-8 of |x|^T |dy| of the dequantised operands (the H200 reached 2^-9.7
+    on these rows, whose magnitudes span e^-3 .. e^3); bf16 output half a bf16 ulp more.
+    The exactness test below is the tight one."""
     m, k, n, sizes = case
     ops = _operands(rng, m, k, n, sizes)
     cpu = _tgmm("cpu", ops, m).astype(np.float64)
     _, magnitude = _dequantised_products(ops, sizes, m)
     gpu = _tgmm("gpu", ops, m, jnp.float32, path).astype(np.float64)
-    assert np.all(np.abs(gpu - cpu) <= 2.0 ** -12 * magnitude), np.max(np.abs(gpu - cpu) / np.maximum(magnitude, 1e-30))
+    assert np.all(np.abs(gpu - cpu) <= 2.0 ** -8 * magnitude), np.max(np.abs(gpu - cpu) / np.maximum(magnitude, 1e-30))
     bf16 = _tgmm("gpu", ops, m, jnp.bfloat16, path).astype(np.float64)
-    assert np.all(np.abs(bf16 - cpu) <= 2.0 ** -8 * np.abs(cpu) + 2.0 ** -12 * magnitude)
+    assert np.all(np.abs(bf16 - cpu) <= 2.0 ** -8 * np.abs(cpu) + 2.0 ** -8 * magnitude)
 
 
 @requires_gpu
-def test_gpu_forced_cutlass_path_that_cannot_compute_names_itself(rng):
-    """N = 5 (not a multiple of 8 for bf16 output) is not eligible for the TMA path."""
+@pytest.mark.parametrize("path", ["cutlass", "pingpong"])
+@pytest.mark.parametrize("case", GPU_CASES, ids=_case_ids)
+def test_gpu_cutlass_path_is_exact_on_small_integers(rng, case, path):
+    """Integers in -3 .. 3 quantised with power-of-two scales are exact in E4M3 (q = x * 2^7
+    or x * 2^8), every product is a multiple of 2^14 below 2^20 and every tile sum needs at
+    most 11 significant bits: the tensor cores add them exactly, so the CUTLASS path must equal
+    the CPU bitwise. A dropped or repeated row, tile, scale or group shows here."""
+    m, k, n, sizes = case
+    gs = jnp.asarray(sizes, jnp.int32)
+    x = jnp.asarray(rng.integers(-3, 4, (m, k)).astype(np.float32))
+    dy = jnp.asarray(rng.integers(-3, 4, (m, n)).astype(np.float32))
+    quantize = functools.partial(_on, "cpu", moe_xla.quantize_fp8_group_cols, pow2_scale=True)
+    ops = (*quantize(x, gs), *quantize(dy, gs), gs)
+    cpu = _tgmm("cpu", ops, m)
+    np.testing.assert_array_equal(_bits(_tgmm("gpu", ops, m, jnp.float32, path)), _bits(cpu))
+    exact = np.zeros((len(sizes), k, n))
+    for g, (start, rows, _) in enumerate(_segments(sizes, m)):
+        exact[g] = np.asarray(x, np.float64)[start:start + rows].T @ np.asarray(dy, np.float64)[start:start + rows]
+    np.testing.assert_array_equal(cpu, exact)
+
+
+@requires_gpu
+@pytest.mark.parametrize("path", ["cutlass", "pingpong"])
+def test_gpu_forced_cutlass_path_that_cannot_compute_names_itself(rng, path):
+    """N = 5 (not a multiple of 8 for bf16 output) is not eligible for the TMA paths."""
     ops = _operands(rng, 300, 128, 5, [100, 200])
-    with pytest.raises(Exception, match="cutlass"):
-        _tgmm("gpu", ops, 300, jnp.bfloat16, "cutlass")
+    with pytest.raises(Exception, match=f"the path {path} does not support"):
+        _tgmm("gpu", ops, 300, jnp.bfloat16, path)
 
 
 # --- rules --------------------------------------------------------------------------------
@@ -416,7 +440,7 @@ def _bad_tgmm_calls():
         (call(4, ops[4].astype(jnp.float32)), "expected int32 group_sizes, got float32"),
         (call(4, ops[4][None]), r"expected group_sizes of rank 1 \[G\]"),
         (call(preferred_element_type=jnp.float16), "expected preferred_element_type bfloat16 or float32, got float16"),
-        (call(path="fast"), r"expected path in \('auto', 'simt', 'cutlass'\), got 'fast'"),
+        (call(path="fast"), r"expected path in \('auto', 'simt', 'cutlass', 'pingpong'\), got 'fast'"),
         (call(rows=-1), "expected rows to be a non-negative Python int .* got -1"),
         (call(rows=200.0), "expected rows to be a non-negative Python int .* got 200.0"),
     ]

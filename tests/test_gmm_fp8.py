@@ -258,7 +258,7 @@ def _dequant_group_cols(a, sizes):
     return np.asarray(reference.dequantize_fp8_group_cols(q, s, sizes, a.shape[0]), np.float64)
 
 
-@pytest.mark.parametrize("quantization", ["fp8_blockwise", "fp8_blockwise_bf16_wgrad"])
+@pytest.mark.parametrize("quantization", ["fp8_blockwise", "fp8_blockwise_fp8_wgrad"])
 @pytest.mark.parametrize("transpose_rhs", [False, True])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_fp8_gmm_forward_and_gradients(rng, dtype, transpose_rhs, quantization):
@@ -284,7 +284,7 @@ def test_fp8_gmm_forward_and_gradients(rng, dtype, transpose_rhs, quantization):
     # Gradients against numpy: dx = Q(dy) @ Q(w)^T per group, dw = x^T dy per group with x
     # and dy in the wgrad's column tiles (FP8 wgrad) or as they are (bf16 wgrad).
     qdy, qw, xs, dys = _dequant_rows(dy), _dequant_blocks(w), np.asarray(x, np.float64), np.asarray(dy, np.float64)
-    xw, dyw = (_dequant_group_cols(x, sizes), _dequant_group_cols(dy, sizes)) if quantization == "fp8_blockwise" \
+    xw, dyw = (_dequant_group_cols(x, sizes), _dequant_group_cols(dy, sizes)) if quantization == "fp8_blockwise_fp8_wgrad" \
         else (xs, dys)
     dx_want, dw_want, dw_exact = np.zeros((m, k)), np.zeros((g, k, n)), np.zeros((g, k, n))
     for e, rows in _grouped(None, sizes, m):
@@ -319,7 +319,7 @@ def test_prequantised_weights_get_no_gradient_and_need_the_option(rng):
     with pytest.raises(ValueError, match="transpose_rhs must be False for Fp8Weights"):
         moe_xla.gmm(x, wq, sizes, transpose_rhs=True, quantization="fp8_blockwise")
     with pytest.raises(ValueError, match=r"expected quantization in \(None, 'fp8_blockwise', "
-                                         r"'fp8_blockwise_bf16_wgrad'\), got 'fp8'"):
+                                         r"'fp8_blockwise_fp8_wgrad'\), got 'fp8'"):
         moe_xla.gmm(x, w, sizes, quantization="fp8")
 
 

@@ -37,7 +37,7 @@ def _loss(quantization, **kw):
     return f
 
 
-@pytest.mark.parametrize("quantization", ["fp8_blockwise", "fp8_blockwise_bf16_wgrad"])
+@pytest.mark.parametrize("quantization", ["fp8_blockwise", "fp8_blockwise_fp8_wgrad"])
 def test_fp8_layer_within_fp8_accuracy_of_bf16(rng, quantization):
     args = _inputs(rng)
     ct = normal(rng, (T, H), jnp.float32)

@@ -15,8 +15,9 @@ so out[g] ~ x[rows of g]^T @ dy[rows of g]. Both operands must come from the sam
 group_sizes: the tiles of group g are where quantize_fp8_group_cols put its rows.
 
 `path` picks the CUDA kernel (tests, benchmarks): "auto", "simt" (the contract's order,
-bitwise the CPU kernel) or "cutlass" (Hopper's FP8 tensor cores, whose tile sums round in
-their own order); a forced path that cannot compute the product fails at run time naming
+bitwise the CPU kernel), "cutlass" or "pingpong" (Hopper's FP8 tensor cores, whose tile
+sums round in their own order: CUTLASS's cooperative 128 x 128 tile, or its pingpong
+64 x 128 tile); a forced path that cannot compute the product fails at run time naming
 it. The CPU has one kernel and ignores it.
 
 A primitive on quantised data, so not differentiable (see _fp8). vmap folds the batch
@@ -40,7 +41,7 @@ from moe_xla.primitives import _batching, _checks, _fp8, _impl, _lowering, _shar
 tgmm_fp8_p = Primitive("moe_xla_tgmm_fp8")
 
 # The kernels by their attribute value (cuda::Fp8WgradPath in cuda/fp8_wgrad.h).
-PATHS = ("auto", "simt", "cutlass")
+PATHS = ("auto", "simt", "cutlass", "pingpong")
 
 
 def tgmm_fp8(lhs_t, lhs_scales, rhs_t, rhs_scales, group_sizes, *, rows, preferred_element_type=jnp.float32,
