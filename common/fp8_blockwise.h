@@ -153,10 +153,13 @@ MOE_XLA_HOST_DEVICE inline float fp8_e4m3_to_float(uint8_t q) {
 // tile_rows = 1 gives the 1 x 128 row tiles, tile_rows = 128 the 128 x 128 blocks.
 //   q      [batch, rows, cols]                                 float8_e4m3fn bits
 //   scales [batch, ceil(rows / tile_rows), ceil(cols / 128)]   float32
+//   q_t    [batch, cols, rows]  (blocks only, optional) q with its last two axes swapped:
+//          the two layouts of expert weights (the forward's and the dgrad's) in one pass
 struct Fp8QuantizeParams {
   const void* x;
   DType dtype;      // of x
   uint8_t* q;
+  uint8_t* q_t;     // nullptr: not written; tile_rows 128 only
   float* scales;
   int64_t batch;
   int64_t rows;

@@ -16,7 +16,7 @@
 namespace moe_xla {
 namespace cuda {
 
-// Fills p.q and p.scales (device memory) from p.x.
+// Fills p.q and p.scales (device memory) from p.x, and p.q_t when given (blocks).
 Status fp8_quantize(const Fp8QuantizeParams& p, cudaStream_t stream);
 
 // Fills p.a, p.q and p.scales (device memory): the expert activation of p.h and its

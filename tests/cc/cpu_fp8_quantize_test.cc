@@ -117,7 +117,7 @@ void test_kernel() {
   x[(1 * k + 129) * n + 131] = NAN;                                    //   and NaN: amax 0 -> 1
   std::vector<uint8_t> q(x.size());
   std::vector<float> scales(g * 2 * 3);
-  Fp8QuantizeParams p{x.data(), DType::kF32, q.data(), scales.data(), g, k, n, fp8::kTile, false};
+  Fp8QuantizeParams p{x.data(), DType::kF32, q.data(), nullptr, scales.data(), g, k, n, fp8::kTile, false};
   cpu::fp8_quantize(p);
   check(scales[0] == 50.0f / 448.0f, "block (0,0,0) scale", scales[0]);
   check(scales[1 * 6 + 1 * 3 + 0] == 7.0f / 448.0f, "block (1,1,0): a two-row tail", scales[9]);
@@ -127,7 +127,7 @@ void test_kernel() {
         "block elements", 0);
 
   std::vector<float> row_scales(g * k * 3);
-  Fp8QuantizeParams r{x.data(), DType::kF32, q.data(), row_scales.data(), 1, g * k, n, 1, true};
+  Fp8QuantizeParams r{x.data(), DType::kF32, q.data(), nullptr, row_scales.data(), 1, g * k, n, 1, true};
   cpu::fp8_quantize(r);
   const int64_t row = 1 * k + 129;
   check(row_scales[row * 3 + 0] == 1.0f / 64, "row tile pow2 scale of amax 7", row_scales[row * 3]);
