@@ -131,12 +131,56 @@ struct Activated {
   }
 };
 
+// One 128 x 128 block of q in shared memory, to be written transposed: put() takes a
+// thread's 8 bytes of a row, store() writes q_t rows (the block's columns) 16 bytes at a
+// time, each gathered down a column. The odd row pitch puts a warp's byte stores and its
+// column gathers in different banks.
+struct TransposedBlock {
+  static constexpr int kPitch = fp8::kTile + 1;
+  static constexpr int kChunk = 16;  // bytes of a q_t row per store
+  uint8_t bytes[fp8::kTile * kPitch];
+
+  __device__ __forceinline__ void put(int row, int col, const Lane<uint8_t>& v) {
+#pragma unroll
+    for (int j = 0; j < kLaneCols; ++j) bytes[row * kPitch + col + j] = v.get(j);
+  }
+
+  // q_t rows reg.col0 .. reg.col0 + 127 (within cols), columns reg.row0 .. + 127 (within rows).
+  __device__ __forceinline__ void store(uint8_t* __restrict__ q_t, const Region& reg, int64_t rows, int64_t cols,
+                                        int threads) {
+    constexpr int kChunksPerRow = fp8::kTile / kChunk;
+    const bool vector = rows % kChunk == 0;  // 16-byte aligned q_t rows (q_t itself is)
+    for (int i = threadIdx.x; i < fp8::kTile * kChunksPerRow; i += threads) {
+      const int n = i / kChunksPerRow, part = i % kChunksPerRow;
+      const int64_t qn = reg.col0 + n, k0 = reg.row0 + part * kChunk;
+      if (qn >= cols || k0 >= rows) continue;
+      uint8_t* dst = q_t + (reg.b * cols + qn) * rows + k0;
+      if (vector) {
+        uint32_t w[kChunk / 4];
+#pragma unroll
+        for (int v = 0; v < kChunk / 4; ++v) {
+          const uint8_t* src = bytes + (part * kChunk + 4 * v) * kPitch + n;
+          w[v] = uint32_t{src[0]} | uint32_t{src[kPitch]} << 8 | uint32_t{src[2 * kPitch]} << 16 |
+                 uint32_t{src[3 * kPitch]} << 24;
+        }
+        *reinterpret_cast<uint4*>(dst) = uint4{w[0], w[1], w[2], w[3]};
+      } else {
+        const int64_t len = rows - k0 < kChunk ? rows - k0 : kChunk;
+        for (int r = 0; r < len; ++r) dst[r] = bytes[(part * kChunk + r) * kPitch + n];
+      }
+    }
+  }
+};
+
 // kBlocks: one 128 x 128 block per region, else C::kRegionRows rows of 1 x 128 tiles. Source: Stored or
 // Activated; kVector: cols % 8 == 0 and every pointer aligned for Lane accesses.
-template <DType D, bool kBlocks, bool kVector, class Source, class C>
+// kTransposed (blocks): q_t [batch, cols, rows] gets the block transposed too, through
+// shared memory (TransposedBlock).
+template <DType D, bool kBlocks, bool kVector, class Source, class C, bool kTransposed = false>
 __global__ void __launch_bounds__(C::kThreads, C::kMinCtas)
-    quantize_regions(Source src, uint8_t* __restrict__ q, float* __restrict__ scales, int64_t rows, int64_t cols,
-                     int64_t row_regions, int64_t col_tiles, bool pow2) {
+    quantize_regions(Source src, uint8_t* __restrict__ q, uint8_t* __restrict__ q_t, float* __restrict__ scales,
+                     int64_t rows, int64_t cols, int64_t row_regions, int64_t col_tiles, bool pow2) {
+  static_assert(kBlocks || !kTransposed, "only blocks are written transposed");
   using Bits = typename Elem<D>::Bits;
   const int t = threadIdx.x, lane = t % 32, warp = t / 32;
   constexpr int kRows = C::kPassRows, kPasses = C::kPasses;
@@ -188,6 +232,11 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtas)
     }
   }
 
+  [[maybe_unused]] TransposedBlock* block = nullptr;
+  if constexpr (kTransposed) {
+    __shared__ TransposedBlock shared_block;
+    block = &shared_block;
+  }
 #pragma unroll
   for (int i = 0; i < kPasses; ++i) {
     const int64_t r = reg.row0 + first + i * kRows;
@@ -196,6 +245,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtas)
     for (int j = 0; j < kLaneCols; ++j) {
       out.set(j, fp8::quantize_element(Elem<D>::to_float(raw[i].get(j)), scale[kBlocks ? 0 : i]));
     }
+    if constexpr (kTransposed) block->put(first + i * kRows, col, out);
     if (r >= rows || valid == 0) continue;
     const int64_t base = (reg.b * rows + r) * cols + c;
     if constexpr (kVector) {
@@ -204,17 +254,29 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtas)
       for (int j = 0; j < valid; ++j) q[base + j] = out.get(j);
     }
   }
+  if constexpr (kTransposed) {
+    __syncthreads();
+    block->store(q_t, reg, rows, cols, C::kThreads);
+  }
 }
 
 template <DType D, bool kBlocks, class C, class Source>
-cudaError_t launch(const Source& src, uint8_t* q, float* scales, int64_t batch, int64_t rows, int64_t cols,
-                   bool pow2, cudaStream_t stream) {
+cudaError_t launch(const Source& src, uint8_t* q, uint8_t* q_t, float* scales, int64_t batch, int64_t rows,
+                   int64_t cols, bool pow2, cudaStream_t stream) {
   const int64_t row_regions = (rows + C::kRegionRows - 1) / C::kRegionRows;
   const int64_t col_tiles = fp8::tiles(cols);
   const int64_t regions = batch * row_regions * col_tiles;
   if (regions > 0x7fffffff) return cudaErrorInvalidConfiguration;
-  quantize_regions<D, kBlocks, Source::kVector, Source, C><<<static_cast<unsigned>(regions), C::kThreads, 0, stream>>>(
-      src, q, scales, rows, cols, row_regions, col_tiles, pow2);
+  const unsigned grid = static_cast<unsigned>(regions);
+  if constexpr (kBlocks) {
+    if (q_t != nullptr) {
+      quantize_regions<D, true, Source::kVector, Source, C, true><<<grid, C::kThreads, 0, stream>>>(
+          src, q, q_t, scales, rows, cols, row_regions, col_tiles, pow2);
+      return cudaGetLastError();
+    }
+  }
+  quantize_regions<D, kBlocks, Source::kVector, Source, C><<<grid, C::kThreads, 0, stream>>>(
+      src, q, nullptr, scales, rows, cols, row_regions, col_tiles, pow2);
   return cudaGetLastError();
 }
 
@@ -228,7 +290,7 @@ cudaError_t quantize(const Fp8QuantizeParams& p, cudaStream_t stream) {
   auto run = [&](auto src, auto blocks) {
     constexpr bool kBlocks = decltype(blocks)::value;
     using C = std::conditional_t<kBlocks, BlocksCta<D>, RowsCta<D>>;
-    return launch<D, kBlocks, C>(src, p.q, p.scales, p.batch, p.rows, p.cols, p.pow2_scale, stream);
+    return launch<D, kBlocks, C>(src, p.q, p.q_t, p.scales, p.batch, p.rows, p.cols, p.pow2_scale, stream);
   };
   auto with_tiles = [&](auto src) {
     return p.tile_rows == 1 ? run(src, std::false_type{}) : run(src, std::true_type{});
@@ -244,7 +306,7 @@ cudaError_t activate_quantize(const Fp8ActivateQuantizeParams& p, cudaStream_t s
   const auto* h = static_cast<const Bits*>(p.h);
   auto* a = static_cast<Bits*>(p.a);
   auto run = [&](auto src) {
-    return launch<D, false, ActivatedCta<D>>(src, p.q, p.scales, 1, p.rows, p.cols, p.pow2_scale, stream);
+    return launch<D, false, ActivatedCta<D>>(src, p.q, nullptr, p.scales, 1, p.rows, p.cols, p.pow2_scale, stream);
   };
   return vector ? run(Activated<D, true>{h, a, p.cols, p.activation})
                 : run(Activated<D, false>{h, a, p.cols, p.activation});
@@ -280,6 +342,10 @@ Status fp8_quantize(const Fp8QuantizeParams& p, cudaStream_t stream) {
   if (p.tile_rows != 1 && p.tile_rows != fp8::kTile) {
     return Status::InvalidArgument("fp8 quantize: tile_rows must be 1 or 128, got " + std::to_string(p.tile_rows));
   }
+  if (p.q_t != nullptr && p.tile_rows != fp8::kTile) {
+    return Status::InvalidArgument("fp8 quantize: q_t is written for 128 x 128 blocks only");
+  }
+  if (p.q_t != nullptr && !aligned(p.q_t, 16)) return Status::InvalidArgument("fp8 quantize: q_t is not 16-byte aligned");
   if (p.batch * p.rows * p.cols == 0) return Status();
   return by_dtype<Quantize>(p, stream, "fp8 quantize");
 }
