@@ -3,7 +3,7 @@ quantize_fp8_blocks) in GB/s of compulsory traffic, against a copy-like elementw
 (y = -x, which reads and writes every element once) on the same bytes, in the same run.
 
 Ops: rows (quantize_fp8_rows), blocks (quantize_fp8_blocks), weights
-(quantize_fp8_weights: blocks, then XLA's transpose of q for the forward's layout),
+(quantize_fp8_weights: the blocks in both layouts, q and q transposed, from one kernel),
 group_cols (quantize_fp8_group_cols of the activations with the case's G uniform groups:
 the FP8 wgrad's 128-row column tiles, written transposed), and on the gate_up cases'
 products h [M, N] = gate | up: swiglu_rows (activations.activate_fp8: swiglu and its row

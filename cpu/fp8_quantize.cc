@@ -1,5 +1,6 @@
 // CPU FP8 blockwise quantisation: per tile, amax over the tile, then the scale, then each
-// element through fp8::quantize_element, the function the CUDA kernel uses too. The fused
+// element through fp8::quantize_element, the function the CUDA kernel uses too (the blocks
+// also copied, code for code, to their transposed place in q_t when asked). The fused
 // form first computes a tile of the expert activation, rounded to its dtype; the group
 // column form takes its tiles from cpu/fp8_group_tiles.h and writes them transposed. The
 // operations are integer ones and single float32 divisions of normal numbers
@@ -35,6 +36,7 @@ void fp8_quantize(const Fp8QuantizeParams& p) {
           for (int64_t c = c0; c < c1; ++c) {
             const int64_t i = (b * p.rows + r) * p.cols + c;
             p.q[i] = fp8::quantize_element(load_as_float(p.x, i, p.dtype), scale);
+            if (p.q_t != nullptr) p.q_t[(b * p.cols + c) * p.rows + r] = p.q[i];  // q_t[b, c, r] = q[b, r, c]
           }
         }
       }

@@ -8,8 +8,9 @@
 
 namespace moe_xla::cpu {
 
-// Fills p.q and p.scales (host memory). Expects p.tile_rows of 1 or 128 and
-// non-negative sizes (the handlers check both).
+// Fills p.q and p.scales (host memory), and p.q_t when it is not null (q with its last
+// two axes swapped). Expects p.tile_rows of 1 or 128, p.q_t null unless 128, and
+// non-negative sizes (the handlers check all three).
 void fp8_quantize(const Fp8QuantizeParams& p);
 
 // Fills p.a, p.q and p.scales (host memory): the activation of h and its 1 x 128 row

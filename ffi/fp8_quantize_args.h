@@ -1,9 +1,9 @@
 // Decodes and validates the buffers and attributes of the quantize_fp8_rows /
-// quantize_fp8_blocks FFI calls into the framework-free Fp8QuantizeParams of
-// common/fp8_blockwise.h, those of quantize_fp8_group_cols into its Fp8GroupColsParams, and
-// those of activate_quantize_fp8 into the Fp8ActivateQuantizeParams of
-// common/expert_activation.h, for both the CPU and the CUDA handlers. Every error names the
-// argument, what was expected and what was passed.
+// quantize_fp8_blocks / quantize_fp8_weights FFI calls into the framework-free
+// Fp8QuantizeParams of common/fp8_blockwise.h, those of quantize_fp8_group_cols into its
+// Fp8GroupColsParams, and those of activate_quantize_fp8 into the Fp8ActivateQuantizeParams
+// of common/expert_activation.h, for both the CPU and the CUDA handlers. Every error names
+// the argument, what was expected and what was passed.
 #ifndef MOE_XLA_FFI_FP8_QUANTIZE_ARGS_H_
 #define MOE_XLA_FFI_FP8_QUANTIZE_ARGS_H_
 
@@ -20,12 +20,20 @@ namespace moe_xla::ffi_args {
 
 namespace ffi = xla::ffi;
 
+// An FP8 result buffer: float8_e4m3fn, or an error naming it.
+inline ffi::Error expect_fp8(const char* what, ffi::AnyBuffer buffer) {
+  if (buffer.element_type() == ffi::DataType::F8E4M3FN) return ffi::Error::Success();
+  return ffi::Error::InvalidArgument(std::string(what) + ": expected dtype float8_e4m3fn, got " +
+                                     type_name(buffer.element_type()));
+}
+
 // x [M, K] (tile_rows 1: 1 x 128 row tiles) or [G, K, N] (tile_rows 128: 128 x 128
 // blocks) of f32 / bf16 / f16; q float8_e4m3fn of x's shape; scales f32 of shape
-// [M, ceil(K/128)] or [G, ceil(K/128), ceil(N/128)].
+// [M, ceil(K/128)] or [G, ceil(K/128), ceil(N/128)]; q_t, when given (blocks only: the
+// weights' two layouts), float8_e4m3fn [G, N, K].
 inline ffi::ErrorOr<Fp8QuantizeParams> decode_fp8_quantize(ffi::AnyBuffer x, ffi::AnyBuffer q,
                                                            ffi::Buffer<ffi::F32> scales, int64_t tile_rows,
-                                                           bool pow2_scale) {
+                                                           bool pow2_scale, const ffi::AnyBuffer* q_t = nullptr) {
   const auto dims = x.dimensions();
   const char* name = tile_rows == 1 ? "x" : "w";  // the primitives' argument names
   Fp8QuantizeParams p{};
@@ -51,9 +59,7 @@ inline ffi::ErrorOr<Fp8QuantizeParams> decode_fp8_quantize(ffi::AnyBuffer x, ffi
   }
   auto dtype = to_dtype(x.element_type(), name);
   if (dtype.has_error()) return ffi::Unexpected<ffi::Error>(dtype.error());
-  if (q.element_type() != ffi::DataType::F8E4M3FN) {
-    return invalid("q: expected dtype float8_e4m3fn, got " + type_name(q.element_type()));
-  }
+  if (auto e = expect_fp8("q", q); e.failure()) return ffi::Unexpected<ffi::Error>(std::move(e));
   bool same_shape = q.dimensions().size() == dims.size();
   for (size_t i = 0; same_shape && i < dims.size(); ++i) same_shape = q.dimensions()[i] == dims[i];
   if (!same_shape) {
@@ -63,6 +69,16 @@ inline ffi::ErrorOr<Fp8QuantizeParams> decode_fp8_quantize(ffi::AnyBuffer x, ffi
   p.x = x.untyped_data();
   p.dtype = *dtype;
   p.q = static_cast<uint8_t*>(q.untyped_data());
+  if (q_t != nullptr) {
+    if (tile_rows != fp8::kTile) {
+      return invalid("q_t: expected only with 128 x 128 blocks (tile_rows 128), got tile_rows " +
+                     std::to_string(tile_rows));
+    }
+    for (auto e : {expect_fp8("q_t", *q_t), expect_shape("q_t", q_t->dimensions(), {p.batch, p.cols, p.rows})}) {
+      if (e.failure()) return ffi::Unexpected<ffi::Error>(std::move(e));
+    }
+    p.q_t = static_cast<uint8_t*>(q_t->untyped_data());
+  }
   p.scales = scales.typed_data();
   p.tile_rows = tile_rows;
   p.pow2_scale = pow2_scale;
@@ -81,9 +97,7 @@ inline ffi::ErrorOr<Fp8GroupColsParams> decode_fp8_group_cols(ffi::AnyBuffer x, 
   }
   auto dtype = to_dtype(x.element_type(), "x");
   if (dtype.has_error()) return ffi::Unexpected<ffi::Error>(dtype.error());
-  if (q_t.element_type() != ffi::DataType::F8E4M3FN) {
-    return invalid("q_t: expected dtype float8_e4m3fn, got " + type_name(q_t.element_type()));
-  }
+  if (auto e = expect_fp8("q_t", q_t); e.failure()) return ffi::Unexpected<ffi::Error>(std::move(e));
   Fp8GroupColsParams p{};
   p.rows = dims[0];
   p.cols = dims[1];
@@ -126,9 +140,7 @@ inline ffi::ErrorOr<Fp8ActivateQuantizeParams> decode_fp8_activate_quantize(ffi:
     return invalid("a: expected the dtype of h " + type_name(h.element_type()) + ", got " +
                    type_name(a.element_type()));
   }
-  if (q.element_type() != ffi::DataType::F8E4M3FN) {
-    return invalid("q: expected dtype float8_e4m3fn, got " + type_name(q.element_type()));
-  }
+  if (auto e = expect_fp8("q", q); e.failure()) return ffi::Unexpected<ffi::Error>(std::move(e));
   for (auto [name, got] : {std::pair{"a", a.dimensions()}, std::pair{"q", q.dimensions()}}) {
     if (auto e = expect_shape(name, got, {p.rows, p.cols}); e.failure()) {
       return ffi::Unexpected<ffi::Error>(std::move(e));
@@ -178,6 +190,18 @@ auto bind_fp8_quantize(Binding&& binding) {
       .template Arg<ffi::AnyBuffer>()          // x [M, K] or w [G, K, N]
       .template Ret<ffi::AnyBuffer>()          // q, float8_e4m3fn, shape of x
       .template Ret<ffi::Buffer<ffi::F32>>()   // scales, one per tile
+      .template Attr<bool>("pow2_scale");
+}
+
+// The operands and attributes of the quantize_fp8_weights handlers (the blocks in both
+// layouts), appended to `binding`.
+template <class Binding>
+auto bind_fp8_weight_layouts(Binding&& binding) {
+  return std::move(binding)
+      .template Arg<ffi::AnyBuffer>()          // w [G, K, N]
+      .template Ret<ffi::AnyBuffer>()          // q [G, K, N], float8_e4m3fn
+      .template Ret<ffi::AnyBuffer>()          // q_t [G, N, K], float8_e4m3fn: q transposed
+      .template Ret<ffi::Buffer<ffi::F32>>()   // scales [G, ceil(K/128), ceil(N/128)]
       .template Attr<bool>("pow2_scale");
 }
 

@@ -1,8 +1,9 @@
 // XLA FFI handlers of quantize_fp8_rows (1 x 128 row tiles), quantize_fp8_blocks
-// (128 x 128 blocks), quantize_fp8_group_cols (the wgrad's 128 x 1 column tiles per group,
+// (128 x 128 blocks), quantize_fp8_weights (the blocks in both layouts, q and q
+// transposed), quantize_fp8_group_cols (the wgrad's 128 x 1 column tiles per group,
 // transposed) and activate_quantize_fp8 (the expert activation and its row quantisation) on
-// the host platform. One quantisation function for rows and blocks, the tile height fixed
-// per symbol.
+// the host platform. One quantisation function for rows, blocks and weights, the tile
+// height fixed per symbol.
 #include <cstdint>
 
 #include "common/fp8_blockwise.h"
@@ -19,6 +20,14 @@ template <int64_t kTileRows>
 ffi::Error quantize_fp8_cpu(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> q, ffi::ResultBuffer<ffi::F32> scales,
                             bool pow2_scale) {
   auto p = ffi_args::decode_fp8_quantize(x, *q, *scales, kTileRows, pow2_scale);
+  if (p.has_error()) return p.error();
+  cpu::fp8_quantize(*p);
+  return ffi::Error::Success();
+}
+
+ffi::Error quantize_weights(ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> q, ffi::Result<ffi::AnyBuffer> q_t,
+                            ffi::ResultBuffer<ffi::F32> scales, bool pow2_scale) {
+  auto p = ffi_args::decode_fp8_quantize(w, *q, *scales, fp8::kTile, pow2_scale, &*q_t);
   if (p.has_error()) return p.error();
   cpu::fp8_quantize(*p);
   return ffi::Error::Success();
@@ -48,6 +57,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaQuantizeFp8RowsCpu, moe_xla::quantize_fp8_cp
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaQuantizeFp8BlocksCpu, moe_xla::quantize_fp8_cpu<moe_xla::fp8::kTile>,
                               moe_xla::ffi_args::bind_fp8_quantize(ffi::Ffi::Bind()));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaQuantizeFp8WeightsCpu, moe_xla::quantize_weights,
+                              moe_xla::ffi_args::bind_fp8_weight_layouts(ffi::Ffi::Bind()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaActivateQuantizeFp8Cpu, moe_xla::activate_quantize,
                               moe_xla::ffi_args::bind_fp8_activate_quantize(ffi::Ffi::Bind()));

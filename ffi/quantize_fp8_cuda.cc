@@ -1,5 +1,6 @@
 // XLA FFI handlers of quantize_fp8_rows (1 x 128 row tiles), quantize_fp8_blocks
-// (128 x 128 blocks) and activate_quantize_fp8 (the expert activation and its row
+// (128 x 128 blocks), quantize_fp8_weights (the blocks in both layouts, q and q
+// transposed, in one kernel) and activate_quantize_fp8 (the expert activation and its row
 // quantisation) on CUDA: decode, validate and enqueue cuda::fp8_quantize /
 // cuda::fp8_activate_quantize on XLA's stream (no host sync, no scratch; command-buffer
 // compatible). One quantisation function, the tile height fixed per symbol.
@@ -27,6 +28,13 @@ ffi::Error quantize_fp8_cuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<
                             kTileRows == 1 ? "quantize_fp8_rows" : "quantize_fp8_blocks");
 }
 
+ffi::Error quantize_weights(cudaStream_t stream, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> q,
+                            ffi::Result<ffi::AnyBuffer> q_t, ffi::ResultBuffer<ffi::F32> scales, bool pow2_scale) {
+  auto p = ffi_args::decode_fp8_quantize(w, *q, *scales, fp8::kTile, pow2_scale, &*q_t);
+  if (p.has_error()) return p.error();
+  return ffi_args::to_error(cuda::fp8_quantize(*p, stream), "quantize_fp8_weights");
+}
+
 ffi::Error activate_quantize(cudaStream_t stream, ffi::AnyBuffer h, ffi::Result<ffi::AnyBuffer> a,
                              ffi::Result<ffi::AnyBuffer> q, ffi::ResultBuffer<ffi::F32> scales, int32_t activation,
                              bool pow2_scale) {
@@ -45,6 +53,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaQuantizeFp8RowsCuda, moe_xla::quantize_fp8_c
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaQuantizeFp8BlocksCuda, moe_xla::quantize_fp8_cuda<moe_xla::fp8::kTile>,
                               moe_xla::ffi_args::bind_fp8_quantize(
+                                  ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaQuantizeFp8WeightsCuda, moe_xla::quantize_weights,
+                              moe_xla::ffi_args::bind_fp8_weight_layouts(
                                   ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});
 

@@ -35,11 +35,12 @@ _SYMBOLS = {
     for platform in ("cpu", "cuda")
 }
 # FP8 ops (common/fp8_blockwise.h, fp8_grouped_gemm.h): symbols in CamelCase,
-# MoeXlaQuantizeFp8RowsCpu, MoeXlaActivateQuantizeFp8Cpu, MoeXlaGmmFp8Cuda, MoeXlaTgmmFp8Cpu.
+# MoeXlaQuantizeFp8RowsCpu, MoeXlaQuantizeFp8WeightsCuda, MoeXlaActivateQuantizeFp8Cpu,
+# MoeXlaGmmFp8Cuda, MoeXlaTgmmFp8Cpu.
 _SYMBOLS.update({
     (op, platform): f"MoeXla{op.title().replace('_', '')}{platform.capitalize()}"
-    for op in ("quantize_fp8_rows", "quantize_fp8_blocks", "quantize_fp8_group_cols", "activate_quantize_fp8",
-               "gmm_fp8", "tgmm_fp8")
+    for op in ("quantize_fp8_rows", "quantize_fp8_blocks", "quantize_fp8_weights", "quantize_fp8_group_cols",
+               "activate_quantize_fp8", "gmm_fp8", "tgmm_fp8")
     for platform in ("cpu", "cuda")
 })
 

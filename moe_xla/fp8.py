@@ -4,7 +4,8 @@
                           the two layouts the products read (data [G, K, N] for the dgrad,
                           data_t [G, N, K] for the forward; 2 bytes per weight in all, as bf16)
                           and one scale per block, scales [G, ceil(K/128), ceil(N/128)].
-    quantize_fp8_weights  w -> Fp8Weights (once per step; or once, for frozen weights).
+    quantize_fp8_weights  w -> Fp8Weights (once per step; or once, for frozen weights): one
+                          kernel writes the blocks in both layouts and their scales.
     gmm_fp8_blockwise     out[rows of g] = lhs[rows of g] @ w[g] with lhs quantised in 1 x 128
                           row tiles and w in 128 x 128 blocks (moe_xla.gmm(quantization=
                           "fp8_blockwise") calls it).
@@ -42,9 +43,9 @@ import jax
 import jax.numpy as jnp
 
 from moe_xla.primitives.gmm_fp8 import gmm_fp8
-from moe_xla.primitives.quantize_fp8_blocks import quantize_fp8_blocks
 from moe_xla.primitives.quantize_fp8_group_cols import quantize_fp8_group_cols
 from moe_xla.primitives.quantize_fp8_rows import quantize_fp8_rows
+from moe_xla.primitives.quantize_fp8_weight_layouts import quantize_fp8_weight_layouts
 from moe_xla.primitives.tgmm import tgmm
 from moe_xla.primitives.tgmm_fp8 import tgmm_fp8
 
@@ -67,11 +68,12 @@ class Fp8Weights(NamedTuple):
 
 
 def quantize_fp8_weights(w, *, pow2_scale=False) -> Fp8Weights:
-    """w [G, K, N] -> Fp8Weights (128 x 128 blocks; no gradient flows through)."""
+    """w [G, K, N] -> Fp8Weights (128 x 128 blocks; no gradient flows through): data and
+    scales are quantize_fp8_blocks(w), data_t is data with its last two axes swapped, all
+    three written by one kernel (quantize_fp8_weight_layouts)."""
     if jnp.ndim(w) != 3:
         raise ValueError(f"quantize_fp8_weights: expected w of rank 3 [G, K, N], got shape {jnp.shape(w)}")
-    q, scales = quantize_fp8_blocks(jax.lax.stop_gradient(w), pow2_scale=pow2_scale)
-    return Fp8Weights(q, jnp.swapaxes(q, 1, 2), scales)
+    return Fp8Weights(*quantize_fp8_weight_layouts(jax.lax.stop_gradient(w), pow2_scale=pow2_scale))
 
 
 def _kernel_dtype(dtype):

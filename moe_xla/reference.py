@@ -175,6 +175,8 @@ def moe(x, router_logits, w_in, w_out, *, top_k, activation="swiglu", score="sof
 #   quantize_fp8_blocks      128 x 128 blocks of w [G, K, N]: the forward's weights; the
 #                            dgrad multiplies by the same blocks transposed (q and scales
 #                            swapped along their last two axes), so weights are quantised once.
+#   quantize_fp8_weight_layouts  the same blocks with q in both layouts, q [G, K, N] and
+#                            q_t [G, N, K] (the kernels write both in one pass).
 #   quantize_fp8_group_cols  128 x 1 tiles along M of [M, K] that restart at every group
 #                            boundary, written transposed: x and dy of the FP8 wgrad
 #                            tgmm_fp8 (the contraction is M, per group).
@@ -256,6 +258,13 @@ def quantize_fp8_blocks(w, *, pow2_scale=False):
     scales = fp8_scale(jnp.max(fp8_magnitude(wp), axis=(2, 4), initial=0.0), pow2_scale)
     q = fp8_quantize(wp, scales[:, :, None, :, None]).reshape(g, kt * FP8_TILE, nt * FP8_TILE)
     return q[:, :k, :n], scales
+
+
+def quantize_fp8_weight_layouts(w, *, pow2_scale=False):
+    """w [G, K, N] -> (q [G, K, N], q_t [G, N, K], scales): (q, scales) =
+    quantize_fp8_blocks(w) and q_t[g, n, k] = q[g, k, n]."""
+    q, scales = quantize_fp8_blocks(w, pow2_scale=pow2_scale)
+    return q, jnp.swapaxes(q, 1, 2), scales
 
 
 def activate_quantize_fp8(h, *, activation: str, pow2_scale=False):

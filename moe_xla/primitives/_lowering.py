@@ -33,6 +33,8 @@ _REFERENCE = {
     "unpermute": lambda y_sorted, row_map, weights, *, unique_rows: reference.unpermute(y_sorted, row_map, weights),
     "quantize_fp8_rows": lambda x, *, pow2_scale: list(reference.quantize_fp8_rows(x, pow2_scale=pow2_scale)),
     "quantize_fp8_blocks": lambda w, *, pow2_scale: list(reference.quantize_fp8_blocks(w, pow2_scale=pow2_scale)),
+    "quantize_fp8_weights": lambda w, *, pow2_scale: list(
+        reference.quantize_fp8_weight_layouts(w, pow2_scale=pow2_scale)),
     "quantize_fp8_group_cols": lambda x, group_sizes, *, pow2_scale: list(
         reference.quantize_fp8_group_cols(x, group_sizes, pow2_scale=pow2_scale)),
     "activate_quantize_fp8": lambda h, **params: list(reference.activate_quantize_fp8(h, **params)),

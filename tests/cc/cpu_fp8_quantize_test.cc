@@ -1,5 +1,5 @@
 // The FP8 rules of common/fp8_blockwise.h against brute force, and the CPU kernels' tilings
-// (rows, blocks, and the wgrad's group column tiles written transposed).
+// (rows, blocks and their transposed copy, and the wgrad's group column tiles written transposed).
 //
 // e4m3: the 126 positive finite float8_e4m3fn values are written down from the format's
 // definition (ldexp, double precision); for every float32 in [2^-12, 480] (both signs) and
@@ -105,8 +105,9 @@ void test_element() {
   check(fp8::quantize_element(NAN, scale) == 0x7f, "NaN", 0);
 }
 
-// A [2, 130, 260] f32 array in 128 x 128 blocks and, viewed as [260, 260], in 1 x 128 rows:
-// the scales' layout, the tails, and the tile rules (inf, NaN ignored; zero tiles scale 1).
+// A [2, 130, 260] f32 array in 128 x 128 blocks (with q_t, q transposed) and, viewed as
+// [260, 260], in 1 x 128 rows: the scales' layout, the tails, and the tile rules (inf, NaN
+// ignored; zero tiles scale 1).
 void test_kernel() {
   const int64_t g = 2, k = 130, n = 260;
   std::vector<float> x(g * k * n, 0.0f);
@@ -115,10 +116,18 @@ void test_kernel() {
   x[(1 * k + 129) * n + 3] = 7.0f;                                     // block (1, 1, 0): amax 7
   x[(1 * k + 129) * n + 130] = INFINITY;                               // block (1, 1, 1): inf ignored
   x[(1 * k + 129) * n + 131] = NAN;                                    //   and NaN: amax 0 -> 1
-  std::vector<uint8_t> q(x.size());
+  std::vector<uint8_t> q(x.size()), q_t(x.size(), 0xAA);
   std::vector<float> scales(g * 2 * 3);
-  Fp8QuantizeParams p{x.data(), DType::kF32, q.data(), nullptr, scales.data(), g, k, n, fp8::kTile, false};
+  Fp8QuantizeParams p{x.data(), DType::kF32, q.data(), q_t.data(), scales.data(), g, k, n, fp8::kTile, false};
   cpu::fp8_quantize(p);
+  for (int64_t b = 0; b < g; ++b) {
+    for (int64_t r = 0; r < k; ++r) {
+      for (int64_t c = 0; c < n; ++c) {
+        check(q_t[(b * n + c) * k + r] == q[(b * k + r) * n + c], "q_t[b, c, r] == q[b, r, c]",
+              static_cast<double>((b * k + r) * n + c));
+      }
+    }
+  }
   check(scales[0] == 50.0f / 448.0f, "block (0,0,0) scale", scales[0]);
   check(scales[1 * 6 + 1 * 3 + 0] == 7.0f / 448.0f, "block (1,1,0): a two-row tail", scales[9]);
   check(scales[1 * 6 + 1 * 3 + 1] == 1.0f, "block (1,1,1): inf and NaN only -> 1", scales[10]);
