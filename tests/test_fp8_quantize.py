@@ -1,5 +1,7 @@
 """FP8 blockwise quantisation (common/fp8_blockwise.h): the kernels bitwise against the
-reference, the reference bitwise against numpy, and the primitives' rules and errors.
+reference, the reference bitwise against numpy, and the primitives' rules and errors; the
+weights' two layouts in one call (quantize_fp8_weight_layouts, behind
+moe_xla.quantize_fp8_weights) bitwise the blocks and their transpose.
 
 The kernel comparisons run on the CPU everywhere and on the GPU where there is one,
 against the reference evaluated on the CPU. Data: random rows
@@ -19,6 +21,7 @@ from conftest import ON_GPU, requires_gpu
 
 import moe_xla
 from moe_xla import reference
+from moe_xla.primitives.quantize_fp8_weight_layouts import quantize_fp8_weight_layouts, quantize_fp8_weight_layouts_p
 
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 PLATFORMS = ["cpu", pytest.param("gpu", marks=requires_gpu)]
@@ -26,6 +29,8 @@ PLATFORMS = ["cpu", pytest.param("gpu", marks=requires_gpu)]
 # element-wise path; both with partial tiles.
 ROW_SHAPES = [(7, 300), (1, 128), (33, 1), (5, 259), (257, 1000), (4, 0), (0, 5)]
 BLOCK_SHAPES = [(3, 130, 260), (1, 128, 128), (2, 1, 7), (1, 300, 129), (2, 272, 392), (0, 4, 4)]
+# The weights' two layouts: the blocks' shapes and empty K or N (q_t [G, N, K] of size 0 too).
+WEIGHT_SHAPES = BLOCK_SHAPES + [(2, 0, 130), (2, 130, 0)]
 
 
 def _device(platform):
@@ -71,7 +76,9 @@ def _bits(a):
 
 
 def assert_bitwise(out, ref, against="the reference"):
-    for o, r, name in zip(out, ref, ("q", "scales")):
+    """Every output bitwise its reference: (q, scales), or (q, q_t, scales) of the weights."""
+    assert len(out) == len(ref), (len(out), len(ref))
+    for o, r, name in zip(out, ref, ("q", "scales") if len(out) == 2 else ("q", "q_t", "scales")):
         assert o.shape == r.shape and o.dtype == r.dtype, (name, o.shape, o.dtype, r.shape, r.dtype)
         ob, rb = _bits(o), _bits(r)
         bad = np.argwhere(ob != rb)
@@ -110,11 +117,14 @@ def _numpy_magnitude(x):
     return np.where(np.isfinite(a) & (a >= np.float32(2.0 ** -126)), a, np.float32(0))
 
 
-# (public op, its reference, input shape): rows of [M, K], blocks of [G, K, N].
+# (op, its reference, input shape): rows of [M, K], blocks and weights of [G, K, N].
 KERNEL_CASES = [pytest.param(moe_xla.quantize_fp8_rows, reference.quantize_fp8_rows, s, id=f"rows{s}")
                 for s in ROW_SHAPES] + [
                 pytest.param(moe_xla.quantize_fp8_blocks, reference.quantize_fp8_blocks, s, id=f"blocks{s}")
-                for s in BLOCK_SHAPES]
+                for s in BLOCK_SHAPES] + [
+                pytest.param(quantize_fp8_weight_layouts, reference.quantize_fp8_weight_layouts, s,
+                             id=f"weights{s}")
+                for s in WEIGHT_SHAPES]
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)
@@ -128,6 +138,43 @@ def test_kernel_is_the_reference_bitwise(rng, op, ref, shape, dtype, pow2, platf
     # the H200, XLA:GPU's division in the reference gave scales one ulp off fl(amax / 448)
     # (jax 0.11.2) while the CUDA kernel matched the CPU reference bit for bit.
     assert_bitwise(out, _reference_on("cpu", ref, x, pow2_scale=pow2), "the reference on the CPU")
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", WEIGHT_SHAPES, ids=str)
+def test_weight_layouts_are_the_blocks_and_their_transpose(rng, shape, dtype, pow2, platform):
+    """One call writes q and scales bitwise those of quantize_fp8_blocks on the same
+    platform, and q_t bitwise q with its last two axes swapped; quantize_fp8_weights returns
+    them as the Fp8Weights that the blocks and XLA's transpose made before."""
+    w = jax.device_put(tricky(rng, shape, dtype), _device(platform))
+    q, s = jax.jit(lambda v: moe_xla.quantize_fp8_blocks(v, pow2_scale=pow2))(w)
+    want = (q, jnp.swapaxes(q, 1, 2), s)
+    assert_bitwise(jax.jit(lambda v: quantize_fp8_weight_layouts(v, pow2_scale=pow2))(w), want,
+                   "quantize_fp8_blocks and its transpose")
+    weights = jax.jit(lambda v: moe_xla.quantize_fp8_weights(v, pow2_scale=pow2))(w)
+    assert isinstance(weights, moe_xla.Fp8Weights)
+    assert_bitwise(weights, want, "quantize_fp8_blocks and its transpose")
+
+
+def test_quantize_fp8_weights_is_one_call_without_a_transpose():
+    """Both layouts come from the kernel: no blocks call and no XLA transpose beside it."""
+    platform = "cuda" if ON_GPU else "cpu"
+    text = jax.jit(moe_xla.quantize_fp8_weights).lower(jnp.zeros((2, 256, 384), jnp.bfloat16)).as_text()
+    assert text.count(f"moe_xla_quantize_fp8_weights_{platform}_v1") == 1
+    assert "quantize_fp8_blocks" not in text and "transpose" not in text
+
+
+def test_weight_layouts_reference_lowering_is_the_kernel_bitwise(monkeypatch, rng):
+    """MOE_XLA_IMPL=reference lowers the op to reference.quantize_fp8_weight_layouts (on the
+    CPU: XLA:GPU's division may round the reference's scales apart, see above)."""
+    w = jax.device_put(tricky(rng, (2, 130, 260), jnp.bfloat16), _device("cpu"))
+    kernel = jax.jit(quantize_fp8_weight_layouts)(w)
+    monkeypatch.setenv("MOE_XLA_IMPL", "reference")
+    f = jax.jit(lambda v: quantize_fp8_weight_layouts(v))  # a fresh jit: MOE_XLA_IMPL is read while lowering
+    assert "moe_xla_quantize_fp8_weights" not in f.lower(w).as_text()
+    assert_bitwise(f(w), kernel, "the kernel")
 
 
 # E4M3 rounding boundaries: halfway between two neighbouring E4M3 values (3-bit mantissas).
@@ -168,7 +215,8 @@ def test_quotients_near_e4m3_boundaries_round_as_the_division(rng, dtype, platfo
     rows = _near_boundaries(rng, 128, dtype)
     blocks = np.stack([np.resize(row, (128, 128)) for row in rows[:4]])
     for op, ref, arg in ((moe_xla.quantize_fp8_rows, reference.quantize_fp8_rows, rows),
-                         (moe_xla.quantize_fp8_blocks, reference.quantize_fp8_blocks, blocks)):
+                         (moe_xla.quantize_fp8_blocks, reference.quantize_fp8_blocks, blocks),
+                         (quantize_fp8_weight_layouts, reference.quantize_fp8_weight_layouts, blocks)):
         arg = jnp.asarray(arg)
         out = jax.jit(op)(jax.device_put(arg, _device(platform)))
         assert_bitwise(out, _reference_on("cpu", ref, arg), "the reference on the CPU")
@@ -253,13 +301,29 @@ def test_leading_dims_vmap_and_eager_agree(rng):
     assert_bitwise(moe_xla.quantize_fp8_blocks(w), (q, s))
     assert_bitwise(moe_xla.quantize_fp8_blocks(w[1, 2]), (q[1, 2], s[1, 2]))
 
+    # The weights' layouts: the batch folds into G; q_t is q transposed per element.
+    layouts = jax.vmap(quantize_fp8_weight_layouts)(w)
+    assert layouts[1].shape == (2, 3, 129, 130)
+    assert_bitwise(layouts, (q, jnp.swapaxes(q, -1, -2), s))
+    assert_bitwise(quantize_fp8_weight_layouts(w), layouts)
+    assert_bitwise(jax.jit(quantize_fp8_weight_layouts)(w[1, 2]), tuple(a[1, 2] for a in layouts))
+    moved = jax.vmap(quantize_fp8_weight_layouts, in_axes=1, out_axes=(2, 0, 1))(w)
+    assert_bitwise((jnp.moveaxis(moved[0], 2, 1), jnp.swapaxes(moved[1], 0, 1), moved[2]), layouts)
+    assert_bitwise(jax.vmap(moe_xla.quantize_fp8_weights)(w), layouts)
+    # The batching rule on its own: the wrapper's reshapes would hide outputs of the wrong shape.
+    bound = jax.vmap(lambda v: quantize_fp8_weight_layouts_p.bind(v, pow2_scale=False))(w)
+    assert [a.shape for a in bound] == [a.shape for a in layouts]
+    assert_bitwise(bound, layouts)
+
 
 def test_lowers_to_the_versioned_targets():
     platform = "cuda" if ON_GPU else "cpu"
-    text = jax.jit(lambda x, w: (moe_xla.quantize_fp8_rows(x), moe_xla.quantize_fp8_blocks(w))).lower(
+    text = jax.jit(lambda x, w: (moe_xla.quantize_fp8_rows(x), moe_xla.quantize_fp8_blocks(w),
+                                 quantize_fp8_weight_layouts(w))).lower(
         jnp.zeros((4, 256)), jnp.zeros((2, 128, 128))).as_text()
     assert f"moe_xla_quantize_fp8_rows_{platform}_v1" in text
     assert f"moe_xla_quantize_fp8_blocks_{platform}_v1" in text
+    assert f"moe_xla_quantize_fp8_weights_{platform}_v1" in text
 
 
 @pytest.mark.parametrize("call, message", [
@@ -271,37 +335,58 @@ def test_lowers_to_the_versioned_targets():
      "expected w of dtype"),
     (lambda: moe_xla.quantize_fp8_blocks(jnp.zeros((8,))), "expected w of rank >= 2"),
     (lambda: moe_xla.quantize_fp8_blocks(jnp.zeros((2, 8, 8)), pow2_scale="yes"), "pow2_scale"),
+    (lambda: quantize_fp8_weight_layouts(jnp.zeros((2, 8, 8), jnp.int32)),
+     r"quantize_fp8_weight_layouts: expected w of dtype float32, bfloat16, float16, got int32"),
+    (lambda: quantize_fp8_weight_layouts(jnp.zeros((2, 8, 8), jnp.float8_e4m3fn)), "got float8_e4m3fn"),
+    (lambda: quantize_fp8_weight_layouts(jnp.zeros((8,))),
+     r"quantize_fp8_weight_layouts: expected w of rank >= 2 \[..., K, N\], got shape \(8,\)"),
+    (lambda: quantize_fp8_weight_layouts(jnp.zeros((2, 8, 8)), pow2_scale=None),
+     "quantize_fp8_weight_layouts: expected pow2_scale to be a Python bool, got None"),
+    (lambda: moe_xla.quantize_fp8_weights(jnp.zeros((8, 8))),
+     r"quantize_fp8_weights: expected w of rank 3 \[G, K, N\], got shape \(8, 8\)"),
+    (lambda: moe_xla.quantize_fp8_weights(jnp.zeros((2, 8, 8), jnp.int8)), "expected w of dtype"),
 ])
 def test_bad_inputs_raise_at_trace_time(call, message):
     with pytest.raises((TypeError, ValueError), match=message):
         jax.eval_shape(call)
 
 
-@pytest.mark.parametrize("op, x_shape, q, scales, message", [
-    ("quantize_fp8_rows", (4, 300), ((4, 300), jnp.float8_e4m3fn), ((4, 2), jnp.float32),
-     r"scales: expected shape \[4, 3\], got \[4, 2\]"),
-    ("quantize_fp8_rows", (4, 300), ((4, 300), jnp.int8), ((4, 3), jnp.float32),
-     "q: expected dtype float8_e4m3fn"),
-    ("quantize_fp8_blocks", (2, 130, 4), ((2, 130, 5), jnp.float8_e4m3fn), ((2, 2, 1), jnp.float32),
+F8, F32 = jnp.float8_e4m3fn, jnp.float32
+
+
+@pytest.mark.parametrize("op, x_shape, results, message", [
+    ("quantize_fp8_rows", (4, 300), [((4, 300), F8), ((4, 2), F32)], r"scales: expected shape \[4, 3\], got \[4, 2\]"),
+    ("quantize_fp8_rows", (4, 300), [((4, 300), jnp.int8), ((4, 3), F32)], "q: expected dtype float8_e4m3fn"),
+    ("quantize_fp8_blocks", (2, 130, 4), [((2, 130, 5), F8), ((2, 2, 1), F32)],
      r"q: expected the shape of w \[2, 130, 4\]"),
-    ("quantize_fp8_blocks", (130, 4), ((130, 4), jnp.float8_e4m3fn), ((2, 1), jnp.float32),
-     r"w: expected rank 3 \[G, K, N\]"),
+    ("quantize_fp8_blocks", (130, 4), [((130, 4), F8), ((2, 1), F32)], r"w: expected rank 3 \[G, K, N\]"),
+    # quantize_fp8_weights: q, q_t, scales.
+    ("quantize_fp8_weights", (2, 130, 4), [((2, 130, 4), F8), ((2, 130, 4), F8), ((2, 2, 1), F32)],
+     r"q_t: expected shape \[2, 4, 130\], got \[2, 130, 4\]"),
+    ("quantize_fp8_weights", (2, 130, 4), [((2, 130, 4), F8), ((2, 4, 130), jnp.int8), ((2, 2, 1), F32)],
+     "q_t: expected dtype float8_e4m3fn"),
+    ("quantize_fp8_weights", (2, 130, 4), [((2, 130, 4), jnp.uint8), ((2, 4, 130), F8), ((2, 2, 1), F32)],
+     "q: expected dtype float8_e4m3fn"),
+    ("quantize_fp8_weights", (2, 130, 4), [((2, 130, 4), F8), ((2, 4, 130), F8), ((2, 1, 1), F32)],
+     r"scales: expected shape \[2, 2, 1\], got \[2, 1, 1\]"),
+    ("quantize_fp8_weights", (2, 130, 4, 1), [((2, 130, 4, 1), F8), ((2, 4, 130, 1), F8), ((2, 2, 1), F32)],
+     r"w: expected rank 3 \[G, K, N\], got shape \[2, 130, 4, 1\]"),
 ])
-def test_handlers_reject_inconsistent_buffers(op, x_shape, q, scales, message):
+def test_handlers_reject_inconsistent_buffers(op, x_shape, results, message):
     """The FFI handlers check what the primitives' shape rules already guarantee, for
     callers that reach the targets without them."""
     from moe_xla import _lib
 
-    results = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in (q, scales)]
+    results = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in results]
     call = jax.ffi.ffi_call(_lib.require_kernel(op, "cpu"), results)
     with jax.default_device(_device("cpu")), pytest.raises(Exception, match=message):
         jax.block_until_ready(jax.jit(lambda x: call(x, pow2_scale=False))(jnp.zeros(x_shape)))
 
 
-@pytest.mark.parametrize("fn", [moe_xla.quantize_fp8_rows, moe_xla.quantize_fp8_blocks])
+@pytest.mark.parametrize("fn", [moe_xla.quantize_fp8_rows, moe_xla.quantize_fp8_blocks, quantize_fp8_weight_layouts])
 def test_not_differentiable_but_stop_gradient_works(fn):
     x = jnp.ones((2, 130, 4))
-    loss = lambda v: jnp.sum(fn(v)[1])  # noqa: E731
+    loss = lambda v: jnp.sum(fn(v)[-1])  # noqa: E731  (the scales)
     with pytest.raises(TypeError, match="is not differentiable"):
         jax.grad(loss)(x)
     assert np.all(np.asarray(jax.grad(lambda v: loss(jax.lax.stop_gradient(v)) + jnp.sum(v))(x)) == 1.0)
@@ -310,6 +395,7 @@ def test_not_differentiable_but_stop_gradient_works(fn):
 @pytest.mark.parametrize("op, ref, shape", [
     (moe_xla.quantize_fp8_rows, reference.quantize_fp8_rows, (64, 300)),
     (moe_xla.quantize_fp8_blocks, reference.quantize_fp8_blocks, (4, 130, 200)),
+    (quantize_fp8_weight_layouts, reference.quantize_fp8_weight_layouts, (4, 130, 200)),
 ])
 def test_shards_along_the_leading_dim_without_gathering(rng, op, ref, shape):
     """Rows (along M) and groups (along G) are independent: each device quantises its shard."""
@@ -322,5 +408,5 @@ def test_shards_along_the_leading_dim_without_gathering(rng, op, ref, shape):
     hlo = f.lower(x).compile().as_text()
     assert "all-gather" not in hlo and "all-to-all" not in hlo and "collective-permute" not in hlo
     out = f(x)
-    assert out[0].sharding.spec[0] == "d" and out[1].sharding.spec[0] == "d"
+    assert all(o.sharding.spec[0] == "d" for o in out)
     assert_bitwise(out, _reference_on("cpu", ref, jax.device_get(x)))

@@ -79,8 +79,9 @@ def test_quantized_weights_are_used_and_the_arrays_get_the_gradients(rng):
     outside = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))(x, logits, w_in, w_out, qw)
     for a, b in zip(jax.tree.leaves(inside), jax.tree.leaves(outside)):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
-    hlo = jax.jit(jax.grad(loss, argnums=(2, 3))).lower(x, logits, w_in, w_out, qw).as_text()
-    assert "moe_xla_quantize_fp8_blocks" not in hlo
+    step = lambda qw: jax.jit(jax.grad(loss, argnums=(2, 3))).lower(x, logits, w_in, w_out, qw).as_text()  # noqa: E731
+    assert "moe_xla_quantize_fp8_weights" in step(None)  # quantised inside: the weights' one call
+    assert "moe_xla_quantize_fp8_weights" not in step(qw) and "moe_xla_quantize_fp8_blocks" not in step(qw)
 
     stale = (moe_xla.quantize_fp8_weights(w_in * 2), qw[1])  # e.g. quantised before an update
     y_stale = moe_xla.moe(x, logits, w_in, w_out, top_k=K, quantization="fp8_blockwise", quantized_weights=stale)

@@ -198,4 +198,5 @@ def test_prequantized_weights_are_inputs_of_the_step(tmp_path, monkeypatch):
     inputs, ct = moe_inputs(jax.random.key(0), 16, case["H"], case["F"], case["E"])
     q = (moe_xla.quantize_fp8_weights(inputs[2]), moe_xla.quantize_fp8_weights(inputs[3]))
     step = jax.jit(fwd_bwd(stages.prequantized_layer(case), 4)).lower(*inputs, *q, ct).as_text()
-    assert "moe_xla_gmm_fp8" in step and "moe_xla_quantize_fp8_blocks" not in step
+    assert "moe_xla_gmm_fp8" in step
+    assert "moe_xla_quantize_fp8_weights" not in step and "moe_xla_quantize_fp8_blocks" not in step
