@@ -79,8 +79,9 @@ def parse_args(argv) -> argparse.Namespace:
                      help="router scores (default: %(default)s)")
     moe.add_argument("--quantization", dest=MOE_OPTION + "quantization", choices=QUANTIZATION_CHOICES,
                      default="none",
-                     help="the expert products' arithmetic: none (the --dtype products) or fp8_blockwise (E4M3, "
-                          "1x128 activation tiles, 128x128 weight blocks; see moe_xla.fp8) (default: %(default)s)")
+                     help="the expert products' arithmetic: none (the --dtype products), fp8_blockwise (E4M3, "
+                          "1x128 activation tiles, 128x128 weight blocks, bf16 weight gradients; see moe_xla.fp8) "
+                          "or fp8_blockwise_fp8_wgrad (FP8 weight gradients too) (default: %(default)s)")
     train = p.add_argument_group("training")
     train.add_argument("--steps", type=int, default=400, help="training steps in all (default: %(default)s)")
     train.add_argument("--batch", type=int, default=16, help="sequences per step (default: %(default)s)")
