@@ -22,9 +22,6 @@ namespace ffi = xla::ffi;
 namespace moe_xla {
 namespace {
 
-// Upper bound of the SM count the workspace is sized for at lowering time.
-constexpr int kMaxSmCount = 1024;
-
 ffi::Error run(cudaStream_t stream, ffi::AnyBuffer workspace_buffer, ffi::ErrorOr<GroupedGemmParams> params,
                const char* op) {
   if (params.has_error()) return params.error();
@@ -33,10 +30,7 @@ ffi::Error run(cudaStream_t stream, ffi::AnyBuffer workspace_buffer, ffi::ErrorO
   int sm_count = 0;
   if (Status s = cuda::current_device_sm_count(&sm_count); !s.ok()) return ffi_args::to_error(s, op);
 
-  if (sm_count > kMaxSmCount) {
-    return ffi::Error::Internal(std::string("moe_xla ") + op + ": the workspace is sized for at most " +
-                                std::to_string(kMaxSmCount) + " SMs, the device has " + std::to_string(sm_count));
-  }
+  if (auto e = ffi_args::check_sm_count(sm_count, op); e.failure()) return e;
   const size_t workspace_bytes = cuda::grouped_gemm_workspace_bytes(p, sm_count);
   auto workspace = ffi_args::workspace(workspace_buffer, workspace_bytes, op);
   if (workspace.has_error()) return workspace.error();
@@ -84,5 +78,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaTgmmCuda, moe_xla::tgmm_cuda,
 // Workspace bytes of a gmm / tgmm call with `num_groups` groups, any shape and dtype
 // (called from Python through ctypes when lowering).
 extern "C" int64_t MoeXlaGmmWorkspaceBytes(int64_t num_groups) {
-  return static_cast<int64_t>(moe_xla::cuda::grouped_gemm_workspace_bytes_bound(num_groups, moe_xla::kMaxSmCount));
+  using moe_xla::ffi_args::kMaxSmCount;
+  return static_cast<int64_t>(moe_xla::cuda::grouped_gemm_workspace_bytes_bound(num_groups, kMaxSmCount));
 }

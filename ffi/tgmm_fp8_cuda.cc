@@ -20,9 +20,6 @@ namespace ffi = xla::ffi;
 namespace moe_xla {
 namespace {
 
-// Upper bound of the SM count the workspace is sized for at lowering time.
-constexpr int kMaxSmCount = 1024;
-
 ffi::Error tgmm_fp8_cuda(cudaStream_t stream, ffi::AnyBuffer lhs_t, ffi::Buffer<ffi::F32> lhs_scales,
                          ffi::AnyBuffer rhs_t, ffi::Buffer<ffi::F32> rhs_scales, ffi::Buffer<ffi::S32> group_sizes,
                          ffi::Result<ffi::AnyBuffer> out, int64_t rows, int32_t path,
@@ -36,10 +33,7 @@ ffi::Error tgmm_fp8_cuda(cudaStream_t stream, ffi::AnyBuffer lhs_t, ffi::Buffer<
   }
   int sm_count = 0;
   if (Status s = cuda::current_device_sm_count(&sm_count); !s.ok()) return ffi_args::to_error(s, "tgmm_fp8");
-  if (sm_count > kMaxSmCount) {
-    return ffi::Error::Internal("moe_xla tgmm_fp8: the workspace is sized for at most " + std::to_string(kMaxSmCount) +
-                                " SMs, the device has " + std::to_string(sm_count));
-  }
+  if (auto e = ffi_args::check_sm_count(sm_count, "tgmm_fp8"); e.failure()) return e;
   const size_t bytes = cuda::fp8_wgrad_workspace_bytes_bound(p->num_groups, sm_count);
   auto workspace = ffi_args::workspace(*workspace_buffer, bytes, "tgmm_fp8");
   if (workspace.has_error()) return workspace.error();
@@ -59,5 +53,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaTgmmFp8Cuda, moe_xla::tgmm_fp8_cuda,
 // Workspace bytes of a tgmm_fp8 call with `num_groups` groups, any shape and dtype (called
 // from Python through ctypes when lowering).
 extern "C" int64_t MoeXlaTgmmFp8WorkspaceBytes(int64_t num_groups) {
-  return static_cast<int64_t>(moe_xla::cuda::fp8_wgrad_workspace_bytes_bound(num_groups, moe_xla::kMaxSmCount));
+  using moe_xla::ffi_args::kMaxSmCount;
+  return static_cast<int64_t>(moe_xla::cuda::fp8_wgrad_workspace_bytes_bound(num_groups, kMaxSmCount));
 }

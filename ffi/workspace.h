@@ -17,6 +17,17 @@ namespace moe_xla::ffi_args {
 
 namespace ffi = xla::ffi;
 
+// The most SMs a device may have: the exported *WorkspaceBytes functions size the
+// workspace for it at lowering time, before the device is known.
+constexpr int kMaxSmCount = 1024;
+
+// An error when the device has more SMs than the workspace was sized for.
+inline ffi::Error check_sm_count(int sm_count, const char* what) {
+  if (sm_count <= kMaxSmCount) return ffi::Error::Success();
+  return ffi::Error::Internal(std::string("moe_xla ") + what + ": the workspace is sized for at most " +
+                              std::to_string(kMaxSmCount) + " SMs, the device has " + std::to_string(sm_count));
+}
+
 // The workspace result as a pointer, after checking it holds at least `needed` bytes.
 inline ffi::ErrorOr<void*> workspace(ffi::AnyBuffer buffer, size_t needed, const char* what) {
   if (buffer.size_bytes() < needed) {
