@@ -23,6 +23,10 @@ Status fp8_quantize(const Fp8QuantizeParams& p, cudaStream_t stream);
 // 1 x 128 row quantisation in one pass (common/expert_activation.h).
 Status fp8_activate_quantize(const Fp8ActivateQuantizeParams& p, cudaStream_t stream);
 
+// Fills p.dh, p.q and p.scales (device memory): the activation's backward from p.h and
+// p.da and the 1 x 128 row quantisation of d h in one pass (common/expert_activation.h).
+Status fp8_activate_grad_quantize(const Fp8ActivateGradQuantizeParams& p, cudaStream_t stream);
+
 }  // namespace cuda
 }  // namespace moe_xla
 

@@ -38,7 +38,8 @@ _SYMBOLS = {
 # MoeXlaQuantizeFp8RowsCpu, MoeXlaActivateQuantizeFp8Cpu, MoeXlaGmmFp8Cuda.
 _SYMBOLS.update({
     (op, platform): f"MoeXla{op.title().replace('_', '')}{platform.capitalize()}"
-    for op in ("quantize_fp8_rows", "quantize_fp8_blocks", "activate_quantize_fp8", "gmm_fp8")
+    for op in ("quantize_fp8_rows", "quantize_fp8_blocks", "activate_quantize_fp8", "activate_grad_quantize_fp8",
+               "gmm_fp8")
     for platform in ("cpu", "cuda")
 })
 

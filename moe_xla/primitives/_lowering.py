@@ -34,6 +34,7 @@ _REFERENCE = {
     "quantize_fp8_rows": lambda x, *, pow2_scale: list(reference.quantize_fp8_rows(x, pow2_scale=pow2_scale)),
     "quantize_fp8_blocks": lambda w, *, pow2_scale: list(reference.quantize_fp8_blocks(w, pow2_scale=pow2_scale)),
     "activate_quantize_fp8": lambda h, **params: list(reference.activate_quantize_fp8(h, **params)),
+    "activate_grad_quantize_fp8": lambda h, da, **params: list(reference.activate_grad_quantize_fp8(h, da, **params)),
     "gmm_fp8": reference.gmm_fp8,
 }
 
