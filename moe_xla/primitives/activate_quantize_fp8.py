@@ -36,7 +36,7 @@ from moe_xla.primitives import _batching, _checks, _fp8, _impl, _lowering, _shar
 
 # The activations by their attribute value (common/expert_activation.h); the first two are gated.
 ACTIVATIONS = ("swiglu", "geglu", "gelu", "silu", "relu")
-_GATED = ACTIVATIONS[:2]
+GATED = ACTIVATIONS[:2]
 
 activate_quantize_fp8_p = Primitive("moe_xla_activate_quantize_fp8")
 activate_quantize_fp8_p.multiple_results = True
@@ -60,10 +60,10 @@ def _abstract_eval(h, *, activation, pow2_scale):
     _checks.rank("activate_quantize_fp8", "h", h, 2, "[M, 2F] or [M, F]")
     _checks.float_dtype("activate_quantize_fp8", "h", h)
     m, c = h.shape
-    if activation in _GATED and c % 2:
+    if activation in GATED and c % 2:
         raise ValueError(f"activate_quantize_fp8: gated activation {activation!r} needs h [M, 2F] (gate | up), "
                          f"got an odd last dim {c}")
-    f = c // 2 if activation in _GATED else c
+    f = c // 2 if activation in GATED else c
     q, scales = _fp8.outputs((m, f), (m, _fp8.tiles(f)))
     return [jax.core.ShapedArray((m, f), h.dtype), q, scales]
 
