@@ -448,7 +448,7 @@ cudaError_t activate_grad_quantize(const Fp8ActivateGradQuantizeParams& p, cudaS
     return cudaGetLastError();
   }
   auto run = [&](auto src) {
-    return launch<D, false, ActivationGradCta>(src, p.q, p.scales, 1, p.rows, p.cols, p.pow2_scale, stream);
+    return launch<D, false, ActivationGradCta>(src, p.q, nullptr, p.scales, 1, p.rows, p.cols, p.pow2_scale, stream);
   };
   return vector ? run(ActivationGrad<D, true>{h, da, dh, p.cols, p.activation})
                 : run(ActivationGrad<D, false>{h, da, dh, p.cols, p.activation});

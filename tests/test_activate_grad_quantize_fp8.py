@@ -22,8 +22,9 @@ from test_fp8_quantize import _reference_on, assert_bitwise, tricky
 
 import moe_xla
 from moe_xla import fp8, reference
-from moe_xla.activations import ACTIVATIONS, GATED, activate, activate_fp8
+from moe_xla.activations import ACTIVATIONS, GATED, activate
 from moe_xla.primitives.activate_grad_quantize_fp8 import activate_grad_quantize_fp8
+from moe_xla.primitives.activate_quantize_fp8 import activate_quantize_fp8
 
 
 def _da(rng, m, f, dtype):
@@ -85,14 +86,32 @@ def test_reference_is_the_jnp_derivative(rng, activation):
     assert_bitwise((q, s), reference.quantize_fp8_rows(dh))
 
 
+def _unfused_activation(h, activation):
+    """activate_quantize_fp8's outputs with a differentiating as the jnp activation (XLA's
+    derivative): the values of the kernel, the gradient of activations.activate."""
+    a, q, s = activate_quantize_fp8(jax.lax.stop_gradient(h), activation)
+    a_jnp = activate(h, activation)
+    return a_jnp + jax.lax.stop_gradient(a - a_jnp), q, s
+
+
 def _mlp(fused, x, w_in, w_out, sizes, activation):
     """The FP8 expert MLP, its activation through gmm_activate_fp8 (fused) or through
-    gmm_fp8_blockwise and activations.activate_fp8 (unfused)."""
+    gmm_fp8_blockwise and XLA's derivative of the activation (unfused)."""
     if fused:
         a, *a_q = fp8.gmm_activate_fp8(x, w_in, sizes, activation)
     else:
-        a, *a_q = activate_fp8(fp8.gmm_fp8_blockwise(x, w_in, sizes), activation)
+        a, *a_q = _unfused_activation(fp8.gmm_fp8_blockwise(x, w_in, sizes), activation)
     return fp8.gmm_fp8_blockwise(a, w_out, sizes, lhs_quantized=tuple(a_q))
+
+
+def test_quantised_outputs_have_no_derivative(rng):
+    x = jnp.asarray(rng.standard_normal((40, 128)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((2, 128, 256)), jnp.float32)
+    sizes = jnp.asarray([30, 10], jnp.int32)
+    for out in (1, 2):
+        grads = jax.grad(lambda v, u, out=out: jnp.sum(
+            fp8.gmm_activate_fp8(v, u, sizes, "swiglu")[out].astype(jnp.float32)), argnums=(0, 1))(x, w)
+        assert all(np.all(np.asarray(g) == 0) for g in grads)
 
 
 @pytest.mark.parametrize("activation", ["swiglu", "gelu", "relu"])

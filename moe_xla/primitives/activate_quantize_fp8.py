@@ -16,9 +16,9 @@ Handlers MoeXlaActivateQuantizeFp8{Cpu,Cuda} in ffi/quantize_fp8_{cpu,cuda}.cc; 
 cpu/fp8_quantize.cc (fp8_activate_quantize) and cuda/fp8_quantize.cu (the Activated
 source of the row quantisation kernel).
 
-Not differentiable itself (see _fp8): moe_xla.activations.activate_fp8 wraps it with the
-jnp activation's derivative for a (q and scales feed the FP8 product, whose
-straight-through rule differentiates a). Rows are independent: the op shards along M and
+Not differentiable itself (see _fp8): moe_xla.fp8.gmm_activate_fp8 runs it inside a
+custom_vjp whose backward is activate_grad_quantize_fp8 (q and scales feed the FP8
+product, whose straight-through rule differentiates a). Rows are independent: the op shards along M and
 vmaps by folding the batch into M.
 """
 
@@ -92,7 +92,7 @@ def _attributes(*, activation, pow2_scale):
 _impl.def_jitted_impl(activate_quantize_fp8_p)
 activate_quantize_fp8_p.def_abstract_eval(_abstract_eval)
 ad.primitive_jvps[activate_quantize_fp8_p] = _fp8.not_differentiable(
-    "activate_quantize_fp8", "differentiate moe_xla.activations.activate_fp8, which wraps it with the activation's "
+    "activate_quantize_fp8", "differentiate moe_xla.fp8.gmm_activate_fp8, which runs it with the activation's "
     "derivative")
 batching.primitive_batchers[activate_quantize_fp8_p] = _batch
 _lowering.register(activate_quantize_fp8_p, "activate_quantize_fp8", _attributes, sharding=SHARDING)
