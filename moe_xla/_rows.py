@@ -47,12 +47,19 @@ def acc_dtype(dtype):
     return jnp.promote_types(dtype, jnp.float32)
 
 
+def expansion_sources(slots, weights, *, num_pairs: int):
+    """(src, factor), both [num_pairs]: expand_rows(rows, slots, weights)[r] is factor[r] *
+    rows[src[r]], or 0 where src[r] = -1 (no slot names r; factor 0 there)."""
+    pair, named = inverse_rows(slots.reshape(-1), num_pairs)
+    return jnp.where(named, pair // slots.shape[1], -1), jnp.where(named, weights.reshape(-1)[pair], 0)
+
+
 def expand_rows(rows, slots, weights, *, num_pairs: int):
     """[num_pairs, H]: row slots[q, j] is weights[q, j] * rows[q]; rows no slot names are 0.
     slots must name each row at most once (a row named twice gets one of its terms)."""
-    src, named = inverse_rows(slots.reshape(-1), num_pairs)
-    v = weights.reshape(-1)[src][:, None] * rows[src // slots.shape[1]].astype(acc_dtype(rows.dtype))
-    return jnp.where(named[:, None], v, 0).astype(rows.dtype)
+    src, factor = expansion_sources(slots, weights, num_pairs=num_pairs)
+    v = factor[:, None] * rows[jnp.maximum(src, 0)].astype(acc_dtype(rows.dtype))
+    return jnp.where((src >= 0)[:, None], v, 0).astype(rows.dtype)
 
 
 def sum_rows_into(rows, slots, weights, *, num_rows: int):

@@ -11,10 +11,11 @@ import jax
 import moe_xla.fp8 as fp8
 from moe_xla.activations import activate
 from moe_xla.grouped import gmm, is_fp8
+from moe_xla.primitives.unpermute import unpermute
 
 
 def expert_mlp(x_sorted, w_in, w_out, group_sizes, activation: str, quantization=None, x_quantized=None,
-               quantized_weights=(None, None)):
+               quantized_weights=(None, None), combine=None):
     """The experts on rows grouped by expert: out[rows of e] = act(x[rows of e] @ w_in[e]) @ w_out[e];
     rows past sum(group_sizes) give 0. Both products in the precision `quantization` names
     (moe_xla.gmm's option); h and act(h) stay in x's dtype. x_quantized: with
@@ -23,7 +24,11 @@ def expert_mlp(x_sorted, w_in, w_out, group_sizes, activation: str, quantization
     "fp8_blockwise" the activation and the quantisation of its output are one kernel, and so
     are its backward and the quantisation of d h (fp8.gmm_activate_fp8). quantized_weights:
     with "fp8_blockwise", Fp8Weights of w_in and w_out made elsewhere, used by the products
-    instead of quantising the arrays (which still get their gradients)."""
+    instead of quantising the arrays (which still get their gradients). combine = (row_map,
+    weights) of permute and route: returns the weighted combine unpermute(out, row_map,
+    weights) [T, H] instead of out; with "fp8_blockwise" the second product and the combine
+    are one custom_vjp whose backward quantises d out as it gathers it
+    (fp8.gmm_combine_fp8)."""
     if is_fp8(quantization):
         q_in, q_out = quantized_weights
         wgrad = fp8.QUANTIZATION_WGRAD[quantization]
@@ -32,15 +37,21 @@ def expert_mlp(x_sorted, w_in, w_out, group_sizes, activation: str, quantization
         # pass over h and d a writes d h and its FP8 rows (for the first product's dgrad).
         a, *a_quantized = fp8.gmm_activate_fp8(x_sorted, w_in, group_sizes, activation, lhs_quantized=x_quantized,
                                                rhs_quantized=q_in, wgrad=wgrad)
+        second = dict(lhs_quantized=tuple(a_quantized), rhs_quantized=q_out, wgrad=wgrad)
+        if combine is not None:
+            return fp8.gmm_combine_fp8(a, w_out, group_sizes, *combine, **second)
         with jax.named_scope("moe_xla/gmm_out"):
-            return fp8.gmm_fp8_blockwise(a, w_out, group_sizes, lhs_quantized=tuple(a_quantized), rhs_quantized=q_out,
-                                         wgrad=wgrad)
+            return fp8.gmm_fp8_blockwise(a, w_out, group_sizes, **second)
     with jax.named_scope("moe_xla/gmm_in"):
         h = gmm(x_sorted, w_in, group_sizes, quantization=quantization)
     with jax.named_scope("moe_xla/act"):
         a = activate(h, activation)
     with jax.named_scope("moe_xla/gmm_out"):
-        return gmm(a, w_out, group_sizes, quantization=quantization)
+        out = gmm(a, w_out, group_sizes, quantization=quantization)
+    if combine is None:
+        return out
+    with jax.named_scope("moe_xla/combine"):
+        return unpermute(out, *combine, unique_rows=True)  # permute's row_map
 
 
 def shared_mlp(x, shared_experts, activation: str):

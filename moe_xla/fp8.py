@@ -13,6 +13,10 @@
                           (a, q_a, s_a) = activate_quantize_fp8(gmm_fp8_blockwise(x, w)), whose
                           backward computes d h and its FP8 rows in one kernel
                           (activate_grad_quantize_fp8) for the product's dgrad.
+    gmm_combine_fp8       the expert MLP's second product and the weighted combine:
+                          y = unpermute(gmm_fp8_blockwise(a, w), row_map, weights), whose
+                          backward gathers d out = weight * d y[token] and its FP8 rows in one
+                          kernel (gather_quantize_fp8_rows) for the product's dgrad.
 
 Forward: out = gmm_fp8(Q_rows(lhs), Q_blocks(w)) (primitives/gmm_fp8.py states the sum).
 Backward, the straight-through estimate (quantisation's derivative taken as 1):
@@ -46,14 +50,17 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+import moe_xla._rows as _rows
 from moe_xla.primitives.activate_grad_quantize_fp8 import activate_grad_quantize_fp8
 from moe_xla.primitives.activate_quantize_fp8 import activate_quantize_fp8
+from moe_xla.primitives.gather_quantize_fp8_rows import gather_quantize_fp8_rows
 from moe_xla.primitives.gmm_fp8 import gmm_fp8
 from moe_xla.primitives.quantize_fp8_group_cols import quantize_fp8_group_cols
 from moe_xla.primitives.quantize_fp8_rows import quantize_fp8_rows
 from moe_xla.primitives.quantize_fp8_weight_layouts import quantize_fp8_weight_layouts
 from moe_xla.primitives.tgmm import tgmm
 from moe_xla.primitives.tgmm_fp8 import tgmm_fp8
+from moe_xla.primitives.unpermute import unpermute
 
 WGRADS = ("fp8", "bf16")
 # The FP8 values of moe_xla.gmm's and moe()'s `quantization`, by the wgrad they take.
@@ -139,8 +146,9 @@ _gmm.defvjp(_gmm_fwd, _gmm_bwd)
 
 
 # The expert MLP's scopes (moe_layer_stages.py attributes kernels by them), set here since
-# one custom_vjp spans the product and the activation.
-_PRODUCT, _ACT = "moe_xla/gmm_in", "moe_xla/act"
+# one custom_vjp spans the first product and the activation, another the second product
+# and the combine.
+_PRODUCT, _ACT, _PRODUCT_OUT, _COMBINE = "moe_xla/gmm_in", "moe_xla/act", "moe_xla/gmm_out", "moe_xla/combine"
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
@@ -165,6 +173,37 @@ def _gmm_act_bwd(activation, wgrad_kind, saved, cotangents):
 
 
 _gmm_act.defvjp(_gmm_act_fwd, _gmm_act_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _gmm_combine(lhs, lhs_q, w, weights, group_sizes, row_map, route_weights, wgrad):
+    return _gmm_combine_fwd(lhs, lhs_q, w, weights, group_sizes, row_map, route_weights, wgrad)[0]
+
+
+def _gmm_combine_fwd(lhs, lhs_q, w, weights, group_sizes, row_map, route_weights, wgrad):
+    with jax.named_scope(_PRODUCT_OUT):
+        out, residuals = _gmm_fwd(lhs, lhs_q, w, weights, group_sizes, lhs.dtype, wgrad)
+    with jax.named_scope(_COMBINE):
+        y = unpermute(out, row_map, route_weights, unique_rows=True)
+    return y, (residuals, out, row_map, route_weights)
+
+
+def _gmm_combine_bwd(wgrad_kind, saved, dy):
+    residuals, out, row_map, route_weights = saved
+    t, k = route_weights.shape
+    slots = row_map.reshape(t, k)
+    with jax.named_scope(_COMBINE):
+        # unpermute's transpose in out (one gather, as its unique_rows rule) with the FP8
+        # rows of the result from the same pass; its transpose in the weights as unpermute's.
+        token, factor = _rows.expansion_sources(slots, route_weights, num_pairs=out.shape[0])
+        d_out, q, scales = gather_quantize_fp8_rows(dy.astype(out.dtype), token, factor.astype(jnp.float32))
+        d_route = _rows.row_dots(dy, out, slots).astype(route_weights.dtype)
+    with jax.named_scope(_PRODUCT_OUT):
+        grads = _grads(d_out, (q, scales), residuals, wgrad_kind)
+    return (*grads, None, d_route)
+
+
+_gmm_combine.defvjp(_gmm_combine_fwd, _gmm_combine_bwd)
 
 
 def _weights(rhs, rhs_quantized, transpose_rhs=False):
@@ -211,6 +250,23 @@ def gmm_activate_fp8(lhs, rhs, group_sizes, activation: str, *, lhs_quantized=No
     with jax.named_scope(_PRODUCT):
         w, weights = _weights(rhs, rhs_quantized)
     return _gmm_act(lhs, _stopped(lhs_quantized), w, weights, group_sizes, activation, wgrad)
+
+
+def gmm_combine_fp8(lhs, rhs, group_sizes, row_map, weights, *, lhs_quantized=None, rhs_quantized=None,
+                    wgrad="bf16"):
+    """y = unpermute(gmm_fp8_blockwise(lhs, rhs, group_sizes), row_map, weights, unique_rows=True):
+    the FP8 expert MLP's second product out [T*k, N] (in lhs's dtype) and the weighted
+    combine y[t] = sum_j weights[t, j] out[row_map[t*k + j]] ([T, N]; row_map is permute's,
+    naming each row at most once). lhs, rhs, lhs_quantized, rhs_quantized and wgrad as
+    gmm_fp8_blockwise's. Differentiable w.r.t. lhs, an array rhs and weights: the backward
+    gathers d out[r] = weights[t, j] dy[t] for r = row_map[t*k + j] (0 for rows no entry
+    names) and its FP8 rows in one kernel (gather_quantize_fp8_rows), bitwise what
+    unpermute's transpose and quantize_fp8_rows give, then the product's rules with those
+    rows; d weights is unpermute's."""
+    _check_wgrad(wgrad)
+    with jax.named_scope(_PRODUCT_OUT):
+        w, quantized = _weights(rhs, rhs_quantized)
+    return _gmm_combine(lhs, _stopped(lhs_quantized), w, quantized, group_sizes, row_map, weights, wgrad)
 
 
 def gmm_fp8_blockwise(lhs, rhs, group_sizes, *, transpose_rhs=False, preferred_element_type=None,

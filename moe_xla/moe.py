@@ -27,7 +27,6 @@ from moe_xla.primitives.quantize_fp8_rows import quantize_fp8_rows
 from moe_xla.primitives import _checks
 from moe_xla.primitives.permute import permute
 from moe_xla.primitives.route import route
-from moe_xla.primitives.unpermute import unpermute
 
 
 def _check(x, router_logits, w_in, w_out, top_k, activation, shared_experts, quantization):
@@ -159,9 +158,8 @@ def moe(x, router_logits, w_in, w_out, *, top_k, activation="swiglu", score="sof
     with jax.named_scope("moe_xla/dispatch"):
         x_sorted, group_sizes, row_map = permute(x2, ids, experts)
         x_quantized = _sorted_fp8_rows(x2, x_sorted, ids, experts) if is_fp8(quantization) else None
-    y_sorted = expert_mlp(x_sorted, w_in, w_out, group_sizes, activation, quantization, x_quantized, quantized_weights)
-    with jax.named_scope("moe_xla/combine"):
-        y = unpermute(y_sorted, row_map, weights, unique_rows=True)  # permute's row_map
+    y = expert_mlp(x_sorted, w_in, w_out, group_sizes, activation, quantization, x_quantized, quantized_weights,
+                   combine=(row_map, weights))
     if shared_experts is not None:
         y = y + shared_mlp(x2, shared_experts, activation)
     y = y.reshape(lead + (hidden,))

@@ -145,3 +145,43 @@ def test_token_order_quantisation_equals_quantising_the_sorted_rows(rng, h):
     hlo = jax.jit(moe_layer).lower(x, logits, w_in, w_out).as_text()
     assert hlo.count("moe_xla_quantize_fp8_rows") == 1, "x once in token order; not x_sorted"
     assert hlo.count("moe_xla_activate_quantize_fp8") == 1, "act(h) and its rows in one kernel"
+
+
+@pytest.mark.parametrize("wgrad", ["bf16", "fp8"])
+def test_fused_combine_equals_the_product_then_unpermute(rng, wgrad):
+    """gmm_combine_fp8 against gmm_fp8_blockwise followed by unpermute: the forward and
+    every gradient (lhs, w, routing weights) bitwise, since its backward's gathered rows
+    and their FP8 tiles are bitwise unpermute's transpose and quantize_fp8_rows of it.
+    Assignments to an expert id outside [0, E) name rows past every group."""
+    x, logits, _, w_out = _inputs(rng)
+    weights, ids = moe_xla.route(logits, K)
+    ids = ids.at[::7, 1].set(E)  # dropped assignments: rows past the groups
+    a_rows, group_sizes, row_map = moe_xla.permute(x[:, :F], ids, E)
+    ct = normal(rng, (T, H), jnp.float32)
+
+    def fused(a, w, weights):
+        return moe_xla.fp8.gmm_combine_fp8(a, w, group_sizes, row_map, weights, wgrad=wgrad)
+
+    def unfused(a, w, weights):
+        out = moe_xla.fp8.gmm_fp8_blockwise(a, w, group_sizes, wgrad=wgrad)
+        return moe_xla.unpermute(out, row_map, weights, unique_rows=True)
+
+    outs = [jax.jit(f)(a_rows, w_out, weights) for f in (fused, unfused)]
+    np.testing.assert_array_equal(np.asarray(outs[0], np.float32), np.asarray(outs[1], np.float32))
+    grads = [jax.jit(jax.grad(lambda *a, f=f: jnp.sum(f(*a).astype(jnp.float32) * ct), argnums=(0, 1, 2)))(
+        a_rows, w_out, weights) for f in (fused, unfused)]
+    for name, a, b in zip(("lhs", "w", "weights"), *grads):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=name)
+    assert np.any(np.asarray(grads[0][0], np.float32) != 0)
+
+
+def test_the_layer_quantises_each_cotangent_in_the_pass_that_makes_it(rng):
+    """One forward+backward of the FP8 layer: x's rows quantised once (token order), d out
+    in the combine's gather, d h in the activation's backward: no other row quantisation."""
+    x, logits, w_in, w_out = _inputs(rng)
+    ct = normal(rng, (T, H), jnp.float32)
+    hlo = jax.jit(jax.grad(_loss("fp8_blockwise"), argnums=(0, 1, 2, 3))).lower(
+        x, logits, w_in, w_out, ct).as_text()
+    assert hlo.count("moe_xla_quantize_fp8_rows") == 1
+    assert hlo.count("moe_xla_gather_quantize_fp8_rows") == 1
+    assert hlo.count("moe_xla_activate_grad_quantize_fp8") == 1
