@@ -201,6 +201,50 @@ MOE_XLA_HOST_DEVICE inline int64_t group_col_tiles(int64_t rows, int64_t num_gro
   return fp8::tiles(rows) + num_groups;
 }
 
+// The gather of scaled rows fused with their 1 x 128 row quantisation: the FP8 dgrad's
+// operand in the MoE backward, where output row r is the cotangent of one (token, expert)
+// pair, weight_r * ct[token_r].
+//   values [num_values, cols] of dtype; src [rows] int32; scale [rows] float32
+//   out    [rows, cols] of dtype: out[r, c] = rnd(scaled_element(scale[r], values[src[r], c]))
+//          where 0 <= src[r] < num_values, +0 otherwise (any src: no other row is read);
+//          rnd is the one rounding of the float32 product to dtype (RNE)
+//   q, scales  quantize_fp8_rows(out), bitwise: [rows, cols], [rows, ceil(cols / 128)]
+struct Fp8GatherQuantizeParams {
+  const void* values;
+  DType dtype;          // of values and out
+  const int32_t* src;   // device memory for CUDA kernels, as scale
+  const float* scale;
+  int64_t num_values;
+  void* out;
+  uint8_t* q;
+  float* scales;
+  int64_t rows;
+  int64_t cols;
+  bool pow2_scale;
+};
+
+namespace fp8 {
+
+// x with a float32-subnormal value replaced by a zero of its sign.
+MOE_XLA_HOST_DEVICE inline float flush_subnormal(float x) {
+  const uint32_t bits = float_bits(x);
+  return (bits & 0x7fffffffu) < kMinNormalBits ? bits_float(bits & 0x80000000u) : x;
+}
+
+// The float32 product of Fp8GatherQuantizeParams: fl(s' * x'), s' and x' the operands with
+// float32 subnormals flushed, and a product of magnitude at most 2^-126 replaced by a zero
+// of its sign. XLA's CPU runtime multiplies with denormals flushed (FTZ/DAZ), GPUs do not,
+// and the two disagree on products just below 2^-126 (x86 flushes one that gradual
+// underflow rounds up to 2^-126); every mode gives a result of magnitude at most 2^-126
+// there and the same result above, so this product is one on every platform.
+MOE_XLA_HOST_DEVICE inline float scaled_element(float scale, float x) {
+  const float p = flush_subnormal(scale) * flush_subnormal(x);
+  const uint32_t bits = float_bits(p);
+  return (bits & 0x7fffffffu) <= kMinNormalBits ? bits_float(bits & 0x80000000u) : p;
+}
+
+}  // namespace fp8
+
 }  // namespace moe_xla
 
 #endif  // MOE_XLA_COMMON_FP8_BLOCKWISE_H_

@@ -2,8 +2,10 @@
 // element through fp8::quantize_element, the function the CUDA kernel uses too (the blocks
 // also copied, code for code, to their transposed place in q_t when asked). The fused
 // forms first compute a tile of the expert activation (or of its backward), rounded to its
-// dtype; the group column form takes its tiles from cpu/fp8_group_tiles.h and writes them
-// transposed. The operations are integer ones and single float32 divisions of normal numbers
+// dtype; the gathered form writes each scaled row (fp8::scaled_element, whose product is
+// flush-mode proof too) and quantises it as stored through the row tiles; the group column
+// form takes its tiles from cpu/fp8_group_tiles.h and writes them transposed. The
+// operations are integer ones and single float32 divisions of normal numbers
 // (common/fp8_blockwise.h), so XLA's flush-to-zero mode on its CPU threads changes nothing.
 #include "cpu/fp8_quantize.h"
 
@@ -64,6 +66,28 @@ void fp8_activate_quantize(const Fp8ActivateQuantizeParams& p) {
       p.scales[r * col_tiles + ct] = scale;
       for (int64_t j = 0; j < n; ++j) p.q[r * p.cols + c0 + j] = fp8::quantize_element(tile[j], scale);
     }
+  }
+}
+
+void fp8_gather_quantize(const Fp8GatherQuantizeParams& p) {
+  const size_t bytes = dtype_bytes(p.dtype);
+  for (int64_t r = 0; r < p.rows; ++r) {
+    const int64_t s = p.src[r];
+    const bool named = s >= 0 && s < p.num_values;  // else a zero row, values unread
+    for (int64_t c = 0; c < p.cols; ++c) {
+      const float v = named ? fp8::scaled_element(p.scale[r], load_as_float(p.values, s * p.cols + c, p.dtype)) : 0.0f;
+      store_from_float(p.out, r * p.cols + c, p.dtype, v);
+    }
+    // The row as stored, rounded to its dtype, through the row tiles' own quantisation.
+    Fp8QuantizeParams row{};
+    row.x = static_cast<const char*>(p.out) + r * p.cols * bytes;
+    row.dtype = p.dtype;
+    row.q = p.q + r * p.cols;
+    row.scales = p.scales + r * fp8::tiles(p.cols);
+    row.batch = row.rows = row.tile_rows = 1;
+    row.cols = p.cols;
+    row.pow2_scale = p.pow2_scale;
+    fp8_quantize(row);
   }
 }
 

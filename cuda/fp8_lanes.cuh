@@ -1,6 +1,6 @@
 // Element access shared by the FP8 quantisation kernels (fp8_quantize.cu,
 // fp8_group_cols.cu): a dtype's bits and their float value, and a thread's 8 consecutive
-// elements of a row held as 32-bit words.
+// elements of a row held as 32-bit words, and their store.
 #ifndef MOE_XLA_CUDA_FP8_LANES_CUH_
 #define MOE_XLA_CUDA_FP8_LANES_CUH_
 
@@ -63,6 +63,17 @@ struct alignas(kLaneCols * sizeof(T)) Lane {
     }
   }
 };
+
+// Writes the first `valid` elements of v to dst: one aligned access where kVector (all 8
+// inside the row, dst aligned for it), else element by element.
+template <bool kVector, typename T>
+__device__ __forceinline__ void store_lane(T* dst, const Lane<T>& v, int valid) {
+  if constexpr (kVector) {
+    *reinterpret_cast<Lane<T>*>(dst) = v;
+  } else {
+    for (int j = 0; j < valid; ++j) dst[j] = v.get(j);
+  }
+}
 
 }  // namespace detail
 }  // namespace cuda

@@ -13,9 +13,10 @@
 // shape are in benchmarks/results/LOG.md).
 // Elements stay in registers as loaded from the amax to the quantisation (x is read
 // once). The same kernel quantises the expert activation of h on the fly (Activated: the
-// fused activate_quantize_fp8) and its backward (ActivationGrad: activate_grad_quantize_fp8);
-// a gated backward with F % 128 == 0 has a kernel of its own (activate_grad_pairs) that
-// computes both halves of d h from one read of gate, up and da.
+// fused activate_quantize_fp8), its backward (ActivationGrad: activate_grad_quantize_fp8)
+// and scaled rows gathered through an index (Gathered: gather_quantize_fp8_rows); a gated
+// backward with F % 128 == 0 has a kernel of its own (activate_grad_pairs) that computes
+// both halves of d h from one read of gate, up and da.
 // Scale and elements go through common/fp8_blockwise.h like the CPU kernel; max is exact
 // in any order, so the results are bitwise those of the CPU.
 #include <cuda_bf16.h>
@@ -39,6 +40,7 @@ namespace {
 using detail::Elem;
 using detail::kLaneCols;
 using detail::Lane;
+using detail::store_lane;
 
 constexpr int kRowThreads = fp8::kTile / kLaneCols;  // 16 threads per row of a region
 
@@ -64,6 +66,10 @@ template <DType D>
 using ActivatedCta = std::conditional_t<D == DType::kF32, Cta<256, 2, 4>, Cta<256, 2, 5>>;
 // The backward reads up to three inputs per element: 2 rows at 64 registers.
 using ActivationGradCta = Cta<256, 2, 4>;
+// The gathered rows read one input per element, as the row tiles, and store the rounded
+// row on the way, as the fused activation: the row tiles' shape.
+template <DType D>
+using GatheredCta = RowsCta<D>;
 static_assert(BlocksCta<DType::kF32>::kRegionRows == fp8::kTile && BlocksCta<DType::kBF16>::kRegionRows == fp8::kTile,
               "a blocks region is one 128 x 128 block");
 
@@ -125,13 +131,38 @@ struct Activated {
       const float v = activate(act, Elem<D>::to_float(g.get(j)), Elem<D>::to_float(u.get(j)));
       out.set(j, j < valid ? Elem<D>::from_float(v) : Bits{0});
     }
-    Bits* dst = a + r * cols + c;
-    if constexpr (kVector) {
-      *reinterpret_cast<Lane<Bits>*>(dst) = out;
-    } else {
-      for (int j = 0; j < valid; ++j) dst[j] = out.get(j);
-    }
+    store_lane<kVector>(a + r * cols + c, out, valid);
     return out;
+  }
+};
+
+// ... or row src[r] of values times scale[r] (fp8::scaled_element), rounded to D and
+// stored to out on the way; a zero row where src[r] names no row of values (batch 1).
+template <DType D, bool kVec>
+struct Gathered {
+  using Bits = typename Elem<D>::Bits;
+  static constexpr bool kVector = kVec;
+  const Bits* __restrict__ values;
+  const int32_t* __restrict__ src;
+  const float* __restrict__ scale;
+  Bits* __restrict__ out;
+  int64_t num_values, cols;
+
+  __device__ __forceinline__ Lane<Bits> load(int64_t, int64_t r, int64_t c, int valid) const {
+    const int64_t s = src[r];
+    Lane<Bits> row{};
+    if (s >= 0 && s < num_values) {
+      const Stored<D, kVec> named{values, num_values, cols};
+      const Lane<Bits> x = named.load(0, s, c, valid);
+      const float k = scale[r];
+#pragma unroll
+      for (int j = 0; j < kLaneCols; ++j) {
+        const float v = fp8::scaled_element(k, Elem<D>::to_float(x.get(j)));
+        row.set(j, j < valid ? Elem<D>::from_float(v) : Bits{0});
+      }
+    }
+    store_lane<kVector>(out + r * cols + c, row, valid);
+    return row;
   }
 };
 
@@ -223,8 +254,8 @@ struct ActivationGrad {
   }
 };
 
-// kBlocks: one 128 x 128 block per region, else C::kRegionRows rows of 1 x 128 tiles. Source: Stored or
-// Activated; kVector: cols % 8 == 0 and every pointer aligned for Lane accesses.
+// kBlocks: one 128 x 128 block per region, else C::kRegionRows rows of 1 x 128 tiles. Source: Stored,
+// Activated, ActivationGrad or Gathered; kVector: cols % 8 == 0 and every pointer aligned for Lane accesses.
 // kTransposed (blocks): q_t [batch, cols, rows] gets the block transposed too, through
 // shared memory (TransposedBlock).
 template <DType D, bool kBlocks, bool kVector, class Source, class C, bool kTransposed = false>
@@ -298,12 +329,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtas)
     }
     if constexpr (kTransposed) block->put(first + i * kRows, col, out);
     if (r >= rows || valid == 0) continue;
-    const int64_t base = (reg.b * rows + r) * cols + c;
-    if constexpr (kVector) {
-      *reinterpret_cast<Lane<uint8_t>*>(q + base) = out;
-    } else {
-      for (int j = 0; j < valid; ++j) q[base + j] = out.get(j);
-    }
+    store_lane<kVector>(q + (reg.b * rows + r) * cols + c, out, valid);
   }
   if constexpr (kTransposed) {
     __syncthreads();
@@ -349,18 +375,36 @@ cudaError_t quantize(const Fp8QuantizeParams& p, cudaStream_t stream) {
   return vector ? with_tiles(Stored<D, true>{x, p.rows, p.cols}) : with_tiles(Stored<D, false>{x, p.rows, p.cols});
 }
 
+// The 1 x 128 row tiles of a source that reads `in` and stores its rounded rows to `out`
+// (Activated, Gathered) for params p of rows x cols: make(std::bool_constant<kVector>)
+// builds it, with vector accesses where the columns and every pointer allow them.
+template <DType D, class C, class Params, class Make>
+cudaError_t fused_rows(const Params& p, const void* in, const void* out, cudaStream_t stream, Make make) {
+  using Bits = typename Elem<D>::Bits;
+  const bool vector = p.cols % kLaneCols == 0 && aligned(in, sizeof(Lane<Bits>)) && aligned(out, sizeof(Lane<Bits>)) &&
+                      aligned(p.q, kLaneCols);
+  auto run = [&](auto src) {
+    return launch<D, false, C>(src, p.q, nullptr, p.scales, 1, p.rows, p.cols, p.pow2_scale, stream);
+  };
+  return vector ? run(make(std::true_type{})) : run(make(std::false_type{}));
+}
+
 template <DType D>
 cudaError_t activate_quantize(const Fp8ActivateQuantizeParams& p, cudaStream_t stream) {
   using Bits = typename Elem<D>::Bits;
-  const bool vector = p.cols % kLaneCols == 0 && aligned(p.h, sizeof(Lane<Bits>)) &&
-                      aligned(p.a, sizeof(Lane<Bits>)) && aligned(p.q, kLaneCols);
-  const auto* h = static_cast<const Bits*>(p.h);
-  auto* a = static_cast<Bits*>(p.a);
-  auto run = [&](auto src) {
-    return launch<D, false, ActivatedCta<D>>(src, p.q, nullptr, p.scales, 1, p.rows, p.cols, p.pow2_scale, stream);
-  };
-  return vector ? run(Activated<D, true>{h, a, p.cols, p.activation})
-                : run(Activated<D, false>{h, a, p.cols, p.activation});
+  return fused_rows<D, ActivatedCta<D>>(p, p.h, p.a, stream, [&](auto vector) {
+    return Activated<D, decltype(vector)::value>{static_cast<const Bits*>(p.h), static_cast<Bits*>(p.a), p.cols,
+                                                 p.activation};
+  });
+}
+
+template <DType D>
+cudaError_t gather_quantize(const Fp8GatherQuantizeParams& p, cudaStream_t stream) {
+  using Bits = typename Elem<D>::Bits;
+  return fused_rows<D, GatheredCta<D>>(p, p.values, p.out, stream, [&](auto vector) {
+    return Gathered<D, decltype(vector)::value>{static_cast<const Bits*>(p.values), p.src, p.scale,
+                                                static_cast<Bits*>(p.out), p.num_values, p.cols};
+  });
 }
 
 // The gated backward when F % 128 == 0 (every tile inside one half): a thread owns 8 gate
@@ -483,6 +527,13 @@ struct ActivateGradQuantize {
   }
 };
 
+template <DType D>
+struct GatherQuantize {
+  static cudaError_t run(const Fp8GatherQuantizeParams& p, cudaStream_t stream) {
+    return gather_quantize<D>(p, stream);
+  }
+};
+
 }  // namespace
 
 Status fp8_quantize(const Fp8QuantizeParams& p, cudaStream_t stream) {
@@ -523,6 +574,15 @@ Status fp8_activate_grad_quantize(const Fp8ActivateGradQuantizeParams& p, cudaSt
   }
   if (p.rows * p.cols == 0) return Status();
   return by_dtype<ActivateGradQuantize>(p, stream, "fp8 activate grad quantize");
+}
+
+Status fp8_gather_quantize(const Fp8GatherQuantizeParams& p, cudaStream_t stream) {
+  MOE_XLA_RETURN_IF_ERROR(require_device(DeviceSupport::kSimt, "fp8 gather quantize"));
+  if (p.num_values < 0 || p.rows < 0 || p.cols < 0) {
+    return Status::InvalidArgument("fp8 gather quantize: negative dimension");
+  }
+  if (p.rows * p.cols == 0) return Status();
+  return by_dtype<GatherQuantize>(p, stream, "fp8 gather quantize");
 }
 
 }  // namespace cuda

@@ -1,5 +1,6 @@
 // CUDA FP8 blockwise quantisation in tiles of tile_rows x 128 (contract in
-// common/fp8_blockwise.h), alone or fused with the expert activation. Framework-free: no XLA, no Python.
+// common/fp8_blockwise.h), alone or fused with the expert activation or a gather of rows.
+// Framework-free: no XLA, no Python.
 //
 // Only enqueues work on `stream` (no host copy, no synchronisation, no global state:
 // CUDA-graph safe) and is bitwise deterministic. Reads x once. Runs on compute capability
@@ -22,6 +23,12 @@ Status fp8_quantize(const Fp8QuantizeParams& p, cudaStream_t stream);
 // Fills p.a, p.q and p.scales (device memory): the expert activation of p.h and its
 // 1 x 128 row quantisation in one pass (common/expert_activation.h).
 Status fp8_activate_quantize(const Fp8ActivateQuantizeParams& p, cudaStream_t stream);
+
+// Fills p.out, p.q and p.scales (device memory, p.src and p.scale too): the scaled rows
+// gathered through p.src and their 1 x 128 row quantisation in one pass
+// (Fp8GatherQuantizeParams in common/fp8_blockwise.h). Reads no row that p.src does not
+// name, whatever it holds.
+Status fp8_gather_quantize(const Fp8GatherQuantizeParams& p, cudaStream_t stream);
 
 // Fills p.q_t and p.scales (device memory): x quantised in 128 x 1 column tiles that
 // restart at every group boundary, transposed (common/fp8_blockwise.h,

@@ -1,8 +1,9 @@
 // Decodes and validates the buffers and attributes of the quantize_fp8_rows /
 // quantize_fp8_blocks / quantize_fp8_weights FFI calls into the framework-free
 // Fp8QuantizeParams of common/fp8_blockwise.h, those of quantize_fp8_group_cols into its
-// Fp8GroupColsParams, and those of activate_quantize_fp8 into the Fp8ActivateQuantizeParams
-// of common/expert_activation.h, for both the CPU and the CUDA handlers. Every error names
+// Fp8GroupColsParams, those of activate_quantize_fp8 into the Fp8ActivateQuantizeParams
+// of common/expert_activation.h, and those of gather_quantize_fp8_rows into its
+// Fp8GatherQuantizeParams, for both the CPU and the CUDA handlers. Every error names
 // the argument, what was expected and what was passed.
 #ifndef MOE_XLA_FFI_FP8_QUANTIZE_ARGS_H_
 #define MOE_XLA_FFI_FP8_QUANTIZE_ARGS_H_
@@ -205,6 +206,48 @@ inline ffi::ErrorOr<Fp8ActivateGradQuantizeParams> decode_fp8_activate_grad_quan
   return p;
 }
 
+// values [T, H] of f32 / bf16 / f16; src [R] int32; scale [R] f32; rows [R, H] of values'
+// dtype; q [R, H] float8_e4m3fn; scales [R, ceil(H/128)] f32.
+inline ffi::ErrorOr<Fp8GatherQuantizeParams> decode_fp8_gather_quantize(ffi::AnyBuffer values, ffi::AnyBuffer src,
+                                                                       ffi::AnyBuffer scale, ffi::AnyBuffer rows,
+                                                                       ffi::AnyBuffer q, ffi::Buffer<ffi::F32> scales,
+                                                                       bool pow2_scale) {
+  const auto dims = values.dimensions();
+  if (dims.size() != 2) return invalid("values: expected rank 2 [T, H], got shape " + shape_string(dims));
+  if (src.dimensions().size() != 1) {
+    return invalid("src: expected rank 1 [R], got shape " + shape_string(src.dimensions()));
+  }
+  auto dtype = to_dtype(values.element_type(), "values");
+  if (dtype.has_error()) return ffi::Unexpected<ffi::Error>(dtype.error());
+  for (auto [name, buffer, want] : {std::tuple{"src", src, ffi::DataType::S32},
+                                    std::tuple{"scale", scale, ffi::DataType::F32},
+                                    std::tuple{"rows", rows, values.element_type()}}) {
+    if (buffer.element_type() != want) {
+      return invalid(std::string(name) + ": expected dtype " + type_name(want) + ", got " +
+                     type_name(buffer.element_type()));
+    }
+  }
+  Fp8GatherQuantizeParams p{};
+  p.num_values = dims[0];
+  p.rows = src.dimensions()[0];
+  p.cols = dims[1];
+  for (auto e : {expect_shape("scale", scale.dimensions(), {p.rows}), expect_fp8("q", q),
+                 expect_shape("rows", rows.dimensions(), {p.rows, p.cols}),
+                 expect_shape("q", q.dimensions(), {p.rows, p.cols}),
+                 expect_shape("scales", scales.dimensions(), {p.rows, fp8::tiles(p.cols)})}) {
+    if (e.failure()) return ffi::Unexpected<ffi::Error>(std::move(e));
+  }
+  p.values = values.untyped_data();
+  p.dtype = *dtype;
+  p.src = static_cast<const int32_t*>(src.untyped_data());
+  p.scale = static_cast<const float*>(scale.untyped_data());
+  p.out = rows.untyped_data();
+  p.q = static_cast<uint8_t*>(q.untyped_data());
+  p.scales = scales.typed_data();
+  p.pow2_scale = pow2_scale;
+  return p;
+}
+
 // The operands and attributes of the activate_grad_quantize_fp8 handlers, appended to
 // `binding`.
 template <class Binding>
@@ -216,6 +259,19 @@ auto bind_fp8_activate_grad_quantize(Binding&& binding) {
       .template Ret<ffi::AnyBuffer>()          // q, shape of h, float8_e4m3fn
       .template Ret<ffi::Buffer<ffi::F32>>()   // scales [M, ceil(C/128)]
       .template Attr<int32_t>("activation")
+      .template Attr<bool>("pow2_scale");
+}
+
+// The operands and attributes of the gather_quantize_fp8_rows handlers, appended to `binding`.
+template <class Binding>
+auto bind_fp8_gather_quantize(Binding&& binding) {
+  return std::move(binding)
+      .template Arg<ffi::AnyBuffer>()          // values [T, H]
+      .template Arg<ffi::AnyBuffer>()          // src [R], int32
+      .template Arg<ffi::AnyBuffer>()          // scale [R], float32
+      .template Ret<ffi::AnyBuffer>()          // rows [R, H], dtype of values
+      .template Ret<ffi::AnyBuffer>()          // q [R, H], float8_e4m3fn
+      .template Ret<ffi::Buffer<ffi::F32>>()   // scales [R, ceil(H/128)]
       .template Attr<bool>("pow2_scale");
 }
 

@@ -1,9 +1,11 @@
 // XLA FFI handlers of quantize_fp8_rows (1 x 128 row tiles), quantize_fp8_blocks
 // (128 x 128 blocks), quantize_fp8_weights (the blocks in both layouts, q and q
 // transposed, in one kernel), activate_quantize_fp8 (the expert activation and its row
-// quantisation) and activate_grad_quantize_fp8 (its backward and the row quantisation of
-// d h) on CUDA: decode, validate and enqueue cuda::fp8_quantize / cuda::fp8_activate_quantize /
-// cuda::fp8_activate_grad_quantize on XLA's stream (no host sync, no scratch; command-buffer
+// quantisation), activate_grad_quantize_fp8 (its backward and the row quantisation of
+// d h) and gather_quantize_fp8_rows (scaled rows gathered through an index and their row
+// quantisation) on CUDA: decode, validate and enqueue cuda::fp8_quantize /
+// cuda::fp8_activate_quantize / cuda::fp8_activate_grad_quantize /
+// cuda::fp8_gather_quantize on XLA's stream (no host sync, no scratch; command-buffer
 // compatible). One quantisation function, the tile height fixed per symbol.
 #include <cuda_runtime_api.h>
 
@@ -52,6 +54,14 @@ ffi::Error activate_grad_quantize(cudaStream_t stream, ffi::AnyBuffer h, ffi::An
   return ffi_args::to_error(cuda::fp8_activate_grad_quantize(*p, stream), "activate_grad_quantize_fp8");
 }
 
+ffi::Error gather_quantize(cudaStream_t stream, ffi::AnyBuffer values, ffi::AnyBuffer src, ffi::AnyBuffer scale,
+                           ffi::Result<ffi::AnyBuffer> rows, ffi::Result<ffi::AnyBuffer> q,
+                           ffi::ResultBuffer<ffi::F32> scales, bool pow2_scale) {
+  auto p = ffi_args::decode_fp8_gather_quantize(values, src, scale, *rows, *q, *scales, pow2_scale);
+  if (p.has_error()) return p.error();
+  return ffi_args::to_error(cuda::fp8_gather_quantize(*p, stream), "gather_quantize_fp8_rows");
+}
+
 }  // namespace
 }  // namespace moe_xla
 
@@ -77,5 +87,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaActivateQuantizeFp8Cuda, moe_xla::activate_q
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaActivateGradQuantizeFp8Cuda, moe_xla::activate_grad_quantize,
                               moe_xla::ffi_args::bind_fp8_activate_grad_quantize(
+                                  ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaGatherQuantizeFp8RowsCuda, moe_xla::gather_quantize,
+                              moe_xla::ffi_args::bind_fp8_gather_quantize(
                                   ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});

@@ -294,6 +294,31 @@ def activate_grad_quantize_fp8(h, da, *, activation: str, pow2_scale=False):
     return (dh, *quantize_fp8_rows(dh, pow2_scale=pow2_scale))
 
 
+def fp8_scaled_element(scale, x):
+    """fl(s' * x') in float32, s' and x' the operands with float32 subnormals replaced by a
+    zero of their sign, and a product of magnitude at most 2^-126 replaced by a zero of its
+    sign (common/fp8_blockwise.h, fp8::scaled_element): the same whether the platform
+    multiplies with denormals flushed (XLA's CPU) or not."""
+
+    def to_signed_zero(v, below_bits):  # |v| < bits_f32(below_bits) -> a zero of v's sign
+        b = _f32_bits(v)
+        return jnp.where((b & 0x7FFFFFFF) < below_bits, _bits_f32(b & jnp.uint32(0x80000000)), v)
+
+    return to_signed_zero(to_signed_zero(scale, 0x00800000) * to_signed_zero(x, 0x00800000), 0x00800001)
+
+
+def gather_quantize_fp8_rows(values, src, scale, *, pow2_scale=False):
+    """values [T, H], src [R] int32, scale [R] float32 -> (rows [R, H] in values' dtype, q,
+    scales): rows[r] = fp8_scaled_element(scale[r], values[src[r]]) rounded once to values'
+    dtype where 0 <= src[r] < T, else 0; (q, scales) = quantize_fp8_rows(rows)."""
+    t, h = values.shape
+    named = (src >= 0) & (src < t)
+    x = values[jnp.clip(src, 0, t - 1)] if t else jnp.zeros((src.shape[0], h), values.dtype)
+    product = fp8_scaled_element(scale[:, None], x.astype(jnp.float32))
+    rows = jnp.where(named[:, None], product, 0.0).astype(values.dtype)
+    return (rows, *quantize_fp8_rows(rows, pow2_scale=pow2_scale))
+
+
 def _group_col_segments(group_sizes, m: int):
     """The G + 1 segments of the wgrad tiling, in row order: the groups (clamped as
     common/grouped_gemm.h), then the rows past the last group. -> (start, first_tile,

@@ -1,5 +1,6 @@
 // The FP8 rules of common/fp8_blockwise.h against brute force, and the CPU kernels' tilings
-// (rows, blocks and their transposed copy, and the wgrad's group column tiles written transposed).
+// (rows, blocks and their transposed copy, and the wgrad's group column tiles written transposed);
+// the gathered product and rows of the fused gather.
 //
 // e4m3: the 126 positive finite float8_e4m3fn values are written down from the format's
 // definition (ldexp, double precision); for every float32 in [2^-12, 480] (both signs) and
@@ -30,6 +31,14 @@ float from_bits(uint32_t b) {
   std::memcpy(&f, &b, sizeof f);
   return f;
 }
+
+uint16_t float_bf16(float f) {  // round to nearest even; no NaN here
+  uint32_t b;
+  std::memcpy(&b, &f, sizeof b);
+  return static_cast<uint16_t>((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
+}
+
+float bf16_float(uint16_t h) { return from_bits(uint32_t{h} << 16); }
 
 // Value of positive code c in 0..126 from the format: bias 7, 3 mantissa bits.
 double code_value(int c) {
@@ -186,6 +195,51 @@ void test_group_cols() {
   check(q_t[1 * width + 128 * 2 + 1] == 0x7f, "NaN in group 3's tile", 131);
 }
 
+// The gathered product in this process, which multiplies with gradual underflow (XLA's CPU
+// threads flush denormals, which would hide a missing flush): subnormal operands count as
+// zeros, products of magnitude at most 2^-126 are zeros of their sign, including one whose
+// exact value, in 2^-126 [1 - 2^-24, 1 - 2^-25), gradual underflow rounds up to 2^-126.
+void test_scaled_element() {
+  const float min_normal = std::ldexp(1.0f, -126);
+  const auto same = [](float a, float b) { return std::memcmp(&a, &b, sizeof a) == 0; };
+  check(same(fp8::scaled_element(1e30f, 1e-40f), 0.0f), "subnormal value counts as 0", 1e-40);
+  check(same(fp8::scaled_element(-1e-40f, 1e30f), -0.0f), "subnormal scale counts as -0", -1e-40);
+  check(std::isnan(fp8::scaled_element(INFINITY, 1e-40f)), "inf times a subnormal (0) is NaN", 0);
+  check(same(fp8::scaled_element(std::ldexp(1.0f, -120), -std::ldexp(1.0f, -6)), -0.0f), "-2^-126 -> -0", 0);
+  const float a = from_bits(1059678382u), b = from_bits(12676332u);  // a b just below 2^-126
+  check(a * b == min_normal, "this host rounds a b up to 2^-126 (gradual underflow)", a * b);
+  check(same(fp8::scaled_element(a, b), 0.0f), "a b flushes", 0);
+  const float above = std::nextafter(std::ldexp(1.0f, -120), 1.0f);
+  check(fp8::scaled_element(above, std::ldexp(1.0f, -6)) > min_normal, "above 2^-126 kept", 0);
+  check(fp8::scaled_element(3.0f, -0.5f) == -1.5f, "a product", 0);
+}
+
+// values [3, 130] bf16 gathered by src {2, -1, 3, 0, 2, 2147483647}: rows rnd(scale r x),
+// zero rows (q 0, scales 1) where src names no row, q and scales those of the rows as stored.
+void test_gather() {
+  const int64_t t = 3, r = 6, h = 130;
+  std::vector<uint16_t> values(t * h), out(r * h, 0xAAAA);
+  for (int64_t i = 0; i < t * h; ++i) values[i] = float_bf16((static_cast<float>((i * 37) % 101) - 50.0f) / 7.0f);
+  const int32_t src[] = {2, -1, 3, 0, 2, 2147483647};
+  const float scale[] = {0.3f, 1.0f, 2.0f, -1e-40f, 1e30f, 5.0f};
+  std::vector<uint8_t> q(r * h, 0xAA), q_want(r * h);
+  std::vector<float> scales(r * 2, -1.0f), scales_want(r * 2);
+  Fp8GatherQuantizeParams p{values.data(), DType::kBF16, src, scale, t, out.data(), q.data(), scales.data(),
+                            r, h, false};
+  cpu::fp8_gather_quantize(p);
+  for (int64_t i = 0; i < r; ++i) {
+    const bool named = src[i] >= 0 && src[i] < t;
+    for (int64_t c = 0; c < h; ++c) {
+      const uint16_t want =
+          named ? float_bf16(fp8::scaled_element(scale[i], bf16_float(values[src[i] * h + c]))) : uint16_t{0};
+      check(out[i * h + c] == want, "gathered element", static_cast<double>(i * h + c));
+    }
+  }
+  cpu::fp8_quantize({out.data(), DType::kBF16, q_want.data(), nullptr, scales_want.data(), 1, r, h, 1, false});
+  check(q == q_want && scales == scales_want, "q and scales of the rows as stored", 0);
+  check(scales[2] == 1.0f && scales[3] == 1.0f && q[h] == 0, "a row of no value: scale 1, q 0", 0);
+}
+
 }  // namespace
 
 int main() {
@@ -197,6 +251,8 @@ int main() {
   test_element();
   test_kernel();
   test_group_cols();
+  test_scaled_element();
+  test_gather();
   std::printf("%s: %d failures\n", failures ? "FAIL" : "PASS", failures);
   return failures ? 1 : 0;
 }
