@@ -11,7 +11,11 @@ quantisation in one kernel, what the FP8 expert MLP runs) and swiglu_then_rows (
 swiglu, then quantize_fp8_rows of it); their backward with da [M, N/2]: swiglu_grad_rows
 (activate_grad_quantize_fp8: d h and its row quantisation in one kernel, what the FP8
 expert MLP's backward runs) and swiglu_grad_then_rows (XLA's derivative of swiglu, then
-quantize_fp8_rows of d h).
+quantize_fp8_rows of d h); on the rows [M, K] of every case as the combine's backward
+makes them from M / 8 token rows (each token's 8 rows at random places, a weight each):
+gather_rows (gather_quantize_fp8_rows: the weighted rows and their row quantisation in
+one kernel, what the FP8 layer's backward runs) and gather_then_rows (XLA's weighted
+gather, then quantize_fp8_rows).
 
     python benchmarks/fp8_quantize.py [--out benchmarks/results] [--name fp8_quantize] [--ops rows group_cols ...]
 
@@ -20,7 +24,9 @@ their weights (blocks [G, K, N], bf16) and their products (swiglu [M, N], bf16).
 input read + q written (1 byte per element, 2 with a transposed copy) + scales written (4
 bytes per tile); for swiglu, h read (2 bytes per element) + a written (2 bytes per
 output element) + q and scales of a; for its backward, h and da read, d h written with its
-q and scales. The copy moves 2 x the input's bytes (h's).
+q and scales; for the gathers, the M / 8 token rows read once (2 bytes per element), the
+rows written with their q and scales. The copy moves 2 x the input's bytes (h's; the
+gathers: the rows' [M, K]).
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ import moe_xla
 from moe_xla.activations import activate
 from moe_xla.primitives.activate_grad_quantize_fp8 import activate_grad_quantize_fp8
 from moe_xla.primitives.activate_quantize_fp8 import activate_quantize_fp8
+from moe_xla.primitives.gather_quantize_fp8_rows import gather_quantize_fp8_rows
 
 
 def _gbps(nbytes, seconds):
@@ -58,11 +65,16 @@ def main():
         dh = jax.vjp(lambda v: activate(v, "swiglu"), h)[1](da)[0]
         return (dh, *moe_xla.quantize_fp8_rows(dh))
 
+    def gather_then_rows(values, src, factor):
+        rows = (factor[:, None] * values[src].astype(jnp.float32)).astype(values.dtype)
+        return (rows, *moe_xla.quantize_fp8_rows(rows))
+
     ops = {"rows": moe_xla.quantize_fp8_rows, "blocks": moe_xla.quantize_fp8_blocks,
            "weights": moe_xla.quantize_fp8_weights, "swiglu_rows": lambda h: activate_quantize_fp8(h, "swiglu"),
            "swiglu_then_rows": swiglu_then_rows,
            "swiglu_grad_rows": lambda h, da: activate_grad_quantize_fp8(h, da, "swiglu"),
-           "swiglu_grad_then_rows": swiglu_grad_then_rows}
+           "swiglu_grad_then_rows": swiglu_grad_then_rows, "gather_rows": gather_quantize_fp8_rows,
+           "gather_then_rows": gather_then_rows}
     if args.ops:
         ops = {name: fn for name, fn in ops.items() if name in args.ops}
     rows = []
@@ -76,7 +88,7 @@ def main():
             swiglu = kind.startswith("swiglu")
             if swiglu and not case["name"].endswith("gate_up"):
                 continue
-            activation = kind in ("rows", "group_cols")
+            activation = kind in ("rows", "group_cols", "gather_rows", "gather_then_rows")
             shape = (m, k) if activation else (m, n) if swiglu else (g, k, n)
             x = normal(jax.random.fold_in(jax.random.key(1), 3 * i + (kind != "rows") + swiglu), shape, jnp.bfloat16)
             elems = x.size
@@ -84,6 +96,11 @@ def main():
             if kind.startswith("swiglu_grad"):  # h and da read, d h written with its q and scales
                 args_of = (x, normal(jax.random.fold_in(jax.random.key(2), i), (m, n // 2), jnp.bfloat16))
                 nbytes = 2 * elems + 2 * (elems // 2) + 2 * elems + elems + elems // 128 * 4
+            elif kind.startswith("gather"):  # token rows read, rows written with their q and scales
+                tokens = m // 8
+                src = jax.random.permutation(jax.random.key(3), m) // 8
+                args_of = (x[:tokens], src.astype(jnp.int32), jax.random.uniform(jax.random.key(4), (m,)))
+                nbytes = 2 * tokens * k + 2 * elems + elems + elems // 128 * 4
             elif swiglu:  # h read, a written, a's q and scales written
                 nbytes = 2 * elems + 2 * (elems // 2) + elems // 2 + elems // 2 // 128 * 4
             else:
