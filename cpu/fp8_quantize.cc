@@ -1,9 +1,9 @@
 // CPU FP8 blockwise quantisation: per tile, amax over the tile, then the scale, then each
 // element through fp8::quantize_element, the function the CUDA kernel uses too (the blocks
 // also copied, code for code, to their transposed place in q_t when asked). The fused
-// forms first compute a tile of the expert activation (or of its backward), rounded to its
-// dtype; the gathered form writes each scaled row (fp8::scaled_element, whose product is
-// flush-mode proof too) and quantises it as stored through the row tiles; the group column
+// forms write their rows (the expert activation, its backward, or each scaled row gathered:
+// fp8::scaled_element, whose product is flush-mode proof too), rounded to the dtype, and
+// quantise them as stored through the row tiles; the group column
 // form takes its tiles from cpu/fp8_group_tiles.h and writes them transposed. The
 // operations are integer ones and single float32 divisions of normal numbers
 // (common/fp8_blockwise.h), so XLA's flush-to-zero mode on its CPU threads changes nothing.
@@ -46,27 +46,37 @@ void fp8_quantize(const Fp8QuantizeParams& p) {
   }
 }
 
+namespace {
+
+// q and scales of rows x [rows, cols] as stored (already rounded to dtype): the row tiles'
+// own quantisation, which the fused kernels run on what they wrote.
+void quantize_stored_rows(const void* x, DType dtype, int64_t rows, int64_t cols, uint8_t* q, float* scales,
+                          bool pow2_scale) {
+  Fp8QuantizeParams p{};
+  p.x = x;
+  p.dtype = dtype;
+  p.q = q;
+  p.scales = scales;
+  p.batch = p.tile_rows = 1;
+  p.rows = rows;
+  p.cols = cols;
+  p.pow2_scale = pow2_scale;
+  fp8_quantize(p);
+}
+
+}  // namespace
+
 void fp8_activate_quantize(const Fp8ActivateQuantizeParams& p) {
   const bool gated = is_gated(p.activation);
-  const int64_t h_cols = gated ? 2 * p.cols : p.cols, col_tiles = fp8::tiles(p.cols);
-  float tile[fp8::kTile];
+  const int64_t h_cols = gated ? 2 * p.cols : p.cols;
   for (int64_t r = 0; r < p.rows; ++r) {
-    for (int64_t ct = 0; ct < col_tiles; ++ct) {
-      const int64_t c0 = ct * fp8::kTile, n = std::min(fp8::kTile, p.cols - c0);
-      float amax = 0.0f;
-      for (int64_t j = 0; j < n; ++j) {
-        const int64_t c = c0 + j;
-        const float gate = load_as_float(p.h, r * h_cols + c, p.dtype);
-        const float up = gated ? load_as_float(p.h, r * h_cols + p.cols + c, p.dtype) : 0.0f;
-        store_from_float(p.a, r * p.cols + c, p.dtype, activate(p.activation, gate, up));
-        tile[j] = load_as_float(p.a, r * p.cols + c, p.dtype);  // a as stored, rounded
-        amax = std::max(amax, fp8::tile_magnitude(tile[j]));
-      }
-      const float scale = fp8::scale_from_amax(amax, p.pow2_scale);
-      p.scales[r * col_tiles + ct] = scale;
-      for (int64_t j = 0; j < n; ++j) p.q[r * p.cols + c0 + j] = fp8::quantize_element(tile[j], scale);
+    for (int64_t c = 0; c < p.cols; ++c) {
+      const float gate = load_as_float(p.h, r * h_cols + c, p.dtype);
+      const float up = gated ? load_as_float(p.h, r * h_cols + p.cols + c, p.dtype) : 0.0f;
+      store_from_float(p.a, r * p.cols + c, p.dtype, activate(p.activation, gate, up));
     }
   }
+  quantize_stored_rows(p.a, p.dtype, p.rows, p.cols, p.q, p.scales, p.pow2_scale);
 }
 
 void fp8_gather_quantize(const Fp8GatherQuantizeParams& p) {
@@ -79,15 +89,8 @@ void fp8_gather_quantize(const Fp8GatherQuantizeParams& p) {
       store_from_float(p.out, r * p.cols + c, p.dtype, v);
     }
     // The row as stored, rounded to its dtype, through the row tiles' own quantisation.
-    Fp8QuantizeParams row{};
-    row.x = static_cast<const char*>(p.out) + r * p.cols * bytes;
-    row.dtype = p.dtype;
-    row.q = p.q + r * p.cols;
-    row.scales = p.scales + r * fp8::tiles(p.cols);
-    row.batch = row.rows = row.tile_rows = 1;
-    row.cols = p.cols;
-    row.pow2_scale = p.pow2_scale;
-    fp8_quantize(row);
+    quantize_stored_rows(static_cast<const char*>(p.out) + r * p.cols * bytes, p.dtype, 1, p.cols,
+                         p.q + r * p.cols, p.scales + r * fp8::tiles(p.cols), p.pow2_scale);
   }
 }
 
@@ -120,28 +123,18 @@ void fp8_quantize_group_cols(const Fp8GroupColsParams& p) {
 
 void fp8_activate_grad_quantize(const Fp8ActivateGradQuantizeParams& p) {
   const bool gated = is_gated(p.activation);
-  const int64_t f = gated ? p.cols / 2 : p.cols, col_tiles = fp8::tiles(p.cols);
-  float tile[fp8::kTile];
+  const int64_t f = gated ? p.cols / 2 : p.cols;
   for (int64_t r = 0; r < p.rows; ++r) {
-    for (int64_t ct = 0; ct < col_tiles; ++ct) {
-      const int64_t c0 = ct * fp8::kTile, n = std::min(fp8::kTile, p.cols - c0);
-      float amax = 0.0f;
-      for (int64_t j = 0; j < n; ++j) {
-        const int64_t c = c0 + j;
-        const bool up_half = gated && c >= f;
-        const int64_t e = up_half ? c - f : c;  // the gate (or h) column of this element
-        const float gate = load_as_float(p.h, r * p.cols + e, p.dtype);
-        const float up = gated ? load_as_float(p.h, r * p.cols + f + e, p.dtype) : 0.0f;
-        const float da = load_as_float(p.da, r * f + e, p.dtype);
-        store_from_float(p.dh, r * p.cols + c, p.dtype, activate_grad(p.activation, up_half, gate, up, da));
-        tile[j] = load_as_float(p.dh, r * p.cols + c, p.dtype);  // d h as stored, rounded
-        amax = std::max(amax, fp8::tile_magnitude(tile[j]));
-      }
-      const float scale = fp8::scale_from_amax(amax, p.pow2_scale);
-      p.scales[r * col_tiles + ct] = scale;
-      for (int64_t j = 0; j < n; ++j) p.q[r * p.cols + c0 + j] = fp8::quantize_element(tile[j], scale);
+    for (int64_t c = 0; c < p.cols; ++c) {
+      const bool up_half = gated && c >= f;
+      const int64_t e = up_half ? c - f : c;  // the gate (or h) column of this element
+      const float gate = load_as_float(p.h, r * p.cols + e, p.dtype);
+      const float up = gated ? load_as_float(p.h, r * p.cols + f + e, p.dtype) : 0.0f;
+      const float da = load_as_float(p.da, r * f + e, p.dtype);
+      store_from_float(p.dh, r * p.cols + c, p.dtype, activate_grad(p.activation, up_half, gate, up, da));
     }
   }
+  quantize_stored_rows(p.dh, p.dtype, p.rows, p.cols, p.q, p.scales, p.pow2_scale);
 }
 
 }  // namespace moe_xla::cpu

@@ -9,6 +9,7 @@
 #define MOE_XLA_FFI_FP8_QUANTIZE_ARGS_H_
 
 #include <cstdint>
+#include <initializer_list>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -118,30 +119,55 @@ inline ffi::ErrorOr<Fp8GroupColsParams> decode_fp8_group_cols(ffi::AnyBuffer x, 
   return p;
 }
 
-// h [M, 2F] (gated) or [M, F] of f32 / bf16 / f16; a [M, F] of h's dtype; q [M, F]
-// float8_e4m3fn; scales [M, ceil(F/128)] f32; activation one of common/expert_activation.h.
-inline ffi::ErrorOr<Fp8ActivateQuantizeParams> decode_fp8_activate_quantize(ffi::AnyBuffer h, ffi::AnyBuffer a,
-                                                                            ffi::AnyBuffer q,
-                                                                            ffi::Buffer<ffi::F32> scales,
-                                                                            int32_t activation, bool pow2_scale) {
+// The expert activation and its input h [M, 2F] (gated) or [M, F] of f32 / bf16 / f16:
+// activation one of common/expert_activation.h; rows M, h_cols h's last dim.
+struct ActivationInput {
+  Activation activation;
+  int64_t rows, h_cols;
+  DType dtype;
+};
+
+inline ffi::ErrorOr<ActivationInput> decode_activation_input(ffi::AnyBuffer h, int32_t activation) {
   if (activation < 0 || activation >= kNumActivations) {
     return invalid("activation: expected 0 .. " + std::to_string(kNumActivations - 1) + ", got " +
                    std::to_string(activation));
   }
-  Fp8ActivateQuantizeParams p{};
-  p.activation = static_cast<Activation>(activation);
   const auto dims = h.dimensions();
   if (dims.size() != 2) return invalid("h: expected rank 2 [M, 2F] or [M, F], got shape " + shape_string(dims));
-  const bool gated = is_gated(p.activation);
-  if (gated && dims[1] % 2 != 0) return invalid("h: expected an even last dim (gate | up), got " + shape_string(dims));
-  p.rows = dims[0];
-  p.cols = gated ? dims[1] / 2 : dims[1];
+  const auto act = static_cast<Activation>(activation);
+  if (is_gated(act) && dims[1] % 2 != 0) {
+    return invalid("h: expected an even last dim (gate | up), got " + shape_string(dims));
+  }
   auto dtype = to_dtype(h.element_type(), "h");
   if (dtype.has_error()) return ffi::Unexpected<ffi::Error>(dtype.error());
-  if (a.element_type() != h.element_type()) {
-    return invalid("a: expected the dtype of h " + type_name(h.element_type()) + ", got " +
-                   type_name(a.element_type()));
+  return ActivationInput{act, dims[0], dims[1], *dtype};
+}
+
+// Each of `buffers` (name, buffer) of h's dtype, or the error naming the first that is not.
+inline ffi::Error expect_dtype_of_h(ffi::AnyBuffer h,
+                                    std::initializer_list<std::pair<const char*, ffi::AnyBuffer>> buffers) {
+  for (const auto& [name, b] : buffers) {
+    if (b.element_type() != h.element_type()) {
+      return ffi::Error::InvalidArgument(std::string(name) + ": expected the dtype of h " +
+                                         type_name(h.element_type()) + ", got " + type_name(b.element_type()));
+    }
   }
+  return ffi::Error::Success();
+}
+
+// h [M, 2F] (gated) or [M, F]; a [M, F] of h's dtype; q [M, F] float8_e4m3fn; scales
+// [M, ceil(F/128)] f32.
+inline ffi::ErrorOr<Fp8ActivateQuantizeParams> decode_fp8_activate_quantize(ffi::AnyBuffer h, ffi::AnyBuffer a,
+                                                                            ffi::AnyBuffer q,
+                                                                            ffi::Buffer<ffi::F32> scales,
+                                                                            int32_t activation, bool pow2_scale) {
+  auto in = decode_activation_input(h, activation);
+  if (in.has_error()) return ffi::Unexpected<ffi::Error>(in.error());
+  Fp8ActivateQuantizeParams p{};
+  p.activation = in->activation;
+  p.rows = in->rows;
+  p.cols = is_gated(p.activation) ? in->h_cols / 2 : in->h_cols;
+  if (auto e = expect_dtype_of_h(h, {{"a", a}}); e.failure()) return ffi::Unexpected<ffi::Error>(std::move(e));
   if (auto e = expect_fp8("q", q); e.failure()) return ffi::Unexpected<ffi::Error>(std::move(e));
   for (auto [name, got] : {std::pair{"a", a.dimensions()}, std::pair{"q", q.dimensions()}}) {
     if (auto e = expect_shape(name, got, {p.rows, p.cols}); e.failure()) {
@@ -152,7 +178,7 @@ inline ffi::ErrorOr<Fp8ActivateQuantizeParams> decode_fp8_activate_quantize(ffi:
     return ffi::Unexpected<ffi::Error>(std::move(e));
   }
   p.h = h.untyped_data();
-  p.dtype = *dtype;
+  p.dtype = in->dtype;
   p.a = a.untyped_data();
   p.q = static_cast<uint8_t*>(q.untyped_data());
   p.scales = scales.typed_data();
@@ -160,35 +186,22 @@ inline ffi::ErrorOr<Fp8ActivateQuantizeParams> decode_fp8_activate_quantize(ffi:
   return p;
 }
 
-// h [M, 2F] (gated) or [M, F] of f32 / bf16 / f16; da [M, F] and dh [M, C] (C: h's last
-// dim) of h's dtype; q [M, C] float8_e4m3fn; scales [M, ceil(C/128)] f32.
+// h [M, 2F] (gated) or [M, F]; da [M, F] and dh [M, C] (C: h's last dim) of h's dtype;
+// q [M, C] float8_e4m3fn; scales [M, ceil(C/128)] f32.
 inline ffi::ErrorOr<Fp8ActivateGradQuantizeParams> decode_fp8_activate_grad_quantize(
     ffi::AnyBuffer h, ffi::AnyBuffer da, ffi::AnyBuffer dh, ffi::AnyBuffer q, ffi::Buffer<ffi::F32> scales,
     int32_t activation, bool pow2_scale) {
-  if (activation < 0 || activation >= kNumActivations) {
-    return invalid("activation: expected 0 .. " + std::to_string(kNumActivations - 1) + ", got " +
-                   std::to_string(activation));
-  }
+  auto in = decode_activation_input(h, activation);
+  if (in.has_error()) return ffi::Unexpected<ffi::Error>(in.error());
   Fp8ActivateGradQuantizeParams p{};
-  p.activation = static_cast<Activation>(activation);
-  const auto dims = h.dimensions();
-  if (dims.size() != 2) return invalid("h: expected rank 2 [M, 2F] or [M, F], got shape " + shape_string(dims));
-  const bool gated = is_gated(p.activation);
-  if (gated && dims[1] % 2 != 0) return invalid("h: expected an even last dim (gate | up), got " + shape_string(dims));
-  p.rows = dims[0];
-  p.cols = dims[1];
-  const int64_t f = gated ? p.cols / 2 : p.cols;
-  auto dtype = to_dtype(h.element_type(), "h");
-  if (dtype.has_error()) return ffi::Unexpected<ffi::Error>(dtype.error());
-  for (auto [name, b] : {std::pair{"da", da}, std::pair{"dh", dh}}) {
-    if (b.element_type() != h.element_type()) {
-      return invalid(std::string(name) + ": expected the dtype of h " + type_name(h.element_type()) + ", got " +
-                     type_name(b.element_type()));
-    }
+  p.activation = in->activation;
+  p.rows = in->rows;
+  p.cols = in->h_cols;
+  const int64_t f = is_gated(p.activation) ? p.cols / 2 : p.cols;
+  if (auto e = expect_dtype_of_h(h, {{"da", da}, {"dh", dh}}); e.failure()) {
+    return ffi::Unexpected<ffi::Error>(std::move(e));
   }
-  if (q.element_type() != ffi::DataType::F8E4M3FN) {
-    return invalid("q: expected dtype float8_e4m3fn, got " + type_name(q.element_type()));
-  }
+  if (auto e = expect_fp8("q", q); e.failure()) return ffi::Unexpected<ffi::Error>(std::move(e));
   for (auto [name, got, want] : {std::tuple{"da", da.dimensions(), f}, std::tuple{"dh", dh.dimensions(), p.cols},
                                  std::tuple{"q", q.dimensions(), p.cols}}) {
     if (auto e = expect_shape(name, got, {p.rows, want}); e.failure()) return ffi::Unexpected<ffi::Error>(std::move(e));
@@ -198,7 +211,7 @@ inline ffi::ErrorOr<Fp8ActivateGradQuantizeParams> decode_fp8_activate_grad_quan
   }
   p.h = h.untyped_data();
   p.da = da.untyped_data();
-  p.dtype = *dtype;
+  p.dtype = in->dtype;
   p.dh = dh.untyped_data();
   p.q = static_cast<uint8_t*>(q.untyped_data());
   p.scales = scales.typed_data();
