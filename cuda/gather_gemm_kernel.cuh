@@ -224,6 +224,9 @@ __device__ __forceinline__ void gather_gemm_produce(const GatherGemmKernelParams
       ++write;
     }
   }
+  // Stay until the consumers have freed every stage: this warp group's last copies have
+  // landed and been read before it exits.
+  pipeline.producer_tail(write);
 }
 
 // Warp groups 1 and 2 (see the header comment).
