@@ -36,7 +36,7 @@ from _timing import environment, write_results
 # (script, its arguments option here, the timed metrics of its rows: lower is better)
 SCRIPTS = {
     "gmm": ("gmm.py", "gmm_args", ("gmm_fwd_ms", "gmm_bwd_ms")),
-    "moe_layer": ("moe_layer.py", "moe_args", ("moe_xla_fwd_ms", "moe_xla_fwd_bwd_ms")),
+    "moe_layer": ("moe_layer.py", "moe_args", ("moe_xla_fwd_ms", "moe_xla_fwd_bwd_ms", "fp8_fwd_ms", "fp8_fwd_bwd_ms")),
 }
 
 

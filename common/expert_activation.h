@@ -5,9 +5,16 @@
 //   plain, on h [rows, F]:               a = g(h)           gelu, silu, relu
 //   silu(x) = x / (1 + exp(-x));  gelu(x) = x / 2 * (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
 //   (the tanh approximation); relu(x) = max(x, 0), NaN kept.
+// Their derivatives, for the fused backward (d h = d/dh of sum(act(h) * da), da [rows, F]):
+//   gated:  d gate = da * up * g'(gate),  d up = da * g(gate)
+//   plain:  d h = da * g'(h)
+//   silu'(x) = s (1 + x (1 - s)), s = 1 / (1 + exp(-x));
+//   gelu'(x) = (1 + t) / 2 + x / 2 (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 x^2), t as in gelu;
+//   relu'(x) = 1 if x > 0 else 0 (NaN gives 0 and d h = 0, as jax.nn.relu's rule selects).
 // exp and tanh are the platform's float32 functions (within a few ulp of each other and of
 // XLA's), so the activation is not bitwise the same across platforms; what the fused kernels
-// guarantee bitwise is that q and scales quantise the a they return, rounded to its dtype.
+// guarantee bitwise is that q and scales quantise the a (or d h) they return, rounded to its
+// dtype.
 #ifndef MOE_XLA_COMMON_EXPERT_ACTIVATION_H_
 #define MOE_XLA_COMMON_EXPERT_ACTIVATION_H_
 
@@ -47,6 +54,50 @@ MOE_XLA_HOST_DEVICE inline float activate(Activation act, float gate, float up) 
   return gate;
 }
 
+MOE_XLA_HOST_DEVICE inline float silu_grad(float x) {
+  const float s = 1.0f / (1.0f + expf(-x));
+  return s * (1.0f + x * (1.0f - s));
+}
+
+MOE_XLA_HOST_DEVICE inline float gelu_tanh_grad(float x) {
+  constexpr float kSqrt2OverPi = 0.7978845608028654f;
+  const float t = tanhf(kSqrt2OverPi * (x + 0.044715f * x * x * x));
+  return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * kSqrt2OverPi * (1.0f + 3.0f * 0.044715f * x * x);
+}
+
+// g(x) and g'(x) of a gated activation together, sharing their exp or tanh (the paired
+// CUDA backward; g within an ulp of silu / gelu_tanh: x * s rounds twice where silu
+// divides once).
+MOE_XLA_HOST_DEVICE inline void gated_value_and_grad(Activation act, float x, float* g, float* dg) {
+  if (act == Activation::kSwiglu) {
+#if defined(__CUDA_ARCH__)
+    const float s = __frcp_rn(1.0f + expf(-x));  // the correctly rounded 1 / (1 + e^-x)
+#else
+    const float s = 1.0f / (1.0f + expf(-x));
+#endif
+    *g = x * s;
+    *dg = s * (1.0f + x * (1.0f - s));
+    return;
+  }
+  constexpr float kSqrt2OverPi = 0.7978845608028654f;
+  const float t = tanhf(kSqrt2OverPi * (x + 0.044715f * x * x * x));
+  *g = 0.5f * x * (1.0f + t);
+  *dg = 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * kSqrt2OverPi * (1.0f + 3.0f * 0.044715f * x * x);
+}
+
+// d h for one element: of the up half (gated only) or else of the gate / h element, with
+// the row's gate and up at that column (up unused by the plain activations) and da.
+MOE_XLA_HOST_DEVICE inline float activate_grad(Activation act, bool up_half, float gate, float up, float da) {
+  switch (act) {
+    case Activation::kSwiglu: return up_half ? da * silu(gate) : da * up * silu_grad(gate);
+    case Activation::kGeglu: return up_half ? da * gelu_tanh(gate) : da * up * gelu_tanh_grad(gate);
+    case Activation::kGelu: return da * gelu_tanh_grad(gate);
+    case Activation::kSilu: return da * silu_grad(gate);
+    case Activation::kRelu: return gate > 0.0f ? da : 0.0f;
+  }
+  return da;
+}
+
 // The fused activation and 1 x 128 row quantisation of the FP8 expert MLP:
 //   h      [rows, 2 cols] (gated, gate | up) or [rows, cols], of dtype
 //   a      [rows, cols] of dtype: activate(h) in float32, rounded to dtype (RNE)
@@ -59,6 +110,25 @@ struct Fp8ActivateQuantizeParams {
   float* scales;
   int64_t rows;
   int64_t cols;
+  Activation activation;
+  bool pow2_scale;
+};
+
+// Its backward fused with the 1 x 128 row quantisation of d h (what the FP8 dgrad of the
+// first product reads):
+//   h      [rows, 2F] (gated) or [rows, F], of dtype; da [rows, F] of dtype
+//   dh     [rows, cols] of dtype, cols = 2F or F: activate_grad in float32, rounded (RNE)
+//   q, scales  quantize_fp8_rows(dh): [rows, cols], [rows, ceil(cols / 128)] (tiles run
+//              across the gate | up boundary when F is not a multiple of 128)
+struct Fp8ActivateGradQuantizeParams {
+  const void* h;
+  const void* da;
+  DType dtype;  // of h, da and dh
+  void* dh;
+  uint8_t* q;
+  float* scales;
+  int64_t rows;
+  int64_t cols;  // of dh and h
   Activation activation;
   bool pow2_scale;
 };

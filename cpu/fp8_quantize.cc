@@ -1,9 +1,9 @@
 // CPU FP8 blockwise quantisation: per tile, amax over the tile, then the scale, then each
 // element through fp8::quantize_element, the function the CUDA kernel uses too (the blocks
 // also copied, code for code, to their transposed place in q_t when asked). The fused
-// form first computes a tile of the expert activation, rounded to its dtype; the group
-// column form takes its tiles from cpu/fp8_group_tiles.h and writes them transposed. The
-// operations are integer ones and single float32 divisions of normal numbers
+// forms first compute a tile of the expert activation (or of its backward), rounded to its
+// dtype; the group column form takes its tiles from cpu/fp8_group_tiles.h and writes them
+// transposed. The operations are integer ones and single float32 divisions of normal numbers
 // (common/fp8_blockwise.h), so XLA's flush-to-zero mode on its CPU threads changes nothing.
 #include "cpu/fp8_quantize.h"
 
@@ -90,6 +90,32 @@ void fp8_quantize_group_cols(const Fp8GroupColsParams& p) {
               fp8::quantize_element(load_as_float(p.x, (r0 + j) * p.cols + c, p.dtype), scales[c]);
         }
       }
+    }
+  }
+}
+
+void fp8_activate_grad_quantize(const Fp8ActivateGradQuantizeParams& p) {
+  const bool gated = is_gated(p.activation);
+  const int64_t f = gated ? p.cols / 2 : p.cols, col_tiles = fp8::tiles(p.cols);
+  float tile[fp8::kTile];
+  for (int64_t r = 0; r < p.rows; ++r) {
+    for (int64_t ct = 0; ct < col_tiles; ++ct) {
+      const int64_t c0 = ct * fp8::kTile, n = std::min(fp8::kTile, p.cols - c0);
+      float amax = 0.0f;
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t c = c0 + j;
+        const bool up_half = gated && c >= f;
+        const int64_t e = up_half ? c - f : c;  // the gate (or h) column of this element
+        const float gate = load_as_float(p.h, r * p.cols + e, p.dtype);
+        const float up = gated ? load_as_float(p.h, r * p.cols + f + e, p.dtype) : 0.0f;
+        const float da = load_as_float(p.da, r * f + e, p.dtype);
+        store_from_float(p.dh, r * p.cols + c, p.dtype, activate_grad(p.activation, up_half, gate, up, da));
+        tile[j] = load_as_float(p.dh, r * p.cols + c, p.dtype);  // d h as stored, rounded
+        amax = std::max(amax, fp8::tile_magnitude(tile[j]));
+      }
+      const float scale = fp8::scale_from_amax(amax, p.pow2_scale);
+      p.scales[r * col_tiles + ct] = scale;
+      for (int64_t j = 0; j < n; ++j) p.q[r * p.cols + c0 + j] = fp8::quantize_element(tile[j], scale);
     }
   }
 }

@@ -22,6 +22,10 @@ void fp8_activate_quantize(const Fp8ActivateQuantizeParams& p);
 // Group sizes are clamped to the rows as common/grouped_gemm.h says.
 void fp8_quantize_group_cols(const Fp8GroupColsParams& p);
 
+// Fills p.dh, p.q and p.scales (host memory): the activation's backward and the 1 x 128
+// row quantisation of d h (common/expert_activation.h). Expects non-negative sizes.
+void fp8_activate_grad_quantize(const Fp8ActivateGradQuantizeParams& p);
+
 }  // namespace moe_xla::cpu
 
 #endif  // MOE_XLA_CPU_FP8_QUANTIZE_H_

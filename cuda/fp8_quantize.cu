@@ -12,8 +12,10 @@
 // first; held as floats instead of packed words they spilled (the measurements of each
 // shape are in benchmarks/results/LOG.md).
 // Elements stay in registers as loaded from the amax to the quantisation (x is read
-// once). The same kernel quantises the expert activation of h on the fly (Activated): the fused
-// activate_quantize_fp8.
+// once). The same kernel quantises the expert activation of h on the fly (Activated: the
+// fused activate_quantize_fp8) and its backward (ActivationGrad: activate_grad_quantize_fp8);
+// a gated backward with F % 128 == 0 has a kernel of its own (activate_grad_pairs) that
+// computes both halves of d h from one read of gate, up and da.
 // Scale and elements go through common/fp8_blockwise.h like the CPU kernel; max is exact
 // in any order, so the results are bitwise those of the CPU.
 #include <cuda_bf16.h>
@@ -60,6 +62,8 @@ template <DType D>
 using BlocksCta = std::conditional_t<D == DType::kF32, Cta<512, 4, 2>, Cta<256, 8, 4>>;
 template <DType D>
 using ActivatedCta = std::conditional_t<D == DType::kF32, Cta<256, 2, 4>, Cta<256, 2, 5>>;
+// The backward reads up to three inputs per element: 2 rows at 64 registers.
+using ActivationGradCta = Cta<256, 2, 4>;
 static_assert(BlocksCta<DType::kF32>::kRegionRows == fp8::kTile && BlocksCta<DType::kBF16>::kRegionRows == fp8::kTile,
               "a blocks region is one 128 x 128 block");
 
@@ -169,6 +173,53 @@ struct TransposedBlock {
         for (int r = 0; r < len; ++r) dst[r] = bytes[(part * kChunk + r) * kPitch + n];
       }
     }
+  }
+};
+
+// ... or the activation's backward from h and da (common/expert_activation.h), rounded to
+// D and stored to dh on the way (batch 1); cols are dh's (2F gated, else F). kVector also
+// needs F % 8 == 0, so that no lane crosses the gate | up boundary.
+template <DType D, bool kVec>
+struct ActivationGrad {
+  using Bits = typename Elem<D>::Bits;
+  static constexpr bool kVector = kVec;
+  const Bits* __restrict__ h;
+  const Bits* __restrict__ da;
+  Bits* __restrict__ dh;
+  int64_t cols;
+  Activation act;
+
+  __device__ __forceinline__ Lane<Bits> load(int64_t, int64_t r, int64_t c, int valid) const {
+    const bool gated = is_gated(act);
+    const int64_t f = gated ? cols / 2 : cols;
+    Lane<Bits> out{};
+    if constexpr (kVector) {
+      const bool up_half = gated && c >= f;
+      const int64_t e = up_half ? c - f : c;
+      const Lane<Bits> g = *reinterpret_cast<const Lane<Bits>*>(h + r * cols + e);
+      const Lane<Bits> d = *reinterpret_cast<const Lane<Bits>*>(da + r * f + e);
+      Lane<Bits> u{};
+      if (gated && !up_half) u = *reinterpret_cast<const Lane<Bits>*>(h + r * cols + f + e);
+#pragma unroll
+      for (int j = 0; j < kLaneCols; ++j) {
+        const float v = activate_grad(act, up_half, Elem<D>::to_float(g.get(j)), Elem<D>::to_float(u.get(j)),
+                                      Elem<D>::to_float(d.get(j)));
+        out.set(j, Elem<D>::from_float(v));
+      }
+      *reinterpret_cast<Lane<Bits>*>(dh + r * cols + c) = out;
+    } else {
+#pragma unroll
+      for (int j = 0; j < kLaneCols; ++j) {
+        if (j >= valid) continue;
+        const bool up_half = gated && c + j >= f;
+        const int64_t e = up_half ? c + j - f : c + j;
+        const float gate = Elem<D>::to_float(h[r * cols + e]);
+        const float up = gated ? Elem<D>::to_float(h[r * cols + f + e]) : 0.0f;
+        out.set(j, Elem<D>::from_float(activate_grad(act, up_half, gate, up, Elem<D>::to_float(da[r * f + e]))));
+        dh[r * cols + c + j] = out.get(j);
+      }
+    }
+    return out;
   }
 };
 
@@ -312,6 +363,97 @@ cudaError_t activate_quantize(const Fp8ActivateQuantizeParams& p, cudaStream_t s
                 : run(Activated<D, false>{h, a, p.cols, p.activation});
 }
 
+// The gated backward when F % 128 == 0 (every tile inside one half): a thread owns 8 gate
+// columns of kPairRows rows and the same 8 up columns; it reads gate, up and da once,
+// computes g and g' of the gate once (gated_value_and_grad) and writes both halves of d h,
+// whose two 1 x 128 tiles per row are each the 16 threads of a half warp. Regions of
+// 16 * kPairRows rows x 128 gate columns.
+constexpr int kPairRows = 2;
+constexpr int kPairThreads = 256;
+constexpr int kPairRegionRows = kPairThreads / kRowThreads * kPairRows;
+
+template <DType D>
+__global__ void __launch_bounds__(kPairThreads, 3)
+    activate_grad_pairs(const typename Elem<D>::Bits* __restrict__ h, const typename Elem<D>::Bits* __restrict__ da,
+                        typename Elem<D>::Bits* __restrict__ dh, uint8_t* __restrict__ q, float* __restrict__ scales,
+                        int64_t rows, int64_t f, int64_t row_regions, Activation act, bool pow2) {
+  using Bits = typename Elem<D>::Bits;
+  const int t = threadIdx.x;
+  const int64_t col_tiles = f / fp8::kTile;
+  const Region reg = region_of(blockIdx.x, row_regions, col_tiles, kPairRegionRows);
+  const int64_t c = reg.col0 + (t % kRowThreads) * kLaneCols;
+  const int first = t / kRowThreads;
+  Lane<Bits> g[kPairRows]{}, u[kPairRows]{}, d[kPairRows]{};  // zeros past the last row
+#pragma unroll
+  for (int i = 0; i < kPairRows; ++i) {
+    const int64_t r = reg.row0 + first + i * (kPairThreads / kRowThreads);
+    if (r >= rows) continue;
+    g[i] = *reinterpret_cast<const Lane<Bits>*>(h + r * 2 * f + c);
+    u[i] = *reinterpret_cast<const Lane<Bits>*>(h + r * 2 * f + f + c);
+    d[i] = *reinterpret_cast<const Lane<Bits>*>(da + r * f + c);
+  }
+#pragma unroll
+  for (int i = 0; i < kPairRows; ++i) {
+    const int64_t r = reg.row0 + first + i * (kPairThreads / kRowThreads);
+    Lane<Bits> halves[2];  // d gate, d up: rounded to D
+#pragma unroll
+    for (int j = 0; j < kLaneCols; ++j) {
+      float gv, dg;
+      const float x = Elem<D>::to_float(g[i].get(j)), a = Elem<D>::to_float(d[i].get(j));
+      gated_value_and_grad(act, x, &gv, &dg);
+      halves[0].set(j, Elem<D>::from_float(a * Elem<D>::to_float(u[i].get(j)) * dg));
+      halves[1].set(j, Elem<D>::from_float(a * gv));
+    }
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float amax = 0.0f;
+#pragma unroll
+      for (int j = 0; j < kLaneCols; ++j) {
+        amax = fmaxf(amax, fp8::tile_magnitude(Elem<D>::to_float(halves[half].get(j))));
+      }
+#pragma unroll
+      for (int offset = kRowThreads / 2; offset > 0; offset /= 2) {
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+      }
+      const float scale = fp8::scale_from_amax(amax, pow2);
+      Lane<uint8_t> out;
+#pragma unroll
+      for (int j = 0; j < kLaneCols; ++j) {
+        out.set(j, fp8::quantize_element(Elem<D>::to_float(halves[half].get(j)), scale));
+      }
+      if (r >= rows) continue;
+      const int64_t col = half * f + c;
+      *reinterpret_cast<Lane<Bits>*>(dh + r * 2 * f + col) = halves[half];
+      *reinterpret_cast<Lane<uint8_t>*>(q + r * 2 * f + col) = out;
+      if (t % kRowThreads == 0) scales[r * 2 * col_tiles + half * col_tiles + reg.col0 / fp8::kTile] = scale;
+    }
+  }
+}
+
+template <DType D>
+cudaError_t activate_grad_quantize(const Fp8ActivateGradQuantizeParams& p, cudaStream_t stream) {
+  using Bits = typename Elem<D>::Bits;
+  const int64_t f = is_gated(p.activation) ? p.cols / 2 : p.cols;
+  const bool vector = f % kLaneCols == 0 && aligned(p.h, sizeof(Lane<Bits>)) && aligned(p.da, sizeof(Lane<Bits>)) &&
+                      aligned(p.dh, sizeof(Lane<Bits>)) && aligned(p.q, kLaneCols);
+  const auto* h = static_cast<const Bits*>(p.h);
+  const auto* da = static_cast<const Bits*>(p.da);
+  auto* dh = static_cast<Bits*>(p.dh);
+  if (vector && is_gated(p.activation) && f % fp8::kTile == 0) {
+    const int64_t row_regions = (p.rows + kPairRegionRows - 1) / kPairRegionRows;
+    const int64_t regions = row_regions * (f / fp8::kTile);
+    if (regions > 0x7fffffff) return cudaErrorInvalidConfiguration;
+    activate_grad_pairs<D><<<static_cast<unsigned>(regions), kPairThreads, 0, stream>>>(
+        h, da, dh, p.q, p.scales, p.rows, f, row_regions, p.activation, p.pow2_scale);
+    return cudaGetLastError();
+  }
+  auto run = [&](auto src) {
+    return launch<D, false, ActivationGradCta>(src, p.q, nullptr, p.scales, 1, p.rows, p.cols, p.pow2_scale, stream);
+  };
+  return vector ? run(ActivationGrad<D, true>{h, da, dh, p.cols, p.activation})
+                : run(ActivationGrad<D, false>{h, da, dh, p.cols, p.activation});
+}
+
 template <template <DType> class Body, class Params>
 Status by_dtype(const Params& p, cudaStream_t stream, const char* op) {
   switch (p.dtype) {
@@ -331,6 +473,13 @@ template <DType D>
 struct ActivateQuantize {
   static cudaError_t run(const Fp8ActivateQuantizeParams& p, cudaStream_t stream) {
     return activate_quantize<D>(p, stream);
+  }
+};
+
+template <DType D>
+struct ActivateGradQuantize {
+  static cudaError_t run(const Fp8ActivateGradQuantizeParams& p, cudaStream_t stream) {
+    return activate_grad_quantize<D>(p, stream);
   }
 };
 
@@ -359,6 +508,21 @@ Status fp8_activate_quantize(const Fp8ActivateQuantizeParams& p, cudaStream_t st
   }
   if (p.rows * p.cols == 0) return Status();
   return by_dtype<ActivateQuantize>(p, stream, "fp8 activate quantize");
+}
+
+Status fp8_activate_grad_quantize(const Fp8ActivateGradQuantizeParams& p, cudaStream_t stream) {
+  MOE_XLA_RETURN_IF_ERROR(require_device(DeviceSupport::kSimt, "fp8 activate grad quantize"));
+  if (p.rows < 0 || p.cols < 0) return Status::InvalidArgument("fp8 activate grad quantize: negative dimension");
+  if (static_cast<int32_t>(p.activation) < 0 || static_cast<int32_t>(p.activation) >= kNumActivations) {
+    return Status::InvalidArgument("fp8 activate grad quantize: unknown activation " +
+                                   std::to_string(static_cast<int32_t>(p.activation)));
+  }
+  if (is_gated(p.activation) && p.cols % 2 != 0) {
+    return Status::InvalidArgument("fp8 activate grad quantize: a gated activation needs an even width, got " +
+                                   std::to_string(p.cols));
+  }
+  if (p.rows * p.cols == 0) return Status();
+  return by_dtype<ActivateGradQuantize>(p, stream, "fp8 activate grad quantize");
 }
 
 }  // namespace cuda

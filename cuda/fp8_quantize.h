@@ -28,6 +28,10 @@ Status fp8_activate_quantize(const Fp8ActivateQuantizeParams& p, cudaStream_t st
 // Fp8GroupColsParams). Group sizes stay on the device.
 Status fp8_quantize_group_cols(const Fp8GroupColsParams& p, cudaStream_t stream);
 
+// Fills p.dh, p.q and p.scales (device memory): the activation's backward from p.h and
+// p.da and the 1 x 128 row quantisation of d h in one pass (common/expert_activation.h).
+Status fp8_activate_grad_quantize(const Fp8ActivateGradQuantizeParams& p, cudaStream_t stream);
+
 }  // namespace cuda
 }  // namespace moe_xla
 

@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <string>
+#include <tuple>
 #include <utility>
 
 #include "common/expert_activation.h"
@@ -156,6 +157,66 @@ inline ffi::ErrorOr<Fp8ActivateQuantizeParams> decode_fp8_activate_quantize(ffi:
   p.scales = scales.typed_data();
   p.pow2_scale = pow2_scale;
   return p;
+}
+
+// h [M, 2F] (gated) or [M, F] of f32 / bf16 / f16; da [M, F] and dh [M, C] (C: h's last
+// dim) of h's dtype; q [M, C] float8_e4m3fn; scales [M, ceil(C/128)] f32.
+inline ffi::ErrorOr<Fp8ActivateGradQuantizeParams> decode_fp8_activate_grad_quantize(
+    ffi::AnyBuffer h, ffi::AnyBuffer da, ffi::AnyBuffer dh, ffi::AnyBuffer q, ffi::Buffer<ffi::F32> scales,
+    int32_t activation, bool pow2_scale) {
+  if (activation < 0 || activation >= kNumActivations) {
+    return invalid("activation: expected 0 .. " + std::to_string(kNumActivations - 1) + ", got " +
+                   std::to_string(activation));
+  }
+  Fp8ActivateGradQuantizeParams p{};
+  p.activation = static_cast<Activation>(activation);
+  const auto dims = h.dimensions();
+  if (dims.size() != 2) return invalid("h: expected rank 2 [M, 2F] or [M, F], got shape " + shape_string(dims));
+  const bool gated = is_gated(p.activation);
+  if (gated && dims[1] % 2 != 0) return invalid("h: expected an even last dim (gate | up), got " + shape_string(dims));
+  p.rows = dims[0];
+  p.cols = dims[1];
+  const int64_t f = gated ? p.cols / 2 : p.cols;
+  auto dtype = to_dtype(h.element_type(), "h");
+  if (dtype.has_error()) return ffi::Unexpected<ffi::Error>(dtype.error());
+  for (auto [name, b] : {std::pair{"da", da}, std::pair{"dh", dh}}) {
+    if (b.element_type() != h.element_type()) {
+      return invalid(std::string(name) + ": expected the dtype of h " + type_name(h.element_type()) + ", got " +
+                     type_name(b.element_type()));
+    }
+  }
+  if (q.element_type() != ffi::DataType::F8E4M3FN) {
+    return invalid("q: expected dtype float8_e4m3fn, got " + type_name(q.element_type()));
+  }
+  for (auto [name, got, want] : {std::tuple{"da", da.dimensions(), f}, std::tuple{"dh", dh.dimensions(), p.cols},
+                                 std::tuple{"q", q.dimensions(), p.cols}}) {
+    if (auto e = expect_shape(name, got, {p.rows, want}); e.failure()) return ffi::Unexpected<ffi::Error>(std::move(e));
+  }
+  if (auto e = expect_shape("scales", scales.dimensions(), {p.rows, fp8::tiles(p.cols)}); e.failure()) {
+    return ffi::Unexpected<ffi::Error>(std::move(e));
+  }
+  p.h = h.untyped_data();
+  p.da = da.untyped_data();
+  p.dtype = *dtype;
+  p.dh = dh.untyped_data();
+  p.q = static_cast<uint8_t*>(q.untyped_data());
+  p.scales = scales.typed_data();
+  p.pow2_scale = pow2_scale;
+  return p;
+}
+
+// The operands and attributes of the activate_grad_quantize_fp8 handlers, appended to
+// `binding`.
+template <class Binding>
+auto bind_fp8_activate_grad_quantize(Binding&& binding) {
+  return std::move(binding)
+      .template Arg<ffi::AnyBuffer>()          // h [M, 2F] or [M, F]
+      .template Arg<ffi::AnyBuffer>()          // da [M, F], dtype of h
+      .template Ret<ffi::AnyBuffer>()          // dh, shape and dtype of h
+      .template Ret<ffi::AnyBuffer>()          // q, shape of h, float8_e4m3fn
+      .template Ret<ffi::Buffer<ffi::F32>>()   // scales [M, ceil(C/128)]
+      .template Attr<int32_t>("activation")
+      .template Attr<bool>("pow2_scale");
 }
 
 // The operands and attributes of the activate_quantize_fp8 handlers, appended to `binding`.

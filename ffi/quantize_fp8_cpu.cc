@@ -1,9 +1,10 @@
 // XLA FFI handlers of quantize_fp8_rows (1 x 128 row tiles), quantize_fp8_blocks
 // (128 x 128 blocks), quantize_fp8_weights (the blocks in both layouts, q and q
 // transposed), quantize_fp8_group_cols (the wgrad's 128 x 1 column tiles per group,
-// transposed) and activate_quantize_fp8 (the expert activation and its row quantisation) on
-// the host platform. One quantisation function for rows, blocks and weights, the tile
-// height fixed per symbol.
+// transposed), activate_quantize_fp8 (the expert activation and its row quantisation) and
+// activate_grad_quantize_fp8 (its backward and the row quantisation of d h) on the host
+// platform. One quantisation function for rows, blocks and weights, the tile height fixed
+// per symbol.
 #include <cstdint>
 
 #include "common/fp8_blockwise.h"
@@ -49,6 +50,15 @@ ffi::Error activate_quantize(ffi::AnyBuffer h, ffi::Result<ffi::AnyBuffer> a, ff
   return ffi::Error::Success();
 }
 
+ffi::Error activate_grad_quantize(ffi::AnyBuffer h, ffi::AnyBuffer da, ffi::Result<ffi::AnyBuffer> dh,
+                                  ffi::Result<ffi::AnyBuffer> q, ffi::ResultBuffer<ffi::F32> scales, int32_t activation,
+                                  bool pow2_scale) {
+  auto p = ffi_args::decode_fp8_activate_grad_quantize(h, da, *dh, *q, *scales, activation, pow2_scale);
+  if (p.has_error()) return p.error();
+  cpu::fp8_activate_grad_quantize(*p);
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace moe_xla
 
@@ -66,3 +76,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaActivateQuantizeFp8Cpu, moe_xla::activate_qu
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaQuantizeFp8GroupColsCpu, moe_xla::quantize_group_cols,
                               moe_xla::ffi_args::bind_fp8_group_cols(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaActivateGradQuantizeFp8Cpu, moe_xla::activate_grad_quantize,
+                              moe_xla::ffi_args::bind_fp8_activate_grad_quantize(ffi::Ffi::Bind()));

@@ -1,8 +1,9 @@
 // XLA FFI handlers of quantize_fp8_rows (1 x 128 row tiles), quantize_fp8_blocks
 // (128 x 128 blocks), quantize_fp8_weights (the blocks in both layouts, q and q
-// transposed, in one kernel) and activate_quantize_fp8 (the expert activation and its row
-// quantisation) on CUDA: decode, validate and enqueue cuda::fp8_quantize /
-// cuda::fp8_activate_quantize on XLA's stream (no host sync, no scratch; command-buffer
+// transposed, in one kernel), activate_quantize_fp8 (the expert activation and its row
+// quantisation) and activate_grad_quantize_fp8 (its backward and the row quantisation of
+// d h) on CUDA: decode, validate and enqueue cuda::fp8_quantize / cuda::fp8_activate_quantize /
+// cuda::fp8_activate_grad_quantize on XLA's stream (no host sync, no scratch; command-buffer
 // compatible). One quantisation function, the tile height fixed per symbol.
 #include <cuda_runtime_api.h>
 
@@ -43,6 +44,14 @@ ffi::Error activate_quantize(cudaStream_t stream, ffi::AnyBuffer h, ffi::Result<
   return ffi_args::to_error(cuda::fp8_activate_quantize(*p, stream), "activate_quantize_fp8");
 }
 
+ffi::Error activate_grad_quantize(cudaStream_t stream, ffi::AnyBuffer h, ffi::AnyBuffer da,
+                                  ffi::Result<ffi::AnyBuffer> dh, ffi::Result<ffi::AnyBuffer> q,
+                                  ffi::ResultBuffer<ffi::F32> scales, int32_t activation, bool pow2_scale) {
+  auto p = ffi_args::decode_fp8_activate_grad_quantize(h, da, *dh, *q, *scales, activation, pow2_scale);
+  if (p.has_error()) return p.error();
+  return ffi_args::to_error(cuda::fp8_activate_grad_quantize(*p, stream), "activate_grad_quantize_fp8");
+}
+
 }  // namespace
 }  // namespace moe_xla
 
@@ -63,5 +72,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaQuantizeFp8WeightsCuda, moe_xla::quantize_we
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaActivateQuantizeFp8Cuda, moe_xla::activate_quantize,
                               moe_xla::ffi_args::bind_fp8_activate_quantize(
+                                  ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaActivateGradQuantizeFp8Cuda, moe_xla::activate_grad_quantize,
+                              moe_xla::ffi_args::bind_fp8_activate_grad_quantize(
                                   ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});

@@ -40,7 +40,7 @@ _SYMBOLS = {
 _SYMBOLS.update({
     (op, platform): f"MoeXla{op.title().replace('_', '')}{platform.capitalize()}"
     for op in ("quantize_fp8_rows", "quantize_fp8_blocks", "quantize_fp8_weights", "quantize_fp8_group_cols",
-               "activate_quantize_fp8", "gmm_fp8", "tgmm_fp8")
+               "activate_quantize_fp8", "activate_grad_quantize_fp8", "gmm_fp8", "tgmm_fp8")
     for platform in ("cpu", "cuda")
 })
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 
 import moe_xla.fp8 as fp8
-from moe_xla.activations import activate, activate_fp8
+from moe_xla.activations import activate
 from moe_xla.grouped import gmm, is_fp8
 
 
@@ -20,19 +20,18 @@ def expert_mlp(x_sorted, w_in, w_out, group_sizes, activation: str, quantization
     (moe_xla.gmm's option); h and act(h) stay in x's dtype. x_quantized: with
     "fp8_blockwise", quantize_fp8_rows(x_sorted) made elsewhere (moe() gathers the tokens'
     quantised rows), used by the first product instead of quantising x_sorted again. With
-    "fp8_blockwise" the activation and the quantisation of its output are one kernel
-    (activations.activate_fp8). quantized_weights: with "fp8_blockwise", Fp8Weights of
-    w_in and w_out made elsewhere, used by the products instead of quantising the arrays
-    (which still get their gradients)."""
+    "fp8_blockwise" the activation and the quantisation of its output are one kernel, and so
+    are its backward and the quantisation of d h (fp8.gmm_activate_fp8). quantized_weights:
+    with "fp8_blockwise", Fp8Weights of w_in and w_out made elsewhere, used by the products
+    instead of quantising the arrays (which still get their gradients)."""
     if is_fp8(quantization):
         q_in, q_out = quantized_weights
         wgrad = fp8.QUANTIZATION_WGRAD[quantization]
-        with jax.named_scope("moe_xla/gmm_in"):
-            h = fp8.gmm_fp8_blockwise(x_sorted, w_in, group_sizes, lhs_quantized=x_quantized, rhs_quantized=q_in,
-                                      wgrad=wgrad)
-        with jax.named_scope("moe_xla/act"):
-            # One pass over h writes a (for the wgrad) and its FP8 rows (for the product).
-            a, *a_quantized = activate_fp8(h, activation)
+        # One custom_vjp for the first product and the activation (under their scopes): one
+        # pass over h writes a (for the wgrad) and its FP8 rows (for the second product), one
+        # pass over h and d a writes d h and its FP8 rows (for the first product's dgrad).
+        a, *a_quantized = fp8.gmm_activate_fp8(x_sorted, w_in, group_sizes, activation, lhs_quantized=x_quantized,
+                                               rhs_quantized=q_in, wgrad=wgrad)
         with jax.named_scope("moe_xla/gmm_out"):
             return fp8.gmm_fp8_blockwise(a, w_out, group_sizes, lhs_quantized=tuple(a_quantized), rhs_quantized=q_out,
                                          wgrad=wgrad)

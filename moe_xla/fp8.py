@@ -9,6 +9,10 @@
     gmm_fp8_blockwise     out[rows of g] = lhs[rows of g] @ w[g] with lhs quantised in 1 x 128
                           row tiles and w in 128 x 128 blocks (moe_xla.gmm(quantization=
                           "fp8_blockwise") calls it).
+    gmm_activate_fp8      the expert MLP's first product and its activation:
+                          (a, q_a, s_a) = activate_quantize_fp8(gmm_fp8_blockwise(x, w)), whose
+                          backward computes d h and its FP8 rows in one kernel
+                          (activate_grad_quantize_fp8) for the product's dgrad.
 
 Forward: out = gmm_fp8(Q_rows(lhs), Q_blocks(w)) (primitives/gmm_fp8.py states the sum).
 Backward, the straight-through estimate (quantisation's derivative taken as 1):
@@ -42,6 +46,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from moe_xla.primitives.activate_grad_quantize_fp8 import activate_grad_quantize_fp8
+from moe_xla.primitives.activate_quantize_fp8 import activate_quantize_fp8
 from moe_xla.primitives.gmm_fp8 import gmm_fp8
 from moe_xla.primitives.quantize_fp8_group_cols import quantize_fp8_group_cols
 from moe_xla.primitives.quantize_fp8_rows import quantize_fp8_rows
@@ -111,9 +117,12 @@ def _gmm_fwd(lhs, lhs_q, w, weights, group_sizes, out_dtype, wgrad):
     return out, (weights, group_sizes, lhs_dtype, wgrad, lhs_q)
 
 
-def _gmm_bwd(out_dtype, wgrad_kind, residuals, dy):
+def _grads(dy, dy_quantized, residuals, wgrad_kind):
+    """The backward of a product given dy and its FP8 rows (q, scales) (or None: quantised
+    here): d lhs in FP8 through the weights' blocks transposed, d w as _wgrad says."""
     weights, group_sizes, lhs_dtype, wgrad, lhs_q = residuals
-    d_lhs = _product(dy, weights.data, jnp.swapaxes(weights.scales, 1, 2), group_sizes, lhs_dtype.dtype)
+    d_lhs = _product(dy if dy_quantized is None else dy_quantized, weights.data, jnp.swapaxes(weights.scales, 1, 2),
+                     group_sizes, lhs_dtype.dtype)
     d_w = None
     if wgrad is not None:
         lhs, w_dtype = wgrad
@@ -122,7 +131,86 @@ def _gmm_bwd(out_dtype, wgrad_kind, residuals, dy):
     return d_lhs, zeros(lhs_q), d_w, zeros(weights), None
 
 
+def _gmm_bwd(out_dtype, wgrad_kind, residuals, dy):
+    return _grads(dy, None, residuals, wgrad_kind)
+
+
 _gmm.defvjp(_gmm_fwd, _gmm_bwd)
+
+
+# The expert MLP's scopes (moe_layer_stages.py attributes kernels by them), set here since
+# one custom_vjp spans the product and the activation.
+_PRODUCT, _ACT = "moe_xla/gmm_in", "moe_xla/act"
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _gmm_act(lhs, lhs_q, w, weights, group_sizes, activation, wgrad):
+    return _gmm_act_fwd(lhs, lhs_q, w, weights, group_sizes, activation, wgrad)[0]
+
+
+def _gmm_act_fwd(lhs, lhs_q, w, weights, group_sizes, activation, wgrad):
+    with jax.named_scope(_PRODUCT):
+        h, residuals = _gmm_fwd(lhs, lhs_q, w, weights, group_sizes, lhs.dtype, wgrad)
+    with jax.named_scope(_ACT):
+        out = activate_quantize_fp8(h, activation)
+    return out, (h, residuals)
+
+
+def _gmm_act_bwd(activation, wgrad_kind, saved, cotangents):
+    h, residuals = saved
+    with jax.named_scope(_ACT):
+        dh, q, scales = activate_grad_quantize_fp8(h, cotangents[0].astype(h.dtype), activation)
+    with jax.named_scope(_PRODUCT):
+        return _grads(dh, (q, scales), residuals, wgrad_kind)
+
+
+_gmm_act.defvjp(_gmm_act_fwd, _gmm_act_bwd)
+
+
+def _weights(rhs, rhs_quantized, transpose_rhs=False):
+    """(w as [G, K, N] or None for an Fp8Weights rhs, the Fp8Weights the products use):
+    rhs quantised here unless rhs_quantized is given (see gmm_fp8_blockwise)."""
+    if isinstance(rhs, Fp8Weights):
+        if transpose_rhs:
+            raise ValueError("gmm(quantization='fp8_blockwise'): transpose_rhs must be False for Fp8Weights "
+                             "(the container holds w [G, K, N] in both layouts)")
+        return None, rhs
+    if jnp.ndim(rhs) != 3:
+        raise ValueError(f"gmm(quantization='fp8_blockwise'): expected rhs of rank 3, got shape {jnp.shape(rhs)}")
+    w = jnp.swapaxes(rhs, 1, 2) if transpose_rhs else rhs
+    if rhs_quantized is None:
+        return w, quantize_fp8_weights(w)
+    if not isinstance(rhs_quantized, Fp8Weights):
+        raise TypeError(f"gmm(quantization='fp8_blockwise'): expected rhs_quantized to be an Fp8Weights "
+                        f"(moe_xla.quantize_fp8_weights), got {type(rhs_quantized).__name__}")
+    if tuple(rhs_quantized.shape) != tuple(w.shape):
+        raise ValueError(f"gmm(quantization='fp8_blockwise'): expected rhs_quantized of the weights' shape "
+                         f"{tuple(w.shape)} [G, K, N], got {tuple(rhs_quantized.shape)}")
+    return w, jax.tree.map(jax.lax.stop_gradient, rhs_quantized)
+
+
+def _check_wgrad(wgrad):
+    if wgrad not in WGRADS:
+        raise ValueError(f"gmm(quantization='fp8_blockwise'): expected wgrad in {WGRADS}, got {wgrad!r}")
+
+
+def _stopped(lhs_quantized):
+    return None if lhs_quantized is None else tuple(jax.lax.stop_gradient(a) for a in lhs_quantized)
+
+
+def gmm_activate_fp8(lhs, rhs, group_sizes, activation: str, *, lhs_quantized=None, rhs_quantized=None, wgrad="bf16"):
+    """(a, q, scales) = activate_quantize_fp8(gmm_fp8_blockwise(lhs, rhs, group_sizes), activation):
+    the FP8 expert MLP's first product h [M, 2F or F] (in lhs's dtype) and the activation
+    a [M, F] with its 1 x 128 FP8 rows for the second product. lhs, rhs, lhs_quantized and
+    rhs_quantized as gmm_fp8_blockwise's. Differentiable w.r.t. lhs and an array rhs
+    through a (q and scales get no cotangent): the backward computes d h = act'(h) da and
+    its FP8 rows in one kernel (activate_grad_quantize_fp8, a few ulps from jax.vjp of the
+    jnp activation), then the product's rules with those rows: d lhs in FP8, d w in the
+    precision wgrad names (gmm_fp8_blockwise's)."""
+    _check_wgrad(wgrad)
+    with jax.named_scope(_PRODUCT):
+        w, weights = _weights(rhs, rhs_quantized)
+    return _gmm_act(lhs, _stopped(lhs_quantized), w, weights, group_sizes, activation, wgrad)
 
 
 def gmm_fp8_blockwise(lhs, rhs, group_sizes, *, transpose_rhs=False, preferred_element_type=None,
@@ -141,26 +229,7 @@ def gmm_fp8_blockwise(lhs, rhs, group_sizes, *, transpose_rhs=False, preferred_e
     from other values give that forward and the gradient of rhs the backward rule states.
     wgrad ("bf16" or "fp8") picks the weight gradient's precision (module docstring).
     """
-    if wgrad not in WGRADS:
-        raise ValueError(f"gmm(quantization='fp8_blockwise'): expected wgrad in {WGRADS}, got {wgrad!r}")
+    _check_wgrad(wgrad)
     out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
-    if lhs_quantized is not None:
-        lhs_quantized = tuple(jax.lax.stop_gradient(a) for a in lhs_quantized)
-    if isinstance(rhs, Fp8Weights):
-        if transpose_rhs:
-            raise ValueError("gmm(quantization='fp8_blockwise'): transpose_rhs must be False for Fp8Weights "
-                             "(the container holds w [G, K, N] in both layouts)")
-        return _gmm(lhs, lhs_quantized, None, rhs, group_sizes, out_dtype, wgrad)
-    if jnp.ndim(rhs) != 3:
-        raise ValueError(f"gmm(quantization='fp8_blockwise'): expected rhs of rank 3, got shape {jnp.shape(rhs)}")
-    w = jnp.swapaxes(rhs, 1, 2) if transpose_rhs else rhs
-    if rhs_quantized is None:
-        return _gmm(lhs, lhs_quantized, w, quantize_fp8_weights(w), group_sizes, out_dtype, wgrad)
-    if not isinstance(rhs_quantized, Fp8Weights):
-        raise TypeError(f"gmm(quantization='fp8_blockwise'): expected rhs_quantized to be an Fp8Weights "
-                        f"(moe_xla.quantize_fp8_weights), got {type(rhs_quantized).__name__}")
-    if tuple(rhs_quantized.shape) != tuple(w.shape):
-        raise ValueError(f"gmm(quantization='fp8_blockwise'): expected rhs_quantized of the weights' shape "
-                         f"{tuple(w.shape)} [G, K, N], got {tuple(rhs_quantized.shape)}")
-    return _gmm(lhs, lhs_quantized, w, jax.tree.map(jax.lax.stop_gradient, rhs_quantized), group_sizes, out_dtype,
-                wgrad)
+    w, weights = _weights(rhs, rhs_quantized, transpose_rhs)
+    return _gmm(lhs, _stopped(lhs_quantized), w, weights, group_sizes, out_dtype, wgrad)

@@ -276,6 +276,24 @@ def activate_quantize_fp8(h, *, activation: str, pow2_scale=False):
     return (a, *quantize_fp8_rows(a, pow2_scale=pow2_scale))
 
 
+def activate_grad_quantize_fp8(h, da, *, activation: str, pow2_scale=False):
+    """h [M, 2F] (gated) or [M, F], da [M, F] -> (dh [M, C] in h's dtype, q, scales): dh =
+    d/dh of sum(expert_activation(h) * da) in float32 (jax.vjp), rounded to h's dtype,
+    (q, scales) = quantize_fp8_rows(dh). The kernels state the derivative as formulas
+    (common/expert_activation.h) with their platform's exp / tanh, so their dh may differ
+    from this one by a few ulps before rounding; their q and scales are bitwise
+    quantize_fp8_rows of their dh. relu's derivative is jax.nn.relu's rule: da where h > 0,
+    else 0 (at h = 0 too, where the vjp of a maximum would split da in halves)."""
+    h32, da32 = h.astype(jnp.float32), da.astype(jnp.float32)
+    if activation == "relu":
+        dh = jnp.where(h32 > 0, da32, 0.0)
+    else:
+        _, vjp = jax.vjp(lambda v: expert_activation(v, activation), h32)
+        dh = vjp(da32)[0]
+    dh = dh.astype(h.dtype)
+    return (dh, *quantize_fp8_rows(dh, pow2_scale=pow2_scale))
+
+
 def _group_col_segments(group_sizes, m: int):
     """The G + 1 segments of the wgrad tiling, in row order: the groups (clamped as
     common/grouped_gemm.h), then the rows past the last group. -> (start, first_tile,

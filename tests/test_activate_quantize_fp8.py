@@ -15,11 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import requires_gpu
-from jax.test_util import check_grads
 from test_fp8_quantize import _reference_on, assert_bitwise, tricky
 
 from moe_xla import reference
-from moe_xla.activations import ACTIVATIONS, GATED, activate_fp8
+from moe_xla.activations import ACTIVATIONS, GATED
 from moe_xla.primitives.activate_quantize_fp8 import activate_quantize_fp8
 
 PLATFORMS = ["cpu", pytest.param("gpu", marks=requires_gpu)]
@@ -79,19 +78,8 @@ def test_kernels_number_the_activations_as_the_layer_names_them():
     assert tuple(GATED) == fused.ACTIVATIONS[:2]
 
 
-@pytest.mark.parametrize("activation", ACTIVATIONS)
-def test_derivative_matches_finite_differences_of_the_kernel(rng, activation):
-    h = jnp.asarray(rng.standard_normal((6, 2 * 130 if activation in GATED else 130)), jnp.float32)
-    if activation == "relu":
-        h = jnp.where(jnp.abs(h) < 0.05, 0.5, h)  # keep finite differences away from the kink
-    a_of = lambda v: activate_fp8(v, activation)[0]  # noqa: E731
-    check_grads(a_of, (h,), order=1, modes=("fwd", "rev"), eps=1e-3, atol=2e-2, rtol=2e-2)
-
-
-def test_quantised_outputs_have_zero_derivative_and_the_primitive_none(rng):
+def test_the_primitive_is_not_differentiable(rng):
     h = jnp.asarray(rng.standard_normal((4, 512)), jnp.float32)
-    grad = jax.grad(lambda v: jnp.sum(activate_fp8(v, "swiglu")[2]))(h)
-    assert np.all(np.asarray(grad) == 0)
     with pytest.raises(TypeError, match="activate_quantize_fp8 is not differentiable"):
         jax.grad(lambda v: jnp.sum(activate_quantize_fp8(v, "swiglu")[0]))(h)
 

@@ -38,6 +38,7 @@ _REFERENCE = {
     "quantize_fp8_group_cols": lambda x, group_sizes, *, pow2_scale: list(
         reference.quantize_fp8_group_cols(x, group_sizes, pow2_scale=pow2_scale)),
     "activate_quantize_fp8": lambda h, **params: list(reference.activate_quantize_fp8(h, **params)),
+    "activate_grad_quantize_fp8": lambda h, da, **params: list(reference.activate_grad_quantize_fp8(h, da, **params)),
     "gmm_fp8": reference.gmm_fp8,
     "tgmm_fp8": reference.tgmm_fp8,
 }

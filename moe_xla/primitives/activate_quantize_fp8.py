@@ -16,9 +16,9 @@ Handlers MoeXlaActivateQuantizeFp8{Cpu,Cuda} in ffi/quantize_fp8_{cpu,cuda}.cc; 
 cpu/fp8_quantize.cc (fp8_activate_quantize) and cuda/fp8_quantize.cu (the Activated
 source of the row quantisation kernel).
 
-Not differentiable itself (see _fp8): moe_xla.activations.activate_fp8 wraps it with the
-jnp activation's derivative for a (q and scales feed the FP8 product, whose
-straight-through rule differentiates a). Rows are independent: the op shards along M and
+Not differentiable itself (see _fp8): moe_xla.fp8.gmm_activate_fp8 runs it inside a
+custom_vjp whose backward is activate_grad_quantize_fp8 (q and scales feed the FP8
+product, whose straight-through rule differentiates a). Rows are independent: the op shards along M and
 vmaps by folding the batch into M.
 """
 
@@ -36,7 +36,7 @@ from moe_xla.primitives import _batching, _checks, _fp8, _impl, _lowering, _shar
 
 # The activations by their attribute value (common/expert_activation.h); the first two are gated.
 ACTIVATIONS = ("swiglu", "geglu", "gelu", "silu", "relu")
-_GATED = ACTIVATIONS[:2]
+GATED = ACTIVATIONS[:2]
 
 activate_quantize_fp8_p = Primitive("moe_xla_activate_quantize_fp8")
 activate_quantize_fp8_p.multiple_results = True
@@ -60,10 +60,10 @@ def _abstract_eval(h, *, activation, pow2_scale):
     _checks.rank("activate_quantize_fp8", "h", h, 2, "[M, 2F] or [M, F]")
     _checks.float_dtype("activate_quantize_fp8", "h", h)
     m, c = h.shape
-    if activation in _GATED and c % 2:
+    if activation in GATED and c % 2:
         raise ValueError(f"activate_quantize_fp8: gated activation {activation!r} needs h [M, 2F] (gate | up), "
                          f"got an odd last dim {c}")
-    f = c // 2 if activation in _GATED else c
+    f = c // 2 if activation in GATED else c
     q, scales = _fp8.outputs((m, f), (m, _fp8.tiles(f)))
     return [jax.core.ShapedArray((m, f), h.dtype), q, scales]
 
@@ -92,7 +92,7 @@ def _attributes(*, activation, pow2_scale):
 _impl.def_jitted_impl(activate_quantize_fp8_p)
 activate_quantize_fp8_p.def_abstract_eval(_abstract_eval)
 ad.primitive_jvps[activate_quantize_fp8_p] = _fp8.not_differentiable(
-    "activate_quantize_fp8", "differentiate moe_xla.activations.activate_fp8, which wraps it with the activation's "
+    "activate_quantize_fp8", "differentiate moe_xla.fp8.gmm_activate_fp8, which runs it with the activation's "
     "derivative")
 batching.primitive_batchers[activate_quantize_fp8_p] = _batch
 _lowering.register(activate_quantize_fp8_p, "activate_quantize_fp8", _attributes, sharding=SHARDING)
