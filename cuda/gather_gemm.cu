@@ -40,18 +40,19 @@ struct alignas(16) GroupTiles {
 };
 
 // Row tiles of all groups: sum_g ceil(rows_g / 128) <= ceil(M / 128) + G.
-int64_t max_row_tiles(const GatherGemmParams& p) {
-  return (p.m + kGatherTileM - 1) / kGatherTileM + p.num_groups;
+int64_t max_row_tiles(int64_t m, int64_t num_groups) {
+  return (m + kGatherTileM - 1) / kGatherTileM + num_groups;
 }
+int64_t max_row_tiles(const GatherGemmParams& p) { return max_row_tiles(p.m, p.num_groups); }
 
 // Offsets from an aligned base: group tiles | tile count | row-tile table.
 struct WorkspaceLayout {
   size_t groups, count, row_tiles, total;
-  explicit WorkspaceLayout(const GatherGemmParams& p) {
+  WorkspaceLayout(int64_t m, int64_t num_groups) {
     groups = 0;
-    count = align_up(static_cast<size_t>(p.num_groups) * sizeof(GroupTiles));
+    count = align_up(static_cast<size_t>(num_groups) * sizeof(GroupTiles));
     row_tiles = count + align_up(sizeof(GatherTileCount));
-    total = row_tiles + align_up(static_cast<size_t>(max_row_tiles(p)) * sizeof(GatherRowTile));
+    total = row_tiles + align_up(static_cast<size_t>(max_row_tiles(m, num_groups)) * sizeof(GatherRowTile));
   }
 };
 
@@ -158,9 +159,14 @@ Status validate(const GatherGemmParams& p) {
 
 }  // namespace
 
+size_t gather_gemm_workspace_bytes(int64_t m, int64_t num_groups) {
+  if (m < 0 || m > kMaxDim || num_groups < 0 || num_groups > kMaxDim) return 0;
+  return kAlign /* slack to align the base */ + WorkspaceLayout(m, num_groups).total;
+}
+
 size_t gather_gemm_workspace_bytes(const GatherGemmParams& p) {
   if (!validate(p).ok()) return 0;
-  return kAlign /* slack to align the base */ + WorkspaceLayout(p).total;
+  return gather_gemm_workspace_bytes(p.m, p.num_groups);
 }
 
 Status gather_gemm(const GatherGemmParams& p, void* workspace, size_t workspace_bytes,
@@ -194,7 +200,7 @@ Status gather_gemm(const GatherGemmParams& p, void* workspace, size_t workspace_
 
   const uintptr_t raw = reinterpret_cast<uintptr_t>(workspace);
   char* base = reinterpret_cast<char*>((raw + kAlign - 1) & ~static_cast<uintptr_t>(kAlign - 1));
-  const WorkspaceLayout layout(p);
+  const WorkspaceLayout layout(p.m, p.num_groups);
   auto* groups = reinterpret_cast<GroupTiles*>(base + layout.groups);
   auto* count = reinterpret_cast<GatherTileCount*>(base + layout.count);
   auto* row_tiles = reinterpret_cast<GatherRowTile*>(base + layout.row_tiles);

@@ -22,6 +22,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstddef>
+#include <cstdint>
 
 #include "common/gather_gemm.h"
 #include "common/status.h"
@@ -33,6 +34,11 @@ namespace cuda {
 // and the row-tile table, plus alignment slack); 0 for params it rejects. Any alignment of
 // the scratch pointer is accepted.
 size_t gather_gemm_workspace_bytes(const GatherGemmParams& p);
+
+// The same for any params of M output rows and G groups it accepts: the scratch depends on
+// M and G only (so a caller can size it before knowing the rest); 0 when M or G is out of
+// range.
+size_t gather_gemm_workspace_bytes(int64_t m, int64_t num_groups);
 
 // Enqueues out = gather grouped product (common/gather_gemm.h) on `stream`, on the current
 // device. The workspace holds at least gather_gemm_workspace_bytes(p) bytes.
