@@ -62,12 +62,10 @@ ffi::ErrorOr<GatherGemmParams> decode(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> sr
   if (auto e = ffi_args::expect_shape("out", out.dimensions(), {p.m, p.n}); e.failure()) {
     return ffi::Unexpected<ffi::Error>(e);
   }
-  auto in_dtype = ffi_args::to_dtype(x.element_type(), "x");
-  if (in_dtype.has_error()) return ffi::Unexpected<ffi::Error>(in_dtype.error());
-  auto out_dtype = ffi_args::to_dtype(out.element_type(), "out");
-  if (out_dtype.has_error()) return ffi::Unexpected<ffi::Error>(out_dtype.error());
-  p.in_dtype = *in_dtype;
-  p.out_dtype = *out_dtype;
+  auto dtypes = ffi_args::product_dtypes(x.element_type(), "x", out.element_type());
+  if (dtypes.has_error()) return ffi::Unexpected<ffi::Error>(dtypes.error());
+  p.in_dtype = dtypes->in;
+  p.out_dtype = dtypes->out;
   p.x = x.untyped_data();
   p.src = src.typed_data();
   p.w = w.untyped_data();
