@@ -4,6 +4,7 @@
                                           [--reps N] [--trace-steps N]
                                           [--quantization none fp8_blockwise fp8_blockwise_fp8_wgrad
                                                           fp8_blockwise_prequantized]
+                                          [--first-product auto gather copy]
 
 Cases: every "moe_layer" and "sonicmoe" case of cases.json (bf16, swiglu experts w_in
 [E, d, 2n], w_out [E, n, d], the case's routing). Notation: T tokens, d hidden (H), n
@@ -70,7 +71,11 @@ published H100 figure (cases.json, read off its paper's Fig. 14). With
 --quantization fp8_blockwise_prequantized the step takes the weights' Fp8Weights as two
 more inputs (not differentiated; the bf16 weights still get their gradients), and
 weights_quant_ms is the time of quantising both weights once, what an optimizer step
-pays for all its micro-batches.
+pays for all its micro-batches. --first-product measures each case once per mode of
+moe_xla.first_product (how moe() feeds its first product: "gather" reads the rows from the
+tokens through the row map, "copy" from permute's copy, "auto" lets moe() choose; FP8
+quantizations copy in every mode), column first_product; with "gather" the dispatch stage
+holds the sort alone and gmm_in the gather.
 Output: moe_layer_stages_<platform>.json / .md under --out (_timing.write_results).
 """
 
@@ -79,6 +84,7 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
+import itertools
 import re
 from pathlib import Path
 
@@ -89,6 +95,7 @@ from moe_layer import moe_xla_layer
 import jax
 
 import moe_xla
+from moe_xla import first_product
 
 from moe_xla.inspect import parse_hlo
 
@@ -260,8 +267,16 @@ def prequantized_layer(case: dict):
 
 
 def measure_case(case: dict, t_scale: float, reps: int, inner: int, trace_steps: int, key,
-                 quantization=None) -> dict:
-    """One row: the case's timings, TFLOP/s and stage columns (module docstring)."""
+                 quantization=None, first_product_mode="auto") -> dict:
+    """One row: the case's timings, TFLOP/s and stage columns (module docstring), moe()'s
+    first product traced as first_product_mode."""
+    with first_product.forced(first_product_mode):
+        row = _measure_case(case, t_scale, reps, inner, trace_steps, key, quantization)
+    return {"case": row.pop("case"), "quantization": row.pop("quantization"), "first_product": first_product_mode,
+            **row}
+
+
+def _measure_case(case: dict, t_scale: float, reps: int, inner: int, trace_steps: int, key, quantization) -> dict:
     t = max(1, int(case["T"] * t_scale))
     d, n, e, k = case["H"], case["F"], case["E"], case["top_k"]
     inputs, ct = moe_inputs(key, t, d, n, e)
@@ -301,26 +316,28 @@ def measure_case(case: dict, t_scale: float, reps: int, inner: int, trace_steps:
     return row
 
 
-COLUMNS = (["case", "quantization", "T", "fwd_ms", "fwd_bwd_ms", "fwd_tflops", "bwd_tflops", "fwd_vs_sonicmoe",
+COLUMNS = (["case", "quantization", "first_product", "T", "fwd_ms", "fwd_bwd_ms", "fwd_tflops", "bwd_tflops", "fwd_vs_sonicmoe",
             "bwd_vs_sonicmoe", "weights_quant_ms",
             "fwd_bwd_mem_gib", "kernels_ms", "other_ms"]
            + [f"{s}_{d}_ms" for s in STAGES for d in DIRECTIONS]
            + [f"{s}_{d}_{'tflops' if s in GEMMS else 'gbps'}" for s in STAGES for d in DIRECTIONS])
 
 
-def run(cases, out: Path, t_scale: float, reps: int, inner: int, trace_steps: int, quantizations=(None,)) -> list:
-    """Measures `cases` (once per entry of quantizations, moe()'s option) and writes
-    moe_layer_stages_<platform>.json / .md under out."""
+def run(cases, out: Path, t_scale: float, reps: int, inner: int, trace_steps: int, quantizations=(None,),
+        first_products=("auto",)) -> list:
+    """Measures `cases` (once per entry of quantizations, moe()'s option, and of
+    first_products, first_product's modes) and writes moe_layer_stages_<platform>.json /
+    .md under out."""
     platform = jax.devices()[0].platform
     env = environment()
     env.update(t_scale=t_scale, reps=reps, inner=inner, trace_steps=trace_steps)
     rows = []
     for i, case in enumerate(cases):
-        for quantization in quantizations:
+        for quantization, mode in itertools.product(quantizations, first_products):
             row = measure_case(case, t_scale, reps, inner, trace_steps, jax.random.fold_in(jax.random.key(0), i),
-                               quantization)
+                               quantization, mode)
             rows.append(row)
-            print(f"{row['case']} ({row['quantization']}): fwd {row['fwd_ms']:.3f} ms "
+            print(f"{row['case']} ({row['quantization']}, first product {mode}): fwd {row['fwd_ms']:.3f} ms "
                   f"({row['fwd_tflops']:.3g} TFLOP/s), fwd+bwd {row['fwd_bwd_ms']:.3f} ms "
                   f"(bwd {row['bwd_tflops'] or float('nan'):.3g} TFLOP/s)", flush=True)
             if row["kernels_ms"] is None:
@@ -344,6 +361,9 @@ def main(argv=None):
                              "weights quantised outside the step (quantized_weights), that quantisation timed apart "
                              "as weights_quant_ms (FP8: quantisation kernels fall in the "
                              "stage of the product they feed; the GB/s columns still count bf16 bytes)")
+    parser.add_argument("--first-product", nargs="+", default=["auto"], choices=list(first_product.MODES),
+                        help="how moe() feeds its first product (moe_xla.first_product), each measured in turn: "
+                             "gather (rows read through the row map), copy (permute's copy of x), auto")
     args = parser.parse_args(argv)
     cases = default_cases()
     unknown = set(args.cases or ()) - {c["name"] for c in cases}
@@ -352,7 +372,7 @@ def main(argv=None):
     on_gpu = jax.devices()[0].platform == "gpu"
     return run([c for c in cases if not args.cases or c["name"] in args.cases], args.out, args.t_scale,
                args.reps or (20 if on_gpu else 1), 5 if on_gpu else 1, args.trace_steps or (3 if on_gpu else 1),
-               [None if q == "none" else q for q in args.quantization])
+               [None if q == "none" else q for q in args.quantization], args.first_product)
 
 
 if __name__ == "__main__":

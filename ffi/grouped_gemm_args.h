@@ -46,6 +46,19 @@ inline ffi::ErrorOr<DType> to_dtype(ffi::DataType t, const char* what) {
   }
 }
 
+// The dtypes of a product's input (named `in_name`) and output buffers, or an error naming
+// the one that is not float32, bfloat16 or float16.
+struct ProductDtypes {
+  DType in, out;
+};
+inline ffi::ErrorOr<ProductDtypes> product_dtypes(ffi::DataType in, const char* in_name, ffi::DataType out) {
+  auto in_dtype = to_dtype(in, in_name);
+  if (in_dtype.has_error()) return ffi::Unexpected<ffi::Error>(in_dtype.error());
+  auto out_dtype = to_dtype(out, "out");
+  if (out_dtype.has_error()) return ffi::Unexpected<ffi::Error>(out_dtype.error());
+  return ProductDtypes{*in_dtype, *out_dtype};
+}
+
 inline ffi::Error expect_shape(const char* what, ffi::AnyBuffer::Dimensions dims,
                                std::initializer_list<int64_t> want) {
   bool ok = dims.size() == want.size();
@@ -100,12 +113,10 @@ inline ffi::ErrorOr<GroupedGemmParams> decode(GroupedLayout layout, ffi::AnyBuff
     p.n = rhs_dims[t ? 1 : 2];
     if (auto e = expect_shape("out", out.dimensions(), {p.m, p.n}); e.failure()) return ffi::Unexpected<ffi::Error>(e);
   }
-  auto in_dtype = to_dtype(lhs.element_type(), "lhs");
-  if (in_dtype.has_error()) return ffi::Unexpected<ffi::Error>(in_dtype.error());
-  auto out_dtype = to_dtype(out.element_type(), "out");
-  if (out_dtype.has_error()) return ffi::Unexpected<ffi::Error>(out_dtype.error());
-  p.in_dtype = *in_dtype;
-  p.out_dtype = *out_dtype;
+  auto dtypes = product_dtypes(lhs.element_type(), "lhs", out.element_type());
+  if (dtypes.has_error()) return ffi::Unexpected<ffi::Error>(dtypes.error());
+  p.in_dtype = dtypes->in;
+  p.out_dtype = dtypes->out;
   p.lhs = lhs.untyped_data();
   p.rhs = rhs.untyped_data();
   p.group_sizes = group_sizes.typed_data();

@@ -45,6 +45,8 @@ _SYMBOLS.update({
     for platform in ("cpu", "cuda")
 })
 
+# gather_gmm has a CUDA kernel only (other platforms lower its decomposition).
+_SYMBOLS[("gather_gmm", "cuda")] = "MoeXlaGatherGmmCuda"
 
 # An op's version rises with each change of its handler's operands or attributes, so that
 # an HLO module written for the old signature fails by name, not by an attribute mismatch.
@@ -122,6 +124,19 @@ def _check_cuda_devices(grouped_gemm: bool) -> None:
                 stacklevel=3,
             )
             return
+
+
+@functools.lru_cache(maxsize=None)
+def local_gpus_hopper() -> bool:
+    """Whether every local CUDA device has compute capability 9.0, which the Hopper-only
+    kernels (gather_gmm's) need; True with no local CUDA device (a program lowered for CUDA
+    there is meant for the kernels' target, where the handler checks the device again)."""
+    try:
+        devices = jax.devices("cuda")
+    except RuntimeError:
+        return True
+    capabilities = (getattr(d, "compute_capability", None) for d in devices)
+    return all(c is None or _gpu_support(c) == "full" for c in capabilities)
 
 
 def require_kernel(op: str, platform: str) -> str:

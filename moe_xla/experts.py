@@ -10,6 +10,7 @@ import jax
 
 import moe_xla.fp8 as fp8
 from moe_xla.activations import activate
+from moe_xla.first_product import GatheredRows
 from moe_xla.grouped import gmm, is_fp8
 from moe_xla.primitives.unpermute import unpermute
 
@@ -17,8 +18,10 @@ from moe_xla.primitives.unpermute import unpermute
 def expert_mlp(x_sorted, w_in, w_out, group_sizes, activation: str, quantization=None, x_quantized=None,
                quantized_weights=(None, None), combine=None):
     """The experts on rows grouped by expert: out[rows of e] = act(x[rows of e] @ w_in[e]) @ w_out[e];
-    rows past sum(group_sizes) give 0. Both products in the precision `quantization` names
-    (moe_xla.gmm's option); h and act(h) stay in x's dtype. x_quantized: with
+    rows past sum(group_sizes) give 0. x_sorted is an array, or (without quantization)
+    first_product.GatheredRows, rows the first product reads from the tokens. Both products
+    in the precision `quantization` names (moe_xla.gmm's option); h and act(h) stay in x's
+    dtype. x_quantized: with
     "fp8_blockwise", quantize_fp8_rows(x_sorted) made elsewhere (moe() gathers the tokens'
     quantised rows), used by the first product instead of quantising x_sorted again. With
     "fp8_blockwise" the activation and the quantisation of its output are one kernel, and so
@@ -43,7 +46,10 @@ def expert_mlp(x_sorted, w_in, w_out, group_sizes, activation: str, quantization
         with jax.named_scope("moe_xla/gmm_out"):
             return fp8.gmm_fp8_blockwise(a, w_out, group_sizes, **second)
     with jax.named_scope("moe_xla/gmm_in"):
-        h = gmm(x_sorted, w_in, group_sizes, quantization=quantization)
+        if isinstance(x_sorted, GatheredRows):
+            h = x_sorted.gmm(w_in, group_sizes)
+        else:
+            h = gmm(x_sorted, w_in, group_sizes, quantization=quantization)
     with jax.named_scope("moe_xla/act"):
         a = activate(h, activation)
     with jax.named_scope("moe_xla/gmm_out"):

@@ -3,6 +3,8 @@
     weights, ids = route(router_logits)                       # [T, k] each
     x_sorted, group_sizes, row_map = permute(x, ids, E)       # rows grouped by expert
     h = gmm(x_sorted, w_in, group_sizes)                      # [T*k, 2F] (gated) or [T*k, F]
+      (or permute's sort alone and h = gather_gmm(x, src, w_in, group_sizes), reading
+       x_sorted[r] = x[src[r]] from the tokens: moe_xla/first_product.py)
     a = act(h)                                                # swiglu: silu(h[:, :F]) * h[:, F:]
     y_sorted = gmm(a, w_out, group_sizes)                     # [T*k, H]
     y = unpermute(y_sorted, row_map, weights)                 # sum_j weights[t, j] * y_e_j(x[t])
@@ -17,6 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+import moe_xla.first_product as first_product
 from moe_xla.activations import ACTIVATIONS, GATED
 from moe_xla.aux_losses import router_aux
 from moe_xla.ep.layer import moe_ep
@@ -156,7 +159,10 @@ def moe(x, router_logits, w_in, w_out, *, top_k, activation="swiglu", score="sof
         weights, ids = route(logits2, top_k, score=score, bias=bias, n_groups=n_groups, topk_groups=topk_groups,
                              renormalize=renormalize, scale=scale)
     with jax.named_scope("moe_xla/dispatch"):
-        x_sorted, group_sizes, row_map = permute(x2, ids, experts)
+        if first_product.choose(x2, w_in, top_k, quantization) == "gather":
+            x_sorted, group_sizes, row_map = first_product.sorted_rows(x2, ids, experts)  # no copy of x
+        else:
+            x_sorted, group_sizes, row_map = permute(x2, ids, experts)
         x_quantized = _sorted_fp8_rows(x2, x_sorted, ids, experts) if is_fp8(quantization) else None
     y = expert_mlp(x_sorted, w_in, w_out, group_sizes, activation, quantization, x_quantized, quantized_weights,
                    combine=(row_map, weights))

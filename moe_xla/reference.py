@@ -62,6 +62,16 @@ def tgmm(lhs, rhs, group_sizes, *, preferred_element_type=None):
     return jax.lax.map(one_group, jnp.arange(group_sizes.shape[0])).astype(out_dtype)
 
 
+def gather_gmm(x, src, w, group_sizes, *, preferred_element_type=None):
+    """out[rows of g] = x[src[rows of g]] @ w[g]: gmm of the gathered rows, where src outside
+    [0, T) gathers a zero row. x [T, K], src [M], w [G, K, N], group_sizes [G] -> [M, N]."""
+    t = x.shape[0]
+    named = ((src >= 0) & (src < t))[:, None]
+    rows = jnp.where(named, x[jnp.clip(src, 0, max(t - 1, 0))], 0) if t else jnp.zeros((src.shape[0], x.shape[1]),
+                                                                                        x.dtype)
+    return gmm(rows, w, group_sizes, preferred_element_type=preferred_element_type or x.dtype)
+
+
 def route_source(logits, score: str):
     """The per-expert values weights are taken from: softmax(logits) or sigmoid(logits)."""
     x = logits.astype(jnp.float32)

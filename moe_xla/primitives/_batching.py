@@ -47,3 +47,20 @@ def folded_rows(idx, per_batch: int):
     b = idx.shape[0]
     offset = (jnp.arange(b, dtype=idx.dtype) * per_batch).reshape((b,) + (1,) * (idx.ndim - 1))
     return jnp.where(_rows.names_row(idx, per_batch), idx + offset, b * per_batch)
+
+
+def with_spacer_groups(rhs):
+    """[B, G, ...] per-group operands -> [B * (G + 1), ...]: each batch element's groups and
+    an all-zero one for its spacer group (folded_group_sizes)."""
+    b, g = rhs.shape[:2]
+    rhs = jnp.concatenate([rhs, jnp.zeros((b, 1) + rhs.shape[2:], rhs.dtype)], axis=1)
+    return rhs.reshape((b * (g + 1),) + rhs.shape[2:])
+
+
+def zero_spacer_rows(out, folded, b: int, m: int):
+    """The [B * m, N] output of a folded grouped product as [B, m, N], with each element's
+    rows past its groups (its spacer group's, folded_group_sizes) set to exactly 0: the
+    spacer's zero operand alone gives NaN for inf or NaN rows (inf @ 0)."""
+    out = out.reshape(b, m, out.shape[-1])
+    covered = m - folded.reshape(b, -1)[:, -1:]  # rows before the spacer group
+    return jnp.where((jnp.arange(m) < covered)[..., None], out, jnp.zeros((), out.dtype))

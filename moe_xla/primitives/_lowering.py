@@ -1,7 +1,9 @@
 """Per-platform lowering registration shared by every moe_xla primitive.
 
 Kernels exist for cpu and cuda. Every other platform gets the pure-JAX definitions of
-reference.py when MOE_XLA_IMPL=reference asks for them, and a clear error otherwise.
+reference.py when MOE_XLA_IMPL=reference asks for them, and a clear error otherwise. A
+primitive with a CUDA kernel for some cases only (gather_gmm) lowers everywhere else to
+its decomposition into other primitives (register_decomposed).
 This module is the only place runtime code uses reference.py.
 """
 
@@ -28,6 +30,8 @@ def _route(logits, bias, *, has_bias, **params):
 _REFERENCE = {
     "gmm": reference.gmm,
     "tgmm": reference.tgmm,
+    "gather_gmm": lambda x, src, w, group_sizes, *token_slots, preferred_element_type, **_: reference.gather_gmm(
+        x, src, w, group_sizes, preferred_element_type=preferred_element_type),
     "route": _route,
     "permute": lambda x, expert_ids, *, num_experts: list(reference.permute(x, expert_ids, num_experts)),
     "unpermute": lambda y_sorted, row_map, weights, *, unique_rows: reference.unpermute(y_sorted, row_map, weights),
@@ -67,14 +71,9 @@ def register(prim, op: str, attributes: Callable[..., dict], cuda_workspace: Cal
                 return reference_lowering(ctx, *args, **params)
             if partitioned_lowering is not None and _sharding.needs_partitioning(ctx):
                 return partitioned_lowering(ctx, *args, **params)
-            target = _lib.require_kernel(op, _platform)
-            call = jax.ffi.ffi_lowering(target)
-            if _platform != "cuda" or cuda_workspace is None:
-                return call(ctx, *args, **attributes(**params))
-            nbytes = max(1, cuda_workspace(*ctx.avals_in, **params))
-            workspace = jax.core.ShapedArray((nbytes,), np.uint8)
-            results = call(ctx.replace(avals_out=[*ctx.avals_out, workspace]), *args, **attributes(**params))
-            return results[:-1]
+            workspace = None if _platform != "cuda" or cuda_workspace is None else cuda_workspace(*ctx.avals_in,
+                                                                                                   **params)
+            return kernel_call(ctx, op, _platform, args, attributes(**params), workspace)
 
         mlir.register_lowering(prim, lowering, platform=platform)
 
@@ -88,6 +87,54 @@ def register(prim, op: str, attributes: Callable[..., dict], cuda_workspace: Cal
             f"reference there.")
 
     mlir.register_lowering(prim, no_kernel_lowering)  # platform=None: every platform without its own
+
+
+def kernel_call(ctx, op: str, platform: str, args, attributes: dict, cuda_workspace_bytes: int | None = None):
+    """The FFI call of `op`'s kernel on `platform` with operands `args` (avals ctx.avals_in)
+    and typed attributes; on cuda with cuda_workspace_bytes, the handler's uint8 workspace
+    result of that size (ffi/workspace.h) is added last and dropped from the results."""
+    call = jax.ffi.ffi_lowering(_lib.require_kernel(op, platform))
+    if platform != "cuda" or cuda_workspace_bytes is None:
+        return call(ctx, *args, **attributes)
+    workspace = jax.core.ShapedArray((max(1, cuda_workspace_bytes),), np.uint8)
+    return call(ctx.replace(avals_out=[*ctx.avals_out, workspace]), *args, **attributes)[:-1]
+
+
+def register_decomposed(prim, op: str, decomposition: Callable, kernel: Callable, attributes: Callable[..., dict],
+                        cuda_workspace: Callable[..., int], sharding=None) -> None:
+    """Lowers `prim`, which has a CUDA kernel for some of its cases only, to that kernel where
+    it applies and to `decomposition` everywhere else (cpu, other platforms, other cases),
+    or to its reference on every platform when MOE_XLA_IMPL=reference.
+
+    `decomposition(*args, **params)` computes the primitive's contract from other moe_xla
+    primitives (lowered through mlir.lower_fun, so each keeps its own lowering and sharding
+    rule). `kernel(*avals_in, **params)` is None where the CUDA kernel does not apply, else
+    the indices of the operands it takes. `attributes` and `cuda_workspace` (of the
+    kernel's operands' avals) and `sharding` are as in `register`.
+    """
+    reference_lowering = mlir.lower_fun(_REFERENCE[op], multiple_results=prim.multiple_results)
+    decomposed_lowering = mlir.lower_fun(decomposition, multiple_results=prim.multiple_results)
+    partitioned_lowering = None if sharding is None else _sharding.lowering(prim, sharding)
+
+    def cuda_lowering(ctx, *args, **params):
+        if _lib.use_reference():
+            return reference_lowering(ctx, *args, **params)
+        operands = kernel(*ctx.avals_in, **params)
+        if operands is None:
+            return decomposed_lowering(ctx, *args, **params)
+        if partitioned_lowering is not None and _sharding.needs_partitioning(ctx):
+            return partitioned_lowering(ctx, *args, **params)
+        avals = [ctx.avals_in[i] for i in operands]
+        return kernel_call(ctx.replace(avals_in=avals), op, "cuda", [args[i] for i in operands],
+                           attributes(**params), cuda_workspace(*avals, **params))
+
+    def other_lowering(ctx, *args, **params):
+        if _lib.use_reference():
+            return reference_lowering(ctx, *args, **params)
+        return decomposed_lowering(ctx, *args, **params)
+
+    mlir.register_lowering(prim, cuda_lowering, platform="cuda")
+    mlir.register_lowering(prim, other_lowering)  # platform=None: cpu and every other platform
 
 
 def grouped_gemm_workspace(lhs, rhs, group_sizes, **_) -> int:

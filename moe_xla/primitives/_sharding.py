@@ -2,6 +2,7 @@
 
 What each op splits without communication:
   gmm      along N (column-parallel expert weights); along K it ends in one all-reduce;
+  gather_gmm  as gmm;
   tgmm     along K and N of the weight gradient;
   route    along tokens T;
   permute, unpermute  along the hidden dimension H. Along tokens they cannot: x_sorted
@@ -62,7 +63,7 @@ TILE = 128    # the FP8 tile edge (common/fp8_blockwise.h)
 class Rule:
     sharding_rule: Callable[..., str]          # (**params) -> Shardy rule string
     specs: Callable                            # (arg_axes, **params) -> (in_axes, out_axes, sum_axes)
-    need_replication: tuple[str, ...] = ()
+    need_replication: tuple[str, ...] = ()   # those the rule string of a call's params uses are applied
     reduction: tuple[str, ...] = ()
     # (operand, dim) pairs split only into whole FP8 tiles of 128: a split that would cut a
     # tile (its scale belongs to one shard) is dropped, the dimension then stays whole.
@@ -159,9 +160,11 @@ def partitioned(prim, rule: Rule, params: tuple):
 
         return mesh, lower, shardings(mesh, out_axes), tuple(_named(mesh, a) for a in in_axes)
 
+    rule_string = rule.sharding_rule(**params)
+    used = set(rule_string.replace(",", " ").replace("->", " ").split())
     fn.def_partition(partition=partition, infer_sharding_from_operands=infer,
-                     sharding_rule=rule.sharding_rule(**params),
-                     need_replication_factors=rule.need_replication,
+                     sharding_rule=rule_string,
+                     need_replication_factors=tuple(f for f in rule.need_replication if f in used),
                      reduction_factors=rule.reduction)
     return fn
 
@@ -198,6 +201,19 @@ def _gmm_specs(arg_axes, *, transpose_rhs, **_):
 GMM = Rule(
     sharding_rule=lambda transpose_rhs, **_: "m k, g n k, g -> m n" if transpose_rhs else "m k, g k n, g -> m n",
     specs=_gmm_specs, need_replication=("m", "g"), reduction=("k",))
+
+
+def _gather_gmm_specs(arg_axes, *, has_token_slots, **_):
+    x, _src, w, gs = arg_axes[:4]
+    (x_in, w_in, gs_in), out, sums = _gmm_specs([x, w, gs], transpose_rhs=False)
+    return [x_in, ((),), w_in, gs_in] + [((), ())] * has_token_slots, out, sums
+
+
+# As gmm with x in lhs's place: N of w and out split together, K ends in one all-reduce;
+# tokens, rows, groups and token_slots stay whole.
+GATHER_GMM = Rule(
+    sharding_rule=lambda has_token_slots, **_: "t k, m, g k n, g" + ", t j" * has_token_slots + " -> m n",
+    specs=_gather_gmm_specs, need_replication=("t", "m", "g", "j"), reduction=("k",))
 
 
 def _tgmm_specs(arg_axes, **_):

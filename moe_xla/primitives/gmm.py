@@ -83,16 +83,12 @@ def _tgmm_transpose(ct, lhs, rhs, group_sizes, *, preferred_element_type):
 def _batch(args, dims, *, transpose_rhs, preferred_element_type):
     (lhs, rhs, group_sizes), _ = _batching.all_to_front(args, dims)
     b, m, k = lhs.shape
-    g = rhs.shape[1]
     # Each batch element gets one extra all-zero expert for its spacer group, whose rows
-    # (past the element's groups) are then set to exactly 0: lhs @ 0 is NaN for inf rows.
-    rhs = jnp.concatenate([rhs, jnp.zeros((b, 1) + rhs.shape[2:], rhs.dtype)], axis=1)
+    # (past the element's groups) are then set to exactly 0.
     folded = _batching.folded_group_sizes(group_sizes, m)
-    out = gmm_p.bind(lhs.reshape(b * m, k), rhs.reshape((b * (g + 1),) + rhs.shape[2:]), folded,
+    out = gmm_p.bind(lhs.reshape(b * m, k), _batching.with_spacer_groups(rhs), folded,
                      transpose_rhs=transpose_rhs, preferred_element_type=preferred_element_type)
-    out = out.reshape(b, m, out.shape[-1])
-    covered = m - folded.reshape(b, g + 1)[:, g:]  # rows before the spacer group
-    return jnp.where((jnp.arange(m) < covered)[..., None], out, jnp.zeros((), out.dtype)), 0
+    return _batching.zero_spacer_rows(out, folded, b, m), 0
 
 
 _impl.def_jitted_impl(gmm_p)

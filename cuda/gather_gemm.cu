@@ -1,0 +1,224 @@
+// Dispatcher of the gather grouped GEMM: validation, device check, workspace layout and
+// the two prep kernels that turn the group sizes into the table of row tiles the GEMM
+// kernel (gather_gemm_kernel.cuh, one compilation per output dtype) walks.
+#include "cuda/gather_gemm.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+
+#include "common/gather_gemm.h"
+#include "common/status.h"
+#include "cuda/device.h"
+#include "cuda/gather_gemm_internal.h"
+#include "cuda/group_offsets.cuh"
+
+namespace moe_xla {
+namespace cuda {
+namespace {
+
+using detail::GatherRowTile;
+using detail::GatherTileCount;
+using detail::kGatherTileM;
+using detail::kScanThreads;
+
+constexpr size_t kAlign = 256;
+constexpr int kFillThreads = 256;
+// Largest T, M, K, N and G: row indices plus a tile stay in int32 in the kernel.
+constexpr int64_t kMaxDim = (int64_t{1} << 31) - 256;
+
+size_t align_up(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
+
+// Where group g's row tiles start in the table, and its rows [start, end).
+struct alignas(16) GroupTiles {
+  int32_t first_tile;
+  int32_t start;
+  int32_t end;
+  int32_t unused;
+};
+
+// Row tiles of all groups: sum_g ceil(rows_g / 128) <= ceil(M / 128) + G.
+int64_t max_row_tiles(int64_t m, int64_t num_groups) {
+  return (m + kGatherTileM - 1) / kGatherTileM + num_groups;
+}
+int64_t max_row_tiles(const GatherGemmParams& p) { return max_row_tiles(p.m, p.num_groups); }
+
+// Offsets from an aligned base: group tiles | tile count | row-tile table.
+struct WorkspaceLayout {
+  size_t groups, count, row_tiles, total;
+  WorkspaceLayout(int64_t m, int64_t num_groups) {
+    groups = 0;
+    count = align_up(static_cast<size_t>(num_groups) * sizeof(GroupTiles));
+    row_tiles = count + align_up(sizeof(GatherTileCount));
+    total = row_tiles + align_up(static_cast<size_t>(max_row_tiles(m, num_groups)) * sizeof(GatherRowTile));
+  }
+};
+
+// One block of kScanThreads: every group's first row tile and rows (scan_group_tiles of
+// group_offsets.cuh, clamped as common/gather_gemm.h says), the number of row tiles and
+// the covered rows.
+__global__ void __launch_bounds__(kScanThreads)
+    gather_group_tiles_kernel(const int32_t* __restrict__ group_sizes, int64_t num_groups,
+                              int64_t m, GroupTiles* __restrict__ groups,
+                              GatherTileCount* __restrict__ count) {
+  int64_t tiles = 0;
+  const int64_t covered = detail::scan_group_tiles<kScanThreads>(
+      group_sizes, num_groups, m, kGatherTileM, &tiles,
+      [&](int64_t g, int64_t start, int64_t end, int64_t first) {
+        groups[g] = GroupTiles{static_cast<int32_t>(first), static_cast<int32_t>(start),
+                               static_cast<int32_t>(end), 0};
+      });
+  if (threadIdx.x == 0) *count = GatherTileCount{tiles, covered};
+}
+
+// The grid writes row tile i of the table for every i < count->row_tiles (its group: the
+// last one whose first tile is <= i; empty groups share their first tile with the next
+// group, so that one is never empty) and zeroes the output rows past the groups
+// (16-byte vectors, row_vecs of them per row).
+__global__ void __launch_bounds__(kFillThreads)
+    gather_row_tiles_kernel(const GroupTiles* __restrict__ groups, int64_t num_groups,
+                            const GatherTileCount* __restrict__ count,
+                            GatherRowTile* __restrict__ row_tiles, uint4* __restrict__ out,
+                            int64_t m, int64_t row_vecs) {
+  const GatherTileCount c = *count;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < c.row_tiles;
+       i += stride) {
+    int64_t lo = 0, hi = num_groups - 1;  // groups[0].first_tile = 0 <= i
+    while (lo < hi) {
+      const int64_t mid = (lo + hi + 1) / 2;
+      if (groups[mid].first_tile <= i) {
+        lo = mid;
+      } else {
+        hi = mid - 1;
+      }
+    }
+    const GroupTiles g = groups[lo];
+    const int32_t begin = g.start + static_cast<int32_t>(i - g.first_tile) * kGatherTileM;
+    row_tiles[i] = GatherRowTile{static_cast<int32_t>(lo), begin,
+                                 std::min(begin + kGatherTileM, g.end), 0};
+  }
+  detail::zero_rows_from(out, c.covered, m, row_vecs);
+}
+
+bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
+
+// The compiled kernels, one per output dtype of the instance table in cuda/BUILD.bazel.
+struct KernelInstance {
+  DType out_dtype;
+  Status (*run)(const detail::GatherGemmLaunch& launch);
+};
+
+#define MOE_XLA_CUTLASS_INSTANCE(OUT_DTYPE) \
+  KernelInstance{DType::OUT_DTYPE, &detail::gather_gemm_kernel_run<DType::OUT_DTYPE>},
+
+constexpr KernelInstance kKernelInstances[] = {
+// One MOE_XLA_CUTLASS_INSTANCE(out dtype) line per entry of the table, written by the
+// build (cutlass_instances in bazel/cuda.bzl).
+#include "cuda/gather_gemm_kernels.inc"
+};
+#undef MOE_XLA_CUTLASS_INSTANCE
+
+const KernelInstance* find_instance(DType out_dtype) {
+  for (const KernelInstance& inst : kKernelInstances) {
+    if (inst.out_dtype == out_dtype) return &inst;
+  }
+  return nullptr;
+}
+
+// Shape and dtype errors that need no device: ok or an InvalidArgument naming the field.
+Status validate(const GatherGemmParams& p) {
+  if (p.in_dtype != DType::kBF16) {
+    return Status::InvalidArgument(std::string("gather_gemm: x and w must be bf16, got ") +
+                                   dtype_name(p.in_dtype));
+  }
+  if (find_instance(p.out_dtype) == nullptr) {
+    return Status::InvalidArgument(std::string("gather_gemm: output must be bf16 or f32, got ") +
+                                   dtype_name(p.out_dtype));
+  }
+  const int64_t dims[] = {p.tokens, p.m, p.k, p.n, p.num_groups};
+  const char* const names[] = {"tokens", "m", "k", "n", "num_groups"};
+  for (int i = 0; i < 5; ++i) {
+    if (dims[i] < 0 || dims[i] > kMaxDim) {
+      return Status::InvalidArgument(std::string("gather_gemm: ") + names[i] + " = " +
+                                     std::to_string(dims[i]) + " is outside [0, 2^31 - 256]");
+    }
+  }
+  if (p.k % 8 != 0) {
+    return Status::InvalidArgument("gather_gemm: k = " + std::to_string(p.k) +
+                                   " must be a multiple of 8 (16-byte rows of x)");
+  }
+  if (p.n % 8 != 0) {
+    return Status::InvalidArgument("gather_gemm: n = " + std::to_string(p.n) +
+                                   " must be a multiple of 8 (16-byte rows of w and out)");
+  }
+  return Status();
+}
+
+}  // namespace
+
+size_t gather_gemm_workspace_bytes(int64_t m, int64_t num_groups) {
+  if (m < 0 || m > kMaxDim || num_groups < 0 || num_groups > kMaxDim) return 0;
+  return kAlign /* slack to align the base */ + WorkspaceLayout(m, num_groups).total;
+}
+
+size_t gather_gemm_workspace_bytes(const GatherGemmParams& p) {
+  if (!validate(p).ok()) return 0;
+  return gather_gemm_workspace_bytes(p.m, p.num_groups);
+}
+
+Status gather_gemm(const GatherGemmParams& p, void* workspace, size_t workspace_bytes,
+                   cudaStream_t stream) {
+  MOE_XLA_RETURN_IF_ERROR(validate(p));
+  if (p.m == 0 || p.n == 0) return Status();  // nothing to write
+  if (p.out == nullptr) return Status::InvalidArgument("gather_gemm: null output pointer");
+  if (!aligned16(p.out)) return Status::InvalidArgument("gather_gemm: out is not 16-byte aligned");
+  // Every row is zero when no group has a row, the dot products are empty or every src is
+  // out of range.
+  if (p.num_groups == 0 || p.k == 0 || p.tokens == 0) {
+    MOE_XLA_RETURN_IF_CUDA_ERROR(
+        cudaMemsetAsync(p.out, 0, static_cast<size_t>(p.m * p.n) * dtype_bytes(p.out_dtype), stream));
+    return Status();
+  }
+  if (p.x == nullptr || p.w == nullptr || p.src == nullptr || p.group_sizes == nullptr) {
+    return Status::InvalidArgument("gather_gemm: null x, w, src or group_sizes pointer");
+  }
+  if (!aligned16(p.x) || !aligned16(p.w)) {
+    return Status::InvalidArgument("gather_gemm: x and w must be 16-byte aligned");
+  }
+  MOE_XLA_RETURN_IF_ERROR(require_device(DeviceSupport::kFull, "gather_gemm"));
+  int sm_count = 0;
+  MOE_XLA_RETURN_IF_ERROR(current_device_sm_count(&sm_count));
+  const size_t needed = gather_gemm_workspace_bytes(p);
+  if (workspace == nullptr || workspace_bytes < needed) {
+    return Status::InvalidArgument("gather_gemm: workspace of " +
+                                   std::to_string(workspace == nullptr ? 0 : workspace_bytes) +
+                                   " bytes, it needs " + std::to_string(needed));
+  }
+
+  const uintptr_t raw = reinterpret_cast<uintptr_t>(workspace);
+  char* base = reinterpret_cast<char*>((raw + kAlign - 1) & ~static_cast<uintptr_t>(kAlign - 1));
+  const WorkspaceLayout layout(p.m, p.num_groups);
+  auto* groups = reinterpret_cast<GroupTiles*>(base + layout.groups);
+  auto* count = reinterpret_cast<GatherTileCount*>(base + layout.count);
+  auto* row_tiles = reinterpret_cast<GatherRowTile*>(base + layout.row_tiles);
+
+  gather_group_tiles_kernel<<<1, kScanThreads, 0, stream>>>(p.group_sizes, p.num_groups, p.m,
+                                                           groups, count);
+  MOE_XLA_RETURN_IF_CUDA_ERROR(cudaGetLastError());  // launch of the group scan
+  const int64_t row_vecs = p.n * static_cast<int64_t>(dtype_bytes(p.out_dtype)) / 16;
+  const int64_t work = std::max(max_row_tiles(p), p.m * row_vecs);
+  const int64_t blocks =
+      std::clamp<int64_t>((work + kFillThreads - 1) / kFillThreads, 1, 2 * int64_t{sm_count});
+  gather_row_tiles_kernel<<<static_cast<unsigned>(blocks), kFillThreads, 0, stream>>>(
+      groups, p.num_groups, count, row_tiles, static_cast<uint4*>(p.out), p.m, row_vecs);
+  MOE_XLA_RETURN_IF_CUDA_ERROR(cudaGetLastError());  // launch of the row-tile table
+
+  const detail::GatherGemmLaunch launch{&p, row_tiles, count, max_row_tiles(p), sm_count, stream};
+  return find_instance(p.out_dtype)->run(launch).With("gather_gemm");
+}
+
+}  // namespace cuda
+}  // namespace moe_xla

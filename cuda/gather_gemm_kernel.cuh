@@ -1,0 +1,364 @@
+// The Hopper kernel of the gather GEMM (common/gather_gemm.h): out[r] = x[src[r]] @ w[g]
+// for the rows of the row tiles that the prep kernels of gather_gemm.cu listed.
+//
+// One persistent CTA per SM walks the work units u = blockIdx.x, + gridDim.x, ...; unit u
+// is row tile u / n_tiles of the table and column tile u % n_tiles, so the CTAs that run
+// at the same time share the gathered rows of a few row tiles while they are in L2.
+// Each unit is a 128 x 256 output tile, computed in 64-deep K steps through a 4-stage
+// shared-memory pipeline by three warp groups:
+//   - warp group 0, the producer: its 128 threads gather the A tile: each thread owns one
+//     16-byte column chunk of 8 of the 128 rows, looks up their source rows once per unit
+//     and, per K step, copies its 8 chunks with cp.async (zero-filled for rows past the
+//     group, rows whose src is out of range and columns past K). Thread 0 also loads the B
+//     tile, w[g][k0:k0+64, n0:n0+256], with one TMA load from a 3-D descriptor of w as
+//     (N, K, G), so no per-group descriptor is needed and TMA zero-fills past K and N.
+//     A stage is full when the TMA bytes have landed and each producer thread's cp.asyncs
+//     have completed (cp.async.mbarrier.arrive.noinc: 128 arrivals + the TMA leader's).
+//   - warp groups 1 and 2, the consumers: each multiplies its 64 rows of the tile by the B
+//     tile with wgmma (m64n256k16, both operands from shared memory, f32 accumulators in
+//     registers), keeps one batch of wgmma in flight and frees a stage when the batch that
+//     read it is done; after the last K step it stores its rows straight from the
+//     accumulators (rows past the tile's group and columns past N are left alone).
+// The producer keeps loading the next unit's stages while the consumers store a tile.
+#ifndef MOE_XLA_CUDA_GATHER_GEMM_KERNEL_CUH_
+#define MOE_XLA_CUDA_GATHER_GEMM_KERNEL_CUH_
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "cute/tensor.hpp"  // first: the atoms below rely on its declarations
+#include "cute/algorithm/gemm.hpp"
+#include "cute/atom/copy_traits_sm90_tma.hpp"
+#include "cute/atom/mma_atom.hpp"
+#include "cutlass/arch/barrier.h"
+#include "cutlass/arch/reg_reconfig.h"
+#include "cutlass/cutlass.h"
+#include "cutlass/numeric_types.h"
+#include "cutlass/pipeline/sm90_pipeline.hpp"
+
+#include "common/gather_gemm.h"
+#include "common/status.h"
+#include "cuda/gather_gemm_internal.h"
+
+namespace moe_xla {
+namespace cuda {
+namespace detail {
+
+template <DType kOut>
+struct GatherOutElement;
+template <>
+struct GatherOutElement<DType::kBF16> {
+  using type = __nv_bfloat16;
+};
+template <>
+struct GatherOutElement<DType::kF32> {
+  using type = float;
+};
+
+struct GatherGemmTraits {
+  using Element = cutlass::bfloat16_t;
+  static constexpr int kTileM = kGatherTileM;
+  static constexpr int kTileN = kGatherTileN;
+  static constexpr int kTileK = 64;  // one 128-byte swizzle row of bf16
+  static constexpr int kStages = 4;
+  using TileShape = cute::Shape<cute::Int<kTileM>, cute::Int<kTileN>, cute::Int<kTileK>>;
+
+  static constexpr int kProducerThreads = 128;
+  static constexpr int kConsumerThreads = 256;
+  static constexpr int kThreads = kProducerThreads + kConsumerThreads;
+  // Registers per thread after the producer gives some up (setmaxnreg); together within
+  // the register file of one SM: 128 * 40 + 256 * 232 <= 65536.
+  static constexpr int kProducerRegisters = 40;
+  static constexpr int kConsumerRegisters = 232;
+
+  // The producer's A copy: 16-byte chunks (8 bf16), 8 per row of a K step; thread t
+  // copies chunk t % 8 of rows t / 8 + 16 i, i < 8.
+  static constexpr int kChunkElems = 8;
+  static constexpr int kChunksPerRow = kTileK / kChunkElems;
+  static constexpr int kRowsPerPass = kProducerThreads / kChunksPerRow;
+  static constexpr int kPasses = kTileM / kRowsPerPass;
+  static_assert(kPasses <= 32, "the producer's row mask is one 32-bit word");
+
+  // A: K-major (x rows), 128-byte swizzle. B: N-major (w is [K, N]), 128-byte swizzle,
+  // its 64 x 8 atoms tiled along K first, so that each 64-column slice of a stage is one
+  // contiguous 64 x 64 TMA box (4 TMA loads per stage).
+  using SmemLayoutA = decltype(cute::tile_to_shape(
+      cute::GMMA::Layout_K_SW128_Atom<Element>{},
+      cute::make_shape(cute::Int<kTileM>{}, cute::Int<kTileK>{}, cute::Int<kStages>{})));
+  using SmemLayoutB = decltype(cute::tile_to_shape(
+      cute::GMMA::Layout_MN_SW128_Atom<Element>{},
+      cute::make_shape(cute::Int<kTileN>{}, cute::Int<kTileK>{}, cute::Int<kStages>{}),
+      cute::Step<cute::_2, cute::_1, cute::_3>{}));
+  // Byte offset of row m, 16-byte chunk c of one stage of SmemLayoutA: rows of 128 bytes,
+  // the chunk index XORed with m mod 8 (the SW128 K-major atom of 8 rows, stacked along M).
+  static constexpr uint32_t kStageBytesA = kTileM * kTileK * sizeof(Element);
+  __host__ __device__ static constexpr uint32_t a_chunk_offset(int m, int c) {
+    return static_cast<uint32_t>(m) * (kTileK * sizeof(Element)) +
+           (static_cast<uint32_t>(c ^ (m & 7)) << 4);
+  }
+
+  // Two consumer warp groups along M, each 64 x 256.
+  using TiledMma = decltype(cute::make_tiled_mma(
+      cute::SM90_64x256x16_F32BF16BF16_SS<cute::GMMA::Major::K, cute::GMMA::Major::MN>{},
+      cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>{}));
+  static_assert(cute::size(TiledMma{}) == kConsumerThreads, "two consumer warp groups");
+
+  using Pipeline = cutlass::PipelineTmaAsync<kStages>;
+  using PipelineState = typename Pipeline::PipelineState;
+  static constexpr uint32_t kTmaBytesB = kTileN * kTileK * sizeof(Element);
+
+  struct SharedStorage {
+    alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutA>, 1024> a;
+    alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutB>, 1024> b;
+    typename Pipeline::SharedStorage pipeline;
+  };
+};
+
+// The TMA load of B tiles from w viewed as (N, K, G): N contiguous, K and group strides in
+// elements; boxes of kTileN x kTileK into one stage of SmemLayoutB.
+inline auto make_gather_tma_b(const GatherGemmTraits::Element* w, int32_t n, int32_t k,
+                              int32_t groups) {
+  using T = GatherGemmTraits;
+  auto tensor = cute::make_tensor(cute::make_gmem_ptr(w), cute::make_shape(n, k, groups),
+                                  cute::make_stride(cute::_1{}, int64_t{n}, int64_t{n} * k));
+  return cute::make_tma_copy(cute::SM90_TMA_LOAD{}, tensor,
+                             T::SmemLayoutB{}(cute::_, cute::_, cute::Int<0>{}),
+                             cute::make_shape(cute::Int<T::kTileN>{}, cute::Int<T::kTileK>{}),
+                             cute::Int<1>{});
+}
+using GatherTmaB = decltype(make_gather_tma_b(nullptr, 0, 0, 0));
+
+template <class Out>
+struct GatherGemmKernelParams {
+  GatherTmaB tma_b;
+  const char* x;  // [tokens, k] bf16, addressed in bytes by the cp.async gather
+  const int32_t* src;
+  const GatherRowTile* row_tiles;
+  const GatherTileCount* tile_count;
+  Out* out;
+  int32_t tokens, k, n, num_groups;
+  int32_t n_tiles, k_tiles;
+};
+
+// 16 bytes from global to shared memory, bypassing L1; src_bytes = 0 writes zeros and
+// reads nothing.
+__device__ __forceinline__ void cp_async_16_zfill(uint32_t smem_addr, const void* gmem,
+                                                  uint32_t src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr), "l"(gmem),
+               "r"(src_bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void store_pair(__nv_bfloat16* out, float a, float b) {
+  *reinterpret_cast<__nv_bfloat162*>(out) = __floats2bfloat162_rn(a, b);
+}
+__device__ __forceinline__ void store_pair(float* out, float a, float b) {
+  *reinterpret_cast<float2*>(out) = make_float2(a, b);
+}
+
+// Warp group 0 (see the header comment). `units` work units, this CTA's from blockIdx.x.
+template <class Out>
+__device__ __forceinline__ void gather_gemm_produce(const GatherGemmKernelParams<Out>& p,
+                                                    typename GatherGemmTraits::SharedStorage& smem,
+                                                    typename GatherGemmTraits::Pipeline& pipeline,
+                                                    int64_t units) {
+  using namespace cute;
+  using T = GatherGemmTraits;
+  const int thread = threadIdx.x;  // 0 .. kProducerThreads - 1
+  const int chunk = thread % T::kChunksPerRow;
+  const int first_row = thread / T::kChunksPerRow;
+  const bool tma_leader = thread == 0;
+  if (tma_leader) prefetch_tma_descriptor(p.tma_b.get_tma_descriptor());
+
+  Tensor mB = p.tma_b.get_tma_tensor(make_shape(p.n, p.k, p.num_groups));  // (N, K, G)
+  Tensor gB = local_tile(mB, typename T::TileShape{}, make_coord(_, _, _),
+                         Step<X, _1, _1>{});  // (BLK_N, BLK_K, n, k, g)
+  Tensor sB = make_tensor(make_smem_ptr(smem.b.data()), typename T::SmemLayoutB{});
+  auto [tBgB, tBsB] = tma_partition(p.tma_b, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sB),
+                                    group_modes<0, 2>(gB));  // (TMA, n, k, g), (TMA, PIPE)
+
+  const uint32_t smem_a = cast_smem_ptr_to_uint(smem.a.data());
+  typename T::PipelineState write = cutlass::make_producer_start_state<typename T::Pipeline>();
+  for (int64_t unit = blockIdx.x; unit < units; unit += gridDim.x) {
+    const GatherRowTile tile = p.row_tiles[unit / p.n_tiles];
+    const int n_tile = static_cast<int>(unit % p.n_tiles);
+    // The source rows of this thread's rows of the tile; bit i of `valid` says that row i
+    // is in the group and its src in [0, T).
+    int32_t token[T::kPasses];
+    uint32_t valid = 0;
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < T::kPasses; ++i) {
+      const int32_t row = tile.row_begin + first_row + i * T::kRowsPerPass;
+      token[i] = 0;
+      if (row < tile.row_end) {
+        const int32_t s = __ldg(p.src + row);
+        if (s >= 0 && s < p.tokens) {
+          token[i] = s;
+          valid |= 1u << i;
+        }
+      }
+    }
+    for (int k_tile = 0; k_tile < p.k_tiles; ++k_tile) {
+      pipeline.producer_acquire(write);  // the leader also expects the B tile's bytes
+      const int stage = write.index();
+      if (tma_leader) {
+        copy(p.tma_b.with(*pipeline.producer_get_barrier(write)),
+             tBgB(_, n_tile, k_tile, tile.group), tBsB(_, stage));
+      }
+      const int col = k_tile * T::kTileK + chunk * T::kChunkElems;
+      const bool col_in = col < p.k;  // k % 8 == 0: a chunk is wholly in or out
+      const uint32_t stage_a = smem_a + stage * T::kStageBytesA;
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < T::kPasses; ++i) {
+        const bool in = col_in && ((valid >> i) & 1u);
+        const char* from =
+            in ? p.x + (static_cast<int64_t>(token[i]) * p.k + col) * sizeof(typename T::Element)
+               : p.x;
+        cp_async_16_zfill(stage_a + T::a_chunk_offset(first_row + i * T::kRowsPerPass, chunk),
+                          from, in ? 16u : 0u);
+      }
+      cutlass::arch::cpasync_barrier_arrive_noinc(pipeline.producer_get_barrier(write));
+      ++write;
+    }
+  }
+  // Stay until the consumers have freed every stage: this warp group's last copies have
+  // landed and been read before it exits.
+  pipeline.producer_tail(write);
+}
+
+// Warp groups 1 and 2 (see the header comment).
+template <class Out>
+__device__ __forceinline__ void gather_gemm_consume(const GatherGemmKernelParams<Out>& p,
+                                                    typename GatherGemmTraits::SharedStorage& smem,
+                                                    typename GatherGemmTraits::Pipeline& pipeline,
+                                                    int64_t units) {
+  using namespace cute;
+  using T = GatherGemmTraits;
+  const int thread = threadIdx.x - T::kProducerThreads;  // 0 .. kConsumerThreads - 1
+  typename T::TiledMma mma;
+  auto thread_mma = mma.get_thread_slice(thread);
+  Tensor sA = make_tensor(make_smem_ptr(smem.a.data()), typename T::SmemLayoutA{});
+  Tensor sB = make_tensor(make_smem_ptr(smem.b.data()), typename T::SmemLayoutB{});
+  Tensor tCrA = thread_mma.make_fragment_A(thread_mma.partition_A(sA));  // (MMA, M, K, PIPE)
+  Tensor tCrB = thread_mma.make_fragment_B(thread_mma.partition_B(sB));  // (MMA, N, K, PIPE)
+  const auto tile_mn = make_shape(Int<T::kTileM>{}, Int<T::kTileN>{});
+  Tensor accum = partition_fragment_C(mma, tile_mn);                        // (MMA, M, N)
+  Tensor coord = thread_mma.partition_C(make_identity_tensor(tile_mn));     // (MMA, M, N)
+  static_assert(size(decltype(accum){}) % 2 == 0, "accumulators come in column pairs");
+
+  typename T::PipelineState read;
+  for (int64_t unit = blockIdx.x; unit < units; unit += gridDim.x) {
+    const GatherRowTile tile = p.row_tiles[unit / p.n_tiles];  // used by the stores below
+    const int64_t col0 = (unit % p.n_tiles) * T::kTileN;
+
+    typename T::PipelineState release = read;
+    mma.accumulate_ = GMMA::ScaleOut::Zero;
+    for (int k_tile = 0; k_tile < p.k_tiles; ++k_tile) {
+      pipeline.consumer_wait(read);
+      // The A tile was written by cp.async (generic proxy); wgmma reads through the async
+      // proxy.
+      cutlass::arch::fence_view_async_shared();
+      const int stage = read.index();
+      warpgroup_fence_operand(accum);
+      warpgroup_arrive();
+      CUTLASS_PRAGMA_UNROLL
+      for (int k_block = 0; k_block < size<2>(tCrA); ++k_block) {
+        gemm(mma, tCrA(_, _, k_block, stage), tCrB(_, _, k_block, stage), accum);
+        mma.accumulate_ = GMMA::ScaleOut::One;
+      }
+      warpgroup_commit_batch();
+      // One batch stays in flight; the one before it is done, so its stage is free.
+      warpgroup_wait<1>();
+      warpgroup_fence_operand(accum);
+      if (k_tile > 0) {
+        pipeline.consumer_release(release);
+        ++release;
+      }
+      ++read;
+    }
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(accum);
+    pipeline.consumer_release(release);
+
+    // Accumulator i and i + 1 are columns c and c + 1 of one row (the wgmma C layout);
+    // n % 8 == 0, so a pair is wholly inside or outside N.
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < size(accum); i += 2) {
+      const int64_t row = tile.row_begin + get<0>(coord(i));
+      const int64_t col = col0 + get<1>(coord(i));
+      if (row < tile.row_end && col < p.n) {
+        store_pair(p.out + row * p.n + col, accum(i), accum(i + 1));
+      }
+    }
+  }
+}
+
+template <class Out>
+__global__ void __launch_bounds__(GatherGemmTraits::kThreads, 1)
+    gather_gemm_kernel(const __grid_constant__ GatherGemmKernelParams<Out> p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using T = GatherGemmTraits;
+  extern __shared__ __align__(1024) char smem_raw[];  // the 128-byte swizzle needs 1024
+  auto& smem = *reinterpret_cast<typename T::SharedStorage*>(smem_raw);
+  const bool producer = cutlass::canonical_warp_group_idx() == 0;
+
+  typename T::Pipeline::Params params;
+  params.transaction_bytes = T::kTmaBytesB;
+  params.role = producer ? T::Pipeline::ThreadCategory::Producer
+                         : T::Pipeline::ThreadCategory::Consumer;
+  params.is_leader = threadIdx.x == 0;
+  params.num_consumers = T::kConsumerThreads;
+  params.num_producers = T::kProducerThreads + 1;  // cp.async arrivals + the TMA leader
+  typename T::Pipeline pipeline(smem.pipeline, params, cute::Shape<cute::_1, cute::_1, cute::_1>{});
+  __syncthreads();  // barriers initialised before any thread uses them
+
+  const int64_t units = p.tile_count->row_tiles * p.n_tiles;
+  if (producer) {
+    cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegisters>();
+    gather_gemm_produce(p, smem, pipeline, units);
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegisters>();
+    gather_gemm_consume(p, smem, pipeline, units);
+  }
+#endif
+}
+
+template <DType kOut>
+Status gather_gemm_kernel_run(const GatherGemmLaunch& launch) {
+  using T = GatherGemmTraits;
+  using Out = typename GatherOutElement<kOut>::type;
+  const GatherGemmParams& p = *launch.params;
+  GatherGemmKernelParams<Out> kp;
+  kp.tma_b = make_gather_tma_b(static_cast<const T::Element*>(p.w), static_cast<int32_t>(p.n),
+                           static_cast<int32_t>(p.k), static_cast<int32_t>(p.num_groups));
+  kp.x = static_cast<const char*>(p.x);
+  kp.src = p.src;
+  kp.row_tiles = launch.row_tiles;
+  kp.tile_count = launch.tile_count;
+  kp.out = static_cast<Out*>(p.out);
+  kp.tokens = static_cast<int32_t>(p.tokens);
+  kp.k = static_cast<int32_t>(p.k);
+  kp.n = static_cast<int32_t>(p.n);
+  kp.num_groups = static_cast<int32_t>(p.num_groups);
+  kp.n_tiles = static_cast<int32_t>((p.n + T::kTileN - 1) / T::kTileN);
+  kp.k_tiles = static_cast<int32_t>((p.k + T::kTileK - 1) / T::kTileK);
+
+  const int smem_bytes = static_cast<int>(sizeof(typename T::SharedStorage));
+  MOE_XLA_RETURN_IF_CUDA_ERROR(cudaFuncSetAttribute(
+      gather_gemm_kernel<Out>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
+  const int64_t max_units = launch.max_row_tiles * kp.n_tiles;
+  const int64_t grid = std::max<int64_t>(std::min<int64_t>(launch.sm_count, max_units), 1);
+  gather_gemm_kernel<Out>
+      <<<static_cast<unsigned>(grid), T::kThreads, smem_bytes, launch.stream>>>(kp);
+  MOE_XLA_RETURN_IF_CUDA_ERROR(cudaGetLastError());  // launch of the GEMM
+  return Status();
+}
+
+}  // namespace detail
+}  // namespace cuda
+}  // namespace moe_xla
+
+#endif  // MOE_XLA_CUDA_GATHER_GEMM_KERNEL_CUH_

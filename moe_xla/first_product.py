@@ -1,0 +1,90 @@
+"""How moe() feeds its first expert product, h = x_sorted @ w_in[e] for the rows of e:
+
+    "copy"    permute writes x_sorted [T*k, H], the tokens' rows in expert order, and gmm
+              reads it;
+    "gather"  permute only sorts (a zero-width permute: group_sizes and row_map, no rows),
+              and gather_gmm reads each row x[src[r]] straight from the tokens, src[r] the
+              token of sorted row r (the inverse of row_map, divided by k).
+
+The gather path saves the write and the read of x_sorted (2 T k H elements) in the forward
+and keeps no x_sorted between forward and backward; the backward gathers those rows once
+for the weight gradient, the same traffic as the copy's. Its kernel pays for the gather in
+its own throughput, so the saved copy is worth more than it costs only while the product
+is short: `choose` gathers on Hopper GPUs, in bf16 without FP8 quantization (whose rows are
+quantised on their way through permute, moe._sorted_fp8_rows), for w_in of at most
+GATHER_MAX_N columns (N = 2F for gated experts), the widths up to which the H200 timed the
+gather kernel faster than permute's copy plus the grouped GEMM.
+
+`forced` overrides the choice for tests and benchmarks. The choice is made while tracing:
+a function jitted under one mode keeps it in its compiled programs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+import moe_xla._lib as _lib
+import moe_xla._rows as _rows
+from moe_xla.primitives.gather_gmm import gather_gmm, kernel_supports
+from moe_xla.primitives.permute import permute
+
+MODES = ("auto", "gather", "copy")
+GATHER_MAX_N = 1024
+
+_forced = "auto"
+
+
+@contextlib.contextmanager
+def forced(mode: str):
+    """Within the block moe() traces its first product as `mode`: "gather", "copy", or
+    "auto" (`choose`). "gather" applies to the bf16 / f16 / f32 products; FP8 quantization
+    keeps its own path."""
+    global _forced
+    if mode not in MODES:
+        raise ValueError(f"first_product.forced: expected a mode in {MODES}, got {mode!r}")
+    previous, _forced = _forced, mode
+    try:
+        yield
+    finally:
+        _forced = previous
+
+
+def choose(x, w_in, top_k: int, quantization) -> str:
+    """"gather" or "copy" for moe()'s first product of x [T, H] and w_in [E, H, N] (module
+    docstring), unless `forced`."""
+    if quantization is not None:
+        return "copy"
+    if _forced != "auto":
+        return _forced
+    gathers = (jax.default_backend() == "gpu" and _lib.local_gpus_hopper() and jnp.dtype(x.dtype) == jnp.bfloat16
+               and w_in.shape[2] <= GATHER_MAX_N
+               and kernel_supports(x.shape, w_in.shape, x.shape[0] * top_k, x.dtype, x.dtype))
+    return "gather" if gathers else "copy"
+
+
+@dataclasses.dataclass(frozen=True)
+class GatheredRows:
+    """The rows x[src[r]] of x_sorted, left in the tokens: src [T*k] the token of sorted row
+    r, token_slots [T, k] = row_map reshaped, the rows of each token (src's inverse, for
+    gather_gmm's gradient in x)."""
+    x: jax.Array
+    src: jax.Array
+    token_slots: jax.Array
+
+    def gmm(self, w, group_sizes):
+        """gmm(x_sorted, w, group_sizes) without x_sorted: gather_gmm."""
+        return gather_gmm(self.x, self.src, w, group_sizes, token_slots=self.token_slots)
+
+
+def sorted_rows(x, expert_ids, num_experts: int):
+    """permute(x, expert_ids, num_experts) with x_sorted as GatheredRows: (rows, group_sizes,
+    row_map), the sort alone (permute of zero-width rows) and its inverse."""
+    t, k = expert_ids.shape
+    _, group_sizes, row_map = permute(jnp.zeros((t, 0), x.dtype), expert_ids, num_experts)
+    # row_map is a permutation of the T*k rows: row r holds assignment pair[r] = t*k + j.
+    pair, _ = _rows.inverse_rows(row_map, t * k)
+    return GatheredRows(x, pair // k, row_map.reshape(t, k)), group_sizes, row_map

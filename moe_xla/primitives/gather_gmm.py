@@ -1,0 +1,161 @@
+"""gather_gmm: the grouped matrix product of MoE experts read through a row map.
+
+    out[rows of g] = x[src[rows of g]] @ w[g]   = gmm(take_rows(x, src), w, group_sizes)
+
+x [T, K]; src [M] int32 (an entry outside [0, T) reads a zero row); w [G, K, N];
+group_sizes [G] int32, clamped to the M rows as gmm's; rows past sum(group_sizes) are
+zero. Accumulation is float32; the output dtype is preferred_element_type, or x.dtype.
+The first expert product of a MoE layer, without the permuted copy of x in memory.
+
+Where it runs: on CUDA the kernel of cuda/gather_gemm.h when it supports the case, decided
+when lowering from the shapes and dtypes (kernel_supports: bf16 x and w, bf16 or float32
+out, K and N multiples of 8) and the local GPUs (Hopper, compute capability 9.0; with no
+local GPU the kernel is assumed and its handler checks the device). Everywhere else (CPU,
+other GPUs, other cases) it lowers to its decomposition, take_rows + the gmm primitive, so
+every platform computes the same contract.
+
+gather_gmm is bilinear in (x, w):
+    d w = tgmm(take_rows(x, src), ct)
+    d x = the rows of d x_sorted = gmm(ct, w, transpose_rhs=True) summed back to tokens:
+          d x[t] = sum_{r: src[r] = t} d x_sorted[r]
+The sum is deterministic either way. With token_slots [T, k] int32, a promise that
+token_slots[t, j] names the j-th row r with src[r] = t (k * T = M, each row named at most
+once, as permute's row_map reshaped to [T, k]), it is one gather-sum,
+unpermute(d x_sorted, token_slots, ones); without, a sort-and-scan sum over src
+(_rows.sum_rows_into), for any src.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching
+
+import moe_xla._lib as _lib
+import moe_xla._rows as _rows
+from moe_xla.primitives import _ad, _batching, _checks, _impl, _lowering, _sharding
+from moe_xla.primitives.gmm import gmm_p
+from moe_xla.primitives.tgmm import tgmm_p
+from moe_xla.primitives.unpermute import unpermute_p
+
+gather_gmm_p = Primitive("moe_xla_gather_gmm")
+
+# Largest T, M, K, N and G the kernel takes (cuda/gather_gemm.h).
+_KERNEL_MAX_DIM = 2**31 - 256
+_KERNEL_OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+
+
+def gather_gmm(x, src, w, group_sizes, *, preferred_element_type=None, token_slots=None):
+    """Grouped matmul of gathered rows: out[rows of g] = x[src[rows of g]] @ w[g]. See the
+    module docstring; token_slots ([T, k], src's inverse) makes the gradient in x one
+    gather-sum."""
+    out_dtype = _checks.out_dtype("gather_gmm", preferred_element_type, getattr(x, "dtype", jnp.float32))
+    slots = () if token_slots is None else (token_slots,)
+    return gather_gmm_p.bind(x, src, w, group_sizes, *slots, preferred_element_type=out_dtype,
+                             has_token_slots=token_slots is not None)
+
+
+def kernel_supports(x_shape, w_shape, m: int, in_dtype, out_dtype) -> bool:
+    """Whether the CUDA kernel computes this case: x [T, K] and w [G, K, N] in bf16, M
+    output rows in bf16 or float32, K and N multiples of 8 (16-byte rows), every size below
+    2^31 - 256."""
+    (t, k), (g, _, n) = x_shape, w_shape
+    return (jnp.dtype(in_dtype) == jnp.bfloat16 and jnp.dtype(out_dtype) in _KERNEL_OUT_DTYPES
+            and k % 8 == 0 and n % 8 == 0 and max(t, m, k, n, g) <= _KERNEL_MAX_DIM)
+
+
+def _abstract_eval(x, src, w, group_sizes, *token_slots, preferred_element_type, has_token_slots):
+    _checks.rank("gather_gmm", "x", x, 2, "[T, K]")
+    _checks.rank("gather_gmm", "src", src, 1, "[M]")
+    _checks.rank("gather_gmm", "w", w, 3, "[G, K, N]")
+    _checks.float_dtype("gather_gmm", "x", x)
+    _checks.same_dtype("gather_gmm", "x", x, "w", w)
+    if jnp.dtype(src.dtype) != jnp.int32:
+        raise TypeError(f"gather_gmm: expected int32 src, got {src.dtype}")
+    _checks.dim("gather_gmm", "w.shape[1] (K of x [T, K])", x.shape[1], w.shape[1])
+    _checks.group_sizes("gather_gmm", group_sizes, w.shape[0])
+    m = src.shape[0]
+    if has_token_slots:
+        (slots,) = token_slots
+        _checks.rank("gather_gmm", "token_slots", slots, 2, "[T, k]")
+        if jnp.dtype(slots.dtype) != jnp.int32:
+            raise TypeError(f"gather_gmm: expected int32 token_slots, got {slots.dtype}")
+        _checks.dim("gather_gmm", "token_slots.shape[0] (T of x [T, K])", x.shape[0], slots.shape[0])
+        _checks.dim("gather_gmm", "token_slots.shape[0] * token_slots.shape[1] (M of src [M])", m,
+                    slots.shape[0] * slots.shape[1])
+    return jax.core.ShapedArray((m, w.shape[2]), preferred_element_type)
+
+
+def _decomposition(x, src, w, group_sizes, *_token_slots, preferred_element_type, has_token_slots):
+    """gmm(take_rows(x, src), w, group_sizes): the contract from other primitives."""
+    return gmm_p.bind(_rows.take_rows(x, src, x.dtype), w, group_sizes, transpose_rhs=False,
+                      preferred_element_type=preferred_element_type)
+
+
+def _kernel_operands(x, src, w, group_sizes, *_token_slots, preferred_element_type, has_token_slots):
+    """The operands of the CUDA kernel call (x, src, w, group_sizes), or None where it does
+    not apply (module docstring)."""
+    if not (kernel_supports(x.shape, w.shape, src.shape[0], x.dtype, preferred_element_type)
+            and _lib.local_gpus_hopper()):
+        return None
+    return (0, 1, 2, 3)
+
+
+def _cuda_workspace(x, src, w, group_sizes, **_) -> int:
+    return _lib.cuda_workspace_bytes("MoeXlaGatherGmmWorkspaceBytes", src.shape[0], group_sizes.shape[0])
+
+
+def _transpose(ct, x, src, w, group_sizes, *token_slots, preferred_element_type, has_token_slots):
+    if any(ad.is_undefined_primal(a) for a in (src, group_sizes, *token_slots)):
+        raise ValueError("gather_gmm: src, group_sizes and token_slots are integers and cannot be differentiated")
+    none = (None,) * (3 + len(token_slots))
+    if ad.is_undefined_primal(x):
+        if type(ct) is ad.Zero:
+            return (ad.Zero(x.aval), *none)
+        x_dtype = jnp.dtype(x.aval.dtype)
+        d_sorted = gmm_p.bind(ct.astype(w.dtype), w, group_sizes, transpose_rhs=True, preferred_element_type=x_dtype)
+        if has_token_slots:
+            (slots,) = token_slots
+            d_x = unpermute_p.bind(d_sorted, slots.reshape(-1), jnp.ones(slots.shape, jnp.float32), unique_rows=True)
+        else:
+            d_x = _rows.sum_rows_into(d_sorted, src[:, None], jnp.ones((src.shape[0], 1), jnp.float32),
+                                      num_rows=x.aval.shape[0])
+        return (d_x.astype(x_dtype), *none)
+    w_aval = w.aval
+    if type(ct) is ad.Zero:
+        return None, None, ad.Zero(w_aval), *none[2:]
+    d_w = tgmm_p.bind(_rows.take_rows(x, src, x.dtype), ct.astype(x.dtype), group_sizes,
+                      preferred_element_type=jnp.dtype(w_aval.dtype))
+    return None, None, d_w, *none[2:]
+
+
+def _batch(args, dims, *, preferred_element_type, has_token_slots):
+    x_batched = dims[0] is not None
+    args, b = _batching.batched_to_front(args, dims)
+    # x is stacked only where it is batched; every other operand gets the batch dimension.
+    x, src, w, group_sizes, *token_slots = [a if d is not None or i == 0 else jnp.broadcast_to(a, (b,) + a.shape)
+                                             for i, (a, d) in enumerate(zip(args, dims))]
+    m = src.shape[1]
+    if x_batched:
+        t = x.shape[1]
+        x = x.reshape(b * t, x.shape[2])
+        src = _batching.folded_rows(src, t)  # entries naming no row go past the stacked tokens
+        token_slots = [_batching.folded_rows(s, m).reshape(b * t, s.shape[2]) for s in token_slots]
+    else:
+        # Every element reads the one x; token_slots would then name rows of several
+        # elements, so d x takes the sum over src instead.
+        token_slots = []
+    folded = _batching.folded_group_sizes(group_sizes, m)
+    out = gather_gmm_p.bind(x, src.reshape(b * m), _batching.with_spacer_groups(w), folded, *token_slots,
+                            preferred_element_type=preferred_element_type, has_token_slots=bool(token_slots))
+    return _batching.zero_spacer_rows(out, folded, b, m), 0
+
+
+_impl.def_jitted_impl(gather_gmm_p)
+gather_gmm_p.def_abstract_eval(_abstract_eval)
+ad.primitive_jvps[gather_gmm_p] = _ad.bilinear_jvp(gather_gmm_p, 0, 2)
+ad.primitive_transposes[gather_gmm_p] = _transpose
+batching.primitive_batchers[gather_gmm_p] = _batch
+_lowering.register_decomposed(gather_gmm_p, "gather_gmm", _decomposition, _kernel_operands, lambda **_: {},
+                              _cuda_workspace, sharding=_sharding.GATHER_GMM)

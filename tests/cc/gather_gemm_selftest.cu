@@ -1,0 +1,355 @@
+// Standalone GPU self-check of moe_xla::cuda::gather_gemm (common/gather_gemm.h).
+//
+// For every case (random and adversarial group sizes: empty groups, one row, all rows in
+// one group, negative and huge sizes, sums below and above M, G up to 512; src with
+// entries outside [0, T); M, K and N that are not multiples of the tiles) and both output
+// dtypes (bf16, f32) it:
+//   1. poisons the output with NaN and surrounds it with canaries,
+//   2. runs gather_gemm with exactly gather_gemm_workspace_bytes of (misaligned) scratch,
+//   3. compares with a reference kernel that computes every output element on its own,
+//      one float64 sum in K order, from the row's group (the clamp rule of
+//      common/grouped_gemm.h, on the host) and src: error |out - ref| <= tol * max|ref| of
+//      the case (tol 1e-2 for bf16 output, 1e-4 for f32), exact zeros where the contract
+//      says zero (rows past the groups, rows whose src is out of range), no NaN, canaries
+//      intact,
+//   4. captures the same call into a CUDA graph, rewrites group_sizes and src in device
+//      memory, replays the graph and checks against the reference of the new inputs
+//      (the sizes are read on the device at run time; the call is graph capturable).
+// It also checks that K or N not a multiple of 8 is an InvalidArgument error.
+// Prints one line per case and a PASS/FAIL summary; exit status 1 if any check failed.
+// On a GPU other than compute capability 9.0, or without a GPU, it exits 0 saying it
+// skipped. Usage: gather_gemm_selftest
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "common/gather_gemm.h"
+#include "common/grouped_gemm.h"
+#include "common/status.h"
+#include "cuda/device.h"
+#include "cuda/gather_gemm.h"
+#include "tools/cuda_check.h"
+
+namespace {
+
+using moe_xla::DType;
+using moe_xla::dtype_bytes;
+using moe_xla::dtype_name;
+using moe_xla::GatherGemmParams;
+
+constexpr uint32_t kCanary = 0xC0FFEE11u;
+constexpr size_t kGuardBytes = 256;
+
+// Output row r's group under the clamp rule, -1 for rows past the groups.
+std::vector<int32_t> row_groups(const std::vector<int32_t>& sizes, int64_t m) {
+  std::vector<int32_t> group(static_cast<size_t>(m), -1);
+  int64_t start = 0;
+  for (size_t g = 0; g < sizes.size(); ++g) {
+    const int64_t size = moe_xla::clamp_group_size(sizes[g], start, m);
+    for (int64_t r = start; r < start + size; ++r) group[static_cast<size_t>(r)] = static_cast<int32_t>(g);
+    start += size;
+  }
+  return group;
+}
+
+// ref[r, c] = sum_k x[src[r], k] * w[group[r], k, c] in float64, in K order; 0 where the
+// row has no group or its src is outside [0, T).
+__global__ void reference_kernel(const __nv_bfloat16* __restrict__ x, const int32_t* __restrict__ src,
+                                 const __nv_bfloat16* __restrict__ w,
+                                 const int32_t* __restrict__ group, int64_t tokens, int64_t m,
+                                 int64_t k, int64_t n, double* __restrict__ ref) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= m * n) return;
+  const int64_t r = i / n, c = i % n;
+  const int32_t g = group[r], s = src[r];
+  double acc = 0;
+  if (g >= 0 && s >= 0 && s < tokens) {
+    for (int64_t j = 0; j < k; ++j) {
+      acc += static_cast<double>(__bfloat162float(x[s * k + j])) *
+             static_cast<double>(__bfloat162float(w[(g * k + j) * n + c]));
+    }
+  }
+  ref[i] = acc;
+}
+
+struct Case {
+  std::string name;
+  int64_t tokens, m, k, n;
+  std::vector<int32_t> sizes;
+  std::vector<int32_t> src;
+};
+
+// Sizes of `groups` groups drawn by multinomial(total) with probability ~ weight, and
+// `zeros` of them forced empty.
+std::vector<int32_t> random_sizes(int64_t total, int64_t groups, int zeros, std::mt19937& rng) {
+  std::vector<int32_t> sizes(static_cast<size_t>(groups), 0);
+  std::uniform_int_distribution<int64_t> pick(0, groups - 1);
+  std::vector<bool> empty(static_cast<size_t>(groups), false);
+  for (int i = 0; i < zeros && i < groups - 1; ++i) empty[static_cast<size_t>(pick(rng))] = true;
+  for (int64_t i = 0; i < total; ++i) {
+    int64_t g = pick(rng);
+    while (empty[static_cast<size_t>(g)]) g = (g + 1) % groups;
+    ++sizes[static_cast<size_t>(g)];
+  }
+  return sizes;
+}
+
+// src of m rows into `tokens` tokens; with `bad` > 0, about one row in `bad` is out of
+// range (negative, T, or far past it).
+std::vector<int32_t> random_src(int64_t m, int64_t tokens, int bad, std::mt19937& rng) {
+  std::vector<int32_t> src(static_cast<size_t>(m));
+  std::uniform_int_distribution<int32_t> token(0, static_cast<int32_t>(std::max<int64_t>(tokens - 1, 0)));
+  const int32_t outside[] = {-1, static_cast<int32_t>(tokens), INT32_MIN, INT32_MAX};
+  for (int64_t r = 0; r < m; ++r) {
+    src[static_cast<size_t>(r)] = token(rng);
+    if (bad > 0 && rng() % bad == 0) src[static_cast<size_t>(r)] = outside[rng() % 4];
+  }
+  return src;
+}
+
+std::vector<Case> make_cases(std::mt19937& rng) {
+  std::vector<Case> cases;
+  auto add = [&](const std::string& name, int64_t tokens, int64_t m, int64_t k, int64_t n,
+                 std::vector<int32_t> sizes, int bad_src) {
+    cases.push_back(Case{name, tokens, m, k, n, std::move(sizes), random_src(m, tokens, bad_src, rng)});
+  };
+  add("uniform 8 groups", 300, 1024, 256, 512, random_sizes(1024, 8, 0, rng), 0);
+  add("tails M K N", 517, 1037, 200, 264, random_sizes(1037, 5, 0, rng), 0);
+  add("bad src", 400, 777, 136, 136, random_sizes(777, 6, 1, rng), 7);
+  add("K 8 N 8", 50, 131, 8, 8, random_sizes(131, 3, 0, rng), 5);
+  add("K 72 N 520", 250, 600, 72, 520, random_sizes(600, 4, 1, rng), 0);
+  add("empty groups", 128, 700, 96, 256, random_sizes(700, 12, 6, rng), 0);
+  add("one row per group", 64, 40, 64, 256, std::vector<int32_t>(40, 1), 0);
+  add("all rows in one group", 900, 2000, 128, 384, {0, 2000, 0}, 0);
+  add("sum below M", 100, 500, 64, 128, {100, 0, 150, 50}, 0);
+  add("sum above M", 100, 500, 64, 128, {300, 200, 400, 7}, 0);
+  add("negative and huge sizes", 100, 600, 136, 200, {-5, 100, INT32_MIN, 250, INT32_MAX, 40}, 0);
+  add("first group past M", 100, 300, 64, 64, {INT32_MAX, 10, 10}, 0);
+  add("no covered rows", 100, 300, 64, 64, {0, -1, 0}, 0);
+  add("G 512 many empty", 1000, 3000, 256, 256, random_sizes(3000, 512, 300, rng), 20);
+  add("G 512 tiny", 64, 1500, 64, 136, random_sizes(1400, 512, 0, rng), 0);
+  add("long K", 200, 700, 1032, 520, random_sizes(700, 3, 0, rng), 0);
+  add("G 1", 333, 1111, 320, 1000, {1111}, 0);
+  add("M below one tile", 10, 37, 64, 256, {20, 17}, 3);
+  add("T 1", 1, 300, 64, 256, random_sizes(300, 4, 0, rng), 0);
+  return cases;
+}
+
+struct Device {
+  __nv_bfloat16 *x = nullptr, *w = nullptr;
+  int32_t *src = nullptr, *sizes = nullptr, *group = nullptr;
+  double* ref = nullptr;
+  char* out_block = nullptr;  // guard | out | guard
+  char* workspace = nullptr;
+};
+
+template <class T>
+T* device_copy(const std::vector<T>& host) {
+  T* d = nullptr;
+  CHECK_CUDA(cudaMalloc(&d, std::max<size_t>(host.size(), 1) * sizeof(T)));
+  if (!host.empty()) CHECK_CUDA(cudaMemcpy(d, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
+  return d;
+}
+
+std::vector<__nv_bfloat16> random_bf16(int64_t count, float scale, std::mt19937& rng) {
+  std::uniform_real_distribution<float> u(-scale, scale);
+  std::vector<__nv_bfloat16> v(static_cast<size_t>(count));
+  for (auto& e : v) e = __float2bfloat16(u(rng));
+  return v;
+}
+
+struct Runner {
+  cudaStream_t stream = nullptr;
+  int checks = 0, failures = 0;
+
+  void fail(const std::string& what) {
+    ++failures;
+    std::printf("  FAIL %s\n", what.c_str());
+  }
+
+  // Compares out (NaN-poisoned before the call, guarded by canaries) with the reference of
+  // (src, sizes) already in d.src / d.sizes; "" when it passes.
+  std::string compare(const Case& cs, const Device& d, DType out_dtype,
+                      const std::vector<int32_t>& src, const std::vector<int32_t>& sizes) {
+    const int64_t mn = cs.m * cs.n;
+    const std::vector<int32_t> group = row_groups(sizes, cs.m);
+    CHECK_CUDA(cudaMemcpy(d.group, group.data(), group.size() * 4, cudaMemcpyHostToDevice));
+    const int threads = 256;
+    reference_kernel<<<static_cast<unsigned>((mn + threads - 1) / threads), threads, 0, stream>>>(
+        d.x, d.src, d.w, d.group, cs.tokens, cs.m, cs.k, cs.n, d.ref);
+    CHECK_CUDA(cudaGetLastError());
+    CHECK_CUDA(cudaStreamSynchronize(stream));
+    std::vector<double> ref(static_cast<size_t>(mn));
+    CHECK_CUDA(cudaMemcpy(ref.data(), d.ref, ref.size() * sizeof(double), cudaMemcpyDeviceToHost));
+    const size_t out_bytes = static_cast<size_t>(mn) * dtype_bytes(out_dtype);
+    std::vector<char> block(out_bytes + 2 * kGuardBytes);
+    CHECK_CUDA(cudaMemcpy(block.data(), d.out_block, block.size(), cudaMemcpyDeviceToHost));
+    for (size_t i = 0; i < kGuardBytes; i += 4) {
+      uint32_t before, after;
+      std::memcpy(&before, block.data() + i, 4);
+      std::memcpy(&after, block.data() + kGuardBytes + out_bytes + i, 4);
+      if (before != kCanary || after != kCanary) return "canary overwritten";
+    }
+    const char* out = block.data() + kGuardBytes;
+    double max_ref = 0;
+    for (double v : ref) max_ref = std::max(max_ref, std::fabs(v));
+    const double tol = (out_dtype == DType::kF32 ? 1e-4 : 1e-2) * std::max(max_ref, 1e-30);
+    for (int64_t i = 0; i < mn; ++i) {
+      float o;
+      if (out_dtype == DType::kF32) {
+        std::memcpy(&o, out + i * 4, 4);
+      } else {
+        __nv_bfloat16 b;
+        std::memcpy(&b, out + i * 2, 2);
+        o = __bfloat162float(b);
+      }
+      const int64_t r = i / cs.n;
+      const int32_t s = src[static_cast<size_t>(r)];
+      const bool zero_row = group[static_cast<size_t>(r)] < 0 || s < 0 || s >= cs.tokens;
+      char where[160];
+      std::snprintf(where, sizeof(where), " at row %lld col %lld: out %g ref %g",
+                    static_cast<long long>(r), static_cast<long long>(i % cs.n), o, ref[static_cast<size_t>(i)]);
+      if (std::isnan(o)) return std::string("NaN (unwritten?)") + where;
+      if (zero_row && o != 0.0f) return std::string("nonzero in a zero row") + where;
+      if (std::fabs(o - ref[static_cast<size_t>(i)]) > tol) return std::string("error above tolerance") + where;
+    }
+    return "";
+  }
+
+  void poison(const Case& cs, const Device& d, DType out_dtype) {
+    const size_t out_bytes = static_cast<size_t>(cs.m * cs.n) * dtype_bytes(out_dtype);
+    std::vector<uint32_t> guard(kGuardBytes / 4, kCanary);
+    CHECK_CUDA(cudaMemcpy(d.out_block, guard.data(), kGuardBytes, cudaMemcpyHostToDevice));
+    CHECK_CUDA(cudaMemcpy(d.out_block + kGuardBytes + out_bytes, guard.data(), kGuardBytes,
+                          cudaMemcpyHostToDevice));
+    CHECK_CUDA(cudaMemset(d.out_block + kGuardBytes, 0xFF, out_bytes));  // NaN in bf16 and f32
+  }
+
+  void run_case(const Case& cs, DType out_dtype, std::mt19937& rng) {
+    ++checks;
+    std::printf("%-26s T %5lld M %5lld K %5lld N %5lld G %4zu out %-4s", cs.name.c_str(),
+                static_cast<long long>(cs.tokens), static_cast<long long>(cs.m),
+                static_cast<long long>(cs.k), static_cast<long long>(cs.n), cs.sizes.size(),
+                dtype_name(out_dtype));
+    Device d;
+    d.x = device_copy(random_bf16(cs.tokens * cs.k, 1.0f, rng));
+    d.w = device_copy(random_bf16(static_cast<int64_t>(cs.sizes.size()) * cs.k * cs.n, 1.0f, rng));
+    d.src = device_copy(cs.src);
+    d.sizes = device_copy(cs.sizes);
+    d.group = device_copy(std::vector<int32_t>(static_cast<size_t>(cs.m), -1));
+    CHECK_CUDA(cudaMalloc(&d.ref, std::max<int64_t>(cs.m * cs.n, 1) * sizeof(double)));
+    const size_t out_bytes = static_cast<size_t>(cs.m * cs.n) * dtype_bytes(out_dtype);
+    CHECK_CUDA(cudaMalloc(&d.out_block, out_bytes + 2 * kGuardBytes));
+
+    GatherGemmParams p{};
+    p.in_dtype = DType::kBF16;
+    p.out_dtype = out_dtype;
+    p.x = d.x;
+    p.src = d.src;
+    p.w = d.w;
+    p.group_sizes = d.sizes;
+    p.out = d.out_block + kGuardBytes;
+    p.tokens = cs.tokens;
+    p.m = cs.m;
+    p.k = cs.k;
+    p.n = cs.n;
+    p.num_groups = static_cast<int64_t>(cs.sizes.size());
+    const size_t ws_bytes = moe_xla::cuda::gather_gemm_workspace_bytes(p);
+    CHECK_CUDA(cudaMalloc(&d.workspace, ws_bytes + 8));
+    void* workspace = d.workspace + 8;  // not 256-byte aligned on purpose
+
+    std::string error;
+    poison(cs, d, out_dtype);
+    const moe_xla::Status status = moe_xla::cuda::gather_gemm(p, workspace, ws_bytes, stream);
+    if (!status.ok()) {
+      error = "gather_gemm: " + status.message();
+    } else {
+      CHECK_CUDA(cudaStreamSynchronize(stream));
+      error = compare(cs, d, out_dtype, cs.src, cs.sizes);
+    }
+
+    // The same call captured into a graph, replayed after the sizes and src changed.
+    if (error.empty()) {
+      poison(cs, d, out_dtype);
+      cudaGraph_t graph;
+      cudaGraphExec_t exec;
+      CHECK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+      const moe_xla::Status captured = moe_xla::cuda::gather_gemm(p, workspace, ws_bytes, stream);
+      CHECK_CUDA(cudaStreamEndCapture(stream, &graph));
+      if (!captured.ok()) {
+        error = "captured gather_gemm: " + captured.message();
+      } else {
+        std::vector<int32_t> sizes = cs.sizes;
+        std::reverse(sizes.begin(), sizes.end());
+        const std::vector<int32_t> src = random_src(cs.m, cs.tokens, 9, rng);
+        CHECK_CUDA(cudaMemcpy(d.sizes, sizes.data(), sizes.size() * 4, cudaMemcpyHostToDevice));
+        CHECK_CUDA(cudaMemcpy(d.src, src.data(), src.size() * 4, cudaMemcpyHostToDevice));
+        CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+        CHECK_CUDA(cudaGraphLaunch(exec, stream));
+        CHECK_CUDA(cudaStreamSynchronize(stream));
+        error = compare(cs, d, out_dtype, src, sizes);
+        if (!error.empty()) error = "graph replay: " + error;
+        CHECK_CUDA(cudaGraphExecDestroy(exec));
+      }
+      CHECK_CUDA(cudaGraphDestroy(graph));
+    }
+    std::printf(" %s\n", error.empty() ? "ok" : "FAIL");
+    if (!error.empty()) fail(cs.name + ": " + error);
+    for (void* ptr : {static_cast<void*>(d.x), static_cast<void*>(d.w), static_cast<void*>(d.src),
+                      static_cast<void*>(d.sizes), static_cast<void*>(d.group),
+                      static_cast<void*>(d.ref), static_cast<void*>(d.out_block),
+                      static_cast<void*>(d.workspace)}) {
+      CHECK_CUDA(cudaFree(ptr));
+    }
+  }
+
+  // K or N not a multiple of 8 must be refused before anything is enqueued.
+  void check_rejects_unaligned_shapes() {
+    for (const auto& kn : {std::pair<int64_t, int64_t>{12, 64}, std::pair<int64_t, int64_t>{64, 60}}) {
+      ++checks;
+      GatherGemmParams p{};
+      p.in_dtype = p.out_dtype = DType::kBF16;
+      p.tokens = 4;
+      p.m = 4;
+      p.k = kn.first;
+      p.n = kn.second;
+      p.num_groups = 1;
+      const moe_xla::Status status = moe_xla::cuda::gather_gemm(p, nullptr, 0, stream);
+      const bool ok = status.code() == moe_xla::StatusCode::kInvalidArgument;
+      std::printf("%-26s K %lld N %lld: %s\n", "unaligned shape rejected", static_cast<long long>(p.k),
+                  static_cast<long long>(p.n), ok ? "ok" : "FAIL");
+      if (!ok) fail("K " + std::to_string(p.k) + " N " + std::to_string(p.n) + " not rejected as InvalidArgument");
+    }
+  }
+};
+
+}  // namespace
+
+int main() {
+  exit_if_no_cuda_device("gather_gemm_selftest");
+  const moe_xla::Status device =
+      moe_xla::cuda::require_device(moe_xla::cuda::DeviceSupport::kFull, "gather_gemm");
+  if (!device.ok()) {
+    std::printf("gather_gemm_selftest: SKIPPED, %s\n", device.message().c_str());
+    return 0;
+  }
+  Runner runner;
+  CHECK_CUDA(cudaStreamCreateWithFlags(&runner.stream, cudaStreamNonBlocking));
+  std::mt19937 rng(20240719);
+  for (const Case& cs : make_cases(rng)) {
+    for (DType out : {DType::kBF16, DType::kF32}) runner.run_case(cs, out, rng);
+  }
+  runner.check_rejects_unaligned_shapes();
+  CHECK_CUDA(cudaStreamDestroy(runner.stream));
+  std::printf("%s: %d of %d checks failed\n", runner.failures ? "FAIL" : "PASS", runner.failures,
+              runner.checks);
+  return runner.failures ? 1 : 0;
+}
