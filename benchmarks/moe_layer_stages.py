@@ -74,8 +74,9 @@ weights_quant_ms is the time of quantising both weights once, what an optimizer 
 pays for all its micro-batches. --first-product measures each case once per mode of
 moe_xla.first_product (how moe() feeds its first product: "gather" reads the rows from the
 tokens through the row map, "copy" from permute's copy, "auto" lets moe() choose; FP8
-quantizations copy in every mode), column first_product; with "gather" the dispatch stage
-holds the sort alone and gmm_in the gather.
+quantizations copy in every mode), column first_product; with "gather" the forward's
+dispatch stage holds the sort alone and gmm_in the gather (a step that differentiates the
+layer copies: first_product's custom_jvp).
 Output: moe_layer_stages_<platform>.json / .md under --out (_timing.write_results).
 """
 

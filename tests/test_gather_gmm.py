@@ -297,7 +297,7 @@ def _permute_width(text: str):
 
 
 @needs_cuda_kernel
-def test_moe_gathered_hlo_has_no_permuted_copy(rng):
+def test_moe_forward_gathers_without_a_permuted_copy_and_its_step_copies(rng):
     args = _layer_args(rng, jnp.bfloat16)
 
     def fwd():
@@ -311,12 +311,14 @@ def test_moe_gathered_hlo_has_no_permuted_copy(rng):
         with first_product.forced(mode):
             return jax.jit(make()).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
-    for make in (fwd, step):
-        gathered, copied = lowered("gather", make), lowered("copy", make)
-        assert "moe_xla_gather_gmm_cuda_v1" in gathered and "moe_xla_gather_gmm_cuda_v1" not in copied
-        assert set(_permute_width(gathered)) == {0} and 16 in _permute_width(copied)
-        # The forward holds no [T*k, H] gather of x: only the backward's rows for the weight gradient.
-        assert "stablehlo.gather" not in lowered("gather", fwd)
+    gathered, copied = lowered("gather", fwd), lowered("copy", fwd)
+    assert "moe_xla_gather_gmm_cuda_v1" in gathered and "moe_xla_gather_gmm_cuda_v1" not in copied
+    assert set(_permute_width(gathered)) == {0} and 16 in _permute_width(copied)
+    assert "stablehlo.gather" not in gathered  # no [T*k, H] gather of x either
+    # A step that differentiates the layer runs the copy path (first_product's custom_jvp).
+    gathered, copied = lowered("gather", step), lowered("copy", step)
+    assert "moe_xla_gather_gmm_cuda_v1" not in gathered
+    assert 16 in _permute_width(gathered)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device")
