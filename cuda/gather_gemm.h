@@ -9,7 +9,7 @@
 //
 // Requirements, each an InvalidArgument error when not met: K and N multiples of 8 (rows
 // of x and w of whole 16-byte chunks, as cp.async and TMA read them); x, w and out 16-byte
-// aligned; T, M, K, N and G below 2^31 - 256.
+// aligned; T, M, K, N and G at most 2^31 - 256.
 //
 // Everything is enqueued on the given stream: group sizes stay on the device (two prep
 // kernels turn them into a table of row tiles in the workspace, and zero the rows past the

@@ -1,10 +1,11 @@
 // Decodes and validates the buffers and attributes of the quantize_fp8_rows /
 // quantize_fp8_blocks / quantize_fp8_weights FFI calls into the framework-free
 // Fp8QuantizeParams of common/fp8_blockwise.h, those of quantize_fp8_group_cols into its
-// Fp8GroupColsParams, those of activate_quantize_fp8 into the Fp8ActivateQuantizeParams
-// of common/expert_activation.h, and those of gather_quantize_fp8_rows into its
-// Fp8GatherQuantizeParams, for both the CPU and the CUDA handlers. Every error names
-// the argument, what was expected and what was passed.
+// Fp8GroupColsParams, those of activate_quantize_fp8 / activate_grad_quantize_fp8 into the
+// Fp8ActivateQuantizeParams / Fp8ActivateGradQuantizeParams of common/expert_activation.h,
+// and those of gather_quantize_fp8_rows into its Fp8GatherQuantizeParams, for both the
+// CPU and the CUDA handlers. Every error names the argument, what was expected and what
+// was passed.
 #ifndef MOE_XLA_FFI_FP8_QUANTIZE_ARGS_H_
 #define MOE_XLA_FFI_FP8_QUANTIZE_ARGS_H_
 

@@ -6,18 +6,16 @@
               and gather_gmm reads each row x[src[r]] straight from the tokens, src[r] the
               token of sorted row r (the inverse of row_map, divided by k).
 
-The gather path saves the write and the read of x_sorted (2 T k H elements) in the forward.
-Its kernel pays for the gather in its own throughput, so the saved copy is worth more than
-it costs only while the product is short: `choose` gathers on Hopper GPUs, in bf16 without
-FP8 quantization (whose rows are quantised on their way through permute,
-moe._sorted_fp8_rows), for w_in of at most GATHER_MAX_N columns (N = 2F for gated
-experts), the widths up to which the H200 timed the gather kernel faster than permute's
-copy plus the grouped GEMM.
-Only programs that do not differentiate the layer gather: GatheredRows.gmm is a
-custom_jvp whose primal is gather_gmm and whose derivative rule is the copy path's
-(permute's copy, then gmm), so a forward+backward step runs exactly the copy path. Its
-backward needs the sorted rows for the weight gradient anyway, and re-gathering them there
-made the step slower than copying once in the forward (benchmarks/results/LOG.md).
+The gather path saves the write and the read of x_sorted (2 T k H elements) in the forward;
+its kernel pays for the gather in its own throughput, so it is chosen only where the saved
+copy is worth more (benchmarks/results/LOG.md): `choose` gathers on Hopper GPUs, in bf16
+without FP8 quantization (whose rows are quantised on their way through permute,
+moe._sorted_fp8_rows), for w_in of at most GATHER_MAX_N columns (N = 2F for gated experts).
+Only programs that do not differentiate the layer gather: GatheredRows.gmm is a custom_jvp
+whose primal is gather_gmm and whose derivative rule is the copy path's (permute's copy,
+then gmm), so a forward+backward step runs the copy path's kernels (its sort may run
+twice, once with zero-width rows). The backward needs the sorted rows for the weight
+gradient, and gathering them there costs more than the forward's gather saves.
 
 `forced` overrides the choice for tests and benchmarks. The choice is made while tracing:
 a function jitted under one mode keeps it in its compiled programs.
@@ -72,16 +70,16 @@ def choose(x, w_in, top_k: int, quantization) -> str:
     return "gather" if gathers else "copy"
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(6,))
-def _gathered_product(x, w, group_sizes, src, token_slots, expert_ids, num_experts):
+@functools.partial(jax.custom_jvp, nondiff_argnums=(5,))
+def _gathered_product(x, w, group_sizes, src, expert_ids, num_experts):
     """gmm(x_sorted, w, group_sizes) with x_sorted = permute(x, expert_ids, num_experts)'s:
     gather_gmm where no derivative is taken, the copy path's rule where one is."""
-    return gather_gmm(x, src, w, group_sizes, token_slots=token_slots)
+    return gather_gmm(x, src, w, group_sizes)
 
 
 @_gathered_product.defjvp
 def _gathered_product_jvp(num_experts, primals, tangents):
-    x, w, group_sizes, _, _, expert_ids = primals
+    x, w, group_sizes, _, expert_ids = primals
     copied = lambda x, w: gmm(permute(x, expert_ids, num_experts)[0], w, group_sizes)  # noqa: E731
     return jax.jvp(copied, (x, w), tangents[:2])
 
@@ -89,19 +87,16 @@ def _gathered_product_jvp(num_experts, primals, tangents):
 @dataclasses.dataclass(frozen=True)
 class GatheredRows:
     """The rows x[src[r]] of x_sorted, left in the tokens: src [T*k] the token of sorted row
-    r, token_slots [T, k] = row_map reshaped, the rows of each token (src's inverse, for
-    gather_gmm's gradient in x); expert_ids [T, k] and num_experts, permute's arguments,
-    for the copy path a derivative takes (module docstring)."""
+    r; expert_ids [T, k] and num_experts, permute's arguments, for the copy path a
+    derivative takes (module docstring)."""
     x: jax.Array
     src: jax.Array
-    token_slots: jax.Array
     expert_ids: jax.Array
     num_experts: int
 
     def gmm(self, w, group_sizes):
         """gmm(x_sorted, w, group_sizes) without x_sorted in a forward-only program."""
-        return _gathered_product(self.x, w, group_sizes, self.src, self.token_slots, self.expert_ids,
-                                 self.num_experts)
+        return _gathered_product(self.x, w, group_sizes, self.src, self.expert_ids, self.num_experts)
 
 
 def sorted_rows(x, expert_ids, num_experts: int):
@@ -111,4 +106,4 @@ def sorted_rows(x, expert_ids, num_experts: int):
     _, group_sizes, row_map = permute(jnp.zeros((t, 0), x.dtype), expert_ids, num_experts)
     # row_map is a permutation of the T*k rows: row r holds assignment pair[r] = t*k + j.
     pair, _ = _rows.inverse_rows(row_map, t * k)
-    return GatheredRows(x, pair // k, row_map.reshape(t, k), expert_ids, num_experts), group_sizes, row_map
+    return GatheredRows(x, pair // k, expert_ids, num_experts), group_sizes, row_map

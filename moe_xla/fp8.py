@@ -206,31 +206,31 @@ def _gmm_combine_bwd(wgrad_kind, saved, dy):
 _gmm_combine.defvjp(_gmm_combine_fwd, _gmm_combine_bwd)
 
 
-def _weights(rhs, rhs_quantized, transpose_rhs=False):
+def _weights(op, rhs, rhs_quantized, transpose_rhs=False):
     """(w as [G, K, N] or None for an Fp8Weights rhs, the Fp8Weights the products use):
     rhs quantised here unless rhs_quantized is given (see gmm_fp8_blockwise)."""
     if isinstance(rhs, Fp8Weights):
         if transpose_rhs:
-            raise ValueError("gmm(quantization='fp8_blockwise'): transpose_rhs must be False for Fp8Weights "
+            raise ValueError(f"{op}: transpose_rhs must be False for Fp8Weights "
                              "(the container holds w [G, K, N] in both layouts)")
         return None, rhs
     if jnp.ndim(rhs) != 3:
-        raise ValueError(f"gmm(quantization='fp8_blockwise'): expected rhs of rank 3, got shape {jnp.shape(rhs)}")
+        raise ValueError(f"{op}: expected rhs of rank 3, got shape {jnp.shape(rhs)}")
     w = jnp.swapaxes(rhs, 1, 2) if transpose_rhs else rhs
     if rhs_quantized is None:
         return w, quantize_fp8_weights(w)
     if not isinstance(rhs_quantized, Fp8Weights):
-        raise TypeError(f"gmm(quantization='fp8_blockwise'): expected rhs_quantized to be an Fp8Weights "
+        raise TypeError(f"{op}: expected rhs_quantized to be an Fp8Weights "
                         f"(moe_xla.quantize_fp8_weights), got {type(rhs_quantized).__name__}")
     if tuple(rhs_quantized.shape) != tuple(w.shape):
-        raise ValueError(f"gmm(quantization='fp8_blockwise'): expected rhs_quantized of the weights' shape "
+        raise ValueError(f"{op}: expected rhs_quantized of the weights' shape "
                          f"{tuple(w.shape)} [G, K, N], got {tuple(rhs_quantized.shape)}")
     return w, jax.tree.map(jax.lax.stop_gradient, rhs_quantized)
 
 
-def _check_wgrad(wgrad):
+def _check_wgrad(op, wgrad):
     if wgrad not in WGRADS:
-        raise ValueError(f"gmm(quantization='fp8_blockwise'): expected wgrad in {WGRADS}, got {wgrad!r}")
+        raise ValueError(f"{op}: expected wgrad in {WGRADS}, got {wgrad!r}")
 
 
 def _stopped(lhs_quantized):
@@ -246,9 +246,9 @@ def gmm_activate_fp8(lhs, rhs, group_sizes, activation: str, *, lhs_quantized=No
     its FP8 rows in one kernel (activate_grad_quantize_fp8, a few ulps from jax.vjp of the
     jnp activation), then the product's rules with those rows: d lhs in FP8, d w in the
     precision wgrad names (gmm_fp8_blockwise's)."""
-    _check_wgrad(wgrad)
+    _check_wgrad("gmm_activate_fp8", wgrad)
     with jax.named_scope(_PRODUCT):
-        w, weights = _weights(rhs, rhs_quantized)
+        w, weights = _weights("gmm_activate_fp8", rhs, rhs_quantized)
     return _gmm_act(lhs, _stopped(lhs_quantized), w, weights, group_sizes, activation, wgrad)
 
 
@@ -261,11 +261,16 @@ def gmm_combine_fp8(lhs, rhs, group_sizes, row_map, weights, *, lhs_quantized=No
     gmm_fp8_blockwise's. Differentiable w.r.t. lhs, an array rhs and weights: the backward
     gathers d out[r] = weights[t, j] dy[t] for r = row_map[t*k + j] (0 for rows no entry
     names) and its FP8 rows in one kernel (gather_quantize_fp8_rows), bitwise what
-    unpermute's transpose and quantize_fp8_rows give, then the product's rules with those
-    rows; d weights is unpermute's."""
-    _check_wgrad(wgrad)
+    unpermute's transpose and quantize_fp8_rows give except that products of magnitude
+    <= 2^-126 are signed zeros (fp8::scaled_element; XLA:CPU flushes them too, XLA:GPU keeps
+    subnormals), then the product's rules with those rows; d weights is unpermute's. The
+    product's output [T*k, N] is kept for d weights even when weights need no gradient."""
+    _check_wgrad("gmm_combine_fp8", wgrad)
+    if jnp.shape(lhs)[:1] != jnp.shape(row_map):
+        raise ValueError(f"gmm_combine_fp8: expected lhs of {jnp.shape(row_map)[0]} rows (T*k, row_map's length), "
+                         f"got shape {jnp.shape(lhs)}")
     with jax.named_scope(_PRODUCT_OUT):
-        w, quantized = _weights(rhs, rhs_quantized)
+        w, quantized = _weights("gmm_combine_fp8", rhs, rhs_quantized)
     return _gmm_combine(lhs, _stopped(lhs_quantized), w, quantized, group_sizes, row_map, weights, wgrad)
 
 
@@ -285,7 +290,8 @@ def gmm_fp8_blockwise(lhs, rhs, group_sizes, *, transpose_rhs=False, preferred_e
     from other values give that forward and the gradient of rhs the backward rule states.
     wgrad ("bf16" or "fp8") picks the weight gradient's precision (module docstring).
     """
-    _check_wgrad(wgrad)
+    op = "gmm(quantization='fp8_blockwise')"
+    _check_wgrad(op, wgrad)
     out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
-    w, weights = _weights(rhs, rhs_quantized, transpose_rhs)
+    w, weights = _weights(op, rhs, rhs_quantized, transpose_rhs)
     return _gmm(lhs, _stopped(lhs_quantized), w, weights, group_sizes, out_dtype, wgrad)

@@ -185,3 +185,15 @@ def test_the_layer_quantises_each_cotangent_in_the_pass_that_makes_it(rng):
     assert hlo.count("moe_xla_quantize_fp8_rows") == 1
     assert hlo.count("moe_xla_gather_quantize_fp8_rows") == 1
     assert hlo.count("moe_xla_activate_grad_quantize_fp8") == 1
+
+
+def test_fused_products_name_themselves_in_errors(rng):
+    x, logits, w_in, w_out = _inputs(rng)
+    weights, ids = moe_xla.route(logits, K)
+    a_rows, group_sizes, row_map = moe_xla.permute(x[:, :F], ids, E)
+    with pytest.raises(ValueError, match=r"gmm_combine_fp8: expected lhs of 512 rows \(T\*k"):
+        moe_xla.fp8.gmm_combine_fp8(a_rows[:-1], w_out, group_sizes, row_map, weights)
+    with pytest.raises(ValueError, match="gmm_combine_fp8: expected wgrad in"):
+        moe_xla.fp8.gmm_combine_fp8(a_rows, w_out, group_sizes, row_map, weights, wgrad="f32")
+    with pytest.raises(ValueError, match="gmm_activate_fp8: expected rhs of rank 3"):
+        moe_xla.fp8.gmm_activate_fp8(x, w_in[0], group_sizes, "swiglu")

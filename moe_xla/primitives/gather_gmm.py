@@ -58,8 +58,8 @@ def gather_gmm(x, src, w, group_sizes, *, preferred_element_type=None, token_slo
 
 def kernel_supports(x_shape, w_shape, m: int, in_dtype, out_dtype) -> bool:
     """Whether the CUDA kernel computes this case: x [T, K] and w [G, K, N] in bf16, M
-    output rows in bf16 or float32, K and N multiples of 8 (16-byte rows), every size below
-    2^31 - 256."""
+    output rows in bf16 or float32, K and N multiples of 8 (16-byte rows), every size at
+    most 2^31 - 256."""
     (t, k), (g, _, n) = x_shape, w_shape
     return (jnp.dtype(in_dtype) == jnp.bfloat16 and jnp.dtype(out_dtype) in _KERNEL_OUT_DTYPES
             and k % 8 == 0 and n % 8 == 0 and max(t, m, k, n, g) <= _KERNEL_MAX_DIM)
