@@ -92,13 +92,16 @@ def moe_input_shapes(tokens: int, hidden: int, ffn: int, experts: int, sharding)
 
 
 def fwd_bwd(layer, n_inputs: int):
-    """jax.grad of sum(layer(*inputs).astype(f32) * ct) w.r.t. every input; ct is the last arg."""
+    """A training step's work: jax.value_and_grad of sum(layer(*inputs).astype(f32) * ct)
+    w.r.t. every input; ct is the last arg. The loss value needs the layer's output, as the
+    next layer of a model does: a gradient alone of this loss (linear in the output) would
+    let XLA drop every forward stage whose output only the value needs."""
 
     def loss(*args):
         *inputs, ct = args
         return jnp.sum(layer(*inputs).astype(jnp.float32) * ct)
 
-    return jax.grad(loss, argnums=tuple(range(n_inputs)))
+    return jax.value_and_grad(loss, argnums=tuple(range(n_inputs)))
 
 
 def torch_sync(_=None):

@@ -148,15 +148,15 @@ def test_stage_columns():
 
 
 def test_scopes_of_a_compiled_step():
-    """The op names JAX and XLA give a real step carry every stage but the forward combine
-    (the loss is linear in y), the forward has it, and every op a trace names is in the
-    module (the CPU trace's thunks carry hlo_op as GPU kernels do)."""
+    """The op names JAX and XLA give a real step (its loss value needs y) carry every stage,
+    the forward's every forward stage, and every op a trace names is in the module (the CPU
+    trace's thunks carry hlo_op as GPU kernels do)."""
     layer = stages.moe_xla_layer({"top_k": 2, "score": "softmax"})
     inputs, ct = moe_inputs(jax.random.key(0), 32, 16, 8, 4)
     step = jax.jit(fwd_bwd(layer, len(inputs))).lower(*inputs, ct).compile()
     scopes = stages.instruction_scopes(step.as_text())
     every = set(stages.PROGRAM_ORDER)
-    assert frozenset().union(*scopes.values()) == every - {("combine", "fwd")}
+    assert frozenset().union(*scopes.values()) == every
     fwd_scopes = stages.instruction_scopes(jax.jit(layer).lower(*inputs).compile().as_text())
     assert frozenset().union(*fwd_scopes.values()) == {p for p in every if p[1] == "fwd"}
     thunks = [e for e in trace_events(step, inputs + (ct,), 1) if "hlo_op" in e.get("args", {})]
