@@ -12,7 +12,7 @@ import moe_xla.fp8 as fp8
 from moe_xla.activations import activate
 from moe_xla.first_product import GatheredRows
 from moe_xla.grouped import gmm, is_fp8
-from moe_xla.primitives.unpermute import unpermute
+from moe_xla.product_combine import gmm_combine
 
 
 def expert_mlp(x_sorted, w_in, w_out, group_sizes, activation: str, quantization=None, x_quantized=None,
@@ -29,9 +29,10 @@ def expert_mlp(x_sorted, w_in, w_out, group_sizes, activation: str, quantization
     with "fp8_blockwise", Fp8Weights of w_in and w_out made elsewhere, used by the products
     instead of quantising the arrays (which still get their gradients). combine = (row_map,
     weights) of permute and route: returns the weighted combine unpermute(out, row_map,
-    weights) [T, H] instead of out; with "fp8_blockwise" the second product and the combine
-    are one custom_vjp whose backward quantises d out as it gathers it
-    (fp8.gmm_combine_fp8)."""
+    weights) [T, H] instead of out, through product_combine.gmm_combine (whose derivative
+    needs neither out nor a weighted copy of the cotangent); with "fp8_blockwise" the
+    second product and the combine are one custom_vjp whose backward quantises d out as it
+    gathers it (fp8.gmm_combine_fp8)."""
     if is_fp8(quantization):
         q_in, q_out = quantized_weights
         wgrad = fp8.QUANTIZATION_WGRAD[quantization]
@@ -52,12 +53,10 @@ def expert_mlp(x_sorted, w_in, w_out, group_sizes, activation: str, quantization
             h = gmm(x_sorted, w_in, group_sizes, quantization=quantization)
     with jax.named_scope("moe_xla/act"):
         a = activate(h, activation)
+    if combine is not None:
+        return gmm_combine(a, w_out, group_sizes, *combine)
     with jax.named_scope("moe_xla/gmm_out"):
-        out = gmm(a, w_out, group_sizes, quantization=quantization)
-    if combine is None:
-        return out
-    with jax.named_scope("moe_xla/combine"):
-        return unpermute(out, *combine, unique_rows=True)  # permute's row_map
+        return gmm(a, w_out, group_sizes, quantization=quantization)
 
 
 def shared_mlp(x, shared_experts, activation: str):
