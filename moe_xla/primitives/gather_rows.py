@@ -40,6 +40,7 @@ from moe_xla.primitives import _ad, _batching, _checks, _impl, _lowering, _shard
 OP = "gather_rows"
 
 gather_rows_p = Primitive("moe_xla_gather_rows")
+_bilinear_jvp = _ad.bilinear_jvp(gather_rows_p, 0, 2)  # with a factor: in (values, factor)
 
 
 def gather_rows(values, src, factor=None, *, unique_sources=False):
@@ -79,7 +80,7 @@ def _abstract_eval(values, src, *factor, has_factor, unique_sources):
 def _jvp(primals, tangents, *, has_factor, unique_sources):
     params = dict(has_factor=has_factor, unique_sources=unique_sources)
     if has_factor:
-        return _ad.bilinear_jvp(gather_rows_p, 0, 2)(primals, tangents, **params)
+        return _bilinear_jvp(primals, tangents, **params)
     out = gather_rows_p.bind(*primals, **params)
     if type(tangents[0]) is ad.Zero:
         return out, _ad.zero_tangent(out)
