@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU visit: kernel self-checks, the pytest suite on the GPU, then benchmarks.
 # Usage (on the H200 machine, from the repo root):
-#   benchmarks/gpu_check.sh [selftest|sanitize|pytest|pytest-memcheck|bench-cutlass|demo|demo-fp8|bench-fp8|bench-gmm|gmm-trace|gmm-sustained|kernel-resources|ncu-gmm|bench-moe|bench-stages]...
+#   benchmarks/gpu_check.sh [selftest|sanitize|pytest|pytest-memcheck|bench-cutlass|demo|demo-fp8|bench-fp8|bench-gather|bench-gmm|gmm-trace|gmm-sustained|kernel-resources|ncu-gmm|bench-moe|bench-stages]...
 # selftest, sanitize and bench-cutlass run the binaries in $GPU_BIN (default ./.gpu_bin),
 # which scripts/build_gpu_tests.sh builds on a machine with Bazel; the Python steps load
 # $MOE_XLA_LIBRARY (default: $GPU_BIN/libmoe_xla.so if present, else moe_xla/_native/).
@@ -17,7 +17,7 @@ export PYTHONUNBUFFERED=1 MOE_XLA_LIBRARY
 SELFTESTS="grouped_gemm_selftest routing_selftest gather_gemm_selftest"
 status=0
 # The test files that run kernels on the GPU (the 8-device ones run on CPU devices in CI).
-GPU_TESTS="tests/test_gmm.py tests/test_gmm_autodiff.py tests/test_gmm_errors.py tests/test_gather_gmm.py tests/test_gmm_lowering.py tests/test_routing.py tests/test_moe.py tests/test_parallel_gpu.py tests/test_demo.py tests/test_fp8_quantize.py tests/test_unpermute_transpose.py tests/test_gmm_fp8.py tests/test_moe_fp8.py tests/test_fp8_wgrad.py tests/test_activate_quantize_fp8.py tests/test_activate_grad_quantize_fp8.py tests/test_gather_quantize_fp8_rows.py"
+GPU_TESTS="tests/test_gmm.py tests/test_gmm_autodiff.py tests/test_gmm_errors.py tests/test_gather_gmm.py tests/test_gmm_lowering.py tests/test_routing.py tests/test_moe.py tests/test_parallel_gpu.py tests/test_demo.py tests/test_fp8_quantize.py tests/test_unpermute_transpose.py tests/test_gmm_fp8.py tests/test_moe_fp8.py tests/test_fp8_wgrad.py tests/test_activate_quantize_fp8.py tests/test_activate_grad_quantize_fp8.py tests/test_gather_quantize_fp8_rows.py tests/test_gather_rows.py"
 DEMO_ARGS=(--steps 300 --batch 32 --seq 256 --hidden 512 --heads 8 --experts 32 --top-k 4 --layers 4 --dtype bfloat16)
 for step in "$@"; do
   echo "=== $step"
@@ -52,6 +52,8 @@ for step in "$@"; do
         > "$OUT/demo_fp8_vs_bf16.log" 2>&1 || status=1; tail -14 "$OUT/demo_fp8_vs_bf16.log" ;;
     bench-fp8)
       python3 benchmarks/gmm_fp8.py --out "$OUT" ${FP8_ARGS:-} > "$OUT/bench_gmm_fp8.log" 2>&1 || status=1; tail -14 "$OUT/bench_gmm_fp8.log" ;;
+    bench-gather)
+      python3 benchmarks/gather_rows.py --out "$OUT" ${GATHER_ARGS:-} > "$OUT/bench_gather_rows.log" 2>&1 || status=1; tail -34 "$OUT/bench_gather_rows.log" ;;
     bench-gmm)
       python3 benchmarks/gmm.py --out "$OUT" ${GMM_ARGS:-} > "$OUT/bench_gmm.log" 2>&1 || status=1; tail -14 "$OUT/bench_gmm.log" ;;
     kernel-resources)  # registers / shared memory / stack of the sm90 grouped GEMM kernels, ours and torch's, names demangled

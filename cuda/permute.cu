@@ -7,9 +7,10 @@
 //      is exactly slot(i) of common/routing.h.
 //   3. group_sizes: one thread per expert, two binary searches on the sorted keys
 //      (upper minus lower bound). No atomics, no memset.
-//   4. gather_rows: a group of threads per slot s reads i = sorted_value[s], writes
-//      row_map[i] = s and copies row x[i / k] into x_sorted[s] with the widest vector
-//      (16, 8, 4, 2 or 1 bytes) that the row size and both pointers allow.
+//   4. the row gather of cuda/row_gather.cuh: slot s reads i = sorted_value[s], one thread
+//      of its team writes row_map[i] = s, and the team copies row x[i / k] into
+//      x_sorted[s] with the widest copy unit (16, 8, 4, 2 or 1 bytes) that the row size
+//      and both pointers allow, several independent loads in flight per thread.
 // The workspace holds the two key and two value buffers of the sort plus CUB's temporary
 // storage; its size comes from CUB's host-only size query.
 #include <cuda_runtime.h>
@@ -23,6 +24,7 @@
 #include "common/status.h"
 #include "cuda/device.h"
 #include "cuda/routing.h"
+#include "cuda/row_gather.cuh"
 
 namespace moe_xla {
 namespace cuda {
@@ -105,36 +107,18 @@ __global__ void count_groups(const uint32_t* __restrict__ sorted, int n, int exp
   group_sizes[e] = lower_bound(sorted, n, e + 1u) - lower_bound(sorted, n, static_cast<uint32_t>(e));
 }
 
-// `threads_per_row` threads per slot, `rows_per_block` slots per block; V is the copy unit.
-template <typename V>
-__global__ void gather_rows(const V* __restrict__ x, V* __restrict__ x_sorted, const int32_t* __restrict__ order,
-                            int32_t* __restrict__ row_map, int64_t n, int64_t k, int64_t row_vectors,
-                            int threads_per_row, int rows_per_block) {
-  const int r = threadIdx.x / threads_per_row;
-  const int c0 = threadIdx.x % threads_per_row;
-  if (r >= rows_per_block) return;
-  const int64_t s = static_cast<int64_t>(blockIdx.x) * rows_per_block + r;
-  if (s >= n) return;
-  const int64_t i = order[s];
-  if (i < 0 || i >= n) return;  // unreachable: the sorted values are a permutation of [0, n)
-  if (c0 == 0) row_map[i] = static_cast<int32_t>(s);
-  const V* src = x + (i / k) * row_vectors;
-  V* dst = x_sorted + s * row_vectors;
-  for (int64_t c = c0; c < row_vectors; c += threads_per_row) dst[c] = src[c];
-}
-
-template <typename V>
-cudaError_t launch_gather(const PermuteParams& p, const int32_t* order, int64_t n, cudaStream_t stream) {
-  const int64_t row_vectors = p.hidden * static_cast<int64_t>(dtype_bytes(p.dtype)) / sizeof(V);
-  int threads_per_row = 1;
-  while (threads_per_row < kThreads && threads_per_row < row_vectors) threads_per_row *= 2;
-  const int rows_per_block = kThreads / threads_per_row;
-  const int64_t blocks = (n + rows_per_block - 1) / rows_per_block;
-  gather_rows<V><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
-      static_cast<const V*>(p.x), static_cast<V*>(p.x_sorted), order, p.row_map, n, p.top_k, row_vectors,
-      threads_per_row, rows_per_block);
-  return cudaGetLastError();
-}
+// Row s of x_sorted is row order[s] / k of x; one thread of its team writes row_map[order[s]] = s.
+struct SortedRows {
+  const int32_t* order;
+  int32_t* row_map;
+  int64_t n, k;
+  __device__ __forceinline__ row_gather::Copy row(int64_t s, bool leader) const {
+    const int64_t i = order[s];
+    if (i < 0 || i >= n) return {-1};  // unreachable: the sorted values are a permutation of [0, n)
+    if (leader) row_map[i] = static_cast<int32_t>(s);
+    return {i / k};
+  }
+};
 
 }  // namespace
 
@@ -184,22 +168,9 @@ Status permute(const PermuteParams& p, void* workspace, size_t workspace_bytes, 
     MOE_XLA_RETURN_IF_CUDA_ERROR(cudaGetLastError());  // launch of count_groups
   }
 
-  // Widest copy unit that divides the row and both base addresses.
-  const size_t row_bytes = static_cast<size_t>(p.hidden) * dtype_bytes(p.dtype);
-  const uintptr_t addresses = reinterpret_cast<uintptr_t>(p.x) | reinterpret_cast<uintptr_t>(p.x_sorted);
-  auto fits = [&](size_t bytes) { return row_bytes % bytes == 0 && addresses % bytes == 0; };
-  const int32_t* order = values.Current();
-  if (fits(16)) {
-    MOE_XLA_RETURN_IF_CUDA_ERROR(launch_gather<uint4>(p, order, n, stream));
-  } else if (fits(8)) {
-    MOE_XLA_RETURN_IF_CUDA_ERROR(launch_gather<uint2>(p, order, n, stream));
-  } else if (fits(4)) {
-    MOE_XLA_RETURN_IF_CUDA_ERROR(launch_gather<uint32_t>(p, order, n, stream));
-  } else if (fits(2)) {
-    MOE_XLA_RETURN_IF_CUDA_ERROR(launch_gather<uint16_t>(p, order, n, stream));
-  } else {
-    MOE_XLA_RETURN_IF_CUDA_ERROR(launch_gather<uint8_t>(p, order, n, stream));
-  }
+  const int64_t row_bytes = p.hidden * static_cast<int64_t>(dtype_bytes(p.dtype));
+  MOE_XLA_RETURN_IF_CUDA_ERROR(row_gather::launch<1>(p.x, p.x_sorted, n, row_bytes,
+                                                     SortedRows{values.Current(), p.row_map, n, p.top_k}, stream));
   return Status();
 }
 

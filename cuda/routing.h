@@ -12,9 +12,9 @@
 //   route:     one warp per token; scores in shared memory, group filter and top-k by
 //              repeated warp-wide argmax. Needs no workspace. Supports E up to 4096.
 //   permute:   stable LSD radix sort (CUB) of (bucket(i), i) pairs, bucket = expert id or E
-//              for invalid ids; group sizes by binary search on the sorted buckets; a
-//              gather kernel writes row_map and copies rows with 16-byte (or narrower)
-//              vector accesses. Needs permute_workspace_bytes(p) of workspace.
+//              for invalid ids; group sizes by binary search on the sorted buckets; the
+//              row gather of cuda/row_gather.cuh writes row_map and copies rows with
+//              16-byte (or narrower) accesses. Needs permute_workspace_bytes(p) of workspace.
 //   unpermute: a group of threads per token, vectorized loads, f32 accumulation in j
 //              order (no FMA contraction, like the CPU kernel). Needs no workspace.
 // permute's workspace pointer may have any alignment; its size must be at least

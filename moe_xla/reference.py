@@ -62,14 +62,24 @@ def tgmm(lhs, rhs, group_sizes, *, preferred_element_type=None):
     return jax.lax.map(one_group, jnp.arange(group_sizes.shape[0])).astype(out_dtype)
 
 
+def gather_rows(values, src, factor=None):
+    """values [T, H], src [R] int32, factor [R] float32 or None -> rows [R, H] in values'
+    dtype: rows[r] = values[src[r]] (bitwise), or fp8_scaled_element(factor[r],
+    values[src[r]]) rounded once to values' dtype; a zero row where src[r] is outside [0, T)."""
+    t, h = values.shape
+    named = ((src >= 0) & (src < t))[:, None]
+    if not t:
+        return jnp.zeros((src.shape[0], h), values.dtype)
+    rows = values[jnp.clip(src, 0, t - 1)]
+    if factor is not None:
+        rows = fp8_scaled_element(factor[:, None], rows.astype(jnp.float32)).astype(values.dtype)
+    return jnp.where(named, rows, jnp.zeros((), values.dtype))
+
+
 def gather_gmm(x, src, w, group_sizes, *, preferred_element_type=None):
     """out[rows of g] = x[src[rows of g]] @ w[g]: gmm of the gathered rows, where src outside
     [0, T) gathers a zero row. x [T, K], src [M], w [G, K, N], group_sizes [G] -> [M, N]."""
-    t = x.shape[0]
-    named = ((src >= 0) & (src < t))[:, None]
-    rows = jnp.where(named, x[jnp.clip(src, 0, max(t - 1, 0))], 0) if t else jnp.zeros((src.shape[0], x.shape[1]),
-                                                                                        x.dtype)
-    return gmm(rows, w, group_sizes, preferred_element_type=preferred_element_type or x.dtype)
+    return gmm(gather_rows(x, src), w, group_sizes, preferred_element_type=preferred_element_type or x.dtype)
 
 
 def route_source(logits, score: str):
@@ -319,13 +329,10 @@ def fp8_scaled_element(scale, x):
 
 def gather_quantize_fp8_rows(values, src, scale, *, pow2_scale=False):
     """values [T, H], src [R] int32, scale [R] float32 -> (rows [R, H] in values' dtype, q,
-    scales): rows[r] = fp8_scaled_element(scale[r], values[src[r]]) rounded once to values'
-    dtype where 0 <= src[r] < T, else 0; (q, scales) = quantize_fp8_rows(rows)."""
-    t, h = values.shape
-    named = (src >= 0) & (src < t)
-    x = values[jnp.clip(src, 0, t - 1)] if t else jnp.zeros((src.shape[0], h), values.dtype)
-    product = fp8_scaled_element(scale[:, None], x.astype(jnp.float32))
-    rows = jnp.where(named[:, None], product, 0.0).astype(values.dtype)
+    scales): rows = gather_rows(values, src, scale) (fp8_scaled_element(scale[r],
+    values[src[r]]) rounded once to values' dtype where 0 <= src[r] < T, else 0);
+    (q, scales) = quantize_fp8_rows(rows)."""
+    rows = gather_rows(values, src, scale)
     return (rows, *quantize_fp8_rows(rows, pow2_scale=pow2_scale))
 
 

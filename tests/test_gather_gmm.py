@@ -203,14 +203,15 @@ def test_cuda_lowering_takes_the_kernel_where_it_applies(k, n, dtype, out_dtype,
     x, w = jnp.zeros((10, k), dtype), jnp.zeros((2, k, n), dtype)
     src, gs = jnp.zeros((12,), jnp.int32), jnp.zeros((2,), jnp.int32)
     targets = _cuda_targets(lambda *a: moe_xla.gather_gmm(*a, preferred_element_type=out_dtype), x, src, w, gs)
-    assert targets == (["moe_xla_gather_gmm_cuda_v1"] if kernel else ["moe_xla_gmm_cuda_v1"])
+    decomposition = ["moe_xla_gather_rows_cuda_v1", "moe_xla_gmm_cuda_v1"]
+    assert targets == (["moe_xla_gather_gmm_cuda_v1"] if kernel else decomposition)
 
 
 def test_cpu_lowering_is_the_decomposition(rng):
     x, w = normal(rng, (10, 16), jnp.bfloat16), normal(rng, (2, 16, 8), jnp.bfloat16)
     text = jax.jit(moe_xla.gather_gmm).trace(x, jnp.zeros((12,), jnp.int32), w, jnp.zeros((2,), jnp.int32)).lower(
         lowering_platforms=("cpu",)).as_text()
-    assert re.findall(r"custom_call @(moe_xla_\w+)", text) == ["moe_xla_gmm_cpu_v1"]
+    assert re.findall(r"custom_call @(moe_xla_\w+)", text) == ["moe_xla_gather_rows_cpu_v1", "moe_xla_gmm_cpu_v1"]
 
 
 @pytest.mark.parametrize("change,exc,message", [
@@ -272,7 +273,7 @@ def test_moe_gathered_equals_copied(rng, dtype, kw):
     y_copy, g_copy = _layer("copy", args, **kw)
     y_gather, g_gather = _layer("gather", args, **kw)
     # Gradients: the custom_jvp's rule is the copy path, so bitwise everywhere. The forward:
-    # the same kernels on CPU and in float32 (the decomposition, take_rows + gmm, moves the
+    # the same kernels on CPU and in float32 (the decomposition, gather_rows + gmm, moves the
     # same rows as permute's copy): bitwise; the GPU's gather kernel and grouped GEMM may
     # round h differently in bf16.
     for a, b in zip(g_gather, g_copy):

@@ -1,6 +1,6 @@
 """gather_gmm: the grouped matrix product of MoE experts read through a row map.
 
-    out[rows of g] = x[src[rows of g]] @ w[g]   = gmm(take_rows(x, src), w, group_sizes)
+    out[rows of g] = x[src[rows of g]] @ w[g]   = gmm(gather_rows(x, src), w, group_sizes)
 
 x [T, K]; src [M] int32 (an entry outside [0, T) reads a zero row); w [G, K, N];
 group_sizes [G] int32, clamped to the M rows as gmm's; rows past sum(group_sizes) are
@@ -11,11 +11,11 @@ Where it runs: on CUDA the kernel of cuda/gather_gemm.h when it supports the cas
 when lowering from the shapes and dtypes (kernel_supports: bf16 x and w, bf16 or float32
 out, K and N multiples of 8) and the local GPUs (Hopper, compute capability 9.0; with no
 local GPU the kernel is assumed and its handler checks the device). Everywhere else (CPU,
-other GPUs, other cases) it lowers to its decomposition, take_rows + the gmm primitive, so
+other GPUs, other cases) it lowers to its decomposition, gather_rows + the gmm primitive, so
 every platform computes the same contract.
 
 gather_gmm is bilinear in (x, w):
-    d w = tgmm(take_rows(x, src), ct)
+    d w = tgmm(gather_rows(x, src), ct)
     d x = the rows of d x_sorted = gmm(ct, w, transpose_rhs=True) summed back to tokens:
           d x[t] = sum_{r: src[r] = t} d x_sorted[r]
 The sum is deterministic either way. With token_slots [T, k] int32, a promise that
@@ -35,6 +35,7 @@ from jax.interpreters import ad, batching
 import moe_xla._lib as _lib
 import moe_xla._rows as _rows
 from moe_xla.primitives import _ad, _batching, _checks, _impl, _lowering, _sharding
+from moe_xla.primitives.gather_rows import gather_rows
 from moe_xla.primitives.gmm import gmm_p
 from moe_xla.primitives.tgmm import tgmm_p
 from moe_xla.primitives.unpermute import unpermute_p
@@ -88,8 +89,8 @@ def _abstract_eval(x, src, w, group_sizes, *token_slots, preferred_element_type,
 
 
 def _decomposition(x, src, w, group_sizes, *_token_slots, preferred_element_type, has_token_slots):
-    """gmm(take_rows(x, src), w, group_sizes): the contract from other primitives."""
-    return gmm_p.bind(_rows.take_rows(x, src, x.dtype), w, group_sizes, transpose_rhs=False,
+    """gmm(gather_rows(x, src), w, group_sizes): the contract from other primitives."""
+    return gmm_p.bind(gather_rows(x, src), w, group_sizes, transpose_rhs=False,
                       preferred_element_type=preferred_element_type)
 
 
@@ -125,7 +126,7 @@ def _transpose(ct, x, src, w, group_sizes, *token_slots, preferred_element_type,
     w_aval = w.aval
     if type(ct) is ad.Zero:
         return None, None, ad.Zero(w_aval), *none[2:]
-    d_w = tgmm_p.bind(_rows.take_rows(x, src, x.dtype), ct.astype(x.dtype), group_sizes,
+    d_w = tgmm_p.bind(gather_rows(x, src), ct.astype(x.dtype), group_sizes,
                       preferred_element_type=jnp.dtype(w_aval.dtype))
     return None, None, d_w, *none[2:]
 

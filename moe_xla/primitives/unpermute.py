@@ -12,8 +12,8 @@ unpermute is bilinear in (y_sorted, weights):
 Both are deterministic (no scatter-add). d y_sorted holds for any row_map: the entries are
 sorted stably by row and each row's run summed by a segmented scan (_rows.sum_rows_into).
 unique_rows=True promises that row_map names each row at most once, as permute's row_map
-does; d y_sorted is then one gather through the inverse of row_map (_rows.expand_rows),
-and a row named twice would get only one of its terms.
+does; d y_sorted is then one gather_rows through the inverse of row_map
+(gather_rows.expand_rows), and a row named twice would get only one of its terms.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from jax.interpreters import ad, batching
 
 import moe_xla._rows as _rows
 from moe_xla.primitives import _ad, _batching, _checks, _impl, _lowering, _sharding
+from moe_xla.primitives.gather_rows import expand_rows
 
 unpermute_p = Primitive("moe_xla_unpermute")
 
@@ -63,7 +64,7 @@ def _transpose(ct, y_sorted, row_map, weights, *, unique_rows):
             return ad.Zero(y_sorted.aval), None, None
         slots, num_rows = row_map.reshape(t, k), y_sorted.aval.shape[0]
         if unique_rows:
-            d_rows = _rows.expand_rows(ct, slots, weights, num_pairs=num_rows)
+            d_rows = expand_rows(ct, slots, weights, num_pairs=num_rows)
         else:
             d_rows = _rows.sum_rows_into(ct, slots, weights, num_rows=num_rows)
         return d_rows.astype(y_sorted.aval.dtype), None, None
