@@ -17,8 +17,9 @@ so its transpose, with c[r] = dy[t] the cotangent gathered unweighted (one gathe
     d w_out[e] = (omega a)_e^T c_e    (one tgmm)
 
 The usual rule (unpermute's transpose, then gmm's) keeps out [T*k, H] for d weights and
-reads it, and writes the weighted cotangent; here the residuals are a, omega and omega * a
-([T*k, F] each). The tangent rounds omega * a and omega d a + d omega a to a's dtype.
+reads it, and writes the weighted cotangent; here the residuals are a and omega (omega * a
+is recomputed in the backward). The tangent rounds omega * a and omega d a + d omega a to
+a's dtype.
 """
 
 from __future__ import annotations
@@ -37,8 +38,11 @@ def _row_weights(row_map, weights, num_rows: int):
     return _rows.expansion_sources(row_map.reshape(t, k), weights, num_pairs=num_rows)[1]
 
 
-def _scaled(omega, rows, dtype):
-    return (omega[:, None] * rows.astype(jnp.float32)).astype(dtype)
+@jax.checkpoint
+def _weighted_product(omega, a, w, group_sizes):
+    """gmm(omega * a, w): rematerialised, so that a step keeps a and omega for its backward,
+    not omega * a as well."""
+    return gmm((omega[:, None] * a.astype(jnp.float32)).astype(a.dtype), w, group_sizes)
 
 
 @jax.custom_jvp
@@ -62,8 +66,7 @@ def _gmm_combine_jvp(primals, tangents):
         omega = _row_weights(row_map, weights, a.shape[0])
         d_omega = _row_weights(row_map, d_weights, a.shape[0])
         d_rows = (omega[:, None] * d_a.astype(jnp.float32) + d_omega[:, None] * a.astype(jnp.float32)).astype(a.dtype)
-        weighted = _scaled(omega, a, a.dtype)
     with jax.named_scope("moe_xla/gmm_out"):
-        d_out = gmm(d_rows, w_out, group_sizes) + gmm(weighted, d_w_out, group_sizes)
+        d_out = gmm(d_rows, w_out, group_sizes) + _weighted_product(omega, a, d_w_out, group_sizes)
     with jax.named_scope("moe_xla/combine"):
         return y, unpermute(d_out, row_map, jnp.ones_like(weights), unique_rows=True)
