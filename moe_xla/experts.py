@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 
 import moe_xla.fp8 as fp8
@@ -51,12 +53,22 @@ def expert_mlp(x_sorted, w_in, w_out, group_sizes, activation: str, quantization
             h = x_sorted.gmm(w_in, group_sizes)
         else:
             h = gmm(x_sorted, w_in, group_sizes, quantization=quantization)
+    if combine is not None:
+        return _activate_product_combine(h, w_out, group_sizes, *combine, activation)
     with jax.named_scope("moe_xla/act"):
         a = activate(h, activation)
-    if combine is not None:
-        return gmm_combine(a, w_out, group_sizes, *combine)
     with jax.named_scope("moe_xla/gmm_out"):
         return gmm(a, w_out, group_sizes, quantization=quantization)
+
+
+@functools.partial(jax.checkpoint, static_argnums=(5,))
+def _activate_product_combine(h, w_out, group_sizes, row_map, weights, activation: str):
+    """gmm_combine(act(h), w_out, ...), rematerialised: a step keeps h, which the
+    activation's backward reads anyway, and recomputes a = act(h) and omega * a where its
+    backward needs them (elementwise, fused into their readers) instead of keeping them."""
+    with jax.named_scope("moe_xla/act"):
+        a = activate(h, activation)
+    return gmm_combine(a, w_out, group_sizes, row_map, weights)
 
 
 def shared_mlp(x, shared_experts, activation: str):

@@ -17,9 +17,9 @@ so its transpose, with c[r] = dy[t] the cotangent gathered unweighted (one gathe
     d w_out[e] = (omega a)_e^T c_e    (one tgmm)
 
 The usual rule (unpermute's transpose, then gmm's) keeps out [T*k, H] for d weights and
-reads it, and writes the weighted cotangent; here the residuals are a and omega (omega * a
-is recomputed in the backward). The tangent rounds omega * a and omega d a + d omega a to
-a's dtype.
+reads it, and writes the weighted cotangent; here the residuals are a, omega and omega * a
+([T*k, F]; experts.py rematerialises them from the activation's input). The tangent rounds
+omega * a and omega d a + d omega a to a's dtype.
 """
 
 from __future__ import annotations
@@ -36,13 +36,6 @@ def _row_weights(row_map, weights, num_rows: int):
     """omega [num_rows]: omega[row_map[t*k + j]] = weights[t, j], 0 for rows no entry names."""
     t, k = weights.shape
     return _rows.expansion_sources(row_map.reshape(t, k), weights, num_pairs=num_rows)[1]
-
-
-@jax.checkpoint
-def _weighted_product(omega, a, w, group_sizes):
-    """gmm(omega * a, w): rematerialised, so that a step keeps a and omega for its backward,
-    not omega * a as well."""
-    return gmm((omega[:, None] * a.astype(jnp.float32)).astype(a.dtype), w, group_sizes)
 
 
 @jax.custom_jvp
@@ -66,7 +59,8 @@ def _gmm_combine_jvp(primals, tangents):
         omega = _row_weights(row_map, weights, a.shape[0])
         d_omega = _row_weights(row_map, d_weights, a.shape[0])
         d_rows = (omega[:, None] * d_a.astype(jnp.float32) + d_omega[:, None] * a.astype(jnp.float32)).astype(a.dtype)
+        weighted = (omega[:, None] * a.astype(jnp.float32)).astype(a.dtype)
     with jax.named_scope("moe_xla/gmm_out"):
-        d_out = gmm(d_rows, w_out, group_sizes) + _weighted_product(omega, a, d_w_out, group_sizes)
+        d_out = gmm(d_rows, w_out, group_sizes) + gmm(weighted, d_w_out, group_sizes)
     with jax.named_scope("moe_xla/combine"):
         return y, unpermute(d_out, row_map, jnp.ones_like(weights), unique_rows=True)
