@@ -12,8 +12,9 @@ expert FFN width (F), E experts, K = top_k, TK = T*K routed rows, b = 2 bytes (b
 
 Timing (benchmarks/_timing.time_jax, wall ms per call of back-to-back jitted calls):
   t_f   the forward, y = moe(x, logits, w_in, w_out);
-  t_fb  one forward+backward step, _timing.fwd_bwd: jax.grad of sum(y.astype(f32) * ct)
-        w.r.t. x, router logits, w_in and w_out.
+  t_fb  one forward+backward step, _timing.fwd_bwd: jax.value_and_grad of
+        sum(y.astype(f32) * ct) w.r.t. x, router logits, w_in and w_out (the value keeps
+        every forward stage in the program, as a model's next layer would).
   fwd TFLOP/s = 6 T K d n / t_f  (gmm_in 2 TK d 2n + gmm_out 2 TK n d),
   bwd TFLOP/s = 12 T K d n / (t_fb - t_f)  (each product's dgrad and wgrad),
   fwd+bwd TFLOP/s = 18 T K d n / t_fb.
