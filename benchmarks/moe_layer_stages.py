@@ -17,10 +17,7 @@ Timing (benchmarks/_timing.time_jax, wall ms per call of back-to-back jitted cal
         every forward stage in the program, as a model's next layer would).
   fwd TFLOP/s = 6 T K d n / t_f  (gmm_in 2 TK d 2n + gmm_out 2 TK n d),
   bwd TFLOP/s = 12 T K d n / (t_fb - t_f)  (each product's dgrad and wgrad),
-  fwd+bwd TFLOP/s = 18 T K d n / t_fb.
-The loss is linear in y, so its gradient does not need y: XLA drops the forward combine
-from the step, and t_fb - t_f is the backward less the forward combine (moe_layer.py and
-issue 19's figures time the same step).
+  fwd+bwd TFLOP/s = 18 T K d n / t_fb (moe_layer.py times the same step).
 
 Stages: one profiler trace of --trace-steps steps (_timing.trace_events / gpu_kernels);
 every GPU kernel (and memcpy / memset on a stream) is put in one stage and direction:
@@ -63,9 +60,11 @@ _share (that over the untraced t_fb), and
     act fwd       h [TK, 2n] in; a [TK, n] out                   b(2TKn + TKn) = 3bTKn
     act bwd       h, d_a in; d_h out                             b(2TKn + TKn + 2TKn) = 5bTKn
     combine fwd   y_sorted, row_map, weights in; y out           b(TKd + Td) + 8TK
-    combine bwd   ct (bf16), y_sorted, row_map, weights in;      b(Td + 2TKd) + 12TK
-                  d_y_sorted, d_weights out
-combine fwd is 0 (not in the step, see above). Also: kernels_ms (all kernels of a step),
+    combine bwd   ct (bf16), row_map, weights in; ct gathered    b(Td + TKd + 2TKn) + 12TK
+                  into expert order out; g = its product with
+                  w_out^T and a in, d_weights out (F wide:
+                  moe_xla/product_combine.py)
+Also: kernels_ms (all kernels of a step),
 other_ms / other_share, mixed_ms, fwd_bwd_mem_gib (XLA's compile-time estimate, as
 moe_layer.py), and for the sonicmoe cases fwd/bwd_vs_sonicmoe = our TFLOP/s / SonicMoE's
 published H100 figure (cases.json, read off its paper's Fig. 14). With
@@ -199,7 +198,7 @@ def compulsory_bytes(stage: str, direction: str, t: int, k: int, d: int, n: int,
         ("act", "fwd"): 3 * b * tk * n,
         ("act", "bwd"): 5 * b * tk * n,
         ("combine", "fwd"): b * (tk * d + t * d) + 8 * tk,
-        ("combine", "bwd"): b * (t * d + 2 * tk * d) + 12 * tk,
+        ("combine", "bwd"): b * (t * d + tk * d + 2 * tk * n) + 12 * tk,
     }[(stage, direction)]
 
 

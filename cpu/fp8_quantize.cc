@@ -15,6 +15,7 @@
 
 #include "cpu/dtype.h"
 #include "cpu/fp8_group_tiles.h"
+#include "cpu/gather_rows.h"
 
 namespace moe_xla::cpu {
 
@@ -80,18 +81,9 @@ void fp8_activate_quantize(const Fp8ActivateQuantizeParams& p) {
 }
 
 void fp8_gather_quantize(const Fp8GatherQuantizeParams& p) {
-  const size_t bytes = dtype_bytes(p.dtype);
-  for (int64_t r = 0; r < p.rows; ++r) {
-    const int64_t s = p.src[r];
-    const bool named = s >= 0 && s < p.num_values;  // else a zero row, values unread
-    for (int64_t c = 0; c < p.cols; ++c) {
-      const float v = named ? fp8::scaled_element(p.scale[r], load_as_float(p.values, s * p.cols + c, p.dtype)) : 0.0f;
-      store_from_float(p.out, r * p.cols + c, p.dtype, v);
-    }
-    // The row as stored, rounded to its dtype, through the row tiles' own quantisation.
-    quantize_stored_rows(static_cast<const char*>(p.out) + r * p.cols * bytes, p.dtype, 1, p.cols,
-                         p.q + r * p.cols, p.scales + r * fp8::tiles(p.cols), p.pow2_scale);
-  }
+  // The rows as gather_rows stores them (rounded to their dtype), then their row tiles.
+  gather_rows(GatherRowsParams{p.values, p.dtype, p.src, p.scale, p.num_values, p.out, p.rows, p.cols});
+  quantize_stored_rows(p.out, p.dtype, p.rows, p.cols, p.q, p.scales, p.pow2_scale);
 }
 
 void fp8_quantize_group_cols(const Fp8GroupColsParams& p) {

@@ -261,9 +261,9 @@ def gmm_combine_fp8(lhs, rhs, group_sizes, row_map, weights, *, lhs_quantized=No
     gmm_fp8_blockwise's. Differentiable w.r.t. lhs, an array rhs and weights: the backward
     gathers d out[r] = weights[t, j] dy[t] for r = row_map[t*k + j] (0 for rows no entry
     names) and its FP8 rows in one kernel (gather_quantize_fp8_rows), bitwise what
-    unpermute's transpose and quantize_fp8_rows give except that products of magnitude
-    <= 2^-126 are signed zeros (fp8::scaled_element; XLA:CPU flushes them too, XLA:GPU keeps
-    subnormals), then the product's rules with those rows; d weights is unpermute's. The
+    unpermute's transpose (unique_rows: gather_rows) and quantize_fp8_rows give, both making
+    products of magnitude <= 2^-126 signed zeros (fp8::scaled_element), then the product's
+    rules with those rows; d weights is unpermute's. The
     product's output [T*k, N] is kept for d weights even when weights need no gradient."""
     _check_wgrad("gmm_combine_fp8", wgrad)
     if jnp.shape(lhs)[:1] != jnp.shape(row_map):

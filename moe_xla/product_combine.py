@@ -9,7 +9,8 @@ using out[r] = a[r] @ w_out[e] to move the weights in front of the product:
 
     d y[t] = sum_j (omega d a + d omega a)[r] @ w_out[e] + (omega a)[r] @ d w_out[e]
 
-so its transpose, with c[r] = dy[t] the cotangent gathered unweighted (one gather), is
+so its transpose, with c[r] = dy[t] the cotangent gathered unweighted (unpermute's
+transpose with weights 1: one gather_rows pass), is
 
     g = c @ w_out[e]^T                [T*k, F]   (one grouped GEMM)
     d a = omega * g
@@ -19,7 +20,9 @@ so its transpose, with c[r] = dy[t] the cotangent gathered unweighted (one gathe
 The usual rule (unpermute's transpose, then gmm's) keeps out [T*k, H] for d weights and
 reads it, and writes the weighted cotangent; here the residuals are a, omega and omega * a
 ([T*k, F]; experts.py rematerialises them from the activation's input). The tangent rounds
-omega * a and omega d a + d omega a to a's dtype.
+omega * a and omega d a + d omega a to a's dtype, and g is rounded to it before the
+weights scale it: in float16, g has 1 / omega less headroom below the overflow than the
+weighted cotangent's product had.
 """
 
 from __future__ import annotations
@@ -33,9 +36,11 @@ from moe_xla.primitives.unpermute import unpermute
 
 
 def _row_weights(row_map, weights, num_rows: int):
-    """omega [num_rows]: omega[row_map[t*k + j]] = weights[t, j], 0 for rows no entry names."""
-    t, k = weights.shape
-    return _rows.expansion_sources(row_map.reshape(t, k), weights, num_pairs=num_rows)[1]
+    """omega [num_rows]: omega[row_map[t*k + j]] = weights[t, j], 0 for rows no entry names.
+    A scatter of distinct places (entries naming no row are dropped), so that its transpose,
+    the weights' cotangent, is a gather: no scatter-add."""
+    place = jnp.where(_rows.names_row(row_map, num_rows), row_map, num_rows)
+    return jnp.zeros((num_rows,), weights.dtype).at[place].set(weights.reshape(-1), mode="drop", unique_indices=True)
 
 
 @jax.custom_jvp

@@ -142,8 +142,8 @@ def test_reference_is_the_contract_in_numpy(rng, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rows_are_the_unfused_products_away_from_the_smallest_normal(rng, dtype):
-    """Away from products of magnitude at most 2^-126 the rows are the plain jnp of the
-    unfused path (_rows.expand_rows: the float32 product, one rounding to the dtype)."""
+    """Away from products of magnitude at most 2^-126 the rows are the plain jnp of a
+    weighted row gather (the float32 product, one rounding to the dtype)."""
     values, src, scale = _case(rng, 11, 60, 200, dtype)
     scale = scale.at[:4].set(1.0)  # no tiny products
 

@@ -122,7 +122,7 @@ def test_compulsory_bytes_and_flops():
         ("act", "fwd"): h + a,
         ("act", "bwd"): h + a + h,
         ("combine", "fwd"): rows + topk_i32 + topk_f32 + x,
-        ("combine", "bwd"): x + rows + topk_i32 + topk_f32 + rows + topk_f32,
+        ("combine", "bwd"): x + topk_i32 + topk_f32 + rows + a + a + topk_f32,  # ct, map, w; c; g, a; d w
     }
     for (stage, direction), nbytes in expected.items():
         assert stages.compulsory_bytes(stage, direction, t, k, d, n, e, b) == nbytes, (stage, direction)

@@ -53,14 +53,6 @@ def gather_rows(values, src, factor=None, *, unique_sources=False):
     return gather_rows_p.bind(values, src, *factors, has_factor=factor is not None, unique_sources=unique_sources)
 
 
-def expand_rows(rows, slots, weights, *, num_pairs: int):
-    """_rows.expand_rows through the gather_rows primitive: [num_pairs, H] with row
-    slots[q, j] = weights[q, j] * rows[q] (rnd of the float32 product), 0 where no slot
-    names a row. slots must name each row at most once."""
-    src, factor = _rows.expansion_sources(slots, weights, num_pairs=num_pairs)
-    return gather_rows(rows, src, factor.astype(jnp.float32))
-
-
 def _abstract_eval(values, src, *factor, has_factor, unique_sources):
     _checks.rank(OP, "values", values, 2, "[T, H]")
     _checks.float_dtype(OP, "values", values)

@@ -13,7 +13,9 @@ Both are deterministic (no scatter-add). d y_sorted holds for any row_map: the e
 sorted stably by row and each row's run summed by a segmented scan (_rows.sum_rows_into).
 unique_rows=True promises that row_map names each row at most once, as permute's row_map
 does; d y_sorted is then one gather_rows through the inverse of row_map
-(gather_rows.expand_rows), and a row named twice would get only one of its terms.
+(_expanded), and a row named twice would get only one of its terms. That
+path makes products weights[t, j] * ct[t] of magnitude <= 2^-126 signed zeros
+(gather_rows' rule, the same on every platform); the general path keeps what XLA computes.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from jax.interpreters import ad, batching
 
 import moe_xla._rows as _rows
 from moe_xla.primitives import _ad, _batching, _checks, _impl, _lowering, _sharding
-from moe_xla.primitives.gather_rows import expand_rows
+from moe_xla.primitives.gather_rows import gather_rows
 
 unpermute_p = Primitive("moe_xla_unpermute")
 
@@ -55,6 +57,13 @@ def _abstract_eval(y_sorted, row_map, weights, *, unique_rows):
     return jax.core.ShapedArray((weights.shape[0], y_sorted.shape[1]), y_sorted.dtype)
 
 
+def _expanded(rows, slots, weights, *, num_pairs: int):
+    """_rows.sum_rows_into(rows, slots, weights) for slots naming each row at most once, as
+    one gather_rows through the inverse of slots (a row named twice gets one of its terms)."""
+    src, factor = _rows.expansion_sources(slots, weights, num_pairs=num_pairs)
+    return gather_rows(rows, src, factor.astype(jnp.float32))
+
+
 def _transpose(ct, y_sorted, row_map, weights, *, unique_rows):
     if ad.is_undefined_primal(row_map):
         raise ValueError("unpermute: row_map is integer and cannot be differentiated")
@@ -64,7 +73,7 @@ def _transpose(ct, y_sorted, row_map, weights, *, unique_rows):
             return ad.Zero(y_sorted.aval), None, None
         slots, num_rows = row_map.reshape(t, k), y_sorted.aval.shape[0]
         if unique_rows:
-            d_rows = expand_rows(ct, slots, weights, num_pairs=num_rows)
+            d_rows = _expanded(ct, slots, weights, num_pairs=num_rows)
         else:
             d_rows = _rows.sum_rows_into(ct, slots, weights, num_rows=num_rows)
         return d_rows.astype(y_sorted.aval.dtype), None, None

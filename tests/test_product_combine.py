@@ -1,0 +1,145 @@
+"""product_combine.gmm_combine: the second expert product and the weighted combine, whose
+derivative moves the routing weights in front of the product.
+
+Forward, gradients (a, w_out, routing weights), forward mode and vmap against a dense
+formula that shares nothing with it (one-hot matrices and einsum in float32), on row maps
+with entries naming no row, rows no entry names and rows past the groups; moe()'s step
+keeps neither the product's output nor a and has no scatter-add.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import assert_close, normal, rel_err
+from jax.test_util import check_grads
+
+import moe_xla
+from moe_xla.product_combine import gmm_combine
+
+T, K, F, H = 24, 3, 8, 12
+SIZES = np.array([20, 0, 31, 9], np.int32)  # 60 of the 72 rows: the last 12 are past the groups
+
+
+def _row_map(rng, kind):
+    """[T*K] int32: a permutation of the rows, or one with entries naming no row (-1, T*K,
+    INT32 extremes), which leaves as many rows unnamed."""
+    rm = rng.permutation(T * K).astype(np.int64)
+    if kind == "holes":
+        rm[rng.choice(T * K, 8, replace=False)] = [-1, T * K, T * K + 5, -(2**31), 2**31 - 1, -7, T * K, -1]
+    return jnp.asarray(rm.astype(np.int32))
+
+
+def _inputs(rng, dtype):
+    a = normal(rng, (T * K, F), dtype)
+    w_out = (normal(rng, (len(SIZES), F, H), jnp.float32) / np.sqrt(F)).astype(dtype)
+    weights = jnp.asarray(rng.uniform(0.05, 1.0, (T, K)), jnp.float32)
+    return a, w_out, weights
+
+
+def _dense(a, w_out, weights, row_map):
+    """y = P @ (a @ W[group of row]) with P[t, r] = weights[t, j] where row_map[t*K + j] = r
+    and the rows past the groups 0, in float32 from one-hot matrices."""
+    rows = T * K
+    group = np.repeat(np.arange(len(SIZES)), SIZES)
+    member = jnp.asarray(np.arange(len(SIZES))[None, :] == np.pad(group, (0, rows - len(group)),
+                                                                  constant_values=-1)[:, None], jnp.float32)
+    out = jnp.einsum("rf,rg,gfh->rh", a.astype(jnp.float32), member, w_out.astype(jnp.float32), precision="highest")
+    picks = (row_map[:, None] == jnp.arange(rows)[None, :]).astype(jnp.float32).reshape(T, K, rows)
+    return jnp.einsum("tk,tkr,rh->th", weights, picks, out, precision="highest")
+
+
+def _combined(a, w_out, weights, row_map):
+    return gmm_combine(a, w_out, jnp.asarray(SIZES), row_map, weights)
+
+
+def _grads(f, a, w_out, weights, row_map, ct):
+    return jax.jit(jax.grad(lambda *x: jnp.sum(f(*x, row_map).astype(jnp.float32) * ct), argnums=(0, 1, 2)))(
+        a, w_out, weights)
+
+
+@pytest.mark.parametrize("kind", ["permutation", "holes"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_forward_and_gradients_match_the_dense_formula(rng, kind, dtype):
+    a, w_out, weights = _inputs(rng, dtype)
+    row_map = _row_map(rng, kind)
+    ct = normal(rng, (T, H), jnp.float32)
+    y = jax.jit(_combined)(a, w_out, weights, row_map)
+    assert y.dtype == dtype
+    assert_close(y, _dense(a, w_out, weights, row_map), dtype)
+    got = _grads(_combined, a, w_out, weights, row_map, ct)
+    want = _grads(_dense, a, w_out, weights, row_map, ct)
+    # bf16 / f16 gradients round g and omega * g (and omega * a) where the dense formula does not.
+    for name, x, y_ in zip(("d a", "d w_out", "d weights"), got, want):
+        assert x.dtype == y_.dtype or name != "d weights"
+        assert_close(x, y_, dtype, scale=2.0)
+    # Rows no entry names and rows past the groups get no gradient in a.
+    named = np.isin(np.arange(T * K), np.asarray(row_map))
+    past = np.arange(T * K) >= SIZES.sum()
+    assert np.all(np.asarray(got[0], np.float32)[~named | past] == 0)
+
+
+def test_forward_mode_and_vmap_of_the_gradient(rng):
+    a, w_out, weights = _inputs(rng, jnp.float32)
+    row_map = _row_map(rng, "holes")
+    tangents = (normal(rng, a.shape, jnp.float32), normal(rng, w_out.shape, jnp.float32),
+                normal(rng, weights.shape, jnp.float32))
+    primals = (a, w_out, weights)
+    y, dy = jax.jit(lambda p, t: jax.jvp(lambda *x: _combined(*x, row_map), p, t))(primals, tangents)
+    y_ref, dy_ref = jax.jvp(lambda *x: _dense(*x, row_map), primals, tangents)
+    assert_close(y, y_ref, jnp.float32)
+    assert_close(dy, dy_ref, jnp.float32)
+    cts = normal(rng, (3, T, H), jnp.float32)
+
+    def grads(f):
+        return jax.jit(jax.vmap(lambda ct: jax.grad(lambda *x: jnp.sum(f(*x, row_map) * ct), argnums=(0, 1, 2))(
+            *primals)))(cts)
+
+    for x, y_ in zip(grads(_combined), grads(_dense)):
+        assert_close(x, y_, jnp.float32)
+    check_grads(lambda *x: _combined(*x, row_map), primals, order=1, modes=("fwd", "rev"), atol=1e-2, rtol=1e-2)
+
+
+def test_gradient_in_the_weights_alone(rng):
+    """Differentiating only the routing weights (a and w_out constants) gives the same."""
+    a, w_out, weights = _inputs(rng, jnp.float32)
+    row_map = _row_map(rng, "permutation")
+    ct = normal(rng, (T, H), jnp.float32)
+    got = jax.jit(jax.grad(lambda w: jnp.sum(_combined(a, w_out, w, row_map) * ct)))(weights)
+    want = jax.grad(lambda w: jnp.sum(_dense(a, w_out, w, row_map) * ct))(weights)
+    assert rel_err(got, want) < 1e-5
+
+
+def _layer_inputs(rng, t=32, h=40, f=24, e=4):
+    return (normal(rng, (t, h), jnp.float32), normal(rng, (t, e), jnp.float32),
+            normal(rng, (e, h, 2 * f), jnp.float32) / np.sqrt(h), normal(rng, (e, f, h), jnp.float32) / np.sqrt(f))
+
+
+def test_the_step_keeps_neither_the_product_nor_a(rng):
+    """moe()'s residuals for its backward: x_sorted [T*k, H] (w_in's gradient) is the only
+    [T*k, H] array and no [T*k, F] array is kept (a is recomputed from h)."""
+    args = _layer_inputs(rng)
+    t, h = args[0].shape
+    f, k = args[3].shape[1], 2
+    _, vjp = jax.vjp(lambda *x: moe_xla.moe(*x, top_k=k), *args)
+    shapes = [tuple(leaf.shape) for leaf in jax.tree.leaves(vjp) if hasattr(leaf, "shape")]
+    assert shapes.count((t * k, h)) == 1, shapes
+    assert (t * k, f) not in shapes, shapes
+    assert (t * k, 2 * f) in shapes, shapes  # h, which the activation's backward reads
+
+
+def test_the_gradient_has_no_scatter_add_and_gathers_the_cotangent_once(rng):
+    """A float scatter-add sums in an order that varies on GPUs: the weights' cotangent is
+    a gather. moe()'s step gathers its cotangent into expert order in one gather_rows."""
+    a, w_out, weights = _inputs(rng, jnp.float32)
+    row_map = _row_map(rng, "holes")
+    grad = jax.grad(lambda *x: jnp.sum(_combined(*x, row_map)), argnums=(0, 1, 2))
+    text = str(jax.make_jaxpr(grad)(a, w_out, weights))
+    for banned in ("scatter-add", "scatter_add"):
+        assert not re.search(rf"\b{banned}\[", text), f"{banned} in gmm_combine's gradient"
+    step = jax.grad(lambda *x: jnp.sum(moe_xla.moe(*x, top_k=2)), argnums=(0, 1, 2, 3))
+    assert str(jax.make_jaxpr(step)(*_layer_inputs(rng))).count("moe_xla_gather_rows[") == 1
