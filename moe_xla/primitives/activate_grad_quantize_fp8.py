@@ -23,12 +23,11 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching
 
 from moe_xla.primitives import _batching, _checks, _fp8, _impl, _lowering, _sharding
-from moe_xla.primitives.activate_quantize_fp8 import ACTIVATIONS, GATED
+from moe_xla.primitives.activate_quantize_fp8 import ACTIVATIONS, GATED, activation_attributes
 
 activate_grad_quantize_fp8_p = Primitive("moe_xla_activate_grad_quantize_fp8")
 activate_grad_quantize_fp8_p.multiple_results = True
@@ -86,13 +85,9 @@ SHARDING = _sharding.Rule(sharding_rule=lambda **_: "m c, m f -> m c, m c, m t",
                           need_replication=("c", "f", "t"))
 
 
-def _attributes(*, activation, pow2_scale):
-    return dict(activation=np.int32(ACTIVATIONS.index(activation)), pow2_scale=pow2_scale)
-
-
 _impl.def_jitted_impl(activate_grad_quantize_fp8_p)
 activate_grad_quantize_fp8_p.def_abstract_eval(_abstract_eval)
 ad.primitive_jvps[activate_grad_quantize_fp8_p] = _fp8.not_differentiable(
     _OP, "it is the FP8 expert MLP's backward (moe_xla.fp8.gmm_activate_fp8)")
 batching.primitive_batchers[activate_grad_quantize_fp8_p] = _batch
-_lowering.register(activate_grad_quantize_fp8_p, _OP, _attributes, sharding=SHARDING)
+_lowering.register(activate_grad_quantize_fp8_p, _OP, activation_attributes, sharding=SHARDING)

@@ -85,7 +85,8 @@ SHARDING = _sharding.Rule(sharding_rule=lambda **_: "m c -> m f, m f, m t", spec
                           need_replication=("c", "f", "t"))
 
 
-def _attributes(*, activation, pow2_scale):
+def activation_attributes(*, activation, pow2_scale):
+    """The FFI attributes of this primitive and of activate_grad_quantize_fp8."""
     return dict(activation=np.int32(ACTIVATIONS.index(activation)), pow2_scale=pow2_scale)
 
 
@@ -95,4 +96,4 @@ ad.primitive_jvps[activate_quantize_fp8_p] = _fp8.not_differentiable(
     "activate_quantize_fp8", "differentiate moe_xla.fp8.gmm_activate_fp8, which runs it with the activation's "
     "derivative")
 batching.primitive_batchers[activate_quantize_fp8_p] = _batch
-_lowering.register(activate_quantize_fp8_p, "activate_quantize_fp8", _attributes, sharding=SHARDING)
+_lowering.register(activate_quantize_fp8_p, "activate_quantize_fp8", activation_attributes, sharding=SHARDING)
