@@ -1,6 +1,6 @@
 // The expert activations of the MoE layer in float32, shared by the CPU and CUDA kernels
-// that fuse them with the FP8 row quantisation (moe_xla/activations.py states the same
-// functions in jnp):
+// that fuse them with the FP8 row quantisation or with the routing weight's backward
+// (moe_xla/activations.py states the same functions in jnp):
 //   gated, on h [rows, 2F] = gate | up:  a = g(gate) * up   swiglu: g = silu, geglu: g = gelu
 //   plain, on h [rows, F]:               a = g(h)           gelu, silu, relu
 //   silu(x) = x / (1 + exp(-x));  gelu(x) = x / 2 * (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
@@ -131,6 +131,27 @@ struct Fp8ActivateGradQuantizeParams {
   int64_t cols;  // of dh and h
   Activation activation;
   bool pow2_scale;
+};
+
+// The backward of the routing-weighted activation b[r] = omega[r] * act(h[r]) (the rows the
+// bf16 expert MLP's second product reads in moe_xla/product_combine.py's derivative): with
+// g the cotangent of b, the gradients of sum_r <b[r], g[r]> in h and in omega:
+//   h      [rows, 2F] (gated) or [rows, F], of dtype; g [rows, F] of dtype; omega [rows] float32
+//   dh     [rows, cols] of dtype: activate_grad with da = omega[r] * g[r] formed in float32
+//          (not rounded), rounded to dtype (RNE)
+//   d_omega [rows] float32: sum_f g[r, f] * a[r, f], a = activate(h) rounded to dtype (the a
+//          the forward multiplied), products and sum in float32, summation order unspecified
+// One pass over h and g; rows are independent.
+struct ActivateWeightedGradParams {
+  const void* h;
+  const void* g;
+  const float* omega;
+  DType dtype;  // of h, g and dh
+  void* dh;
+  float* d_omega;
+  int64_t rows;
+  int64_t cols;  // of dh and h
+  Activation activation;
 };
 
 }  // namespace moe_xla

@@ -1,5 +1,6 @@
 // Element access shared by the FP8 quantisation kernels (fp8_quantize.cu,
-// fp8_group_cols.cu): a dtype's bits and their float value, and a thread's 8 consecutive
+// fp8_group_cols.cu) and the elementwise row kernels (gather_rows.cu,
+// activate_weighted_grad.cu): a dtype's bits and their float value, and a thread's 8 consecutive
 // elements of a row held as 32-bit words, and their store.
 #ifndef MOE_XLA_CUDA_FP8_LANES_CUH_
 #define MOE_XLA_CUDA_FP8_LANES_CUH_

@@ -17,6 +17,7 @@
 
 #include "common/expert_activation.h"
 #include "common/fp8_blockwise.h"
+#include "ffi/activation_args.h"     // decode_activation_input, expect_dtype_of_h
 #include "ffi/grouped_gemm_args.h"  // shape_string, type_name, to_dtype, invalid, expect_shape
 #include "xla/ffi/api/ffi.h"
 
@@ -118,42 +119,6 @@ inline ffi::ErrorOr<Fp8GroupColsParams> decode_fp8_group_cols(ffi::AnyBuffer x, 
   p.scales = scales.typed_data();
   p.pow2_scale = pow2_scale;
   return p;
-}
-
-// The expert activation and its input h [M, 2F] (gated) or [M, F] of f32 / bf16 / f16:
-// activation one of common/expert_activation.h; rows M, h_cols h's last dim.
-struct ActivationInput {
-  Activation activation;
-  int64_t rows, h_cols;
-  DType dtype;
-};
-
-inline ffi::ErrorOr<ActivationInput> decode_activation_input(ffi::AnyBuffer h, int32_t activation) {
-  if (activation < 0 || activation >= kNumActivations) {
-    return invalid("activation: expected 0 .. " + std::to_string(kNumActivations - 1) + ", got " +
-                   std::to_string(activation));
-  }
-  const auto dims = h.dimensions();
-  if (dims.size() != 2) return invalid("h: expected rank 2 [M, 2F] or [M, F], got shape " + shape_string(dims));
-  const auto act = static_cast<Activation>(activation);
-  if (is_gated(act) && dims[1] % 2 != 0) {
-    return invalid("h: expected an even last dim (gate | up), got " + shape_string(dims));
-  }
-  auto dtype = to_dtype(h.element_type(), "h");
-  if (dtype.has_error()) return ffi::Unexpected<ffi::Error>(dtype.error());
-  return ActivationInput{act, dims[0], dims[1], *dtype};
-}
-
-// Each of `buffers` (name, buffer) of h's dtype, or the error naming the first that is not.
-inline ffi::Error expect_dtype_of_h(ffi::AnyBuffer h,
-                                    std::initializer_list<std::pair<const char*, ffi::AnyBuffer>> buffers) {
-  for (const auto& [name, b] : buffers) {
-    if (b.element_type() != h.element_type()) {
-      return ffi::Error::InvalidArgument(std::string(name) + ": expected the dtype of h " +
-                                         type_name(h.element_type()) + ", got " + type_name(b.element_type()));
-    }
-  }
-  return ffi::Error::Success();
 }
 
 // h [M, 2F] (gated) or [M, F]; a [M, F] of h's dtype; q [M, F] float8_e4m3fn; scales

@@ -34,14 +34,15 @@ _SYMBOLS = {
     for op in ("gmm", "tgmm", "route", "permute", "unpermute")
     for platform in ("cpu", "cuda")
 }
-# FP8 ops (common/fp8_blockwise.h, fp8_grouped_gemm.h) and gather_rows: symbols in
+# FP8 ops (common/fp8_blockwise.h, fp8_grouped_gemm.h), gather_rows and
+# activate_weighted_grad: symbols in
 # CamelCase, MoeXlaQuantizeFp8RowsCpu, MoeXlaQuantizeFp8WeightsCuda,
 # MoeXlaActivateQuantizeFp8Cpu, MoeXlaGmmFp8Cuda, MoeXlaTgmmFp8Cpu, MoeXlaGatherRowsCpu.
 _SYMBOLS.update({
     (op, platform): f"MoeXla{op.title().replace('_', '')}{platform.capitalize()}"
     for op in ("quantize_fp8_rows", "quantize_fp8_blocks", "quantize_fp8_weights", "quantize_fp8_group_cols",
                "activate_quantize_fp8", "activate_grad_quantize_fp8", "gather_quantize_fp8_rows", "gmm_fp8",
-               "tgmm_fp8", "gather_rows")
+               "tgmm_fp8", "gather_rows", "activate_weighted_grad")
     for platform in ("cpu", "cuda")
 })
 

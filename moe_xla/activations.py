@@ -7,7 +7,10 @@ Computed in float32, returned in h's dtype.
 
 The FP8 expert MLP runs it fused with the row quantisation of its output
 (primitives/activate_quantize_fp8) and its backward fused likewise
-(primitives/activate_grad_quantize_fp8), both through moe_xla.fp8.gmm_activate_fp8.
+(primitives/activate_grad_quantize_fp8), both through moe_xla.fp8.gmm_activate_fp8. The
+bf16 expert MLP's derivative weights it by the routing weights (weighted_tangent), whose
+transpose is one kernel (primitives/activate_weighted_grad, through
+primitives/activate_weighted_tangent).
 """
 
 from __future__ import annotations
@@ -20,9 +23,29 @@ PLAIN = {"gelu": lambda h: jax.nn.gelu(h, approximate=True), "silu": jax.nn.silu
 ACTIVATIONS = tuple(GATED) + tuple(PLAIN)
 
 
+def _activate_f32(h32, activation: str):
+    """The expert activation of float32 h, in float32 (not rounded)."""
+    if activation in GATED:
+        gate, up = jnp.split(h32, 2, axis=-1)
+        return GATED[activation](gate) * up
+    return PLAIN[activation](h32)
+
+
 def activate(h, activation: str):
     """The expert activation on [rows, 2F] (gated: act(gate) * up) or [rows, F]."""
-    if activation in GATED:
-        gate, up = jnp.split(h, 2, axis=-1)
-        return (GATED[activation](gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(h.dtype)
-    return PLAIN[activation](h.astype(jnp.float32)).astype(h.dtype)
+    return _activate_f32(h.astype(jnp.float32), activation).astype(h.dtype)
+
+
+def weighted_tangent(h, omega, d_h, d_omega, activation: str):
+    """The tangent of the routing-weighted activation b[r] = omega[r] * a[r], a = activate(h)
+    (rounded to h's dtype, as the forward uses it), omega [rows] float32:
+
+        d b = omega * act'(h) d_h + d_omega * a     in float32, rounded to h's dtype
+
+    Linear in (d_h, d_omega); its transpose at a cotangent g is common/expert_activation.h's
+    ActivateWeightedGradParams contract: d h = act'(h)^T (omega * g) (omega * g not
+    rounded), d omega = <g, a>."""
+    h32 = h.astype(jnp.float32)
+    a, d_a = jax.jvp(lambda v: _activate_f32(v, activation), (h32,), (d_h.astype(jnp.float32),))
+    a = a.astype(h.dtype).astype(jnp.float32)
+    return (omega[:, None] * d_a + d_omega[:, None] * a).astype(h.dtype)

@@ -14,7 +14,7 @@ import moe_xla.fp8 as fp8
 from moe_xla.activations import activate
 from moe_xla.first_product import GatheredRows
 from moe_xla.grouped import gmm, is_fp8
-from moe_xla.product_combine import gmm_combine
+from moe_xla.product_combine import activate_gmm_combine
 
 
 def expert_mlp(x_sorted, w_in, w_out, group_sizes, activation: str, quantization=None, x_quantized=None,
@@ -31,8 +31,8 @@ def expert_mlp(x_sorted, w_in, w_out, group_sizes, activation: str, quantization
     with "fp8_blockwise", Fp8Weights of w_in and w_out made elsewhere, used by the products
     instead of quantising the arrays (which still get their gradients). combine = (row_map,
     weights) of permute and route: returns the weighted combine unpermute(out, row_map,
-    weights) [T, H] instead of out, through product_combine.gmm_combine (whose derivative
-    needs neither out nor a weighted copy of the cotangent); with "fp8_blockwise" the
+    weights) [T, H] instead of out, through product_combine.activate_gmm_combine (whose
+    derivative needs neither out nor a weighted copy of the cotangent); with "fp8_blockwise" the
     second product and the combine are one custom_vjp whose backward quantises d out as it
     gathers it (fp8.gmm_combine_fp8)."""
     if is_fp8(quantization):
@@ -63,12 +63,10 @@ def expert_mlp(x_sorted, w_in, w_out, group_sizes, activation: str, quantization
 
 @functools.partial(jax.checkpoint, static_argnums=(5,))
 def _activate_product_combine(h, w_out, group_sizes, row_map, weights, activation: str):
-    """gmm_combine(act(h), w_out, ...), rematerialised: a step keeps h, which the
-    activation's backward reads anyway, and recomputes a = act(h) and omega * a where its
-    backward needs them (elementwise, fused into their readers) instead of keeping them."""
-    with jax.named_scope("moe_xla/act"):
-        a = activate(h, activation)
-    return gmm_combine(a, w_out, group_sizes, row_map, weights)
+    """activate_gmm_combine(h, w_out, ...), rematerialised: a step keeps h, which the
+    activation's backward reads anyway, and recomputes omega * a for w_out's gradient (one
+    elementwise pass over h) instead of keeping a [T*k, F] array."""
+    return activate_gmm_combine(h, w_out, group_sizes, row_map, weights, activation)
 
 
 def shared_mlp(x, shared_experts, activation: str):

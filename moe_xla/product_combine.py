@@ -1,36 +1,41 @@
-"""The expert MLP's second product and the weighted combine, with a backward that needs
-neither the product's output nor a weighted copy of the cotangent:
+"""The expert MLP's activation, second product and weighted combine, with a backward that
+needs neither the product's output nor a weighted copy of the cotangent:
 
-    y[t] = sum_j weights[t, j] out[row_map[t*k + j]],   out = gmm(a, w_out, group_sizes)   [T*k, H]
+    y[t] = sum_j weights[t, j] out[row_map[t*k + j]],   out = gmm(act(h), w_out, group_sizes)   [T*k, H]
 
-The forward is unpermute(gmm(a, w_out)) as written. The derivative is written through
-omega[r] = weights[t, j] (the entry with row_map[t*k + j] = r; 0 for rows no entry names),
-using out[r] = a[r] @ w_out[e] to move the weights in front of the product:
+The forward is unpermute(gmm(activate(h), w_out)) as written. The derivative is written
+through omega[r] = weights[t, j] (the entry with row_map[t*k + j] = r; 0 for rows no entry
+names), using out[r] = a[r] @ w_out[e] (a = act(h)) to move the weights in front of the
+product: with b = omega * a,
 
-    d y[t] = sum_j (omega d a + d omega a)[r] @ w_out[e] + (omega a)[r] @ d w_out[e]
+    d y[t] = sum_j d b[r] @ w_out[e] + b[r] @ d w_out[e],   d b = omega act'(h) d h + d omega a
 
 so its transpose, with c[r] = dy[t] the cotangent gathered unweighted (unpermute's
 transpose with weights 1: one gather_rows pass), is
 
-    g = c @ w_out[e]^T                [T*k, F]   (one grouped GEMM)
-    d a = omega * g
-    d weights[t, j] = <g[r], a[r]>    (F wide; = <dy[t], out[r]>)
-    d w_out[e] = (omega a)_e^T c_e    (one tgmm)
+    g = c @ w_out[e]^T                    [T*k, F]   (one grouped GEMM)
+    d h = act'(h)^T (omega g),  d omega = <g, a>      (one pass over h and g:
+                                           primitives/activate_weighted_tangent's transpose)
+    d weights[t, j] = d omega[r]          (F wide; = <dy[t], out[r]>)
+    d w_out[e] = b_e^T c_e                (one tgmm)
 
-The usual rule (unpermute's transpose, then gmm's) keeps out [T*k, H] for d weights and
-reads it, and writes the weighted cotangent; here the residuals are a, omega and omega * a
-([T*k, F]; experts.py rematerialises them from the activation's input). The tangent rounds
-omega * a and omega d a + d omega a to a's dtype, and g is rounded to it before the
-weights scale it: in float16, g has 1 / omega less headroom below the overflow than the
+The usual rule (unpermute's transpose, then gmm's, then the activation's) keeps out
+[T*k, H] for d weights and reads it, and writes the weighted cotangent. Roundings: the
+tangent rounds b and d b to h's dtype, g is rounded to it, and omega g is not (d h is
+rounded once); in float16, g has 1 / omega less headroom below the overflow than the
 weighted cotangent's product had.
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
 import moe_xla._rows as _rows
+from moe_xla.activations import activate
+from moe_xla.primitives.activate_weighted_tangent import activate_weighted_tangent
 from moe_xla.primitives.gmm import gmm
 from moe_xla.primitives.unpermute import unpermute
 
@@ -43,28 +48,32 @@ def _row_weights(row_map, weights, num_rows: int):
     return jnp.zeros((num_rows,), weights.dtype).at[place].set(weights.reshape(-1), mode="drop", unique_indices=True)
 
 
-@jax.custom_jvp
-def gmm_combine(a, w_out, group_sizes, row_map, weights):
-    """unpermute(gmm(a, w_out, group_sizes), row_map, weights, unique_rows=True): a [T*k, F]
-    grouped by expert, w_out [E, F, H], row_map permute's (naming each row at most once),
-    weights [T, k] float32 -> y [T, H] in a's dtype. Differentiable w.r.t. a, w_out and
-    weights by the rule of the module docstring (jvp, grad, vmap)."""
+@functools.partial(jax.custom_jvp, nondiff_argnums=(5,))
+def activate_gmm_combine(h, w_out, group_sizes, row_map, weights, activation: str):
+    """unpermute(gmm(activate(h, activation), w_out, group_sizes), row_map, weights,
+    unique_rows=True): h [T*k, 2F] (gated) or [T*k, F] grouped by expert, w_out [E, F, H],
+    row_map permute's (naming each row at most once), weights [T, k] float32 -> y [T, H] in
+    h's dtype. Differentiable w.r.t. h, w_out and weights by the rule of the module
+    docstring (jvp, grad, vmap)."""
+    with jax.named_scope("moe_xla/act"):
+        a = activate(h, activation)
     with jax.named_scope("moe_xla/gmm_out"):
         out = gmm(a, w_out, group_sizes)
     with jax.named_scope("moe_xla/combine"):
         return unpermute(out, row_map, weights, unique_rows=True)
 
 
-@gmm_combine.defjvp
-def _gmm_combine_jvp(primals, tangents):
-    a, w_out, group_sizes, row_map, weights = primals
-    d_a, d_w_out, _, _, d_weights = tangents
-    y = gmm_combine(a, w_out, group_sizes, row_map, weights)
+@activate_gmm_combine.defjvp
+def _activate_gmm_combine_jvp(activation, primals, tangents):
+    h, w_out, group_sizes, row_map, weights = primals
+    d_h, d_w_out, _, _, d_weights = tangents
+    y = activate_gmm_combine(h, w_out, group_sizes, row_map, weights, activation)
     with jax.named_scope("moe_xla/combine"):
-        omega = _row_weights(row_map, weights, a.shape[0])
-        d_omega = _row_weights(row_map, d_weights, a.shape[0])
-        d_rows = (omega[:, None] * d_a.astype(jnp.float32) + d_omega[:, None] * a.astype(jnp.float32)).astype(a.dtype)
-        weighted = (omega[:, None] * a.astype(jnp.float32)).astype(a.dtype)
+        omega = _row_weights(row_map, weights, h.shape[0])
+        d_omega = _row_weights(row_map, d_weights, h.shape[0])
+    with jax.named_scope("moe_xla/act"):
+        d_rows = activate_weighted_tangent(h, omega, d_h, d_omega, activation)
+        weighted = (omega[:, None] * activate(h, activation).astype(jnp.float32)).astype(h.dtype)
     with jax.named_scope("moe_xla/gmm_out"):
         d_out = gmm(d_rows, w_out, group_sizes) + gmm(weighted, d_w_out, group_sizes)
     with jax.named_scope("moe_xla/combine"):

@@ -296,22 +296,37 @@ def activate_quantize_fp8(h, *, activation: str, pow2_scale=False):
     return (a, *quantize_fp8_rows(a, pow2_scale=pow2_scale))
 
 
+def _activation_grad(h32, da32, activation: str):
+    """d/dh of sum(expert_activation(h) * da) in float32 (jax.vjp). relu's derivative is
+    jax.nn.relu's rule: da where h > 0, else 0 (at h = 0 too, where the vjp of a maximum
+    would split da in halves)."""
+    if activation == "relu":
+        return jnp.where(h32 > 0, da32, 0.0)
+    _, vjp = jax.vjp(lambda v: expert_activation(v, activation), h32)
+    return vjp(da32)[0]
+
+
 def activate_grad_quantize_fp8(h, da, *, activation: str, pow2_scale=False):
     """h [M, 2F] (gated) or [M, F], da [M, F] -> (dh [M, C] in h's dtype, q, scales): dh =
-    d/dh of sum(expert_activation(h) * da) in float32 (jax.vjp), rounded to h's dtype,
+    d/dh of sum(expert_activation(h) * da) in float32, rounded to h's dtype,
     (q, scales) = quantize_fp8_rows(dh). The kernels state the derivative as formulas
     (common/expert_activation.h) with their platform's exp / tanh, so their dh may differ
     from this one by a few ulps before rounding; their q and scales are bitwise
-    quantize_fp8_rows of their dh. relu's derivative is jax.nn.relu's rule: da where h > 0,
-    else 0 (at h = 0 too, where the vjp of a maximum would split da in halves)."""
-    h32, da32 = h.astype(jnp.float32), da.astype(jnp.float32)
-    if activation == "relu":
-        dh = jnp.where(h32 > 0, da32, 0.0)
-    else:
-        _, vjp = jax.vjp(lambda v: expert_activation(v, activation), h32)
-        dh = vjp(da32)[0]
-    dh = dh.astype(h.dtype)
+    quantize_fp8_rows of their dh."""
+    dh = _activation_grad(h.astype(jnp.float32), da.astype(jnp.float32), activation).astype(h.dtype)
     return (dh, *quantize_fp8_rows(dh, pow2_scale=pow2_scale))
+
+
+def activate_weighted_grad(h, g, omega, *, activation: str):
+    """h [M, 2F] (gated) or [M, F], g [M, F], omega [M] float32 -> (dh [M, C] in h's dtype,
+    d_omega [M] float32), the gradients of sum_r omega[r] <act(h[r]), g[r]>: dh = the
+    activation's derivative at da = omega * g (float32, not rounded), rounded to h's dtype;
+    d_omega[r] = sum_f g[r, f] a[r, f] with a = expert_activation(h) rounded to h's dtype.
+    The kernels use their platform's exp / tanh and their own summation order."""
+    h32, g32 = h.astype(jnp.float32), g.astype(jnp.float32)
+    dh = _activation_grad(h32, omega[:, None] * g32, activation).astype(h.dtype)
+    a = expert_activation(h32, activation).astype(h.dtype).astype(jnp.float32)
+    return dh, jnp.sum(g32 * a, axis=1)
 
 
 def fp8_scaled_element(scale, x):

@@ -1,10 +1,12 @@
-"""product_combine.gmm_combine: the second expert product and the weighted combine, whose
-derivative moves the routing weights in front of the product.
+"""product_combine.activate_gmm_combine: the expert activation, the second expert product
+and the weighted combine, whose derivative moves the routing weights in front of the
+product.
 
-Forward, gradients (a, w_out, routing weights), forward mode and vmap against a dense
-formula that shares nothing with it (one-hot matrices and einsum in float32), on row maps
-with entries naming no row, rows no entry names and rows past the groups; moe()'s step
-keeps neither the product's output nor a and has no scatter-add.
+Forward, gradients (h, w_out, routing weights), forward mode, vmap and second order against
+a dense formula that shares nothing with it (the activation of tests/independent.py,
+one-hot matrices and einsum in float32), for every activation, on row maps with entries
+naming no row, rows no entry names and rows past the groups; moe()'s step keeps neither the
+product's output nor a, has no scatter-add and runs the fused activation backward.
 """
 
 from __future__ import annotations
@@ -16,10 +18,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import assert_close, normal, rel_err
+from independent import ACTIVATIONS, GATED_ACTIVATIONS, activation_fn
 from jax.test_util import check_grads
 
 import moe_xla
-from moe_xla.product_combine import gmm_combine
+from moe_xla.product_combine import activate_gmm_combine
 
 T, K, F, H = 24, 3, 8, 12
 SIZES = np.array([20, 0, 31, 9], np.int32)  # 60 of the 72 rows: the last 12 are past the groups
@@ -34,17 +37,18 @@ def _row_map(rng, kind):
     return jnp.asarray(rm.astype(np.int32))
 
 
-def _inputs(rng, dtype):
-    a = normal(rng, (T * K, F), dtype)
+def _inputs(rng, dtype, activation="swiglu"):
+    h = normal(rng, (T * K, 2 * F if activation in GATED_ACTIVATIONS else F), dtype)
     w_out = (normal(rng, (len(SIZES), F, H), jnp.float32) / np.sqrt(F)).astype(dtype)
     weights = jnp.asarray(rng.uniform(0.05, 1.0, (T, K)), jnp.float32)
-    return a, w_out, weights
+    return h, w_out, weights
 
 
-def _dense(a, w_out, weights, row_map):
-    """y = P @ (a @ W[group of row]) with P[t, r] = weights[t, j] where row_map[t*K + j] = r
-    and the rows past the groups 0, in float32 from one-hot matrices."""
+def _dense(h, w_out, weights, row_map, activation="swiglu"):
+    """y = P @ (act(h) @ W[group of row]) with P[t, r] = weights[t, j] where
+    row_map[t*K + j] = r and the rows past the groups 0, in float32 from one-hot matrices."""
     rows = T * K
+    a = activation_fn(activation)(h.astype(jnp.float32))
     group = np.repeat(np.arange(len(SIZES)), SIZES)
     member = jnp.asarray(np.arange(len(SIZES))[None, :] == np.pad(group, (0, rows - len(group)),
                                                                   constant_values=-1)[:, None], jnp.float32)
@@ -53,42 +57,43 @@ def _dense(a, w_out, weights, row_map):
     return jnp.einsum("tk,tkr,rh->th", weights, picks, out, precision="highest")
 
 
-def _combined(a, w_out, weights, row_map):
-    return gmm_combine(a, w_out, jnp.asarray(SIZES), row_map, weights)
+def _combined(h, w_out, weights, row_map, activation="swiglu"):
+    return activate_gmm_combine(h, w_out, jnp.asarray(SIZES), row_map, weights, activation)
 
 
-def _grads(f, a, w_out, weights, row_map, ct):
-    return jax.jit(jax.grad(lambda *x: jnp.sum(f(*x, row_map).astype(jnp.float32) * ct), argnums=(0, 1, 2)))(
-        a, w_out, weights)
+def _grads(f, h, w_out, weights, row_map, ct, activation="swiglu"):
+    loss = lambda *x: jnp.sum(f(*x, row_map, activation).astype(jnp.float32) * ct)  # noqa: E731
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(h, w_out, weights)
 
 
+@pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("kind", ["permutation", "holes"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
-def test_forward_and_gradients_match_the_dense_formula(rng, kind, dtype):
-    a, w_out, weights = _inputs(rng, dtype)
+def test_forward_and_gradients_match_the_dense_formula(rng, kind, dtype, activation):
+    h, w_out, weights = _inputs(rng, dtype, activation)
     row_map = _row_map(rng, kind)
     ct = normal(rng, (T, H), jnp.float32)
-    y = jax.jit(_combined)(a, w_out, weights, row_map)
+    y = jax.jit(_combined, static_argnums=4)(h, w_out, weights, row_map, activation)
     assert y.dtype == dtype
-    assert_close(y, _dense(a, w_out, weights, row_map), dtype)
-    got = _grads(_combined, a, w_out, weights, row_map, ct)
-    want = _grads(_dense, a, w_out, weights, row_map, ct)
-    # bf16 / f16 gradients round g and omega * g (and omega * a) where the dense formula does not.
-    for name, x, y_ in zip(("d a", "d w_out", "d weights"), got, want):
+    assert_close(y, _dense(h, w_out, weights, row_map, activation), dtype)
+    got = _grads(_combined, h, w_out, weights, row_map, ct, activation)
+    want = _grads(_dense, h, w_out, weights, row_map, ct, activation)
+    # bf16 / f16 gradients round a, g and omega * a where the dense formula does not.
+    for name, x, y_ in zip(("d h", "d w_out", "d weights"), got, want):
         assert x.dtype == y_.dtype or name != "d weights"
         assert_close(x, y_, dtype, scale=2.0)
-    # Rows no entry names and rows past the groups get no gradient in a.
+    # Rows no entry names and rows past the groups get no gradient in h.
     named = np.isin(np.arange(T * K), np.asarray(row_map))
     past = np.arange(T * K) >= SIZES.sum()
     assert np.all(np.asarray(got[0], np.float32)[~named | past] == 0)
 
 
 def test_forward_mode_and_vmap_of_the_gradient(rng):
-    a, w_out, weights = _inputs(rng, jnp.float32)
+    h, w_out, weights = _inputs(rng, jnp.float32)
     row_map = _row_map(rng, "holes")
-    tangents = (normal(rng, a.shape, jnp.float32), normal(rng, w_out.shape, jnp.float32),
+    tangents = (normal(rng, h.shape, jnp.float32), normal(rng, w_out.shape, jnp.float32),
                 normal(rng, weights.shape, jnp.float32))
-    primals = (a, w_out, weights)
+    primals = (h, w_out, weights)
     y, dy = jax.jit(lambda p, t: jax.jvp(lambda *x: _combined(*x, row_map), p, t))(primals, tangents)
     y_ref, dy_ref = jax.jvp(lambda *x: _dense(*x, row_map), primals, tangents)
     assert_close(y, y_ref, jnp.float32)
@@ -101,17 +106,34 @@ def test_forward_mode_and_vmap_of_the_gradient(rng):
 
     for x, y_ in zip(grads(_combined), grads(_dense)):
         assert_close(x, y_, jnp.float32)
-    check_grads(lambda *x: _combined(*x, row_map), primals, order=1, modes=("fwd", "rev"), atol=1e-2, rtol=1e-2)
+    check_grads(lambda *x: _combined(*x, row_map), primals, order=2, modes=("fwd", "rev"), atol=1e-2, rtol=1e-2)
 
 
 def test_gradient_in_the_weights_alone(rng):
-    """Differentiating only the routing weights (a and w_out constants) gives the same."""
-    a, w_out, weights = _inputs(rng, jnp.float32)
+    """Differentiating only the routing weights (h and w_out constants) gives the same."""
+    h, w_out, weights = _inputs(rng, jnp.float32)
     row_map = _row_map(rng, "permutation")
     ct = normal(rng, (T, H), jnp.float32)
-    got = jax.jit(jax.grad(lambda w: jnp.sum(_combined(a, w_out, w, row_map) * ct)))(weights)
-    want = jax.grad(lambda w: jnp.sum(_dense(a, w_out, w, row_map) * ct))(weights)
+    got = jax.jit(jax.grad(lambda w: jnp.sum(_combined(h, w_out, w, row_map) * ct)))(weights)
+    want = jax.grad(lambda w: jnp.sum(_dense(h, w_out, w, row_map) * ct))(weights)
     assert rel_err(got, want) < 1e-5
+
+
+def test_gradient_of_the_gradient(rng):
+    """Second order (the fused kernel's own derivative is its jnp formula's): a Hessian-vector
+    product of a loss of the layer, forward over reverse, against the dense formula's."""
+    h, w_out, weights = _inputs(rng, jnp.float32, "geglu")
+    row_map = _row_map(rng, "holes")
+    ct = normal(rng, (T, H), jnp.float32)
+    v = (normal(rng, h.shape, jnp.float32), normal(rng, w_out.shape, jnp.float32),
+         normal(rng, weights.shape, jnp.float32))
+
+    def hvp(f):
+        grad = jax.grad(lambda *x: jnp.sum(f(*x, row_map, "geglu") * ct) ** 2 / 100, argnums=(0, 1, 2))
+        return jax.jit(lambda p, t: jax.jvp(lambda *x: grad(*x), p, t)[1])((h, w_out, weights), v)
+
+    for x, y_ in zip(hvp(_combined), hvp(_dense)):
+        assert rel_err(x, y_) < 1e-4
 
 
 def _layer_inputs(rng, t=32, h=40, f=24, e=4):
@@ -135,11 +157,14 @@ def test_the_step_keeps_neither_the_product_nor_a(rng):
 def test_the_gradient_has_no_scatter_add_and_gathers_the_cotangent_once(rng):
     """A float scatter-add sums in an order that varies on GPUs: the weights' cotangent is
     a gather. moe()'s step gathers its cotangent into expert order in one gather_rows."""
-    a, w_out, weights = _inputs(rng, jnp.float32)
+    h, w_out, weights = _inputs(rng, jnp.float32)
     row_map = _row_map(rng, "holes")
     grad = jax.grad(lambda *x: jnp.sum(_combined(*x, row_map)), argnums=(0, 1, 2))
-    text = str(jax.make_jaxpr(grad)(a, w_out, weights))
+    text = str(jax.make_jaxpr(grad)(h, w_out, weights))
     for banned in ("scatter-add", "scatter_add"):
-        assert not re.search(rf"\b{banned}\[", text), f"{banned} in gmm_combine's gradient"
+        assert not re.search(rf"\b{banned}\[", text), f"{banned} in activate_gmm_combine's gradient"
     step = jax.grad(lambda *x: jnp.sum(moe_xla.moe(*x, top_k=2)), argnums=(0, 1, 2, 3))
-    assert str(jax.make_jaxpr(step)(*_layer_inputs(rng))).count("moe_xla_gather_rows[") == 1
+    step_text = str(jax.make_jaxpr(step)(*_layer_inputs(rng)))
+    assert step_text.count("moe_xla_gather_rows[") == 1
+    # d h and the routing weights' d omega come from one pass of the fused kernel.
+    assert step_text.count("moe_xla_activate_weighted_grad[") == 1

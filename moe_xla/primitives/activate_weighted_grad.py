@@ -1,0 +1,108 @@
+"""activate_weighted_grad: the backward of the routing-weighted expert activation, in one
+pass (contract: ActivateWeightedGradParams in common/expert_activation.h).
+
+    h [M, 2F] (gated: gate | up) or [M, F], g [M, F] of h's dtype (float32 / bfloat16 /
+    float16), omega [M] float32
+      -> dh [M, C] in h's dtype (C = h's last dim): d/dh of sum_r <omega[r] act(h[r]), g[r]>
+           = act'(h)^T (omega * g), omega * g formed in float32 and not rounded, the result
+           rounded once
+         d_omega [M] float32: d/d omega of the same, <g[r], a[r]> with a = act(h) rounded to
+           h's dtype (the a the forward multiplied)
+
+The transpose of activations.weighted_tangent in (d_h, d_omega) at g
+(primitives/activate_weighted_tangent binds it as that transpose). Where the unfused
+backward of moe()'s second product reads h for act(h), for act'(h) and for the routing
+weights' gradient in separate passes, this reads h and g once and writes d h and d omega.
+The kernels' exp and tanh are their platform's and d_omega sums in their own order, so the
+results may differ from reference.activate_weighted_grad by a few ulps. Handlers
+MoeXlaActivateWeightedGrad{Cpu,Cuda} in ffi/activate_weighted_grad_{cpu,cuda}.cc; kernels
+cpu/activate_weighted_grad.cc, cuda/activate_weighted_grad.cu.
+
+Linear in g. Its derivatives (second order, for a gradient of a gradient) are those of its
+jnp formula (jax.vjp of weighted_tangent). Rows are independent: the op shards along M and
+vmaps by folding the batch into M.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching
+
+from moe_xla.activations import weighted_tangent
+from moe_xla.primitives import _batching, _checks, _impl, _lowering, _sharding
+from moe_xla.primitives.activate_quantize_fp8 import ACTIVATIONS, GATED
+
+OP = "activate_weighted_grad"
+
+activate_weighted_grad_p = Primitive("moe_xla_activate_weighted_grad")
+activate_weighted_grad_p.multiple_results = True
+
+
+def activate_weighted_grad(h, g, omega, activation: str):
+    """(dh, d_omega) of h [M, 2F] (gated) or [M, F], g [M, F] and omega [M]. See the module
+    docstring."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"{OP}: expected activation in {ACTIVATIONS}, got {activation!r}")
+    return tuple(activate_weighted_grad_p.bind(h, g, omega, activation=activation))
+
+
+def formula(h, g, omega, activation: str):
+    """The op in jnp: the transpose of weighted_tangent in (d_h, d_omega) at g."""
+    _, transpose = jax.vjp(lambda d_h, d_omega: weighted_tangent(h, omega, d_h, d_omega, activation),
+                           jnp.zeros_like(h), jnp.zeros_like(omega))
+    return transpose(g)
+
+
+def _abstract_eval(h, g, omega, *, activation):
+    _checks.rank(OP, "h", h, 2, "[M, 2F] or [M, F]")
+    _checks.rank(OP, "g", g, 2, "[M, F]")
+    _checks.rank(OP, "omega", omega, 1, "[M]")
+    _checks.float_dtype(OP, "h", h)
+    _checks.same_dtype(OP, "h", h, "g", g)
+    if jnp.dtype(omega.dtype) != jnp.float32:
+        raise TypeError(f"{OP}: expected float32 omega, got {omega.dtype}")
+    m, c = h.shape
+    if activation in GATED and c % 2:
+        raise ValueError(f"{OP}: gated activation {activation!r} needs h [M, 2F] (gate | up), got an odd last dim {c}")
+    f = c // 2 if activation in GATED else c
+    if tuple(g.shape) != (m, f):
+        raise ValueError(f"{OP}: expected g of shape {(m, f)} ([M, F] for h {tuple(h.shape)}), got {tuple(g.shape)}")
+    if tuple(omega.shape) != (m,):
+        raise ValueError(f"{OP}: expected omega of shape ({m},) (M of h), got {tuple(omega.shape)}")
+    return [jax.core.ShapedArray((m, c), h.dtype), jax.core.ShapedArray((m,), jnp.float32)]
+
+
+def _jvp(primals, tangents, *, activation):
+    out = activate_weighted_grad_p.bind(*primals, activation=activation)
+    tangents = [ad.instantiate_zeros(t) for t in tangents]
+    _, d_out = jax.jvp(lambda *args: formula(*args, activation), tuple(primals), tuple(tangents))
+    return out, list(d_out)
+
+
+def _batch(args, dims, *, activation):
+    (h, g, omega), size = _batching.all_to_front(args, dims)
+    m = h.shape[1]
+    dh, d_omega = activate_weighted_grad_p.bind(h.reshape(size * m, h.shape[2]), g.reshape(size * m, g.shape[2]),
+                                                omega.reshape(size * m), activation=activation)
+    return [dh.reshape(size, m, dh.shape[-1]), d_omega.reshape(size, m)], [0, 0]
+
+
+def _specs(arg_axes, **_):
+    m = arg_axes[0][0]
+    return ([(m, ()), (m, ()), (m,)], [(m, ()), (m,)], ())
+
+
+# Rows are independent: split along M; the columns (gate | up) stay whole.
+SHARDING = _sharding.Rule(sharding_rule=lambda **_: "m c, m f, m -> m c, m", specs=_specs,
+                          need_replication=("c", "f"))
+
+
+_impl.def_jitted_impl(activate_weighted_grad_p)
+activate_weighted_grad_p.def_abstract_eval(_abstract_eval)
+ad.primitive_jvps[activate_weighted_grad_p] = _jvp
+batching.primitive_batchers[activate_weighted_grad_p] = _batch
+_lowering.register(activate_weighted_grad_p, OP, lambda *, activation: dict(
+    activation=np.int32(ACTIVATIONS.index(activation))), sharding=SHARDING)
