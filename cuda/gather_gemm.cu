@@ -12,6 +12,7 @@
 #include "common/gather_gemm.h"
 #include "common/status.h"
 #include "cuda/device.h"
+#include "cuda/gather_checks.h"
 #include "cuda/gather_gemm_internal.h"
 #include "cuda/group_offsets.cuh"
 
@@ -19,15 +20,15 @@ namespace moe_xla {
 namespace cuda {
 namespace {
 
+using detail::aligned16;
 using detail::GatherRowTile;
 using detail::GatherTileCount;
+using detail::kGatherMaxDim;
 using detail::kGatherTileM;
 using detail::kScanThreads;
 
 constexpr size_t kAlign = 256;
 constexpr int kFillThreads = 256;
-// Largest T, M, K, N and G: row indices plus a tile stay in int32 in the kernel.
-constexpr int64_t kMaxDim = (int64_t{1} << 31) - 256;
 
 size_t align_up(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 
@@ -103,8 +104,6 @@ __global__ void __launch_bounds__(kFillThreads)
   detail::zero_rows_from(out, c.covered, m, row_vecs);
 }
 
-bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
-
 // The compiled kernels, one per output dtype of the instance table in cuda/BUILD.bazel.
 struct KernelInstance {
   DType out_dtype;
@@ -129,38 +128,16 @@ const KernelInstance* find_instance(DType out_dtype) {
 }
 
 // Shape and dtype errors that need no device: ok or an InvalidArgument naming the field.
+// (Both output dtypes of the checks have an instance.)
 Status validate(const GatherGemmParams& p) {
-  if (p.in_dtype != DType::kBF16) {
-    return Status::InvalidArgument(std::string("gather_gemm: x and w must be bf16, got ") +
-                                   dtype_name(p.in_dtype));
-  }
-  if (find_instance(p.out_dtype) == nullptr) {
-    return Status::InvalidArgument(std::string("gather_gemm: output must be bf16 or f32, got ") +
-                                   dtype_name(p.out_dtype));
-  }
-  const int64_t dims[] = {p.tokens, p.m, p.k, p.n, p.num_groups};
-  const char* const names[] = {"tokens", "m", "k", "n", "num_groups"};
-  for (int i = 0; i < 5; ++i) {
-    if (dims[i] < 0 || dims[i] > kMaxDim) {
-      return Status::InvalidArgument(std::string("gather_gemm: ") + names[i] + " = " +
-                                     std::to_string(dims[i]) + " is outside [0, 2^31 - 256]");
-    }
-  }
-  if (p.k % 8 != 0) {
-    return Status::InvalidArgument("gather_gemm: k = " + std::to_string(p.k) +
-                                   " must be a multiple of 8 (16-byte rows of x)");
-  }
-  if (p.n % 8 != 0) {
-    return Status::InvalidArgument("gather_gemm: n = " + std::to_string(p.n) +
-                                   " must be a multiple of 8 (16-byte rows of w and out)");
-  }
-  return Status();
+  return detail::validate_gather("gather_gemm", "x and w", p.in_dtype, p.out_dtype,
+                                 {p.tokens, p.m, p.k, p.n, p.num_groups}, "x", "w and out");
 }
 
 }  // namespace
 
 size_t gather_gemm_workspace_bytes(int64_t m, int64_t num_groups) {
-  if (m < 0 || m > kMaxDim || num_groups < 0 || num_groups > kMaxDim) return 0;
+  if (m < 0 || m > kGatherMaxDim || num_groups < 0 || num_groups > kGatherMaxDim) return 0;
   return kAlign /* slack to align the base */ + WorkspaceLayout(m, num_groups).total;
 }
 

@@ -42,21 +42,11 @@
 #include "common/gather_gemm.h"
 #include "common/status.h"
 #include "cuda/gather_gemm_internal.h"
+#include "cuda/wgmma_kernel_parts.cuh"
 
 namespace moe_xla {
 namespace cuda {
 namespace detail {
-
-template <DType kOut>
-struct GatherOutElement;
-template <>
-struct GatherOutElement<DType::kBF16> {
-  using type = __nv_bfloat16;
-};
-template <>
-struct GatherOutElement<DType::kF32> {
-  using type = float;
-};
 
 struct GatherGemmTraits {
   using Element = cutlass::bfloat16_t;
@@ -142,22 +132,6 @@ struct GatherGemmKernelParams {
   int32_t tokens, k, n, num_groups;
   int32_t n_tiles, k_tiles;
 };
-
-// 16 bytes from global to shared memory, bypassing L1; src_bytes = 0 writes zeros and
-// reads nothing.
-__device__ __forceinline__ void cp_async_16_zfill(uint32_t smem_addr, const void* gmem,
-                                                  uint32_t src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr), "l"(gmem),
-               "r"(src_bytes)
-               : "memory");
-}
-
-__device__ __forceinline__ void store_pair(__nv_bfloat16* out, float a, float b) {
-  *reinterpret_cast<__nv_bfloat162*>(out) = __floats2bfloat162_rn(a, b);
-}
-__device__ __forceinline__ void store_pair(float* out, float a, float b) {
-  *reinterpret_cast<float2*>(out) = make_float2(a, b);
-}
 
 // Warp group 0 (see the header comment). `units` work units, this CTA's from blockIdx.x.
 template <class Out>
@@ -254,34 +228,7 @@ __device__ __forceinline__ void gather_gemm_consume(const GatherGemmKernelParams
     const GatherRowTile tile = p.row_tiles[unit / p.n_tiles];  // used by the stores below
     const int64_t col0 = (unit % p.n_tiles) * T::kTileN;
 
-    typename T::PipelineState release = read;
-    mma.accumulate_ = GMMA::ScaleOut::Zero;
-    for (int k_tile = 0; k_tile < p.k_tiles; ++k_tile) {
-      pipeline.consumer_wait(read);
-      // The A tile was written by cp.async (generic proxy); wgmma reads through the async
-      // proxy.
-      cutlass::arch::fence_view_async_shared();
-      const int stage = read.index();
-      warpgroup_fence_operand(accum);
-      warpgroup_arrive();
-      CUTLASS_PRAGMA_UNROLL
-      for (int k_block = 0; k_block < size<2>(tCrA); ++k_block) {
-        gemm(mma, tCrA(_, _, k_block, stage), tCrB(_, _, k_block, stage), accum);
-        mma.accumulate_ = GMMA::ScaleOut::One;
-      }
-      warpgroup_commit_batch();
-      // One batch stays in flight; the one before it is done, so its stage is free.
-      warpgroup_wait<1>();
-      warpgroup_fence_operand(accum);
-      if (k_tile > 0) {
-        pipeline.consumer_release(release);
-        ++release;
-      }
-      ++read;
-    }
-    warpgroup_wait<0>();
-    warpgroup_fence_operand(accum);
-    pipeline.consumer_release(release);
+    wgmma_stages(pipeline, read, mma, tCrA, tCrB, accum, p.k_tiles);
 
     // Accumulator i and i + 1 are columns c and c + 1 of one row (the wgmma C layout);
     // n % 8 == 0, so a pair is wholly inside or outside N.
@@ -329,7 +276,7 @@ __global__ void __launch_bounds__(GatherGemmTraits::kThreads, 1)
 template <DType kOut>
 Status gather_gemm_kernel_run(const GatherGemmLaunch& launch) {
   using T = GatherGemmTraits;
-  using Out = typename GatherOutElement<kOut>::type;
+  using Out = typename OutElement<kOut>::type;
   const GatherGemmParams& p = *launch.params;
   GatherGemmKernelParams<Out> kp;
   kp.tma_b = make_gather_tma_b(static_cast<const T::Element*>(p.w), static_cast<int32_t>(p.n),

@@ -46,8 +46,10 @@ _SYMBOLS.update({
     for platform in ("cpu", "cuda")
 })
 
-# gather_gmm has a CUDA kernel only (other platforms lower its decomposition).
+# gather_gmm and gather_tgmm have a CUDA kernel only (other platforms lower their
+# decompositions).
 _SYMBOLS[("gather_gmm", "cuda")] = "MoeXlaGatherGmmCuda"
+_SYMBOLS[("gather_tgmm", "cuda")] = "MoeXlaGatherTgmmCuda"
 
 # An op's version rises with each change of its handler's operands or attributes, so that
 # an HLO module written for the old signature fails by name, not by an attribute mismatch.
@@ -130,7 +132,7 @@ def _check_cuda_devices(grouped_gemm: bool) -> None:
 @functools.lru_cache(maxsize=None)
 def local_gpus_hopper() -> bool:
     """Whether every local CUDA device has compute capability 9.0, which the Hopper-only
-    kernels (gather_gmm's) need; True with no local CUDA device (a program lowered for CUDA
+    kernels (gather_gmm's, gather_tgmm's) need; True with no local CUDA device (a program lowered for CUDA
     there is meant for the kernels' target, where the handler checks the device again)."""
     try:
         devices = jax.devices("cuda")

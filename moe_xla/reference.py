@@ -82,6 +82,13 @@ def gather_gmm(x, src, w, group_sizes, *, preferred_element_type=None):
     return gmm(gather_rows(x, src), w, group_sizes, preferred_element_type=preferred_element_type or x.dtype)
 
 
+def gather_tgmm(x, src, dy, group_sizes, *, preferred_element_type=None):
+    """out[g] = sum_{r in rows of g} x_r^T (outer) dy[r] with x_r = x[src[r]], a zero row where
+    src[r] is outside [0, T): tgmm of the gathered rows (gather_gmm's gradient in w).
+    x [T, K], src [M], dy [M, N], group_sizes [G] -> [G, K, N]."""
+    return tgmm(gather_rows(x, src), dy, group_sizes, preferred_element_type=preferred_element_type or x.dtype)
+
+
 def route_source(logits, score: str):
     """The per-expert values weights are taken from: softmax(logits) or sigmoid(logits)."""
     x = logits.astype(jnp.float32)

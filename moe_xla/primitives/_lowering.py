@@ -32,6 +32,7 @@ _REFERENCE = {
     "tgmm": reference.tgmm,
     "gather_gmm": lambda x, src, w, group_sizes, *token_slots, preferred_element_type, **_: reference.gather_gmm(
         x, src, w, group_sizes, preferred_element_type=preferred_element_type),
+    "gather_tgmm": reference.gather_tgmm,
     "route": _route,
     "permute": lambda x, expert_ids, *, num_experts: list(reference.permute(x, expert_ids, num_experts)),
     "unpermute": lambda y_sorted, row_map, weights, *, unique_rows: reference.unpermute(y_sorted, row_map, weights),

@@ -4,6 +4,7 @@ What each op splits without communication:
   gmm      along N (column-parallel expert weights); along K it ends in one all-reduce;
   gather_gmm  as gmm;
   tgmm     along K and N of the weight gradient;
+  gather_tgmm  as tgmm;
   route    along tokens T;
   permute, unpermute  along the hidden dimension H. Along tokens they cannot: x_sorted
            is one sort of all T*k assignments by expert, so a token-split permute would
@@ -226,6 +227,18 @@ def _tgmm_specs(arg_axes, **_):
 
 TGMM = Rule(sharding_rule=lambda **_: "m k, m n, g -> g k n", specs=_tgmm_specs,
             need_replication=("m", "g"))
+
+
+def _gather_tgmm_specs(arg_axes, **_):
+    x, _src, dy, gs = arg_axes
+    (x_in, dy_in, gs_in), out, sums = _tgmm_specs([x, dy, gs])
+    return [x_in, ((),), dy_in, gs_in], out, sums
+
+
+# As tgmm with x in lhs's place: K of x and N of dy split the weight gradient's blocks
+# with no communication; tokens, rows and groups stay whole.
+GATHER_TGMM = Rule(sharding_rule=lambda **_: "t k, m, m n, g -> g k n", specs=_gather_tgmm_specs,
+                   need_replication=("t", "m", "g"))
 
 
 def _route_specs(arg_axes, **_):

@@ -15,7 +15,7 @@ other GPUs, other cases) it lowers to its decomposition, gather_rows + the gmm p
 every platform computes the same contract.
 
 gather_gmm is bilinear in (x, w):
-    d w = tgmm(gather_rows(x, src), ct)
+    d w = gather_tgmm(x, src, ct, group_sizes)   (= tgmm(gather_rows(x, src), ct))
     d x = the rows of d x_sorted = gmm(ct, w, transpose_rhs=True) summed back to tokens:
           d x[t] = sum_{r: src[r] = t} d x_sorted[r]
 The sum is deterministic either way. With token_slots [T, k] int32, a promise that
@@ -23,6 +23,8 @@ token_slots[t, j] names the j-th row r with src[r] = t (k * T = M, each row name
 once, as permute's row_map reshaped to [T, k]), it is one gather-sum,
 unpermute(d x_sorted, token_slots, ones); without, a sort-and-scan sum over src
 (_rows.sum_rows_into), for any src.
+gather_tgmm's transpose (see gather_tgmm.py: a gather_gmm in dy, the same sum to tokens in
+x) is registered here too, so that gather_tgmm.py need not import this module.
 """
 
 from __future__ import annotations
@@ -36,8 +38,8 @@ import moe_xla._lib as _lib
 import moe_xla._rows as _rows
 from moe_xla.primitives import _ad, _batching, _checks, _impl, _lowering, _sharding
 from moe_xla.primitives.gather_rows import gather_rows
+from moe_xla.primitives.gather_tgmm import gather_tgmm_p
 from moe_xla.primitives.gmm import gmm_p
-from moe_xla.primitives.tgmm import tgmm_p
 from moe_xla.primitives.unpermute import unpermute_p
 
 gather_gmm_p = Primitive("moe_xla_gather_gmm")
@@ -107,6 +109,16 @@ def _cuda_workspace(x, src, w, group_sizes, **_) -> int:
     return _lib.cuda_workspace_bytes("MoeXlaGatherGmmWorkspaceBytes", src.shape[0], group_sizes.shape[0])
 
 
+def _sum_to_tokens(d_sorted, src, token_slots, num_tokens: int):
+    """d x [T, K] from the rows' gradients d x_sorted [M, K]: d x[t] = sum_{r: src[r] = t}
+    d x_sorted[r], rows whose src is outside [0, T) dropped; one gather-sum through
+    token_slots ([T, k], src's inverse) when given, else a sort-and-scan sum over src."""
+    if token_slots:
+        (slots,) = token_slots
+        return unpermute_p.bind(d_sorted, slots.reshape(-1), jnp.ones(slots.shape, jnp.float32), unique_rows=True)
+    return _rows.sum_rows_into(d_sorted, src[:, None], jnp.ones((src.shape[0], 1), jnp.float32), num_rows=num_tokens)
+
+
 def _transpose(ct, x, src, w, group_sizes, *token_slots, preferred_element_type, has_token_slots):
     if any(ad.is_undefined_primal(a) for a in (src, group_sizes, *token_slots)):
         raise ValueError("gather_gmm: src, group_sizes and token_slots are integers and cannot be differentiated")
@@ -116,19 +128,28 @@ def _transpose(ct, x, src, w, group_sizes, *token_slots, preferred_element_type,
             return (ad.Zero(x.aval), *none)
         x_dtype = jnp.dtype(x.aval.dtype)
         d_sorted = gmm_p.bind(ct.astype(w.dtype), w, group_sizes, transpose_rhs=True, preferred_element_type=x_dtype)
-        if has_token_slots:
-            (slots,) = token_slots
-            d_x = unpermute_p.bind(d_sorted, slots.reshape(-1), jnp.ones(slots.shape, jnp.float32), unique_rows=True)
-        else:
-            d_x = _rows.sum_rows_into(d_sorted, src[:, None], jnp.ones((src.shape[0], 1), jnp.float32),
-                                      num_rows=x.aval.shape[0])
-        return (d_x.astype(x_dtype), *none)
+        return (_sum_to_tokens(d_sorted, src, token_slots, x.aval.shape[0]).astype(x_dtype), *none)
     w_aval = w.aval
     if type(ct) is ad.Zero:
         return None, None, ad.Zero(w_aval), *none[2:]
-    d_w = tgmm_p.bind(gather_rows(x, src), ct.astype(x.dtype), group_sizes,
-                      preferred_element_type=jnp.dtype(w_aval.dtype))
+    d_w = gather_tgmm_p.bind(x, src, ct.astype(x.dtype), group_sizes, preferred_element_type=jnp.dtype(w_aval.dtype))
     return None, None, d_w, *none[2:]
+
+
+def _gather_tgmm_transpose(ct, x, src, dy, group_sizes, *, preferred_element_type):
+    if ad.is_undefined_primal(src) or ad.is_undefined_primal(group_sizes):
+        raise ValueError("gather_tgmm: src and group_sizes are integers and cannot be differentiated")
+    if ad.is_undefined_primal(x):
+        if type(ct) is ad.Zero:
+            return ad.Zero(x.aval), None, None, None
+        x_dtype = jnp.dtype(x.aval.dtype)
+        d_sorted = gmm_p.bind(dy, ct.astype(dy.dtype), group_sizes, transpose_rhs=True, preferred_element_type=x_dtype)
+        return _sum_to_tokens(d_sorted, src, (), x.aval.shape[0]).astype(x_dtype), None, None, None
+    if type(ct) is ad.Zero:
+        return None, None, ad.Zero(dy.aval), None
+    d_dy = gather_gmm_p.bind(x, src, ct.astype(x.dtype), group_sizes, preferred_element_type=jnp.dtype(dy.aval.dtype),
+                             has_token_slots=False)
+    return None, None, d_dy, None
 
 
 def _batch(args, dims, *, preferred_element_type, has_token_slots):
@@ -157,6 +178,7 @@ _impl.def_jitted_impl(gather_gmm_p)
 gather_gmm_p.def_abstract_eval(_abstract_eval)
 ad.primitive_jvps[gather_gmm_p] = _ad.bilinear_jvp(gather_gmm_p, 0, 2)
 ad.primitive_transposes[gather_gmm_p] = _transpose
+ad.primitive_transposes[gather_tgmm_p] = _gather_tgmm_transpose
 batching.primitive_batchers[gather_gmm_p] = _batch
 _lowering.register_decomposed(gather_gmm_p, "gather_gmm", _decomposition, _kernel_operands, lambda **_: {},
                               _cuda_workspace, sharding=_sharding.GATHER_GMM)

@@ -1,0 +1,328 @@
+// The Hopper kernel of the gather weight gradient (common/gather_tgmm.h):
+//   out[g] = sum over the rows r of group g of x_r^T (outer) dy[r]
+// as a GEMM per group: C [K, N] = A [K, rows] @ B [rows, N] with A[k, r] = x_r[k] (the
+// gathered rows, transposed) and B = the group's rows of dy, contracted over the rows.
+//
+// Work unit = (group, tile of 128 columns of x, tile of 256 columns of dy): one 128 x 256
+// block of out[g], summed over the group's rows 64 at a time, so each output element is
+// accumulated by one CTA in row order (deterministic, no atomics, no split over CTAs).
+// All units of a group run the same number of steps; the dispatcher's prep kernel lists
+// the groups larger first (by size class), and unit u is group order[u / U], with the
+// U = k_tiles * n_tiles units of a group in column-tile order (dy tiles fastest, so the
+// CTAs running at the same time share the group's gathered x rows and dy rows in L2).
+// One persistent CTA per SM walks the units u = blockIdx.x, + gridDim.x, ... : with the
+// groups in decreasing size, every CTA's k-th unit is at least as long as the next CTA's,
+// so the CTAs finish within about one unit of each other.
+//
+// Both operands are MN-major in shared memory (the contiguous dimension of x rows and dy
+// rows is the GEMM's M resp. N; bf16 wgmma takes transposed operands from shared memory),
+// 128-byte swizzled, in a 4-stage pipeline between three warp groups:
+//   - warp group 0, the producer: per step of 64 rows, its 128 threads copy the B tile
+//     dy[r, n0:n0+256] (each thread one 16-byte chunk of 16 rows) and the A tile
+//     x[src[r], k0:k0+128] (one chunk of 8 rows, their src read per step) with cp.async.
+//     Chunks are zero-filled, reading nothing, for rows at or past the group's end (for
+//     both operands: a zero row of A alone would turn an inf or NaN in the next group's
+//     dy row into NaN, 0 * inf), for A rows whose src lies outside [0, T) (the zero row of
+//     the contract, times the row of dy as the contract says) and for columns past K or N.
+//     A stage is full once every producer thread's copies into it have landed
+//     (cp.async.mbarrier.arrive.noinc: 128 arrivals).
+//   - warp groups 1 and 2, the consumers: each multiplies its 64 rows of the block (64
+//     columns of x) by the B tile with wgmma (m64n256k16, f32 accumulators in registers),
+//     keeping one batch in flight (wgmma_stages), then stores its rows of the block
+//     straight from the accumulators (rows past K and columns past N are left alone). A
+//     unit of an empty group runs no step and stores zeros.
+// The producer keeps loading the next unit's stages while the consumers store a block.
+#ifndef MOE_XLA_CUDA_GATHER_TGMM_KERNEL_CUH_
+#define MOE_XLA_CUDA_GATHER_TGMM_KERNEL_CUH_
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "cute/tensor.hpp"  // first: the atoms below rely on its declarations
+#include "cute/algorithm/gemm.hpp"
+#include "cute/atom/mma_atom.hpp"
+#include "cutlass/arch/barrier.h"
+#include "cutlass/arch/reg_reconfig.h"
+#include "cutlass/cutlass.h"
+#include "cutlass/numeric_types.h"
+#include "cutlass/pipeline/sm90_pipeline.hpp"
+
+#include "common/gather_tgmm.h"
+#include "common/status.h"
+#include "cuda/gather_tgmm_internal.h"
+#include "cuda/wgmma_kernel_parts.cuh"
+
+namespace moe_xla {
+namespace cuda {
+namespace detail {
+
+struct GatherTgmmTraits {
+  using Element = cutlass::bfloat16_t;
+  static constexpr int kTileM = kGatherTgmmTileK;     // GEMM M: columns of x
+  static constexpr int kTileN = kGatherTgmmTileN;     // GEMM N: columns of dy
+  static constexpr int kTileK = kGatherTgmmStepRows;  // GEMM K: rows of the group per step
+  static constexpr int kStages = 4;
+  static constexpr int kElementBytes = sizeof(Element);
+
+  static constexpr int kProducerThreads = 128;
+  static constexpr int kConsumerThreads = 256;
+  static constexpr int kThreads = kProducerThreads + kConsumerThreads;
+  // Registers per thread after the producer gives some up (setmaxnreg); together within
+  // the register file of one SM: 128 * 64 + 256 * 216 = 63488 <= 65536. With 56 for the
+  // producer ptxas spills in its copy loop (12 bytes; 88 with 40); at 64 nothing spills,
+  // and the consumers (128 accumulators) compile without spills down to 208.
+  static constexpr int kProducerRegisters = 64;
+  static constexpr int kConsumerRegisters = 216;
+
+  // The producer's copies: 16-byte chunks (8 bf16) along a row. For an operand `cols`
+  // columns wide, thread t copies chunk t % (cols / 8) of the step's rows
+  // t / (cols / 8) + i * (128 / (cols / 8)), i < passes.
+  static constexpr int kChunkElems = 8;
+  static constexpr int kChunksA = kTileM / kChunkElems;             // 16 per x row
+  static constexpr int kRowsPerPassA = kProducerThreads / kChunksA;  // 8
+  static constexpr int kPassesA = kTileK / kRowsPerPassA;            // 8
+  static constexpr int kChunksB = kTileN / kChunkElems;             // 32 per dy row
+  static constexpr int kRowsPerPassB = kProducerThreads / kChunksB;  // 4
+  static constexpr int kPassesB = kTileK / kRowsPerPassB;            // 16
+  static_assert(kProducerThreads % kChunksA == 0 && kTileK % kRowsPerPassA == 0, "whole passes of A");
+  static_assert(kProducerThreads % kChunksB == 0 && kTileK % kRowsPerPassB == 0, "whole passes of B");
+
+  // Both operands MN-major with the 128-byte swizzle: atoms of 64 contiguous columns by 8
+  // rows, tiled along the rows first (as CUTLASS tiles MN-major operands).
+  using SmemLayoutA = decltype(cute::tile_to_shape(
+      cute::GMMA::Layout_MN_SW128_Atom<Element>{},
+      cute::make_shape(cute::Int<kTileM>{}, cute::Int<kTileK>{}, cute::Int<kStages>{}),
+      cute::Step<cute::_2, cute::_1, cute::_3>{}));
+  using SmemLayoutB = decltype(cute::tile_to_shape(
+      cute::GMMA::Layout_MN_SW128_Atom<Element>{},
+      cute::make_shape(cute::Int<kTileN>{}, cute::Int<kTileK>{}, cute::Int<kStages>{}),
+      cute::Step<cute::_2, cute::_1, cute::_3>{}));
+  static constexpr uint32_t kStageBytesA = kTileM * kTileK * kElementBytes;
+  static constexpr uint32_t kStageBytesB = kTileN * kTileK * kElementBytes;
+  // Byte offset, within one stage of either layout above, of 16-byte chunk c (columns
+  // 8c .. 8c + 7) of row r: each 64-column atom column holds all kTileK rows of 128 bytes,
+  // and the chunk index within the 128 bytes is XORed with r mod 8 (checked against
+  // cute's layout function on the host).
+  __host__ __device__ static constexpr uint32_t chunk_offset(int c, int r) {
+    return static_cast<uint32_t>(c / 8) * (kTileK * 128) + static_cast<uint32_t>(r) * 128 +
+           (static_cast<uint32_t>((c % 8) ^ (r % 8)) << 4);
+  }
+
+  // Two consumer warp groups along M (64 columns of x each), each 64 x 256.
+  using TiledMma = decltype(cute::make_tiled_mma(
+      cute::SM90_64x256x16_F32BF16BF16_SS<cute::GMMA::Major::MN, cute::GMMA::Major::MN>{},
+      cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>{}));
+  static_assert(cute::size(TiledMma{}) == kConsumerThreads, "two consumer warp groups");
+
+  using Pipeline = cutlass::PipelineAsync<kStages>;
+  using PipelineState = typename Pipeline::PipelineState;
+
+  struct SharedStorage {
+    alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutA>, 1024> a;
+    alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutB>, 1024> b;
+    typename Pipeline::SharedStorage pipeline;
+  };
+};
+
+template <class Out>
+struct GatherTgmmKernelParams {
+  const char* x;   // [tokens, k] bf16, addressed in bytes by the cp.async copies
+  const char* dy;  // [m, n] bf16, likewise
+  const int32_t* src;
+  const GatherTgmmGroupRows* groups;
+  const int32_t* order;
+  Out* out;  // [num_groups, k, n]
+  int32_t tokens, k, n;
+  int32_t k_tiles, n_tiles;
+  int64_t units;  // num_groups * k_tiles * n_tiles
+};
+
+// What a work unit computes: block (k_tile, n_tile) of out[group], summed over the
+// group's rows [start, end) in `steps` steps of kTileK rows.
+struct GatherTgmmUnit {
+  int32_t group, start, end, k_tile, n_tile;
+  int64_t steps;
+};
+
+template <class Out>
+__device__ __forceinline__ GatherTgmmUnit gather_tgmm_unit(const GatherTgmmKernelParams<Out>& p, int64_t unit) {
+  using T = GatherTgmmTraits;
+  const int64_t per_group = static_cast<int64_t>(p.k_tiles) * p.n_tiles;
+  const int64_t inner = unit % per_group;
+  GatherTgmmUnit u;
+  u.group = __ldg(p.order + unit / per_group);
+  const GatherTgmmGroupRows rows = p.groups[u.group];
+  u.start = rows.start;
+  u.end = rows.end;
+  u.k_tile = static_cast<int32_t>(inner / p.n_tiles);
+  u.n_tile = static_cast<int32_t>(inner % p.n_tiles);
+  u.steps = (static_cast<int64_t>(rows.end) - rows.start + T::kTileK - 1) / T::kTileK;
+  return u;
+}
+
+// Warp group 0 (see the header comment).
+template <class Out>
+__device__ __forceinline__ void gather_tgmm_produce(const GatherTgmmKernelParams<Out>& p,
+                                                    typename GatherTgmmTraits::SharedStorage& smem,
+                                                    typename GatherTgmmTraits::Pipeline& pipeline) {
+  using T = GatherTgmmTraits;
+  const int thread = threadIdx.x;  // 0 .. kProducerThreads - 1
+  const int chunk_a = thread % T::kChunksA, first_row_a = thread / T::kChunksA;
+  const int chunk_b = thread % T::kChunksB, first_row_b = thread / T::kChunksB;
+  const uint32_t smem_a = cute::cast_smem_ptr_to_uint(smem.a.data());
+  const uint32_t smem_b = cute::cast_smem_ptr_to_uint(smem.b.data());
+
+  typename T::PipelineState write = cutlass::make_producer_start_state<typename T::Pipeline>();
+  for (int64_t unit = blockIdx.x; unit < p.units; unit += gridDim.x) {
+    const GatherTgmmUnit u = gather_tgmm_unit(p, unit);
+    // k and n are multiples of 8: a chunk is wholly inside or outside its row.
+    const int32_t col_a = u.k_tile * T::kTileM + chunk_a * T::kChunkElems;
+    const int32_t col_b = u.n_tile * T::kTileN + chunk_b * T::kChunkElems;
+    const bool col_a_in = col_a < p.k, col_b_in = col_b < p.n;
+    for (int64_t step = 0; step < u.steps; ++step) {
+      const int32_t row0 = u.start + static_cast<int32_t>(step) * T::kTileK;  // < end <= m
+      // The source tokens of this thread's A rows, -1 where there is none; loaded before
+      // waiting for the stage so that the wait and the B copies hide their latency.
+      int32_t token[T::kPassesA];
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < T::kPassesA; ++i) {
+        const int32_t row = row0 + first_row_a + i * T::kRowsPerPassA;
+        token[i] = row < u.end ? __ldg(p.src + row) : -1;
+      }
+      pipeline.producer_acquire(write);
+      const int stage = write.index();
+      const uint32_t stage_b = smem_b + stage * T::kStageBytesB;
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < T::kPassesB; ++i) {
+        const int r = first_row_b + i * T::kRowsPerPassB;
+        const bool in = col_b_in && row0 + r < u.end;
+        const char* from =
+            in ? p.dy + (static_cast<int64_t>(row0 + r) * p.n + col_b) * T::kElementBytes : p.dy;
+        cp_async_16_zfill(stage_b + T::chunk_offset(chunk_b, r), from, in ? 16u : 0u);
+      }
+      const uint32_t stage_a = smem_a + stage * T::kStageBytesA;
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < T::kPassesA; ++i) {
+        const int r = first_row_a + i * T::kRowsPerPassA;
+        const bool in = col_a_in && token[i] >= 0 && token[i] < p.tokens;
+        const char* from =
+            in ? p.x + (static_cast<int64_t>(token[i]) * p.k + col_a) * T::kElementBytes : p.x;
+        cp_async_16_zfill(stage_a + T::chunk_offset(chunk_a, r), from, in ? 16u : 0u);
+      }
+      cutlass::arch::cpasync_barrier_arrive_noinc(pipeline.producer_get_barrier(write));
+      ++write;
+    }
+  }
+  // Stay until the consumers have freed every stage: this warp group's last copies have
+  // landed and been read before it exits.
+  pipeline.producer_tail(write);
+}
+
+// Warp groups 1 and 2 (see the header comment).
+template <class Out>
+__device__ __forceinline__ void gather_tgmm_consume(const GatherTgmmKernelParams<Out>& p,
+                                                    typename GatherTgmmTraits::SharedStorage& smem,
+                                                    typename GatherTgmmTraits::Pipeline& pipeline) {
+  using namespace cute;
+  using T = GatherTgmmTraits;
+  const int thread = threadIdx.x - T::kProducerThreads;  // 0 .. kConsumerThreads - 1
+  typename T::TiledMma mma;
+  auto thread_mma = mma.get_thread_slice(thread);
+  Tensor sA = make_tensor(make_smem_ptr(smem.a.data()), typename T::SmemLayoutA{});
+  Tensor sB = make_tensor(make_smem_ptr(smem.b.data()), typename T::SmemLayoutB{});
+  Tensor tCrA = thread_mma.make_fragment_A(thread_mma.partition_A(sA));  // (MMA, M, K, PIPE)
+  Tensor tCrB = thread_mma.make_fragment_B(thread_mma.partition_B(sB));  // (MMA, N, K, PIPE)
+  const auto tile_mn = make_shape(Int<T::kTileM>{}, Int<T::kTileN>{});
+  Tensor accum = partition_fragment_C(mma, tile_mn);                     // (MMA, M, N)
+  Tensor coord = thread_mma.partition_C(make_identity_tensor(tile_mn));  // (MMA, M, N)
+  static_assert(size(decltype(accum){}) % 2 == 0, "accumulators come in column pairs");
+
+  typename T::PipelineState read;
+  for (int64_t unit = blockIdx.x; unit < p.units; unit += gridDim.x) {
+    const GatherTgmmUnit u = gather_tgmm_unit(p, unit);
+    if (u.steps > 0) {
+      wgmma_stages(pipeline, read, mma, tCrA, tCrB, accum, u.steps);
+    } else {
+      clear(accum);  // an empty group's block is exactly zero
+    }
+    // Accumulator i and i + 1 are columns c and c + 1 of one row (the wgmma C layout);
+    // n % 8 == 0, so a pair is wholly inside or outside N.
+    Out* block = p.out + static_cast<int64_t>(u.group) * p.k * p.n;
+    const int32_t row0 = u.k_tile * T::kTileM, col0 = u.n_tile * T::kTileN;
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < size(accum); i += 2) {
+      const int32_t row = row0 + get<0>(coord(i));
+      const int32_t col = col0 + get<1>(coord(i));
+      if (row < p.k && col < p.n) {
+        store_pair(block + static_cast<int64_t>(row) * p.n + col, accum(i), accum(i + 1));
+      }
+    }
+  }
+}
+
+template <class Out>
+__global__ void __launch_bounds__(GatherTgmmTraits::kThreads, 1)
+    gather_tgmm_kernel(const __grid_constant__ GatherTgmmKernelParams<Out> p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using T = GatherTgmmTraits;
+  extern __shared__ __align__(1024) char smem_raw[];  // the 128-byte swizzle needs 1024
+  auto& smem = *reinterpret_cast<typename T::SharedStorage*>(smem_raw);
+  const bool producer = cutlass::canonical_warp_group_idx() == 0;
+
+  typename T::Pipeline::Params params;
+  params.role = producer ? T::Pipeline::ThreadCategory::Producer
+                         : T::Pipeline::ThreadCategory::Consumer;
+  params.producer_arv_count = T::kProducerThreads;  // one cp.async arrival per producer thread
+  params.consumer_arv_count = T::kConsumerThreads;  // every consumer thread releases
+  typename T::Pipeline pipeline(smem.pipeline, params);
+  __syncthreads();  // barriers initialised before any thread uses them
+
+  if (producer) {
+    cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegisters>();
+    gather_tgmm_produce(p, smem, pipeline);
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegisters>();
+    gather_tgmm_consume(p, smem, pipeline);
+  }
+#endif
+}
+
+template <DType kOut>
+Status gather_tgmm_kernel_run(const GatherTgmmLaunch& launch) {
+  using T = GatherTgmmTraits;
+  using Out = typename OutElement<kOut>::type;
+  const GatherTgmmParams& p = *launch.params;
+  GatherTgmmKernelParams<Out> kp;
+  // A zero-filled copy reads nothing but still names an address: x's base, or dy's when
+  // there are no tokens (x may then be null, and every A row is zero).
+  kp.x = static_cast<const char*>(p.tokens > 0 ? p.x : p.dy);
+  kp.dy = static_cast<const char*>(p.dy);
+  kp.src = p.src;
+  kp.groups = launch.groups;
+  kp.order = launch.order;
+  kp.out = static_cast<Out*>(p.out);
+  kp.tokens = static_cast<int32_t>(p.tokens);
+  kp.k = static_cast<int32_t>(p.k);
+  kp.n = static_cast<int32_t>(p.n);
+  kp.k_tiles = static_cast<int32_t>((p.k + T::kTileM - 1) / T::kTileM);
+  kp.n_tiles = static_cast<int32_t>((p.n + T::kTileN - 1) / T::kTileN);
+  kp.units = p.num_groups * kp.k_tiles * kp.n_tiles;
+
+  const int smem_bytes = static_cast<int>(sizeof(typename T::SharedStorage));
+  MOE_XLA_RETURN_IF_CUDA_ERROR(cudaFuncSetAttribute(
+      gather_tgmm_kernel<Out>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
+  const int64_t grid = std::max<int64_t>(std::min<int64_t>(launch.sm_count, kp.units), 1);
+  gather_tgmm_kernel<Out>
+      <<<static_cast<unsigned>(grid), T::kThreads, smem_bytes, launch.stream>>>(kp);
+  MOE_XLA_RETURN_IF_CUDA_ERROR(cudaGetLastError());  // launch of the kernel
+  return Status();
+}
+
+}  // namespace detail
+}  // namespace cuda
+}  // namespace moe_xla
+
+#endif  // MOE_XLA_CUDA_GATHER_TGMM_KERNEL_CUH_

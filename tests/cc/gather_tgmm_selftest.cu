@@ -1,0 +1,409 @@
+// Standalone GPU self-check of moe_xla::cuda::gather_tgmm (common/gather_tgmm.h).
+//
+// For every case (random and adversarial group sizes: empty groups, one row, all rows in
+// one group, a giant group of many row steps, negative and INT32-extreme sizes, sums below
+// and above M, G up to 512; src with entries -1, T, INT32_MIN and INT32_MAX; K and N that
+// are not multiples of the tiles; no tokens (x null), no rows; rows of dy past the groups
+// holding NaN and inf; a NaN and an inf inside one group's rows) and both output dtypes
+// (bf16, f32) it:
+//   1. poisons the output with NaN and surrounds it with canaries,
+//   2. runs gather_tgmm with exactly gather_tgmm_workspace_bytes of (misaligned) scratch,
+//   3. compares with a reference kernel that computes every output element on its own,
+//      one float64 sum over the group's rows in row order, from the groups' rows (the
+//      clamp rule of common/grouped_gemm.h, on the host) and src (a zero row of x where src
+//      is outside [0, T)): where the reference is finite, |out - ref| <= tol * max|ref| of
+//      the case's finite values (tol 1e-2 for bf16 output, 1e-4 for f32) and out finite
+//      (the NaN and inf of dy rows outside a group never reach its block); where the
+//      reference is not finite (a group with a NaN or inf row of its own), out is not
+//      finite either; exact zeros in the blocks of empty groups; canaries intact,
+//   4. captures the same call into a CUDA graph, rewrites group_sizes and src in device
+//      memory, replays the graph and checks against the reference of the new inputs
+//      (the sizes are read on the device at run time; the call is graph capturable).
+// It also checks that K or N not a multiple of 8, and f32 inputs, are InvalidArgument
+// errors. Prints one line per case and a PASS/FAIL summary; exit status 1 if any check
+// failed. On a GPU other than compute capability 9.0, or without a GPU, it exits 0 saying
+// it skipped. Usage: gather_tgmm_selftest
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "common/gather_tgmm.h"
+#include "common/grouped_gemm.h"
+#include "common/status.h"
+#include "cuda/device.h"
+#include "cuda/gather_tgmm.h"
+#include "tools/cuda_check.h"
+
+namespace {
+
+using moe_xla::DType;
+using moe_xla::dtype_bytes;
+using moe_xla::dtype_name;
+using moe_xla::GatherTgmmParams;
+
+constexpr uint32_t kCanary = 0xC0FFEE11u;
+constexpr size_t kGuardBytes = 256;
+
+// Rows [start_g, end_g) of every group under the clamp rule.
+void group_rows(const std::vector<int32_t>& sizes, int64_t m, std::vector<int64_t>* starts,
+                std::vector<int64_t>* ends) {
+  starts->clear();
+  ends->clear();
+  int64_t start = 0;
+  for (int32_t size : sizes) {
+    const int64_t rows = moe_xla::clamp_group_size(size, start, m);
+    starts->push_back(start);
+    ends->push_back(start + rows);
+    start += rows;
+  }
+}
+
+// ref[g, i, c] = sum over r in [start_g, end_g) of x_r[i] * dy[r, c] in float64, in row
+// order, x_r = x[src[r]] for src[r] in [0, T) and 0 otherwise (0 * inf is NaN, as in the
+// contract).
+__global__ void reference_kernel(const __nv_bfloat16* __restrict__ x, const int32_t* __restrict__ src,
+                                 const __nv_bfloat16* __restrict__ dy, const int64_t* __restrict__ starts,
+                                 const int64_t* __restrict__ ends, int64_t tokens, int64_t groups,
+                                 int64_t k, int64_t n, double* __restrict__ ref) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= groups * k * n) return;
+  const int64_t g = i / (k * n), row = i / n % k, c = i % n;
+  double acc = 0;
+  for (int64_t r = starts[g]; r < ends[g]; ++r) {
+    const int32_t s = src[r];
+    const double xv = s >= 0 && s < tokens ? static_cast<double>(__bfloat162float(x[s * k + row])) : 0.0;
+    acc += xv * static_cast<double>(__bfloat162float(dy[r * n + c]));
+  }
+  ref[i] = acc;
+}
+
+struct Case {
+  std::string name;
+  int64_t tokens, m, k, n;
+  std::vector<int32_t> sizes;
+  std::vector<int32_t> src;
+  bool poison_past_groups;            // NaN / inf in the dy rows past the groups
+  std::vector<int64_t> poisoned_rows;  // NaN / inf in these dy rows (inside groups)
+};
+
+// Sizes of `groups` groups drawn by multinomial(total) with equal probabilities, and
+// `zeros` of them forced empty.
+std::vector<int32_t> random_sizes(int64_t total, int64_t groups, int zeros, std::mt19937& rng) {
+  std::vector<int32_t> sizes(static_cast<size_t>(groups), 0);
+  std::uniform_int_distribution<int64_t> pick(0, groups - 1);
+  std::vector<bool> empty(static_cast<size_t>(groups), false);
+  for (int i = 0; i < zeros && i < groups - 1; ++i) empty[static_cast<size_t>(pick(rng))] = true;
+  for (int64_t i = 0; i < total; ++i) {
+    int64_t g = pick(rng);
+    while (empty[static_cast<size_t>(g)]) g = (g + 1) % groups;
+    ++sizes[static_cast<size_t>(g)];
+  }
+  return sizes;
+}
+
+// src of m rows into `tokens` tokens; with `bad` > 0, about one row in `bad` is out of
+// range (-1, T, INT32_MIN or INT32_MAX); with no tokens every row is out of range.
+std::vector<int32_t> random_src(int64_t m, int64_t tokens, int bad, std::mt19937& rng) {
+  std::vector<int32_t> src(static_cast<size_t>(m));
+  std::uniform_int_distribution<int32_t> token(0, static_cast<int32_t>(std::max<int64_t>(tokens - 1, 0)));
+  const int32_t outside[] = {-1, static_cast<int32_t>(tokens), INT32_MIN, INT32_MAX};
+  for (int64_t r = 0; r < m; ++r) {
+    src[static_cast<size_t>(r)] = token(rng);
+    if (tokens == 0 || (bad > 0 && rng() % bad == 0)) src[static_cast<size_t>(r)] = outside[rng() % 4];
+  }
+  return src;
+}
+
+std::vector<Case> make_cases(std::mt19937& rng) {
+  std::vector<Case> cases;
+  auto add = [&](const std::string& name, int64_t tokens, int64_t m, int64_t k, int64_t n,
+                 std::vector<int32_t> sizes, int bad_src, bool poison_past = false,
+                 std::vector<int64_t> poisoned_rows = {}) {
+    cases.push_back(Case{name, tokens, m, k, n, std::move(sizes), random_src(m, tokens, bad_src, rng),
+                         poison_past, std::move(poisoned_rows)});
+  };
+  add("uniform 8 groups", 300, 1024, 256, 512, random_sizes(1024, 8, 0, rng), 0);
+  add("tails K N", 517, 1037, 200, 264, random_sizes(1037, 5, 0, rng), 0);
+  add("bad src", 400, 777, 136, 136, random_sizes(777, 6, 1, rng), 7);
+  add("K 8 N 8", 50, 131, 8, 8, random_sizes(131, 3, 0, rng), 5);
+  add("K 72 N 520", 250, 600, 72, 520, random_sizes(600, 4, 1, rng), 0);
+  add("empty groups", 128, 700, 96, 256, random_sizes(700, 12, 6, rng), 0);
+  add("one row per group", 64, 40, 64, 256, std::vector<int32_t>(40, 1), 0);
+  add("all rows in one group", 900, 2000, 128, 384, {0, 2000, 0}, 0);
+  add("giant group", 3000, 20000, 256, 264, {20000}, 50);
+  add("sum below M, NaN past", 100, 500, 64, 128, {100, 0, 150, 50}, 0, true);
+  add("sum above M", 100, 500, 64, 128, {300, 200, 400, 7}, 0);
+  add("negative and huge sizes", 100, 600, 136, 200, {-5, 100, INT32_MIN, 250, INT32_MAX, 40}, 0);
+  add("first group past M", 100, 300, 64, 64, {INT32_MAX, 10, 10}, 0);
+  add("no covered rows, NaN", 100, 300, 64, 64, {0, -1, 0}, 0, true);
+  add("NaN and inf in a group", 300, 700, 128, 256, {100, 37, 200, 63, 250}, 9, true, {120, 340});
+  add("G 512 many empty", 1000, 3000, 256, 256, random_sizes(2900, 512, 300, rng), 20, true);
+  add("G 512 tiny", 64, 1500, 64, 136, random_sizes(1400, 512, 0, rng), 0, true);
+  add("long K", 200, 700, 1032, 520, random_sizes(700, 3, 0, rng), 0);
+  add("G 1", 333, 1111, 320, 1000, {1111}, 0);
+  add("M below one step", 10, 37, 64, 256, {20, 17}, 3);
+  add("T 1", 1, 300, 64, 256, random_sizes(300, 4, 0, rng), 0);
+  add("no tokens", 0, 200, 64, 128, random_sizes(200, 3, 0, rng), 0);
+  add("no rows", 50, 0, 64, 128, {5, 3}, 0);
+  return cases;
+}
+
+struct Device {
+  __nv_bfloat16 *x = nullptr, *dy = nullptr;
+  int32_t *src = nullptr, *sizes = nullptr;
+  int64_t *starts = nullptr, *ends = nullptr;
+  double* ref = nullptr;
+  char* out_block = nullptr;  // guard | out | guard
+  char* workspace = nullptr;
+};
+
+template <class T>
+T* device_copy(const std::vector<T>& host) {
+  T* d = nullptr;
+  CHECK_CUDA(cudaMalloc(&d, std::max<size_t>(host.size(), 1) * sizeof(T)));
+  if (!host.empty()) CHECK_CUDA(cudaMemcpy(d, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
+  return d;
+}
+
+std::vector<__nv_bfloat16> random_bf16(int64_t count, float scale, std::mt19937& rng) {
+  std::uniform_real_distribution<float> u(-scale, scale);
+  std::vector<__nv_bfloat16> v(static_cast<size_t>(count));
+  for (auto& e : v) e = __float2bfloat16(u(rng));
+  return v;
+}
+
+// Random dy [m, n] with NaN and +-inf in the case's poisoned rows (alternating by row).
+std::vector<__nv_bfloat16> make_dy(const Case& cs, std::mt19937& rng) {
+  std::vector<__nv_bfloat16> dy = random_bf16(cs.m * cs.n, 1.0f, rng);
+  std::vector<int64_t> rows = cs.poisoned_rows;
+  if (cs.poison_past_groups) {
+    std::vector<int64_t> starts, ends;
+    group_rows(cs.sizes, cs.m, &starts, &ends);
+    for (int64_t r = ends.empty() ? 0 : ends.back(); r < cs.m; ++r) rows.push_back(r);
+  }
+  const float bad[] = {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
+                       -std::numeric_limits<float>::infinity()};
+  for (int64_t r : rows) {
+    for (int64_t c = 0; c < cs.n; ++c) dy[static_cast<size_t>(r * cs.n + c)] = __float2bfloat16(bad[r % 3]);
+  }
+  return dy;
+}
+
+struct Runner {
+  cudaStream_t stream = nullptr;
+  int checks = 0, failures = 0;
+
+  void fail(const std::string& what) {
+    ++failures;
+    std::printf("  FAIL %s\n", what.c_str());
+  }
+
+  // Compares out (NaN-poisoned before the call, guarded by canaries) with the reference of
+  // (src, sizes) already in d.src / d.sizes; "" when it passes.
+  std::string compare(const Case& cs, const Device& d, DType out_dtype, const std::vector<int32_t>& sizes) {
+    const int64_t groups = static_cast<int64_t>(sizes.size());
+    const int64_t count = groups * cs.k * cs.n;
+    std::vector<int64_t> starts, ends;
+    group_rows(sizes, cs.m, &starts, &ends);
+    if (groups > 0) {
+      CHECK_CUDA(cudaMemcpy(d.starts, starts.data(), groups * 8, cudaMemcpyHostToDevice));
+      CHECK_CUDA(cudaMemcpy(d.ends, ends.data(), groups * 8, cudaMemcpyHostToDevice));
+    }
+    const int threads = 256;
+    if (count > 0) {
+      reference_kernel<<<static_cast<unsigned>((count + threads - 1) / threads), threads, 0, stream>>>(
+          d.x, d.src, d.dy, d.starts, d.ends, cs.tokens, groups, cs.k, cs.n, d.ref);
+      CHECK_CUDA(cudaGetLastError());
+    }
+    CHECK_CUDA(cudaStreamSynchronize(stream));
+    std::vector<double> ref(static_cast<size_t>(count));
+    CHECK_CUDA(cudaMemcpy(ref.data(), d.ref, ref.size() * sizeof(double), cudaMemcpyDeviceToHost));
+    const size_t out_bytes = static_cast<size_t>(count) * dtype_bytes(out_dtype);
+    std::vector<char> block(out_bytes + 2 * kGuardBytes);
+    CHECK_CUDA(cudaMemcpy(block.data(), d.out_block, block.size(), cudaMemcpyDeviceToHost));
+    for (size_t i = 0; i < kGuardBytes; i += 4) {
+      uint32_t before, after;
+      std::memcpy(&before, block.data() + i, 4);
+      std::memcpy(&after, block.data() + kGuardBytes + out_bytes + i, 4);
+      if (before != kCanary || after != kCanary) return "canary overwritten";
+    }
+    const char* out = block.data() + kGuardBytes;
+    double max_ref = 0;
+    for (double v : ref) {
+      if (std::isfinite(v)) max_ref = std::max(max_ref, std::fabs(v));
+    }
+    const double tol = (out_dtype == DType::kF32 ? 1e-4 : 1e-2) * std::max(max_ref, 1e-30);
+    for (int64_t i = 0; i < count; ++i) {
+      float o;
+      if (out_dtype == DType::kF32) {
+        std::memcpy(&o, out + i * 4, 4);
+      } else {
+        __nv_bfloat16 b;
+        std::memcpy(&b, out + i * 2, 2);
+        o = __bfloat162float(b);
+      }
+      const int64_t g = i / (cs.k * cs.n);
+      const double r = ref[static_cast<size_t>(i)];
+      const bool empty = starts[static_cast<size_t>(g)] == ends[static_cast<size_t>(g)];
+      char where[192];
+      std::snprintf(where, sizeof(where), " at group %lld row %lld col %lld: out %g ref %g",
+                    static_cast<long long>(g), static_cast<long long>(i / cs.n % cs.k),
+                    static_cast<long long>(i % cs.n), o, r);
+      if (!std::isfinite(r)) {
+        if (std::isfinite(o)) return std::string("finite where the group's own rows are not") + where;
+        continue;
+      }
+      if (!std::isfinite(o)) return std::string("not finite (unwritten, or a leak)") + where;
+      if (empty && o != 0.0f) return std::string("nonzero in an empty group's block") + where;
+      if (std::fabs(o - r) > tol) return std::string("error above tolerance") + where;
+    }
+    return "";
+  }
+
+  void poison(int64_t count, const Device& d, DType out_dtype) {
+    const size_t out_bytes = static_cast<size_t>(count) * dtype_bytes(out_dtype);
+    std::vector<uint32_t> guard(kGuardBytes / 4, kCanary);
+    CHECK_CUDA(cudaMemcpy(d.out_block, guard.data(), kGuardBytes, cudaMemcpyHostToDevice));
+    CHECK_CUDA(cudaMemcpy(d.out_block + kGuardBytes + out_bytes, guard.data(), kGuardBytes,
+                          cudaMemcpyHostToDevice));
+    CHECK_CUDA(cudaMemset(d.out_block + kGuardBytes, 0xFF, out_bytes));  // NaN in bf16 and f32
+  }
+
+  void run_case(const Case& cs, DType out_dtype, std::mt19937& rng) {
+    ++checks;
+    const int64_t groups = static_cast<int64_t>(cs.sizes.size());
+    const int64_t count = groups * cs.k * cs.n;
+    std::printf("%-26s T %5lld M %5lld K %5lld N %5lld G %4lld out %-4s", cs.name.c_str(),
+                static_cast<long long>(cs.tokens), static_cast<long long>(cs.m),
+                static_cast<long long>(cs.k), static_cast<long long>(cs.n), static_cast<long long>(groups),
+                dtype_name(out_dtype));
+    Device d;
+    d.x = device_copy(random_bf16(cs.tokens * cs.k, 1.0f, rng));
+    d.dy = device_copy(make_dy(cs, rng));
+    d.src = device_copy(cs.src);
+    d.sizes = device_copy(cs.sizes);
+    d.starts = device_copy(std::vector<int64_t>(static_cast<size_t>(groups), 0));
+    d.ends = device_copy(std::vector<int64_t>(static_cast<size_t>(groups), 0));
+    CHECK_CUDA(cudaMalloc(&d.ref, std::max<int64_t>(count, 1) * sizeof(double)));
+    const size_t out_bytes = static_cast<size_t>(count) * dtype_bytes(out_dtype);
+    CHECK_CUDA(cudaMalloc(&d.out_block, out_bytes + 2 * kGuardBytes));
+
+    GatherTgmmParams p{};
+    p.in_dtype = DType::kBF16;
+    p.out_dtype = out_dtype;
+    p.x = cs.tokens > 0 ? d.x : nullptr;  // no tokens: x may be null
+    p.src = d.src;
+    p.dy = d.dy;
+    p.group_sizes = d.sizes;
+    p.out = d.out_block + kGuardBytes;
+    p.tokens = cs.tokens;
+    p.m = cs.m;
+    p.k = cs.k;
+    p.n = cs.n;
+    p.num_groups = groups;
+    const size_t ws_bytes = moe_xla::cuda::gather_tgmm_workspace_bytes(p);
+    CHECK_CUDA(cudaMalloc(&d.workspace, ws_bytes + 8));
+    void* workspace = d.workspace + 8;  // not 256-byte aligned on purpose
+
+    std::string error;
+    poison(count, d, out_dtype);
+    const moe_xla::Status status = moe_xla::cuda::gather_tgmm(p, workspace, ws_bytes, stream);
+    if (!status.ok()) {
+      error = "gather_tgmm: " + status.message();
+    } else {
+      CHECK_CUDA(cudaStreamSynchronize(stream));
+      error = compare(cs, d, out_dtype, cs.sizes);
+    }
+
+    // The same call captured into a graph, replayed after the sizes and src changed.
+    if (error.empty()) {
+      poison(count, d, out_dtype);
+      cudaGraph_t graph;
+      cudaGraphExec_t exec;
+      CHECK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+      const moe_xla::Status captured = moe_xla::cuda::gather_tgmm(p, workspace, ws_bytes, stream);
+      CHECK_CUDA(cudaStreamEndCapture(stream, &graph));
+      if (!captured.ok()) {
+        error = "captured gather_tgmm: " + captured.message();
+      } else {
+        std::vector<int32_t> sizes = cs.sizes;
+        std::reverse(sizes.begin(), sizes.end());
+        const std::vector<int32_t> src = random_src(cs.m, cs.tokens, 9, rng);
+        if (!sizes.empty()) CHECK_CUDA(cudaMemcpy(d.sizes, sizes.data(), sizes.size() * 4, cudaMemcpyHostToDevice));
+        if (!src.empty()) CHECK_CUDA(cudaMemcpy(d.src, src.data(), src.size() * 4, cudaMemcpyHostToDevice));
+        CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+        CHECK_CUDA(cudaGraphLaunch(exec, stream));
+        CHECK_CUDA(cudaStreamSynchronize(stream));
+        error = compare(cs, d, out_dtype, sizes);
+        if (!error.empty()) error = "graph replay: " + error;
+        CHECK_CUDA(cudaGraphExecDestroy(exec));
+      }
+      CHECK_CUDA(cudaGraphDestroy(graph));
+    }
+    std::printf(" %s\n", error.empty() ? "ok" : "FAIL");
+    if (!error.empty()) fail(cs.name + ": " + error);
+    for (void* ptr : {static_cast<void*>(d.x), static_cast<void*>(d.dy), static_cast<void*>(d.src),
+                      static_cast<void*>(d.sizes), static_cast<void*>(d.starts), static_cast<void*>(d.ends),
+                      static_cast<void*>(d.ref), static_cast<void*>(d.out_block),
+                      static_cast<void*>(d.workspace)}) {
+      CHECK_CUDA(cudaFree(ptr));
+    }
+  }
+
+  // K or N not a multiple of 8, or inputs other than bf16, must be refused before
+  // anything is enqueued.
+  void check_rejects_bad_params() {
+    struct Bad {
+      int64_t k, n;
+      DType in;
+    };
+    for (const Bad& bad : {Bad{12, 64, DType::kBF16}, Bad{64, 60, DType::kBF16}, Bad{64, 64, DType::kF32}}) {
+      ++checks;
+      GatherTgmmParams p{};
+      p.in_dtype = bad.in;
+      p.out_dtype = DType::kBF16;
+      p.tokens = 4;
+      p.m = 4;
+      p.k = bad.k;
+      p.n = bad.n;
+      p.num_groups = 1;
+      const moe_xla::Status status = moe_xla::cuda::gather_tgmm(p, nullptr, 0, stream);
+      const bool ok = status.code() == moe_xla::StatusCode::kInvalidArgument;
+      std::printf("%-26s K %lld N %lld in %s: %s (%s)\n", "bad params rejected", static_cast<long long>(p.k),
+                  static_cast<long long>(p.n), dtype_name(p.in_dtype), ok ? "ok" : "FAIL", status.message().c_str());
+      if (!ok) fail("K " + std::to_string(p.k) + " N " + std::to_string(p.n) + " not rejected as InvalidArgument");
+    }
+  }
+};
+
+}  // namespace
+
+int main() {
+  exit_if_no_cuda_device("gather_tgmm_selftest");
+  const moe_xla::Status device =
+      moe_xla::cuda::require_device(moe_xla::cuda::DeviceSupport::kFull, "gather_tgmm");
+  if (!device.ok()) {
+    std::printf("gather_tgmm_selftest: SKIPPED, %s\n", device.message().c_str());
+    return 0;
+  }
+  Runner runner;
+  CHECK_CUDA(cudaStreamCreateWithFlags(&runner.stream, cudaStreamNonBlocking));
+  std::mt19937 rng(20240720);
+  for (const Case& cs : make_cases(rng)) {
+    for (DType out : {DType::kBF16, DType::kF32}) runner.run_case(cs, out, rng);
+  }
+  runner.check_rejects_bad_params();
+  CHECK_CUDA(cudaStreamDestroy(runner.stream));
+  std::printf("%s: %d of %d checks failed\n", runner.failures ? "FAIL" : "PASS", runner.failures,
+              runner.checks);
+  return runner.failures ? 1 : 0;
+}

@@ -1,0 +1,131 @@
+// Benchmark of moe_xla::cuda::gather_tgmm against the path it replaces, on the weight
+// gradient of the first expert GEMM of a MoE layer: the routed first-GEMM cases of
+// tools/gather_bench.cuh (x [T, K], N = the first GEMM's output width).
+//
+// For each case it routes T tokens to top_k distinct experts each, uniformly at random
+// (balanced multinomial routing, fixed seed), sorts the M = T * top_k assignments by
+// expert (stable in token order) into src [M] and group_sizes [G], and on the same random
+// bf16 x [T, K] and dy [M, N] on the device times
+//   (a) gather:  gather_tgmm(x, src, dy, group_sizes) -> d w [G, K, N] (bf16)
+//   (b) copy:    a gather kernel x_sorted[r] = x[src[r]] (16-byte vectors), then
+//                grouped_gemm (kTgmm, auto configuration) of x_sorted and dy -> d w [G, K, N]
+// It checks once that the two outputs agree (max |a - b| / max |b| < 1e-2 on ~4096 rows of
+// the [G * K, N] blocks, no NaN), then runs `--warmup` untimed rounds and `--reps` timed
+// rounds, each round timing (a) then (b) with one pair of CUDA events around each, and
+// reports the medians in ms, TFLOP/s (2 * M * K * N) and the ratio time(b) / time(a)
+// (> 1: the gather weight gradient is faster).
+//
+// Usage: gather_tgmm_bench [--reps N] [--warmup N] [--case SUBSTR]...
+// Exit status 1 if a check failed.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "common/gather_tgmm.h"
+#include "common/grouped_gemm.h"
+#include "common/status.h"
+#include "cuda/gather_tgmm.h"
+#include "cuda/grouped_gemm.h"
+#include "tools/cuda_check.h"
+#include "tools/gather_bench.cuh"
+
+int main(int argc, char** argv) {
+  using gather_bench::check;
+  using moe_xla::DType;
+  const gather_bench::Options options = gather_bench::parse_options(argc, argv);
+  exit_if_no_cuda_device("gather_tgmm_bench");
+  int device = 0, sm_count = 0;
+  CHECK_CUDA(cudaGetDevice(&device));
+  CHECK_CUDA(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device));
+  cudaDeviceProp prop{};
+  CHECK_CUDA(cudaGetDeviceProperties(&prop, device));
+  std::printf("device %d: %s (%d SMs); %d warm-up and %d timed rounds, medians\n", device,
+              prop.name, sm_count, options.warmup, options.reps);
+  std::printf("%-28s %6s %5s %5s %4s %3s | %9s %8s | %9s %8s | %6s %s\n", "case", "T", "K", "N",
+              "G", "k", "gather ms", "TFLOP/s", "copy ms", "TFLOP/s", "ratio", "check");
+  cudaStream_t stream;
+  CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  int failures = 0;
+
+  for (const gather_bench::GatherCase& c : gather_bench::kCases) {
+    if (!options.selected(c)) continue;
+    const int64_t m = c.tokens * c.top_k;
+    std::vector<int32_t> src, sizes;
+    gather_bench::route(c, &src, &sizes);
+    __nv_bfloat16 *x, *dy, *x_sorted, *out_gather, *out_copy;
+    int32_t *d_src, *d_sizes;
+    CHECK_CUDA(cudaMalloc(&x, c.tokens * c.k * 2));
+    CHECK_CUDA(cudaMalloc(&dy, m * c.n * 2));
+    CHECK_CUDA(cudaMalloc(&x_sorted, m * c.k * 2));
+    CHECK_CUDA(cudaMalloc(&out_gather, c.g * c.k * c.n * 2));
+    CHECK_CUDA(cudaMalloc(&out_copy, c.g * c.k * c.n * 2));
+    CHECK_CUDA(cudaMalloc(&d_src, m * 4));
+    CHECK_CUDA(cudaMalloc(&d_sizes, c.g * 4));
+    CHECK_CUDA(cudaMemcpy(d_src, src.data(), m * 4, cudaMemcpyHostToDevice));
+    CHECK_CUDA(cudaMemcpy(d_sizes, sizes.data(), c.g * 4, cudaMemcpyHostToDevice));
+    gather_bench::fill_uniform(x, c.tokens * c.k, 1, stream);
+    gather_bench::fill_uniform(dy, m * c.n, 3, stream);
+
+    moe_xla::GatherTgmmParams gp{};
+    gp.in_dtype = gp.out_dtype = DType::kBF16;
+    gp.x = x;
+    gp.src = d_src;
+    gp.dy = dy;
+    gp.group_sizes = d_sizes;
+    gp.out = out_gather;
+    gp.tokens = c.tokens;
+    gp.m = m;
+    gp.k = c.k;
+    gp.n = c.n;
+    gp.num_groups = c.g;
+    moe_xla::GroupedGemmParams tp{};
+    tp.layout = moe_xla::GroupedLayout::kTgmm;
+    tp.in_dtype = tp.out_dtype = DType::kBF16;
+    tp.lhs = x_sorted;
+    tp.rhs = dy;
+    tp.group_sizes = d_sizes;
+    tp.out = out_copy;
+    tp.m = m;
+    tp.k = c.k;
+    tp.n = c.n;
+    tp.num_groups = c.g;
+    const size_t gather_ws_bytes = moe_xla::cuda::gather_tgmm_workspace_bytes(gp);
+    const size_t tgmm_ws_bytes = moe_xla::cuda::grouped_gemm_workspace_bytes(tp, sm_count);
+    void *gather_ws, *tgmm_ws;
+    CHECK_CUDA(cudaMalloc(&gather_ws, gather_ws_bytes));
+    CHECK_CUDA(cudaMalloc(&tgmm_ws, tgmm_ws_bytes));
+
+    auto run_gather = [&] { check(moe_xla::cuda::gather_tgmm(gp, gather_ws, gather_ws_bytes, stream), "gather_tgmm"); };
+    auto run_copy = [&] {
+      gather_bench::gather_rows(x, d_src, x_sorted, c.tokens, m, c.k, sm_count, stream);
+      check(moe_xla::cuda::grouped_gemm(tp, tgmm_ws, tgmm_ws_bytes, sm_count, stream), "grouped_gemm");
+    };
+
+    run_gather();
+    run_copy();
+    CHECK_CUDA(cudaStreamSynchronize(stream));
+    std::string detail;
+    failures += gather_bench::outputs_agree(out_gather, out_copy, c.g * c.k, c.n, &detail) ? 0 : 1;
+
+    double ms_gather = 0, ms_copy = 0;
+    gather_bench::time_pair(options, stream, run_gather, run_copy, &ms_gather, &ms_copy);
+    const double flop = 2.0 * m * c.k * c.n;
+    std::printf("%-28s %6lld %5lld %5lld %4lld %3lld | %9.3f %8.1f | %9.3f %8.1f | %6.3f %s\n", c.name,
+                static_cast<long long>(c.tokens), static_cast<long long>(c.k),
+                static_cast<long long>(c.n), static_cast<long long>(c.g),
+                static_cast<long long>(c.top_k), ms_gather, flop / ms_gather * 1e-9, ms_copy,
+                flop / ms_copy * 1e-9, ms_copy / ms_gather, detail.c_str());
+    for (void* p : {static_cast<void*>(x), static_cast<void*>(dy), static_cast<void*>(x_sorted),
+                    static_cast<void*>(out_gather), static_cast<void*>(out_copy),
+                    static_cast<void*>(d_src), static_cast<void*>(d_sizes), gather_ws, tgmm_ws}) {
+      CHECK_CUDA(cudaFree(p));
+    }
+  }
+  CHECK_CUDA(cudaStreamDestroy(stream));
+  std::printf("%s\n", failures ? "FAIL: outputs differ" : "checks ok");
+  return failures ? 1 : 0;
+}
