@@ -11,11 +11,12 @@ its kernel pays for the gather in its own throughput, so it is chosen only where
 copy is worth more (benchmarks/results/LOG.md): `choose` gathers on Hopper GPUs, in bf16
 without FP8 quantization (whose rows are quantised on their way through permute,
 moe._sorted_fp8_rows), for w_in of at most GATHER_MAX_N columns (N = 2F for gated experts).
-Only programs that do not differentiate the layer gather: GatheredRows.gmm is a custom_jvp
-whose primal is gather_gmm and whose derivative rule is the copy path's (permute's copy,
-then gmm), so a forward+backward step runs the copy path's kernels (its sort may run
-twice, once with zero-width rows). The backward needs the sorted rows for the weight
-gradient, and gathering them there costs more than the forward's gather saves.
+GatheredRows.gmm is a custom_jvp whose primal is gather_gmm. Its derivative rule is either
+gather_gmm's own (`derivative_gathers`): the weight gradient gather_tgmm reads the rows
+through src as well, and d x is d x_sorted summed back to the tokens through permute's
+row_map (one gather-sum), so a training step keeps no x_sorted; or the copy path's
+(permute's copy, then gmm), where the sorted copy of the rows costs less than the
+gathering weight gradient (its sort may then run twice, once with zero-width rows).
 
 `forced` overrides the choice for tests and benchmarks. The choice is made while tracing:
 a function jitted under one mode keeps it in its compiled programs.
@@ -38,15 +39,17 @@ from moe_xla.primitives.permute import permute
 
 MODES = ("auto", "gather", "copy")
 GATHER_MAX_N = 1024
+# Largest w_in width whose derivative gathers under "auto" (0: none).
+GATHER_DERIVATIVE_MAX_N = 0
 
 _forced = "auto"
 
 
 @contextlib.contextmanager
 def forced(mode: str):
-    """Within the block moe() traces its first product as `mode`: "gather", "copy", or
-    "auto" (`choose`). "gather" applies to the bf16 / f16 / f32 products; FP8 quantization
-    keeps its own path."""
+    """Within the block moe() traces its first product as `mode`: "gather" (forward and
+    derivative), "copy", or "auto" (`choose`, `derivative_gathers`). "gather" applies to the
+    bf16 / f16 / f32 products; FP8 quantization keeps its own path."""
     global _forced
     if mode not in MODES:
         raise ValueError(f"first_product.forced: expected a mode in {MODES}, got {mode!r}")
@@ -70,33 +73,47 @@ def choose(x, w_in, top_k: int, quantization) -> str:
     return "gather" if gathers else "copy"
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(5,))
-def _gathered_product(x, w, group_sizes, src, expert_ids, num_experts):
+def derivative_gathers(w_in) -> bool:
+    """Whether a gathered first product of w_in [E, H, N] takes gather_gmm's own derivative
+    (module docstring), unless `forced`."""
+    if _forced != "auto":
+        return _forced == "gather"
+    return w_in.shape[2] <= GATHER_DERIVATIVE_MAX_N
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(6, 7))
+def _gathered_product(x, w, group_sizes, src, expert_ids, row_map, num_experts, gathered_derivative):
     """gmm(x_sorted, w, group_sizes) with x_sorted = permute(x, expert_ids, num_experts)'s:
-    gather_gmm where no derivative is taken, the copy path's rule where one is."""
+    gather_gmm, differentiated as gather_gmm (gathered_derivative) or as the copy path."""
     return gather_gmm(x, src, w, group_sizes)
 
 
 @_gathered_product.defjvp
-def _gathered_product_jvp(num_experts, primals, tangents):
-    x, w, group_sizes, _, expert_ids = primals
-    copied = lambda x, w: gmm(permute(x, expert_ids, num_experts)[0], w, group_sizes)  # noqa: E731
-    return jax.jvp(copied, (x, w), tangents[:2])
+def _gathered_product_jvp(num_experts, gathered_derivative, primals, tangents):
+    x, w, group_sizes, src, expert_ids, row_map = primals
+    if gathered_derivative:
+        slots = row_map.reshape(expert_ids.shape)  # token t's j-th row: src[row_map[t*k + j]] = t
+        product = lambda x, w: gather_gmm(x, src, w, group_sizes, token_slots=slots)  # noqa: E731
+    else:
+        product = lambda x, w: gmm(permute(x, expert_ids, num_experts)[0], w, group_sizes)  # noqa: E731
+    return jax.jvp(product, (x, w), tangents[:2])
 
 
 @dataclasses.dataclass(frozen=True)
 class GatheredRows:
     """The rows x[src[r]] of x_sorted, left in the tokens: src [T*k] the token of sorted row
-    r; expert_ids [T, k] and num_experts, permute's arguments, for the copy path a
-    derivative takes (module docstring)."""
+    r; expert_ids [T, k], num_experts and row_map, permute's arguments and row map, for the
+    derivative (module docstring)."""
     x: jax.Array
     src: jax.Array
     expert_ids: jax.Array
+    row_map: jax.Array
     num_experts: int
 
     def gmm(self, w, group_sizes):
-        """gmm(x_sorted, w, group_sizes) without x_sorted in a forward-only program."""
-        return _gathered_product(self.x, w, group_sizes, self.src, self.expert_ids, self.num_experts)
+        """gmm(x_sorted, w, group_sizes) without x_sorted."""
+        return _gathered_product(self.x, w, group_sizes, self.src, self.expert_ids, self.row_map, self.num_experts,
+                                 derivative_gathers(w))
 
 
 def sorted_rows(x, expert_ids, num_experts: int):
@@ -106,4 +123,4 @@ def sorted_rows(x, expert_ids, num_experts: int):
     _, group_sizes, row_map = permute(jnp.zeros((t, 0), x.dtype), expert_ids, num_experts)
     # row_map is a permutation of the T*k rows: row r holds assignment pair[r] = t*k + j.
     pair, _ = _rows.inverse_rows(row_map, t * k)
-    return GatheredRows(x, pair // k, expert_ids, num_experts), group_sizes, row_map
+    return GatheredRows(x, pair // k, expert_ids, row_map, num_experts), group_sizes, row_map

@@ -298,7 +298,7 @@ def _permute_width(text: str):
 
 
 @needs_cuda_kernel
-def test_moe_forward_gathers_without_a_permuted_copy_and_its_step_copies(rng):
+def test_moe_forward_gathers_without_a_permuted_copy_and_so_does_its_step(rng):
     args = _layer_args(rng, jnp.bfloat16)
 
     def fwd():
@@ -316,10 +316,31 @@ def test_moe_forward_gathers_without_a_permuted_copy_and_its_step_copies(rng):
     assert "moe_xla_gather_gmm_cuda_v1" in gathered and "moe_xla_gather_gmm_cuda_v1" not in copied
     assert set(_permute_width(gathered)) == {0} and 16 in _permute_width(copied)
     assert "stablehlo.gather" not in gathered  # no [T*k, H] gather of x either
-    # A step that differentiates the layer runs the copy path (first_product's custom_jvp).
+    # A step under "gather" differentiates gather_gmm itself: its weight gradient is a
+    # gather_tgmm and no permute copies x; under "copy" it copies.
     gathered, copied = lowered("gather", step), lowered("copy", step)
-    assert "moe_xla_gather_gmm_cuda_v1" not in gathered
-    assert 16 in _permute_width(gathered)
+    assert "moe_xla_gather_gmm_cuda_v1" in gathered and "moe_xla_gather_tgmm_cuda_v1" in gathered
+    assert set(_permute_width(gathered)) == {0}
+    assert "moe_xla_gather_gmm_cuda_v1" not in copied and 16 in _permute_width(copied)
+
+
+def test_the_derivative_rule_follows_derivative_gathers(rng, monkeypatch):
+    """Gathered forward, and a derivative that gathers or copies as derivative_gathers says:
+    the same gradients either way (bitwise: both sum the same rows in the same order)."""
+    args = _layer_args(rng, jnp.float32)
+
+    def grads():
+        return jax.jit(jax.grad(lambda *a: jnp.sum(moe_xla.moe(*a, top_k=3)), (0, 1, 2, 3)))
+
+    results = []
+    for n_max in (0, 10**6):
+        monkeypatch.setattr(first_product, "GATHER_DERIVATIVE_MAX_N", n_max)
+        monkeypatch.setattr(first_product, "choose", lambda *_: "gather")
+        text = str(jax.make_jaxpr(grads())(*args))
+        assert ("moe_xla_gather_tgmm[" in text) == (n_max > 0)
+        results.append(grads()(*args))
+    for a, b in zip(*results):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device")
