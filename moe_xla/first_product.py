@@ -39,7 +39,9 @@ from moe_xla.primitives.permute import permute
 
 MODES = ("auto", "gather", "copy")
 GATHER_MAX_N = 1024
-# Largest w_in width whose derivative gathers under "auto" (0: none).
+# Largest w_in width whose derivative gathers under "auto". 0, none: on the H200 the gathered
+# derivative's weight gradient (gather_tgmm) is slower than the copy it saves on every
+# benchmark case (LOG.md, session 15), though the step then keeps no x_sorted.
 GATHER_DERIVATIVE_MAX_N = 0
 
 _forced = "auto"
