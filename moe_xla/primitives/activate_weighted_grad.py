@@ -9,7 +9,7 @@ pass (contract: ActivateWeightedGradParams in common/expert_activation.h).
          d_omega [M] float32: d/d omega of the same, <g[r], a[r]> with a = act(h) rounded to
            h's dtype (the a the forward multiplied)
 
-The transpose of activations.weighted_tangent in (d_h, d_omega) at g
+The transpose of primitives/_activation.weighted_tangent in (d_h, d_omega) at g
 (primitives/activate_weighted_tangent binds it as that transpose). Where the unfused
 backward of moe()'s second product reads h for act(h), for act'(h) and for the routing
 weights' gradient in separate passes, this reads h and g once and writes d h and d omega.
@@ -31,8 +31,8 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching
 
-from moe_xla.activations import weighted_tangent
 from moe_xla.primitives import _batching, _checks, _impl, _lowering, _sharding
+from moe_xla.primitives._activation import weighted_tangent
 from moe_xla.primitives.activate_quantize_fp8 import ACTIVATIONS, GATED
 
 OP = "activate_weighted_grad"

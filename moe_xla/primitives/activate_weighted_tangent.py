@@ -4,7 +4,7 @@ b[r] = omega[r] * act(h[r]), as a linear primitive whose transpose is one kernel
     h [M, 2F] or [M, F], omega [M] float32 (the point), d_h of h's shape and dtype, d_omega
     [M] float32 (the tangent) -> d b [M, F] in h's dtype:
         d b = omega * act'(h) d_h + d_omega * a,  a = act(h) rounded to h's dtype
-    in float32, rounded once (activations.weighted_tangent, which it lowers to).
+    in float32, rounded once (primitives/_activation.weighted_tangent, which it lowers to).
 
 Linear in (d_h, d_omega). Its transpose at a cotangent g is activate_weighted_grad(h, g,
 omega): d h and d omega in one pass over h and g, where transposing the jnp formula would
@@ -21,8 +21,8 @@ import jax.numpy as jnp
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from moe_xla.activations import weighted_tangent
 from moe_xla.primitives import _batching, _checks, _impl
+from moe_xla.primitives._activation import weighted_tangent
 from moe_xla.primitives.activate_quantize_fp8 import GATED
 from moe_xla.primitives.activate_weighted_grad import activate_weighted_grad
 
