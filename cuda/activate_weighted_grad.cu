@@ -18,6 +18,7 @@ namespace moe_xla {
 namespace cuda {
 namespace {
 
+using detail::aligned;
 using detail::Elem;
 using detail::kLaneCols;
 using detail::Lane;
@@ -97,8 +98,6 @@ __global__ void __launch_bounds__(kThreads) activate_weighted_grad_rows(
   for (int offset = kWarpSize / 2; offset > 0; offset /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, offset);
   if (lane == 0) d_omega[r] = dot;
 }
-
-bool aligned(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
 template <DType D>
 cudaError_t launch(const ActivateWeightedGradParams& p, int64_t f, cudaStream_t stream) {

@@ -26,6 +26,7 @@ namespace moe_xla {
 namespace cuda {
 namespace {
 
+using detail::aligned;
 using detail::Elem;
 using detail::kLaneCols;
 using detail::Lane;
@@ -131,8 +132,6 @@ __global__ void __launch_bounds__(kThreads, kMinCtas<D>)
     __syncthreads();  // warp_amax and col_scale are rewritten by the next block
   }
 }
-
-bool aligned(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
 template <DType D>
 cudaError_t launch(const Fp8GroupColsParams& p, cudaStream_t stream) {

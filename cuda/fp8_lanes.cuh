@@ -9,6 +9,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <cstddef>
 #include <cstdint>
 
 #include "common/grouped_gemm.h"  // DType
@@ -64,6 +65,9 @@ struct alignas(kLaneCols * sizeof(T)) Lane {
     }
   }
 };
+
+// Whether p may be accessed in aligned units of `bytes` (a Lane's accesses need it).
+inline bool aligned(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
 // Writes the first `valid` elements of v to dst: one aligned access where kVector (all 8
 // inside the row, dst aligned for it), else element by element.

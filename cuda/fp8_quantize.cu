@@ -37,6 +37,7 @@ namespace moe_xla {
 namespace cuda {
 namespace {
 
+using detail::aligned;
 using detail::Elem;
 using detail::kLaneCols;
 using detail::Lane;
@@ -356,8 +357,6 @@ cudaError_t launch(const Source& src, uint8_t* q, uint8_t* q_t, float* scales, i
       src, q, nullptr, scales, rows, cols, row_regions, col_tiles, pow2);
   return cudaGetLastError();
 }
-
-bool aligned(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
 template <DType D>
 cudaError_t quantize(const Fp8QuantizeParams& p, cudaStream_t stream) {
