@@ -33,7 +33,6 @@
 #include "common/gather_gemm.h"
 #include "common/grouped_gemm.h"
 #include "common/status.h"
-#include "cuda/device.h"
 #include "cuda/gather_gemm.h"
 #include "tests/cc/gather_selftest.cuh"
 #include "tools/cuda_check.h"
@@ -137,15 +136,7 @@ struct Device {
   char* workspace = nullptr;
 };
 
-struct Runner {
-  cudaStream_t stream = nullptr;
-  int checks = 0, failures = 0;
-
-  void fail(const std::string& what) {
-    ++failures;
-    std::printf("  FAIL %s\n", what.c_str());
-  }
-
+struct Runner : gather_selftest::RunnerBase {
   // Compares out (NaN-poisoned before the call, guarded by canaries) with the reference of
   // (src, sizes) already in d.src / d.sizes; "" when it passes.
   std::string compare(const Case& cs, const Device& d, DType out_dtype,
@@ -256,7 +247,7 @@ struct Runner {
   }
 
   // K or N not a multiple of 8 must be refused before anything is enqueued.
-  void check_rejects_unaligned_shapes() {
+  void check_rejects() {
     for (const auto& kn : {std::pair<int64_t, int64_t>{12, 64}, std::pair<int64_t, int64_t>{64, 60}}) {
       ++checks;
       GatherGemmParams p{};
@@ -278,22 +269,5 @@ struct Runner {
 }  // namespace
 
 int main() {
-  exit_if_no_cuda_device("gather_gemm_selftest");
-  const moe_xla::Status device =
-      moe_xla::cuda::require_device(moe_xla::cuda::DeviceSupport::kFull, "gather_gemm");
-  if (!device.ok()) {
-    std::printf("gather_gemm_selftest: SKIPPED, %s\n", device.message().c_str());
-    return 0;
-  }
-  Runner runner;
-  CHECK_CUDA(cudaStreamCreateWithFlags(&runner.stream, cudaStreamNonBlocking));
-  std::mt19937 rng(20240719);
-  for (const Case& cs : make_cases(rng)) {
-    for (DType out : {DType::kBF16, DType::kF32}) runner.run_case(cs, out, rng);
-  }
-  runner.check_rejects_unaligned_shapes();
-  CHECK_CUDA(cudaStreamDestroy(runner.stream));
-  std::printf("%s: %d of %d checks failed\n", runner.failures ? "FAIL" : "PASS", runner.failures,
-              runner.checks);
-  return runner.failures ? 1 : 0;
+  return gather_selftest::selftest_main<Runner>("gather_gemm_selftest", "gather_gemm", 20240719, make_cases);
 }

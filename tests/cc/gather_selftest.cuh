@@ -1,7 +1,8 @@
 // What the gather self-tests (gather_gemm_selftest.cu, gather_tgmm_selftest.cu) share:
 // random group sizes and bf16 inputs, device copies, the output block between canaries
-// (poisoned with NaN before a call, checked and read back after it) and the replay of a
-// call captured into a CUDA graph. Included by one translation unit per program.
+// (poisoned with NaN before a call, checked and read back after it), the replay of a
+// call captured into a CUDA graph, the tally of checks and main(). Included by one
+// translation unit per program.
 #ifndef MOE_XLA_TESTS_CC_GATHER_SELFTEST_CUH_
 #define MOE_XLA_TESTS_CC_GATHER_SELFTEST_CUH_
 
@@ -10,6 +11,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <functional>
 #include <random>
@@ -18,6 +20,7 @@
 
 #include "common/grouped_gemm.h"
 #include "common/status.h"
+#include "cuda/device.h"
 #include "tools/cuda_check.h"
 
 namespace gather_selftest {
@@ -118,6 +121,43 @@ inline std::string replay_in_graph(cudaStream_t stream, const std::string& op,
   }
   CHECK_CUDA(cudaGraphDestroy(graph));
   return error;
+}
+
+// The stream the checks run on and their tally; a program's runner derives from it.
+struct RunnerBase {
+  cudaStream_t stream = nullptr;
+  int checks = 0, failures = 0;
+
+  void fail(const std::string& what) {
+    ++failures;
+    std::printf("  FAIL %s\n", what.c_str());
+  }
+};
+
+// main() of a self-test of `op`: exits 0 saying it skipped without a GPU of compute
+// capability 9.0; otherwise runs Runner::run_case on every case of make_cases(rng) (rng
+// seeded with `seed`) for bf16 and f32 output, then Runner::check_rejects, and prints a
+// PASS/FAIL summary; the exit status is 1 if any check failed.
+template <class Runner, class MakeCases>
+int selftest_main(const char* program, const char* op, uint32_t seed, MakeCases make_cases) {
+  exit_if_no_cuda_device(program);
+  const moe_xla::Status device =
+      moe_xla::cuda::require_device(moe_xla::cuda::DeviceSupport::kFull, op);
+  if (!device.ok()) {
+    std::printf("%s: SKIPPED, %s\n", program, device.message().c_str());
+    return 0;
+  }
+  Runner runner;
+  CHECK_CUDA(cudaStreamCreateWithFlags(&runner.stream, cudaStreamNonBlocking));
+  std::mt19937 rng(seed);
+  for (const auto& cs : make_cases(rng)) {
+    for (moe_xla::DType out : {moe_xla::DType::kBF16, moe_xla::DType::kF32}) runner.run_case(cs, out, rng);
+  }
+  runner.check_rejects();
+  CHECK_CUDA(cudaStreamDestroy(runner.stream));
+  std::printf("%s: %d of %d checks failed\n", runner.failures ? "FAIL" : "PASS", runner.failures,
+              runner.checks);
+  return runner.failures ? 1 : 0;
 }
 
 }  // namespace gather_selftest

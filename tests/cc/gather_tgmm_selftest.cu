@@ -38,7 +38,6 @@
 #include "common/gather_tgmm.h"
 #include "common/grouped_gemm.h"
 #include "common/status.h"
-#include "cuda/device.h"
 #include "cuda/gather_tgmm.h"
 #include "tests/cc/gather_selftest.cuh"
 #include "tools/cuda_check.h"
@@ -169,15 +168,7 @@ std::vector<__nv_bfloat16> make_dy(const Case& cs, std::mt19937& rng) {
   return dy;
 }
 
-struct Runner {
-  cudaStream_t stream = nullptr;
-  int checks = 0, failures = 0;
-
-  void fail(const std::string& what) {
-    ++failures;
-    std::printf("  FAIL %s\n", what.c_str());
-  }
-
+struct Runner : gather_selftest::RunnerBase {
   // Compares out (NaN-poisoned before the call, guarded by canaries) with the reference of
   // (src, sizes) already in d.src / d.sizes; "" when it passes.
   std::string compare(const Case& cs, const Device& d, DType out_dtype, const std::vector<int32_t>& sizes) {
@@ -305,7 +296,7 @@ struct Runner {
 
   // K or N not a multiple of 8, or inputs other than bf16, must be refused before
   // anything is enqueued.
-  void check_rejects_bad_params() {
+  void check_rejects() {
     struct Bad {
       int64_t k, n;
       DType in;
@@ -332,22 +323,5 @@ struct Runner {
 }  // namespace
 
 int main() {
-  exit_if_no_cuda_device("gather_tgmm_selftest");
-  const moe_xla::Status device =
-      moe_xla::cuda::require_device(moe_xla::cuda::DeviceSupport::kFull, "gather_tgmm");
-  if (!device.ok()) {
-    std::printf("gather_tgmm_selftest: SKIPPED, %s\n", device.message().c_str());
-    return 0;
-  }
-  Runner runner;
-  CHECK_CUDA(cudaStreamCreateWithFlags(&runner.stream, cudaStreamNonBlocking));
-  std::mt19937 rng(20240720);
-  for (const Case& cs : make_cases(rng)) {
-    for (DType out : {DType::kBF16, DType::kF32}) runner.run_case(cs, out, rng);
-  }
-  runner.check_rejects_bad_params();
-  CHECK_CUDA(cudaStreamDestroy(runner.stream));
-  std::printf("%s: %d of %d checks failed\n", runner.failures ? "FAIL" : "PASS", runner.failures,
-              runner.checks);
-  return runner.failures ? 1 : 0;
+  return gather_selftest::selftest_main<Runner>("gather_tgmm_selftest", "gather_tgmm", 20240720, make_cases);
 }
