@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "common/grouped_gemm.h"
 #include "common/status.h"
 #include "tools/cuda_check.h"
 
@@ -124,6 +125,46 @@ inline void route(const GatherCase& c, std::vector<int32_t>* src, std::vector<in
     src->insert(src->end(), tokens.begin(), tokens.end());
     sizes->push_back(static_cast<int32_t>(tokens.size()));
   }
+}
+
+// The params of a gather product (moe_xla::GatherGemmParams or GatherTgmmParams, whose
+// shared fields have the same names) with bf16 input and output; the caller sets the
+// second operand (w or dy).
+template <class Params>
+Params gather_params(const void* x, const int32_t* src, const int32_t* group_sizes, void* out,
+                     int64_t tokens, int64_t m, int64_t k, int64_t n, int64_t num_groups) {
+  Params p{};
+  p.in_dtype = p.out_dtype = moe_xla::DType::kBF16;
+  p.x = x;
+  p.src = src;
+  p.group_sizes = group_sizes;
+  p.out = out;
+  p.tokens = tokens;
+  p.m = m;
+  p.k = k;
+  p.n = n;
+  p.num_groups = num_groups;
+  return p;
+}
+
+// The params of the copy path's grouped GEMM (`layout` kGmm or kTgmm), bf16 input and
+// output.
+inline moe_xla::GroupedGemmParams grouped_params(moe_xla::GroupedLayout layout, const void* lhs,
+                                                 const void* rhs, const int32_t* group_sizes,
+                                                 void* out, int64_t m, int64_t k, int64_t n,
+                                                 int64_t num_groups) {
+  moe_xla::GroupedGemmParams p{};
+  p.layout = layout;
+  p.in_dtype = p.out_dtype = moe_xla::DType::kBF16;
+  p.lhs = lhs;
+  p.rhs = rhs;
+  p.group_sizes = group_sizes;
+  p.out = out;
+  p.m = m;
+  p.k = k;
+  p.n = n;
+  p.num_groups = num_groups;
+  return p;
 }
 
 inline double median(std::vector<float> v) {

@@ -68,29 +68,11 @@ int main(int argc, char** argv) {
     CHECK_CUDA(cudaMemcpy(d_sizes, sizes.data(), c.g * 4, cudaMemcpyHostToDevice));
     gather_bench::fill_uniform(x, c.tokens * c.k, 1, stream);
     gather_bench::fill_uniform(w, c.g * c.k * c.n, 2, stream);
-    moe_xla::GatherGemmParams gp{};
-    gp.in_dtype = gp.out_dtype = DType::kBF16;
-    gp.x = x;
-    gp.src = d_src;
+    auto gp = gather_bench::gather_params<moe_xla::GatherGemmParams>(
+        x, d_src, d_sizes, out_gather, c.tokens, m, c.k, c.n, c.g);
     gp.w = w;
-    gp.group_sizes = d_sizes;
-    gp.out = out_gather;
-    gp.tokens = c.tokens;
-    gp.m = m;
-    gp.k = c.k;
-    gp.n = c.n;
-    gp.num_groups = c.g;
-    moe_xla::GroupedGemmParams mp{};
-    mp.layout = moe_xla::GroupedLayout::kGmm;
-    mp.in_dtype = mp.out_dtype = DType::kBF16;
-    mp.lhs = x_sorted;
-    mp.rhs = w;
-    mp.group_sizes = d_sizes;
-    mp.out = out_copy;
-    mp.m = m;
-    mp.k = c.k;
-    mp.n = c.n;
-    mp.num_groups = c.g;
+    const moe_xla::GroupedGemmParams mp = gather_bench::grouped_params(
+        moe_xla::GroupedLayout::kGmm, x_sorted, w, d_sizes, out_copy, m, c.k, c.n, c.g);
     const size_t gather_ws_bytes = moe_xla::cuda::gather_gemm_workspace_bytes(gp);
     const size_t gemm_ws_bytes = moe_xla::cuda::grouped_gemm_workspace_bytes(mp, sm_count);
     void *gather_ws, *gemm_ws;

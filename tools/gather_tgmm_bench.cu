@@ -70,29 +70,11 @@ int main(int argc, char** argv) {
     gather_bench::fill_uniform(x, c.tokens * c.k, 1, stream);
     gather_bench::fill_uniform(dy, m * c.n, 3, stream);
 
-    moe_xla::GatherTgmmParams gp{};
-    gp.in_dtype = gp.out_dtype = DType::kBF16;
-    gp.x = x;
-    gp.src = d_src;
+    auto gp = gather_bench::gather_params<moe_xla::GatherTgmmParams>(
+        x, d_src, d_sizes, out_gather, c.tokens, m, c.k, c.n, c.g);
     gp.dy = dy;
-    gp.group_sizes = d_sizes;
-    gp.out = out_gather;
-    gp.tokens = c.tokens;
-    gp.m = m;
-    gp.k = c.k;
-    gp.n = c.n;
-    gp.num_groups = c.g;
-    moe_xla::GroupedGemmParams tp{};
-    tp.layout = moe_xla::GroupedLayout::kTgmm;
-    tp.in_dtype = tp.out_dtype = DType::kBF16;
-    tp.lhs = x_sorted;
-    tp.rhs = dy;
-    tp.group_sizes = d_sizes;
-    tp.out = out_copy;
-    tp.m = m;
-    tp.k = c.k;
-    tp.n = c.n;
-    tp.num_groups = c.g;
+    const moe_xla::GroupedGemmParams tp = gather_bench::grouped_params(
+        moe_xla::GroupedLayout::kTgmm, x_sorted, dy, d_sizes, out_copy, m, c.k, c.n, c.g);
     const size_t gather_ws_bytes = moe_xla::cuda::gather_tgmm_workspace_bytes(gp);
     const size_t tgmm_ws_bytes = moe_xla::cuda::grouped_gemm_workspace_bytes(tp, sm_count);
     void *gather_ws, *tgmm_ws;
