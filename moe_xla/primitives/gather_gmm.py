@@ -64,13 +64,7 @@ def kernel_supports(x_shape, w_shape, m: int, in_dtype, out_dtype) -> bool:
 
 
 def _abstract_eval(x, src, w, group_sizes, *token_slots, preferred_element_type, has_token_slots):
-    _checks.rank("gather_gmm", "x", x, 2, "[T, K]")
-    _checks.rank("gather_gmm", "src", src, 1, "[M]")
-    _checks.rank("gather_gmm", "w", w, 3, "[G, K, N]")
-    _checks.float_dtype("gather_gmm", "x", x)
-    _checks.same_dtype("gather_gmm", "x", x, "w", w)
-    if jnp.dtype(src.dtype) != jnp.int32:
-        raise TypeError(f"gather_gmm: expected int32 src, got {src.dtype}")
+    _checks.gather_inputs("gather_gmm", x, src, "w", w, 3, "[G, K, N]")
     _checks.dim("gather_gmm", "w.shape[1] (K of x [T, K])", x.shape[1], w.shape[1])
     _checks.group_sizes("gather_gmm", group_sizes, w.shape[0])
     m = src.shape[0]

@@ -57,13 +57,7 @@ def kernel_supports(x_shape, dy_shape, num_groups: int, in_dtype, out_dtype) -> 
 
 
 def _abstract_eval(x, src, dy, group_sizes, *, preferred_element_type):
-    _checks.rank("gather_tgmm", "x", x, 2, "[T, K]")
-    _checks.rank("gather_tgmm", "src", src, 1, "[M]")
-    _checks.rank("gather_tgmm", "dy", dy, 2, "[M, N]")
-    _checks.float_dtype("gather_tgmm", "x", x)
-    _checks.same_dtype("gather_tgmm", "x", x, "dy", dy)
-    if jnp.dtype(src.dtype) != jnp.int32:
-        raise TypeError(f"gather_tgmm: expected int32 src, got {src.dtype}")
+    _checks.gather_inputs("gather_tgmm", x, src, "dy", dy, 2, "[M, N]")
     _checks.dim("gather_tgmm", "dy.shape[0] (M of src [M])", src.shape[0], dy.shape[0])
     _checks.group_sizes("gather_tgmm", group_sizes)
     return jax.core.ShapedArray((group_sizes.shape[0], x.shape[1], dy.shape[1]), preferred_element_type)
