@@ -7,12 +7,12 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <string>
 
 #include "common/gather_gemm.h"
 #include "common/status.h"
 #include "cuda/device.h"
 #include "cuda/gather_checks.h"
+#include "cuda/gather_dispatch.h"
 #include "cuda/gather_gemm_internal.h"
 #include "cuda/group_offsets.cuh"
 
@@ -20,17 +20,16 @@ namespace moe_xla {
 namespace cuda {
 namespace {
 
+using detail::align_up;
 using detail::aligned16;
 using detail::GatherRowTile;
 using detail::GatherTileCount;
+using detail::kAlign;
 using detail::kGatherMaxDim;
 using detail::kGatherTileM;
 using detail::kScanThreads;
 
-constexpr size_t kAlign = 256;
 constexpr int kFillThreads = 256;
-
-size_t align_up(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 
 // Where group g's row tiles start in the table, and its rows [start, end).
 struct alignas(16) GroupTiles {
@@ -105,10 +104,7 @@ __global__ void __launch_bounds__(kFillThreads)
 }
 
 // The compiled kernels, one per output dtype of the instance table in cuda/BUILD.bazel.
-struct KernelInstance {
-  DType out_dtype;
-  Status (*run)(const detail::GatherGemmLaunch& launch);
-};
+using KernelInstance = detail::OutDtypeInstance<detail::GatherGemmLaunch>;
 
 #define MOE_XLA_CUTLASS_INSTANCE(OUT_DTYPE) \
   KernelInstance{DType::OUT_DTYPE, &detail::gather_gemm_kernel_run<DType::OUT_DTYPE>},
@@ -119,13 +115,6 @@ constexpr KernelInstance kKernelInstances[] = {
 #include "cuda/gather_gemm_kernels.inc"
 };
 #undef MOE_XLA_CUTLASS_INSTANCE
-
-const KernelInstance* find_instance(DType out_dtype) {
-  for (const KernelInstance& inst : kKernelInstances) {
-    if (inst.out_dtype == out_dtype) return &inst;
-  }
-  return nullptr;
-}
 
 // Shape and dtype errors that need no device: ok or an InvalidArgument naming the field.
 // (Both output dtypes of the checks have an instance.)
@@ -169,14 +158,10 @@ Status gather_gemm(const GatherGemmParams& p, void* workspace, size_t workspace_
   int sm_count = 0;
   MOE_XLA_RETURN_IF_ERROR(current_device_sm_count(&sm_count));
   const size_t needed = gather_gemm_workspace_bytes(p);
-  if (workspace == nullptr || workspace_bytes < needed) {
-    return Status::InvalidArgument("gather_gemm: workspace of " +
-                                   std::to_string(workspace == nullptr ? 0 : workspace_bytes) +
-                                   " bytes, it needs " + std::to_string(needed));
-  }
+  MOE_XLA_RETURN_IF_ERROR(
+      detail::check_workspace("gather_gemm", workspace, workspace_bytes, needed));
 
-  const uintptr_t raw = reinterpret_cast<uintptr_t>(workspace);
-  char* base = reinterpret_cast<char*>((raw + kAlign - 1) & ~static_cast<uintptr_t>(kAlign - 1));
+  char* base = detail::aligned_base(workspace);
   const WorkspaceLayout layout(p.m, p.num_groups);
   auto* groups = reinterpret_cast<GroupTiles*>(base + layout.groups);
   auto* count = reinterpret_cast<GatherTileCount*>(base + layout.count);
@@ -194,7 +179,7 @@ Status gather_gemm(const GatherGemmParams& p, void* workspace, size_t workspace_
   MOE_XLA_RETURN_IF_CUDA_ERROR(cudaGetLastError());  // launch of the row-tile table
 
   const detail::GatherGemmLaunch launch{&p, row_tiles, count, max_row_tiles(p), sm_count, stream};
-  return find_instance(p.out_dtype)->run(launch).With("gather_gemm");
+  return detail::find_instance(kKernelInstances, p.out_dtype)->run(launch).With("gather_gemm");
 }
 
 }  // namespace cuda

@@ -26,7 +26,6 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <cstdint>
 
 #include "cute/tensor.hpp"  // first: the atoms below rely on its declarations
@@ -100,11 +99,7 @@ struct GatherGemmTraits {
   using PipelineState = typename Pipeline::PipelineState;
   static constexpr uint32_t kTmaBytesB = kTileN * kTileK * sizeof(Element);
 
-  struct SharedStorage {
-    alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutA>, 1024> a;
-    alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutB>, 1024> b;
-    typename Pipeline::SharedStorage pipeline;
-  };
+  using SharedStorage = WgmmaSharedStorage<Element, SmemLayoutA, SmemLayoutB, Pipeline>;
 };
 
 // The TMA load of B tiles from w viewed as (N, K, G): N contiguous, K and group strides in
@@ -213,33 +208,15 @@ __device__ __forceinline__ void gather_gemm_consume(const GatherGemmKernelParams
   using T = GatherGemmTraits;
   const int thread = threadIdx.x - T::kProducerThreads;  // 0 .. kConsumerThreads - 1
   typename T::TiledMma mma;
-  auto thread_mma = mma.get_thread_slice(thread);
-  Tensor sA = make_tensor(make_smem_ptr(smem.a.data()), typename T::SmemLayoutA{});
-  Tensor sB = make_tensor(make_smem_ptr(smem.b.data()), typename T::SmemLayoutB{});
-  Tensor tCrA = thread_mma.make_fragment_A(thread_mma.partition_A(sA));  // (MMA, M, K, PIPE)
-  Tensor tCrB = thread_mma.make_fragment_B(thread_mma.partition_B(sB));  // (MMA, N, K, PIPE)
-  const auto tile_mn = make_shape(Int<T::kTileM>{}, Int<T::kTileN>{});
-  Tensor accum = partition_fragment_C(mma, tile_mn);                        // (MMA, M, N)
-  Tensor coord = thread_mma.partition_C(make_identity_tensor(tile_mn));     // (MMA, M, N)
-  static_assert(size(decltype(accum){}) % 2 == 0, "accumulators come in column pairs");
+  auto [tCrA, tCrB, accum, coord] = consumer_tensors<T>(mma, thread, smem);
 
   typename T::PipelineState read;
   for (int64_t unit = blockIdx.x; unit < units; unit += gridDim.x) {
     const GatherRowTile tile = p.row_tiles[unit / p.n_tiles];  // used by the stores below
-    const int64_t col0 = (unit % p.n_tiles) * T::kTileN;
+    const int32_t col0 = static_cast<int32_t>(unit % p.n_tiles) * T::kTileN;
 
     wgmma_stages(pipeline, read, mma, tCrA, tCrB, accum, p.k_tiles);
-
-    // Accumulator i and i + 1 are columns c and c + 1 of one row (the wgmma C layout);
-    // n % 8 == 0, so a pair is wholly inside or outside N.
-    CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < size(accum); i += 2) {
-      const int64_t row = tile.row_begin + get<0>(coord(i));
-      const int64_t col = col0 + get<1>(coord(i));
-      if (row < tile.row_end && col < p.n) {
-        store_pair(p.out + row * p.n + col, accum(i), accum(i + 1));
-      }
-    }
+    store_accumulators(p.out, p.n, tile.row_begin, tile.row_end, col0, accum, coord);
   }
 }
 
@@ -293,15 +270,8 @@ Status gather_gemm_kernel_run(const GatherGemmLaunch& launch) {
   kp.n_tiles = static_cast<int32_t>((p.n + T::kTileN - 1) / T::kTileN);
   kp.k_tiles = static_cast<int32_t>((p.k + T::kTileK - 1) / T::kTileK);
 
-  const int smem_bytes = static_cast<int>(sizeof(typename T::SharedStorage));
-  MOE_XLA_RETURN_IF_CUDA_ERROR(cudaFuncSetAttribute(
-      gather_gemm_kernel<Out>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
-  const int64_t max_units = launch.max_row_tiles * kp.n_tiles;
-  const int64_t grid = std::max<int64_t>(std::min<int64_t>(launch.sm_count, max_units), 1);
-  gather_gemm_kernel<Out>
-      <<<static_cast<unsigned>(grid), T::kThreads, smem_bytes, launch.stream>>>(kp);
-  MOE_XLA_RETURN_IF_CUDA_ERROR(cudaGetLastError());  // launch of the GEMM
-  return Status();
+  return launch_persistent<T>(gather_gemm_kernel<Out>, kp, launch.max_row_tiles * kp.n_tiles,
+                              launch.sm_count, launch.stream);
 }
 
 }  // namespace detail

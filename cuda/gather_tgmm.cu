@@ -6,12 +6,12 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <string>
 
 #include "common/gather_tgmm.h"
 #include "common/status.h"
 #include "cuda/device.h"
 #include "cuda/gather_checks.h"
+#include "cuda/gather_dispatch.h"
 #include "cuda/gather_tgmm_internal.h"
 #include "cuda/group_offsets.cuh"
 
@@ -19,17 +19,16 @@ namespace moe_xla {
 namespace cuda {
 namespace {
 
+using detail::align_up;
 using detail::aligned16;
 using detail::GatherTgmmGroupRows;
+using detail::kAlign;
 using detail::kGatherMaxDim;
 using detail::kGatherTgmmStepRows;
 using detail::kScanThreads;
 
-constexpr size_t kAlign = 256;
 // Size classes of size_class below: steps < 2^25 give classes below 100.
 constexpr int kSizeClasses = 128;
-
-size_t align_up(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 
 // Offsets from an aligned base: groups' rows [G] | order [G].
 struct WorkspaceLayout {
@@ -86,10 +85,7 @@ __global__ void __launch_bounds__(kScanThreads)
 }
 
 // The compiled kernels, one per output dtype of the instance table in cuda/BUILD.bazel.
-struct KernelInstance {
-  DType out_dtype;
-  Status (*run)(const detail::GatherTgmmLaunch& launch);
-};
+using KernelInstance = detail::OutDtypeInstance<detail::GatherTgmmLaunch>;
 
 #define MOE_XLA_CUTLASS_INSTANCE(OUT_DTYPE) \
   KernelInstance{DType::OUT_DTYPE, &detail::gather_tgmm_kernel_run<DType::OUT_DTYPE>},
@@ -100,13 +96,6 @@ constexpr KernelInstance kKernelInstances[] = {
 #include "cuda/gather_tgmm_kernels.inc"
 };
 #undef MOE_XLA_CUTLASS_INSTANCE
-
-const KernelInstance* find_instance(DType out_dtype) {
-  for (const KernelInstance& inst : kKernelInstances) {
-    if (inst.out_dtype == out_dtype) return &inst;
-  }
-  return nullptr;
-}
 
 // Shape and dtype errors that need no device: ok or an InvalidArgument naming the field.
 // (Both output dtypes of the checks have an instance.)
@@ -149,14 +138,10 @@ Status gather_tgmm(const GatherTgmmParams& p, void* workspace, size_t workspace_
   int sm_count = 0;
   MOE_XLA_RETURN_IF_ERROR(current_device_sm_count(&sm_count));
   const size_t needed = gather_tgmm_workspace_bytes(p);
-  if (workspace == nullptr || workspace_bytes < needed) {
-    return Status::InvalidArgument("gather_tgmm: workspace of " +
-                                   std::to_string(workspace == nullptr ? 0 : workspace_bytes) +
-                                   " bytes, it needs " + std::to_string(needed));
-  }
+  MOE_XLA_RETURN_IF_ERROR(
+      detail::check_workspace("gather_tgmm", workspace, workspace_bytes, needed));
 
-  const uintptr_t raw = reinterpret_cast<uintptr_t>(workspace);
-  char* base = reinterpret_cast<char*>((raw + kAlign - 1) & ~static_cast<uintptr_t>(kAlign - 1));
+  char* base = detail::aligned_base(workspace);
   const WorkspaceLayout layout(p.num_groups);
   auto* groups = reinterpret_cast<GatherTgmmGroupRows*>(base + layout.groups);
   auto* order = reinterpret_cast<int32_t*>(base + layout.order);
@@ -165,7 +150,7 @@ Status gather_tgmm(const GatherTgmmParams& p, void* workspace, size_t workspace_
   MOE_XLA_RETURN_IF_CUDA_ERROR(cudaGetLastError());  // launch of the group scan
 
   const detail::GatherTgmmLaunch launch{&p, groups, order, sm_count, stream};
-  return find_instance(p.out_dtype)->run(launch).With("gather_tgmm");
+  return detail::find_instance(kKernelInstances, p.out_dtype)->run(launch).With("gather_tgmm");
 }
 
 }  // namespace cuda

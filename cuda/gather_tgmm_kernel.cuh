@@ -38,7 +38,6 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <cstdint>
 
 #include "cute/tensor.hpp"  // first: the atoms below rely on its declarations
@@ -120,11 +119,7 @@ struct GatherTgmmTraits {
   using Pipeline = cutlass::PipelineAsync<kStages>;
   using PipelineState = typename Pipeline::PipelineState;
 
-  struct SharedStorage {
-    alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutA>, 1024> a;
-    alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutB>, 1024> b;
-    typename Pipeline::SharedStorage pipeline;
-  };
+  using SharedStorage = WgmmaSharedStorage<Element, SmemLayoutA, SmemLayoutB, Pipeline>;
 };
 
 template <class Out>
@@ -230,15 +225,7 @@ __device__ __forceinline__ void gather_tgmm_consume(const GatherTgmmKernelParams
   using T = GatherTgmmTraits;
   const int thread = threadIdx.x - T::kProducerThreads;  // 0 .. kConsumerThreads - 1
   typename T::TiledMma mma;
-  auto thread_mma = mma.get_thread_slice(thread);
-  Tensor sA = make_tensor(make_smem_ptr(smem.a.data()), typename T::SmemLayoutA{});
-  Tensor sB = make_tensor(make_smem_ptr(smem.b.data()), typename T::SmemLayoutB{});
-  Tensor tCrA = thread_mma.make_fragment_A(thread_mma.partition_A(sA));  // (MMA, M, K, PIPE)
-  Tensor tCrB = thread_mma.make_fragment_B(thread_mma.partition_B(sB));  // (MMA, N, K, PIPE)
-  const auto tile_mn = make_shape(Int<T::kTileM>{}, Int<T::kTileN>{});
-  Tensor accum = partition_fragment_C(mma, tile_mn);                     // (MMA, M, N)
-  Tensor coord = thread_mma.partition_C(make_identity_tensor(tile_mn));  // (MMA, M, N)
-  static_assert(size(decltype(accum){}) % 2 == 0, "accumulators come in column pairs");
+  auto [tCrA, tCrB, accum, coord] = consumer_tensors<T>(mma, thread, smem);
 
   typename T::PipelineState read;
   for (int64_t unit = blockIdx.x; unit < p.units; unit += gridDim.x) {
@@ -248,18 +235,9 @@ __device__ __forceinline__ void gather_tgmm_consume(const GatherTgmmKernelParams
     } else {
       clear(accum);  // an empty group's block is exactly zero
     }
-    // Accumulator i and i + 1 are columns c and c + 1 of one row (the wgmma C layout);
-    // n % 8 == 0, so a pair is wholly inside or outside N.
-    Out* block = p.out + static_cast<int64_t>(u.group) * p.k * p.n;
     const int32_t row0 = u.k_tile * T::kTileM, col0 = u.n_tile * T::kTileN;
-    CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < size(accum); i += 2) {
-      const int32_t row = row0 + get<0>(coord(i));
-      const int32_t col = col0 + get<1>(coord(i));
-      if (row < p.k && col < p.n) {
-        store_pair(block + static_cast<int64_t>(row) * p.n + col, accum(i), accum(i + 1));
-      }
-    }
+    store_accumulators(p.out + static_cast<int64_t>(u.group) * p.k * p.n, p.n, row0, p.k, col0,
+                       accum, coord);
   }
 }
 
@@ -311,14 +289,8 @@ Status gather_tgmm_kernel_run(const GatherTgmmLaunch& launch) {
   kp.n_tiles = static_cast<int32_t>((p.n + T::kTileN - 1) / T::kTileN);
   kp.units = p.num_groups * kp.k_tiles * kp.n_tiles;
 
-  const int smem_bytes = static_cast<int>(sizeof(typename T::SharedStorage));
-  MOE_XLA_RETURN_IF_CUDA_ERROR(cudaFuncSetAttribute(
-      gather_tgmm_kernel<Out>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
-  const int64_t grid = std::max<int64_t>(std::min<int64_t>(launch.sm_count, kp.units), 1);
-  gather_tgmm_kernel<Out>
-      <<<static_cast<unsigned>(grid), T::kThreads, smem_bytes, launch.stream>>>(kp);
-  MOE_XLA_RETURN_IF_CUDA_ERROR(cudaGetLastError());  // launch of the kernel
-  return Status();
+  return launch_persistent<T>(gather_tgmm_kernel<Out>, kp, kp.units, launch.sm_count,
+                              launch.stream);
 }
 
 }  // namespace detail

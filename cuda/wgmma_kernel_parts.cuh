@@ -1,13 +1,16 @@
 // Device pieces shared by the hand-written Hopper kernels whose producer warps gather
 // operands with cp.async and whose consumer warp groups multiply them with wgmma
 // (gather_gemm_kernel.cuh, gather_tgmm_kernel.cuh): the output element of a DType, the
-// zero-filling 16-byte copy, the paired output store and the consumers' main loop.
+// zero-filling 16-byte copy, the shared storage, the consumers' tensors, main loop and
+// output store, and the persistent launch. Traits T name the tiles (kTileM, kTileN,
+// SmemLayoutA/B over all stages, TiledMma, SharedStorage, kThreads).
 #ifndef MOE_XLA_CUDA_WGMMA_KERNEL_PARTS_CUH_
 #define MOE_XLA_CUDA_WGMMA_KERNEL_PARTS_CUH_
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "cute/tensor.hpp"  // first: the atoms below rely on its declarations
@@ -17,6 +20,7 @@
 #include "cutlass/cutlass.h"
 
 #include "common/grouped_gemm.h"
+#include "common/status.h"
 
 namespace moe_xla {
 namespace cuda {
@@ -32,6 +36,15 @@ struct OutElement<DType::kBF16> {
 template <>
 struct OutElement<DType::kF32> {
   using type = float;
+};
+
+// Shared memory of a kernel: all stages of A and B (1024-byte aligned, as the 128-byte
+// swizzle needs) and the pipeline's barriers.
+template <class Element, class SmemLayoutA, class SmemLayoutB, class Pipeline>
+struct WgmmaSharedStorage {
+  alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutA>, 1024> a;
+  alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutB>, 1024> b;
+  typename Pipeline::SharedStorage pipeline;
 };
 
 // 16 bytes from global to shared memory, bypassing L1; src_bytes = 0 writes zeros and
@@ -50,6 +63,26 @@ __device__ __forceinline__ void store_pair(__nv_bfloat16* out, float a, float b)
 }
 __device__ __forceinline__ void store_pair(float* out, float a, float b) {
   *reinterpret_cast<float2*>(out) = make_float2(a, b);
+}
+
+// Consumer thread `thread`'s tensors (0 .. size(mma) - 1): the wgmma fragments of A and
+// B over all stages (descriptors, (MMA, M|N, K, PIPE)), the accumulators of the
+// kTileM x kTileN output tile and the (row, column) in the tile of each accumulator (both
+// (MMA, M, N)); as a cute tuple, for a structured binding.
+template <class T>
+__device__ __forceinline__ auto consumer_tensors(typename T::TiledMma& mma, int thread,
+                                                 typename T::SharedStorage& smem) {
+  using namespace cute;
+  auto thread_mma = mma.get_thread_slice(thread);
+  Tensor sA = make_tensor(make_smem_ptr(smem.a.data()), typename T::SmemLayoutA{});
+  Tensor sB = make_tensor(make_smem_ptr(smem.b.data()), typename T::SmemLayoutB{});
+  Tensor tCrA = thread_mma.make_fragment_A(thread_mma.partition_A(sA));
+  Tensor tCrB = thread_mma.make_fragment_B(thread_mma.partition_B(sB));
+  const auto tile_mn = make_shape(Int<T::kTileM>{}, Int<T::kTileN>{});
+  Tensor accum = partition_fragment_C(mma, tile_mn);
+  Tensor coord = thread_mma.partition_C(make_identity_tensor(tile_mn));
+  static_assert(size(decltype(accum){}) % 2 == 0, "accumulators come in column pairs");
+  return make_tuple(tCrA, tCrB, accum, coord);
 }
 
 // The consumer warp groups' main loop: `steps` >= 1 full pipeline stages from `read` on,
@@ -91,6 +124,40 @@ __device__ __forceinline__ void wgmma_stages(Pipeline& pipeline, PipelineState& 
   warpgroup_wait<0>();
   warpgroup_fence_operand(accum);
   pipeline.consumer_release(release);
+}
+
+// Stores a tile's accumulators (`coord` as from consumer_tensors) into `out`, row-major
+// with n columns: tile element (r, c) goes to out[row0 + r][col0 + c] where
+// row0 + r < row_end and col0 + c < n; the others are left alone. Accumulators i and i + 1
+// are columns c and c + 1 of one row (the wgmma C layout) and n % 8 == 0, so a pair is
+// wholly inside or outside n and is stored as one.
+template <class Out, class Accum, class Coord>
+__device__ __forceinline__ void store_accumulators(Out* out, int32_t n, int32_t row0,
+                                                   int32_t row_end, int32_t col0,
+                                                   const Accum& accum, const Coord& coord) {
+  using namespace cute;
+  CUTLASS_PRAGMA_UNROLL
+  for (int i = 0; i < size(accum); i += 2) {
+    const int32_t row = row0 + get<0>(coord(i));
+    const int32_t col = col0 + get<1>(coord(i));
+    if (row < row_end && col < n) {
+      store_pair(out + static_cast<int64_t>(row) * n + col, accum(i), accum(i + 1));
+    }
+  }
+}
+
+// Launches the persistent kernel of traits T: min(sm_count, max_units) CTAs (at least
+// one) of T::kThreads threads with T::SharedStorage as dynamic shared memory.
+template <class T, class Params>
+Status launch_persistent(void (*kernel)(Params), const Params& kp, int64_t max_units,
+                         int sm_count, cudaStream_t stream) {
+  const int smem_bytes = static_cast<int>(sizeof(typename T::SharedStorage));
+  MOE_XLA_RETURN_IF_CUDA_ERROR(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
+  const int64_t grid = std::max<int64_t>(std::min<int64_t>(sm_count, max_units), 1);
+  kernel<<<static_cast<unsigned>(grid), T::kThreads, smem_bytes, stream>>>(kp);
+  MOE_XLA_RETURN_IF_CUDA_ERROR(cudaGetLastError());  // launch of the kernel
+  return Status();
 }
 
 }  // namespace detail

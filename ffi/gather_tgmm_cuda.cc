@@ -19,9 +19,8 @@
 #include "common/gather_tgmm.h"
 #include "common/grouped_gemm.h"
 #include "cuda/gather_tgmm.h"
+#include "ffi/gather_args.h"
 #include "ffi/grouped_gemm_args.h"
-#include "ffi/status.h"
-#include "ffi/workspace.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -37,52 +36,28 @@ ffi::ErrorOr<GatherTgmmParams> decode(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> sr
                                       ffi::Buffer<ffi::S32> group_sizes, ffi::AnyBuffer out) {
   using ffi_args::invalid;
   using ffi_args::shape_string;
-  if (x.dimensions().size() != 2) return invalid("x: expected rank 2, got shape " + shape_string(x.dimensions()));
-  if (src.dimensions().size() != 1) {
-    return invalid("src: expected rank 1, got shape " + shape_string(src.dimensions()));
-  }
-  if (group_sizes.dimensions().size() != 1) {
-    return invalid("group_sizes: expected rank 1, got shape " + shape_string(group_sizes.dimensions()));
-  }
-  if (dy.element_type() != x.element_type()) {
-    return invalid("dy: expected the dtype of x (" + ffi_args::type_name(x.element_type()) + "), got " +
-                   ffi_args::type_name(dy.element_type()));
-  }
   GatherTgmmParams p{};
-  p.tokens = x.dimensions()[0];
-  p.k = x.dimensions()[1];
-  p.m = src.dimensions()[0];
-  p.num_groups = group_sizes.dimensions()[0];
+  if (auto e = ffi_args::decode_gather_sizes(p, x, src, "dy", dy, group_sizes); e.failure()) {
+    return ffi::Unexpected<ffi::Error>(e);
+  }
   const auto dy_dims = dy.dimensions();
   if (dy_dims.size() != 2 || dy_dims[0] != p.m) {
     return invalid("dy: expected shape [" + std::to_string(p.m) + ", N], got " + shape_string(dy_dims));
   }
   p.n = dy_dims[1];
-  if (auto e = ffi_args::expect_shape("out", out.dimensions(), {p.num_groups, p.k, p.n}); e.failure()) {
+  if (auto e = ffi_args::decode_gather_out(p, x, src, group_sizes, out, {p.num_groups, p.k, p.n}); e.failure()) {
     return ffi::Unexpected<ffi::Error>(e);
   }
-  auto dtypes = ffi_args::product_dtypes(x.element_type(), "x", out.element_type());
-  if (dtypes.has_error()) return ffi::Unexpected<ffi::Error>(dtypes.error());
-  p.in_dtype = dtypes->in;
-  p.out_dtype = dtypes->out;
-  p.x = x.untyped_data();
-  p.src = src.typed_data();
   p.dy = dy.untyped_data();
-  p.group_sizes = group_sizes.typed_data();
-  p.out = out.untyped_data();
   return p;
 }
 
 ffi::Error gather_tgmm_cuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> src, ffi::AnyBuffer dy,
                             ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> out,
                             ffi::Result<ffi::AnyBuffer> workspace_buffer) {
-  auto params = decode(x, src, dy, group_sizes, *out);
-  if (params.has_error()) return params.error();
-  const GatherTgmmParams& p = *params;
-  const size_t workspace_bytes = cuda::gather_tgmm_workspace_bytes(p);
-  auto workspace = ffi_args::workspace(*workspace_buffer, workspace_bytes, kOp);
-  if (workspace.has_error()) return workspace.error();
-  return ffi_args::to_error(cuda::gather_tgmm(p, *workspace, workspace_buffer->size_bytes(), stream), kOp);
+  return ffi_args::enqueue_gather<GatherTgmmParams>(kOp, decode(x, src, dy, group_sizes, *out),
+                                             &cuda::gather_tgmm_workspace_bytes, &cuda::gather_tgmm,
+                                             stream, *workspace_buffer);
 }
 
 }  // namespace

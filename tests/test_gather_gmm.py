@@ -4,7 +4,6 @@ lowering and errors, and moe() with its first product gathered against the copyi
 
 from __future__ import annotations
 
-import itertools
 import re
 
 import jax
@@ -18,7 +17,8 @@ from jax.test_util import check_grads
 import moe_xla
 import moe_xla._lib as _lib
 from moe_xla import first_product, reference
-from conftest import ON_GPU, assert_close, group_sizes_cases, normal, requires_8_devices
+from conftest import ON_GPU, assert_close, normal, requires_8_devices
+from gather_inputs import cases, cuda_targets, group_sizes, src_with_bad_rows
 
 # (T, M, K, N, G): kernel-shaped (K, N multiples of 8: the CUDA kernel in bf16), tails of
 # the kernel's 128-row tiles, G = 1, and K or N not multiples of 8 (the decomposition).
@@ -30,11 +30,7 @@ needs_cuda_kernel = pytest.mark.skipif(not _lib.has_kernel("gather_gmm", "cuda")
 
 
 def _src(rng, t: int, m: int):
-    """Row sources with every kind of entry: tokens, repeats, -1, T and far out of range."""
-    src = rng.integers(0, max(t, 1), size=m)
-    bad = rng.choice(m, size=max(1, m // 10), replace=False)
-    src[bad] = rng.choice([-1, t, t + 7, -(2**31)], size=bad.size)
-    return jnp.asarray(src, jnp.int32)
+    return src_with_bad_rows(rng, t, m, [-1, t, t + 7, -(2**31)])
 
 
 def _slots(rng, t: int, k: int):
@@ -52,21 +48,13 @@ def _ref(x, src, w, gs, out_dtype=None):
 
 
 def _cases():
-    for (t, m, k, n, g), dtype in itertools.product(SHAPES, DTYPES):
-        for sizes in ("random", "zeros", "one_giant", "sum_below_m", "sum_above_m"):
-            yield pytest.param(t, m, k, n, g, dtype, sizes, id=f"{t}-{m}x{k}x{n}g{g}-{jnp.dtype(dtype).name}-{sizes}")
-
-
-def _group_sizes(rng, m: int, g: int, name: str):
-    if name == "sum_above_m":  # clamped to the M rows: the last groups lose rows
-        return jnp.asarray(group_sizes_cases(m, g, rng)["random"] + m // g + 1, jnp.int32)
-    return jnp.asarray(group_sizes_cases(m, g, rng)[name])
+    return cases(SHAPES, DTYPES, ("random", "zeros", "one_giant", "sum_below_m", "sum_above_m"))
 
 
 @pytest.mark.parametrize("t,m,k,n,g,dtype,sizes", list(_cases()))
 def test_matches_reference(rng, t, m, k, n, g, dtype, sizes):
     x, w = normal(rng, (t, k), dtype), normal(rng, (g, k, n), dtype)
-    src, gs = _src(rng, t, m), _group_sizes(rng, m, g, sizes)
+    src, gs = _src(rng, t, m), group_sizes(rng, m, g, sizes)
     out = jax.jit(moe_xla.gather_gmm)(x, src, w, gs)
     assert out.dtype == dtype and out.shape == (m, n)
     assert_close(out, _ref(x, src, w, gs), dtype)
@@ -188,12 +176,6 @@ def test_column_parallel_mesh(rng):
 # ---------------------------------------------------------------------------- lowering and errors
 
 
-def _cuda_targets(fn, *args) -> list[str]:
-    """The moe_xla custom-call targets of fn lowered for CUDA (on any machine)."""
-    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    return re.findall(r"custom_call @(moe_xla_\w+)", text)
-
-
 @needs_cuda_kernel
 @pytest.mark.parametrize("k,n,dtype,out_dtype,kernel", [
     (16, 24, jnp.bfloat16, None, True), (16, 24, jnp.bfloat16, jnp.float32, True),
@@ -202,7 +184,7 @@ def _cuda_targets(fn, *args) -> list[str]:
 def test_cuda_lowering_takes_the_kernel_where_it_applies(k, n, dtype, out_dtype, kernel):
     x, w = jnp.zeros((10, k), dtype), jnp.zeros((2, k, n), dtype)
     src, gs = jnp.zeros((12,), jnp.int32), jnp.zeros((2,), jnp.int32)
-    targets = _cuda_targets(lambda *a: moe_xla.gather_gmm(*a, preferred_element_type=out_dtype), x, src, w, gs)
+    targets = cuda_targets(lambda *a: moe_xla.gather_gmm(*a, preferred_element_type=out_dtype), x, src, w, gs)
     decomposition = ["moe_xla_gather_rows_cuda_v1", "moe_xla_gmm_cuda_v1"]
     assert targets == (["moe_xla_gather_gmm_cuda_v1"] if kernel else decomposition)
 

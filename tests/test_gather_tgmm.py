@@ -5,7 +5,6 @@ gradient in w through it."""
 
 from __future__ import annotations
 
-import itertools
 import re
 
 import jax
@@ -19,7 +18,8 @@ from jax.test_util import check_grads
 import moe_xla
 import moe_xla._lib as _lib
 from moe_xla import reference
-from conftest import assert_close, group_sizes_cases, normal, requires_8_devices
+from conftest import assert_close, normal, requires_8_devices
+from gather_inputs import cases, cuda_targets, group_sizes, src_with_bad_rows
 
 # (T, M, K, N, G): kernel-shaped (K, N multiples of 8: the CUDA kernel in bf16), tails of
 # its 64-row steps and 128 x 256 blocks, G = 1, and K or N not multiples of 8 (the
@@ -32,25 +32,12 @@ needs_cuda_kernel = pytest.mark.skipif(not _lib.has_kernel("gather_tgmm", "cuda"
 
 
 def _src(rng, t: int, m: int):
-    """Row sources with every kind of entry: tokens, repeats, -1, T and far out of range."""
-    src = rng.integers(0, max(t, 1), size=m)
-    bad = rng.choice(m, size=max(1, m // 10), replace=False)
-    src[bad] = rng.choice([-1, t, t + 7, -(2**31), 2**31 - 1], size=bad.size)
-    return jnp.asarray(src, jnp.int32)
+    return src_with_bad_rows(rng, t, m, [-1, t, t + 7, -(2**31), 2**31 - 1])
 
 
 def _ref(x, src, dy, gs, out_dtype=None):
     return reference.gather_tgmm(x.astype(jnp.float32), src, dy.astype(jnp.float32), gs,
                                  preferred_element_type=out_dtype or jnp.float32)
-
-
-def _group_sizes(rng, m: int, g: int, name: str):
-    if name == "sum_above_m":  # clamped to the M rows: the last groups lose rows
-        return jnp.asarray(group_sizes_cases(m, g, rng)["random"] + m // g + 1, jnp.int32)
-    if name == "extremes":  # negative and INT32-extreme sizes, clamped
-        sizes = np.resize(np.array([-5, 2**31 - 1, -(2**31), 3, m // 2], np.int64), g)
-        return jnp.asarray(sizes, jnp.int32)
-    return jnp.asarray(group_sizes_cases(m, g, rng)[name])
 
 
 def _empty_groups(gs, m: int):
@@ -59,15 +46,13 @@ def _empty_groups(gs, m: int):
 
 
 def _cases():
-    for (t, m, k, n, g), dtype in itertools.product(SHAPES, DTYPES):
-        for sizes in ("random", "zeros", "one_giant", "sum_below_m", "sum_above_m", "extremes"):
-            yield pytest.param(t, m, k, n, g, dtype, sizes, id=f"{t}-{m}x{k}x{n}g{g}-{jnp.dtype(dtype).name}-{sizes}")
+    return cases(SHAPES, DTYPES, ("random", "zeros", "one_giant", "sum_below_m", "sum_above_m", "extremes"))
 
 
 @pytest.mark.parametrize("t,m,k,n,g,dtype,sizes", list(_cases()))
 def test_matches_reference(rng, t, m, k, n, g, dtype, sizes):
     x, dy = normal(rng, (t, k), dtype), normal(rng, (m, n), dtype)
-    src, gs = _src(rng, t, m), _group_sizes(rng, m, g, sizes)
+    src, gs = _src(rng, t, m), group_sizes(rng, m, g, sizes)
     out = jax.jit(moe_xla.gather_tgmm)(x, src, dy, gs)
     assert out.dtype == dtype and out.shape == (g, k, n)
     assert_close(out, _ref(x, src, dy, gs), dtype)
@@ -187,12 +172,6 @@ def test_follows_k_and_n_on_a_mesh(rng):
 # ---------------------------------------------------------------------------- lowering and errors
 
 
-def _cuda_targets(fn, *args) -> list[str]:
-    """The moe_xla custom-call targets of fn lowered for CUDA (on any machine)."""
-    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    return re.findall(r"custom_call @(moe_xla_\w+)", text)
-
-
 @needs_cuda_kernel
 @pytest.mark.parametrize("k,n,dtype,out_dtype,kernel", [
     (16, 24, jnp.bfloat16, None, True), (16, 24, jnp.bfloat16, jnp.float32, True),
@@ -201,7 +180,7 @@ def _cuda_targets(fn, *args) -> list[str]:
 def test_cuda_lowering_takes_the_kernel_where_it_applies(k, n, dtype, out_dtype, kernel):
     x, dy = jnp.zeros((10, k), dtype), jnp.zeros((12, n), dtype)
     src, gs = jnp.zeros((12,), jnp.int32), jnp.zeros((2,), jnp.int32)
-    targets = _cuda_targets(lambda *a: moe_xla.gather_tgmm(*a, preferred_element_type=out_dtype), x, src, dy, gs)
+    targets = cuda_targets(lambda *a: moe_xla.gather_tgmm(*a, preferred_element_type=out_dtype), x, src, dy, gs)
     decomposition = ["moe_xla_gather_rows_cuda_v1", "moe_xla_tgmm_cuda_v1"]
     assert targets == (["moe_xla_gather_tgmm_cuda_v1"] if kernel else decomposition)
 
@@ -210,7 +189,7 @@ def test_cuda_lowering_takes_the_kernel_where_it_applies(k, n, dtype, out_dtype,
 def test_gather_gmm_gradient_in_w_is_a_gather_tgmm():
     x, w = jnp.zeros((10, 16), jnp.bfloat16), jnp.zeros((2, 16, 24), jnp.bfloat16)
     src, gs = jnp.zeros((12,), jnp.int32), jnp.zeros((2,), jnp.int32)
-    targets = _cuda_targets(jax.grad(lambda w: jnp.sum(moe_xla.gather_gmm(x, src, w, gs).astype(jnp.float32))), w)
+    targets = cuda_targets(jax.grad(lambda w: jnp.sum(moe_xla.gather_gmm(x, src, w, gs).astype(jnp.float32))), w)
     assert "moe_xla_gather_tgmm_cuda_v1" in targets
     assert "moe_xla_gather_rows_cuda_v1" not in targets and "moe_xla_tgmm_cuda_v1" not in targets
 

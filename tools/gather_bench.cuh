@@ -1,6 +1,7 @@
 // What the gather benchmarks (gather_gemm_bench.cu, gather_tgmm_bench.cu) share: the
 // routed first-GEMM cases, their routing, random inputs, the row-gather kernel of the path
-// they replace, the check of two outputs, the command line and the timing of two paths.
+// they replace, the params of both paths, the check of two outputs, the command line, the
+// timing of two paths and the printed table.
 // Included by one translation unit per program.
 #ifndef MOE_XLA_TOOLS_GATHER_BENCH_CUH_
 #define MOE_XLA_TOOLS_GATHER_BENCH_CUH_
@@ -17,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "common/grouped_gemm.h"
 #include "common/status.h"
 #include "tools/cuda_check.h"
 
@@ -126,6 +128,46 @@ inline void route(const GatherCase& c, std::vector<int32_t>* src, std::vector<in
   }
 }
 
+// The params of a gather product (moe_xla::GatherGemmParams or GatherTgmmParams, whose
+// shared fields have the same names) with bf16 input and output; the caller sets the
+// second operand (w or dy).
+template <class Params>
+Params gather_params(const void* x, const int32_t* src, const int32_t* group_sizes, void* out,
+                     int64_t tokens, int64_t m, int64_t k, int64_t n, int64_t num_groups) {
+  Params p{};
+  p.in_dtype = p.out_dtype = moe_xla::DType::kBF16;
+  p.x = x;
+  p.src = src;
+  p.group_sizes = group_sizes;
+  p.out = out;
+  p.tokens = tokens;
+  p.m = m;
+  p.k = k;
+  p.n = n;
+  p.num_groups = num_groups;
+  return p;
+}
+
+// The params of the copy path's grouped GEMM (`layout` kGmm or kTgmm), bf16 input and
+// output.
+inline moe_xla::GroupedGemmParams grouped_params(moe_xla::GroupedLayout layout, const void* lhs,
+                                                 const void* rhs, const int32_t* group_sizes,
+                                                 void* out, int64_t m, int64_t k, int64_t n,
+                                                 int64_t num_groups) {
+  moe_xla::GroupedGemmParams p{};
+  p.layout = layout;
+  p.in_dtype = p.out_dtype = moe_xla::DType::kBF16;
+  p.lhs = lhs;
+  p.rhs = rhs;
+  p.group_sizes = group_sizes;
+  p.out = out;
+  p.m = m;
+  p.k = k;
+  p.n = n;
+  p.num_groups = num_groups;
+  return p;
+}
+
 inline double median(std::vector<float> v) {
   std::sort(v.begin(), v.end());
   return v.empty() ? 0.0 : v[v.size() / 2];
@@ -168,6 +210,31 @@ inline Options parse_options(int argc, char** argv) {
     }
   }
   return o;
+}
+
+// Prints the device and the table header; returns the device's SM count.
+inline int print_device(const Options& options) {
+  int device = 0, sm_count = 0;
+  CHECK_CUDA(cudaGetDevice(&device));
+  CHECK_CUDA(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device));
+  cudaDeviceProp prop{};
+  CHECK_CUDA(cudaGetDeviceProperties(&prop, device));
+  std::printf("device %d: %s (%d SMs); %d warm-up and %d timed rounds, medians\n", device,
+              prop.name, sm_count, options.warmup, options.reps);
+  std::printf("%-28s %6s %5s %5s %4s %3s | %9s %8s | %9s %8s | %6s %s\n", "case", "T", "K", "N",
+              "G", "k", "gather ms", "TFLOP/s", "copy ms", "TFLOP/s", "ratio", "check");
+  return sm_count;
+}
+
+// Prints a case's row: the median times of the two paths, their TFLOP/s (2 * M * K * N),
+// the ratio copy / gather and the check's detail.
+inline void print_row(const GatherCase& c, double ms_gather, double ms_copy, const std::string& detail) {
+  const double flop = 2.0 * c.tokens * c.top_k * c.k * c.n;
+  std::printf("%-28s %6lld %5lld %5lld %4lld %3lld | %9.3f %8.1f | %9.3f %8.1f | %6.3f %s\n", c.name,
+              static_cast<long long>(c.tokens), static_cast<long long>(c.k),
+              static_cast<long long>(c.n), static_cast<long long>(c.g),
+              static_cast<long long>(c.top_k), ms_gather, flop / ms_gather * 1e-9, ms_copy,
+              flop / ms_copy * 1e-9, ms_copy / ms_gather, detail.c_str());
 }
 
 // The median milliseconds of two paths on `stream`: `warmup` untimed rounds, then `reps`

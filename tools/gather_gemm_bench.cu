@@ -37,15 +37,7 @@ int main(int argc, char** argv) {
   using moe_xla::DType;
   const gather_bench::Options options = gather_bench::parse_options(argc, argv);
   exit_if_no_cuda_device("gather_gemm_bench");
-  int device = 0, sm_count = 0;
-  CHECK_CUDA(cudaGetDevice(&device));
-  CHECK_CUDA(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device));
-  cudaDeviceProp prop{};
-  CHECK_CUDA(cudaGetDeviceProperties(&prop, device));
-  std::printf("device %d: %s (%d SMs); %d warm-up and %d timed rounds, medians\n", device,
-              prop.name, sm_count, options.warmup, options.reps);
-  std::printf("%-28s %6s %5s %5s %4s %3s | %9s %8s | %9s %8s | %6s %s\n", "case", "T", "K", "N",
-              "G", "k", "gather ms", "TFLOP/s", "copy ms", "TFLOP/s", "ratio", "check");
+  const int sm_count = gather_bench::print_device(options);
   cudaStream_t stream;
   CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   int failures = 0;
@@ -68,29 +60,11 @@ int main(int argc, char** argv) {
     CHECK_CUDA(cudaMemcpy(d_sizes, sizes.data(), c.g * 4, cudaMemcpyHostToDevice));
     gather_bench::fill_uniform(x, c.tokens * c.k, 1, stream);
     gather_bench::fill_uniform(w, c.g * c.k * c.n, 2, stream);
-    moe_xla::GatherGemmParams gp{};
-    gp.in_dtype = gp.out_dtype = DType::kBF16;
-    gp.x = x;
-    gp.src = d_src;
+    auto gp = gather_bench::gather_params<moe_xla::GatherGemmParams>(
+        x, d_src, d_sizes, out_gather, c.tokens, m, c.k, c.n, c.g);
     gp.w = w;
-    gp.group_sizes = d_sizes;
-    gp.out = out_gather;
-    gp.tokens = c.tokens;
-    gp.m = m;
-    gp.k = c.k;
-    gp.n = c.n;
-    gp.num_groups = c.g;
-    moe_xla::GroupedGemmParams mp{};
-    mp.layout = moe_xla::GroupedLayout::kGmm;
-    mp.in_dtype = mp.out_dtype = DType::kBF16;
-    mp.lhs = x_sorted;
-    mp.rhs = w;
-    mp.group_sizes = d_sizes;
-    mp.out = out_copy;
-    mp.m = m;
-    mp.k = c.k;
-    mp.n = c.n;
-    mp.num_groups = c.g;
+    const moe_xla::GroupedGemmParams mp = gather_bench::grouped_params(
+        moe_xla::GroupedLayout::kGmm, x_sorted, w, d_sizes, out_copy, m, c.k, c.n, c.g);
     const size_t gather_ws_bytes = moe_xla::cuda::gather_gemm_workspace_bytes(gp);
     const size_t gemm_ws_bytes = moe_xla::cuda::grouped_gemm_workspace_bytes(mp, sm_count);
     void *gather_ws, *gemm_ws;
@@ -111,12 +85,7 @@ int main(int argc, char** argv) {
 
     double ms_gather = 0, ms_copy = 0;
     gather_bench::time_pair(options, stream, run_gather, run_copy, &ms_gather, &ms_copy);
-    const double flop = 2.0 * m * c.k * c.n;
-    std::printf("%-28s %6lld %5lld %5lld %4lld %3lld | %9.3f %8.1f | %9.3f %8.1f | %6.3f %s\n", c.name,
-                static_cast<long long>(c.tokens), static_cast<long long>(c.k),
-                static_cast<long long>(c.n), static_cast<long long>(c.g),
-                static_cast<long long>(c.top_k), ms_gather, flop / ms_gather * 1e-9, ms_copy,
-                flop / ms_copy * 1e-9, ms_copy / ms_gather, detail.c_str());
+    gather_bench::print_row(c, ms_gather, ms_copy, detail);
     for (void* p : {static_cast<void*>(x), static_cast<void*>(w), static_cast<void*>(x_sorted),
                     static_cast<void*>(out_gather), static_cast<void*>(out_copy),
                     static_cast<void*>(d_src), static_cast<void*>(d_sizes), gather_ws, gemm_ws}) {

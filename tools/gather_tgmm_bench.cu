@@ -38,15 +38,7 @@ int main(int argc, char** argv) {
   using moe_xla::DType;
   const gather_bench::Options options = gather_bench::parse_options(argc, argv);
   exit_if_no_cuda_device("gather_tgmm_bench");
-  int device = 0, sm_count = 0;
-  CHECK_CUDA(cudaGetDevice(&device));
-  CHECK_CUDA(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device));
-  cudaDeviceProp prop{};
-  CHECK_CUDA(cudaGetDeviceProperties(&prop, device));
-  std::printf("device %d: %s (%d SMs); %d warm-up and %d timed rounds, medians\n", device,
-              prop.name, sm_count, options.warmup, options.reps);
-  std::printf("%-28s %6s %5s %5s %4s %3s | %9s %8s | %9s %8s | %6s %s\n", "case", "T", "K", "N",
-              "G", "k", "gather ms", "TFLOP/s", "copy ms", "TFLOP/s", "ratio", "check");
+  const int sm_count = gather_bench::print_device(options);
   cudaStream_t stream;
   CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   int failures = 0;
@@ -70,29 +62,11 @@ int main(int argc, char** argv) {
     gather_bench::fill_uniform(x, c.tokens * c.k, 1, stream);
     gather_bench::fill_uniform(dy, m * c.n, 3, stream);
 
-    moe_xla::GatherTgmmParams gp{};
-    gp.in_dtype = gp.out_dtype = DType::kBF16;
-    gp.x = x;
-    gp.src = d_src;
+    auto gp = gather_bench::gather_params<moe_xla::GatherTgmmParams>(
+        x, d_src, d_sizes, out_gather, c.tokens, m, c.k, c.n, c.g);
     gp.dy = dy;
-    gp.group_sizes = d_sizes;
-    gp.out = out_gather;
-    gp.tokens = c.tokens;
-    gp.m = m;
-    gp.k = c.k;
-    gp.n = c.n;
-    gp.num_groups = c.g;
-    moe_xla::GroupedGemmParams tp{};
-    tp.layout = moe_xla::GroupedLayout::kTgmm;
-    tp.in_dtype = tp.out_dtype = DType::kBF16;
-    tp.lhs = x_sorted;
-    tp.rhs = dy;
-    tp.group_sizes = d_sizes;
-    tp.out = out_copy;
-    tp.m = m;
-    tp.k = c.k;
-    tp.n = c.n;
-    tp.num_groups = c.g;
+    const moe_xla::GroupedGemmParams tp = gather_bench::grouped_params(
+        moe_xla::GroupedLayout::kTgmm, x_sorted, dy, d_sizes, out_copy, m, c.k, c.n, c.g);
     const size_t gather_ws_bytes = moe_xla::cuda::gather_tgmm_workspace_bytes(gp);
     const size_t tgmm_ws_bytes = moe_xla::cuda::grouped_gemm_workspace_bytes(tp, sm_count);
     void *gather_ws, *tgmm_ws;
@@ -113,12 +87,7 @@ int main(int argc, char** argv) {
 
     double ms_gather = 0, ms_copy = 0;
     gather_bench::time_pair(options, stream, run_gather, run_copy, &ms_gather, &ms_copy);
-    const double flop = 2.0 * m * c.k * c.n;
-    std::printf("%-28s %6lld %5lld %5lld %4lld %3lld | %9.3f %8.1f | %9.3f %8.1f | %6.3f %s\n", c.name,
-                static_cast<long long>(c.tokens), static_cast<long long>(c.k),
-                static_cast<long long>(c.n), static_cast<long long>(c.g),
-                static_cast<long long>(c.top_k), ms_gather, flop / ms_gather * 1e-9, ms_copy,
-                flop / ms_copy * 1e-9, ms_copy / ms_gather, detail.c_str());
+    gather_bench::print_row(c, ms_gather, ms_copy, detail);
     for (void* p : {static_cast<void*>(x), static_cast<void*>(dy), static_cast<void*>(x_sorted),
                     static_cast<void*>(out_gather), static_cast<void*>(out_copy),
                     static_cast<void*>(d_src), static_cast<void*>(d_sizes), gather_ws, tgmm_ws}) {

@@ -42,6 +42,18 @@ def group_sizes(op: str, gs, num_groups: int | None = None) -> None:
                          f"got {tuple(gs.shape)}")
 
 
+def gather_inputs(op: str, x, src, other_name: str, other, other_rank: int, other_layout: str) -> None:
+    """The checks the gather products share: x [T, K] and src [M] by rank, `other` (w or dy)
+    by rank and layout, x of a float dtype that `other` shares, and src int32."""
+    rank(op, "x", x, 2, "[T, K]")
+    rank(op, "src", src, 1, "[M]")
+    rank(op, other_name, other, other_rank, other_layout)
+    float_dtype(op, "x", x)
+    same_dtype(op, "x", x, other_name, other)
+    if jnp.dtype(src.dtype) != jnp.int32:
+        raise TypeError(f"{op}: expected int32 src, got {src.dtype}")
+
+
 def out_dtype(op: str, preferred_element_type, default):
     """The output dtype: preferred_element_type if given (a float dtype), else `default`."""
     if preferred_element_type is None:

@@ -36,17 +36,13 @@ from jax.interpreters import ad, batching
 
 import moe_xla._lib as _lib
 import moe_xla._rows as _rows
-from moe_xla.primitives import _ad, _batching, _checks, _impl, _lowering, _sharding
+from moe_xla.primitives import _ad, _batching, _checks, _gather_kernel, _impl, _lowering, _sharding
 from moe_xla.primitives.gather_rows import gather_rows
 from moe_xla.primitives.gather_tgmm import gather_tgmm_p
 from moe_xla.primitives.gmm import gmm_p
 from moe_xla.primitives.unpermute import unpermute_p
 
 gather_gmm_p = Primitive("moe_xla_gather_gmm")
-
-# Largest T, M, K, N and G the kernel takes (cuda/gather_gemm.h).
-_KERNEL_MAX_DIM = 2**31 - 256
-_KERNEL_OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
 
 def gather_gmm(x, src, w, group_sizes, *, preferred_element_type=None, token_slots=None):
@@ -64,18 +60,11 @@ def kernel_supports(x_shape, w_shape, m: int, in_dtype, out_dtype) -> bool:
     output rows in bf16 or float32, K and N multiples of 8 (16-byte rows), every size at
     most 2^31 - 256."""
     (t, k), (g, _, n) = x_shape, w_shape
-    return (jnp.dtype(in_dtype) == jnp.bfloat16 and jnp.dtype(out_dtype) in _KERNEL_OUT_DTYPES
-            and k % 8 == 0 and n % 8 == 0 and max(t, m, k, n, g) <= _KERNEL_MAX_DIM)
+    return _gather_kernel.supports(t, m, k, n, g, in_dtype, out_dtype)
 
 
 def _abstract_eval(x, src, w, group_sizes, *token_slots, preferred_element_type, has_token_slots):
-    _checks.rank("gather_gmm", "x", x, 2, "[T, K]")
-    _checks.rank("gather_gmm", "src", src, 1, "[M]")
-    _checks.rank("gather_gmm", "w", w, 3, "[G, K, N]")
-    _checks.float_dtype("gather_gmm", "x", x)
-    _checks.same_dtype("gather_gmm", "x", x, "w", w)
-    if jnp.dtype(src.dtype) != jnp.int32:
-        raise TypeError(f"gather_gmm: expected int32 src, got {src.dtype}")
+    _checks.gather_inputs("gather_gmm", x, src, "w", w, 3, "[G, K, N]")
     _checks.dim("gather_gmm", "w.shape[1] (K of x [T, K])", x.shape[1], w.shape[1])
     _checks.group_sizes("gather_gmm", group_sizes, w.shape[0])
     m = src.shape[0]

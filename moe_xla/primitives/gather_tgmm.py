@@ -34,15 +34,11 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching
 
 import moe_xla._lib as _lib
-from moe_xla.primitives import _ad, _batching, _checks, _impl, _lowering, _sharding
+from moe_xla.primitives import _ad, _batching, _checks, _gather_kernel, _impl, _lowering, _sharding
 from moe_xla.primitives.gather_rows import gather_rows
 from moe_xla.primitives.tgmm import tgmm_p
 
 gather_tgmm_p = Primitive("moe_xla_gather_tgmm")
-
-# Largest T, M, K, N and G the kernel takes (cuda/gather_tgmm.h).
-_KERNEL_MAX_DIM = 2**31 - 256
-_KERNEL_OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
 
 def gather_tgmm(x, src, dy, group_sizes, *, preferred_element_type=None):
@@ -57,18 +53,11 @@ def kernel_supports(x_shape, dy_shape, num_groups: int, in_dtype, out_dtype) -> 
     in bf16 or float32, K and N multiples of 8 (16-byte rows), every size at most
     2^31 - 256."""
     (t, k), (m, n) = x_shape, dy_shape
-    return (jnp.dtype(in_dtype) == jnp.bfloat16 and jnp.dtype(out_dtype) in _KERNEL_OUT_DTYPES
-            and k % 8 == 0 and n % 8 == 0 and max(t, m, k, n, num_groups) <= _KERNEL_MAX_DIM)
+    return _gather_kernel.supports(t, m, k, n, num_groups, in_dtype, out_dtype)
 
 
 def _abstract_eval(x, src, dy, group_sizes, *, preferred_element_type):
-    _checks.rank("gather_tgmm", "x", x, 2, "[T, K]")
-    _checks.rank("gather_tgmm", "src", src, 1, "[M]")
-    _checks.rank("gather_tgmm", "dy", dy, 2, "[M, N]")
-    _checks.float_dtype("gather_tgmm", "x", x)
-    _checks.same_dtype("gather_tgmm", "x", x, "dy", dy)
-    if jnp.dtype(src.dtype) != jnp.int32:
-        raise TypeError(f"gather_tgmm: expected int32 src, got {src.dtype}")
+    _checks.gather_inputs("gather_tgmm", x, src, "dy", dy, 2, "[M, N]")
     _checks.dim("gather_tgmm", "dy.shape[0] (M of src [M])", src.shape[0], dy.shape[0])
     _checks.group_sizes("gather_tgmm", group_sizes)
     return jax.core.ShapedArray((group_sizes.shape[0], x.shape[1], dy.shape[1]), preferred_element_type)

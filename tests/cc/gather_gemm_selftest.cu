@@ -26,7 +26,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
-#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
@@ -34,19 +33,20 @@
 #include "common/gather_gemm.h"
 #include "common/grouped_gemm.h"
 #include "common/status.h"
-#include "cuda/device.h"
 #include "cuda/gather_gemm.h"
+#include "tests/cc/gather_selftest.cuh"
 #include "tools/cuda_check.h"
 
 namespace {
 
+using gather_selftest::device_copy;
+using gather_selftest::kGuardBytes;
+using gather_selftest::random_bf16;
+using gather_selftest::random_sizes;
 using moe_xla::DType;
 using moe_xla::dtype_bytes;
 using moe_xla::dtype_name;
 using moe_xla::GatherGemmParams;
-
-constexpr uint32_t kCanary = 0xC0FFEE11u;
-constexpr size_t kGuardBytes = 256;
 
 // Output row r's group under the clamp rule, -1 for rows past the groups.
 std::vector<int32_t> row_groups(const std::vector<int32_t>& sizes, int64_t m) {
@@ -86,21 +86,6 @@ struct Case {
   std::vector<int32_t> sizes;
   std::vector<int32_t> src;
 };
-
-// Sizes of `groups` groups drawn by multinomial(total) with probability ~ weight, and
-// `zeros` of them forced empty.
-std::vector<int32_t> random_sizes(int64_t total, int64_t groups, int zeros, std::mt19937& rng) {
-  std::vector<int32_t> sizes(static_cast<size_t>(groups), 0);
-  std::uniform_int_distribution<int64_t> pick(0, groups - 1);
-  std::vector<bool> empty(static_cast<size_t>(groups), false);
-  for (int i = 0; i < zeros && i < groups - 1; ++i) empty[static_cast<size_t>(pick(rng))] = true;
-  for (int64_t i = 0; i < total; ++i) {
-    int64_t g = pick(rng);
-    while (empty[static_cast<size_t>(g)]) g = (g + 1) % groups;
-    ++sizes[static_cast<size_t>(g)];
-  }
-  return sizes;
-}
 
 // src of m rows into `tokens` tokens; with `bad` > 0, about one row in `bad` is out of
 // range (negative, T, or far past it).
@@ -151,30 +136,7 @@ struct Device {
   char* workspace = nullptr;
 };
 
-template <class T>
-T* device_copy(const std::vector<T>& host) {
-  T* d = nullptr;
-  CHECK_CUDA(cudaMalloc(&d, std::max<size_t>(host.size(), 1) * sizeof(T)));
-  if (!host.empty()) CHECK_CUDA(cudaMemcpy(d, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
-  return d;
-}
-
-std::vector<__nv_bfloat16> random_bf16(int64_t count, float scale, std::mt19937& rng) {
-  std::uniform_real_distribution<float> u(-scale, scale);
-  std::vector<__nv_bfloat16> v(static_cast<size_t>(count));
-  for (auto& e : v) e = __float2bfloat16(u(rng));
-  return v;
-}
-
-struct Runner {
-  cudaStream_t stream = nullptr;
-  int checks = 0, failures = 0;
-
-  void fail(const std::string& what) {
-    ++failures;
-    std::printf("  FAIL %s\n", what.c_str());
-  }
-
+struct Runner : gather_selftest::RunnerBase {
   // Compares out (NaN-poisoned before the call, guarded by canaries) with the reference of
   // (src, sizes) already in d.src / d.sizes; "" when it passes.
   std::string compare(const Case& cs, const Device& d, DType out_dtype,
@@ -190,27 +152,14 @@ struct Runner {
     std::vector<double> ref(static_cast<size_t>(mn));
     CHECK_CUDA(cudaMemcpy(ref.data(), d.ref, ref.size() * sizeof(double), cudaMemcpyDeviceToHost));
     const size_t out_bytes = static_cast<size_t>(mn) * dtype_bytes(out_dtype);
-    std::vector<char> block(out_bytes + 2 * kGuardBytes);
-    CHECK_CUDA(cudaMemcpy(block.data(), d.out_block, block.size(), cudaMemcpyDeviceToHost));
-    for (size_t i = 0; i < kGuardBytes; i += 4) {
-      uint32_t before, after;
-      std::memcpy(&before, block.data() + i, 4);
-      std::memcpy(&after, block.data() + kGuardBytes + out_bytes + i, 4);
-      if (before != kCanary || after != kCanary) return "canary overwritten";
-    }
+    std::vector<char> block;
+    if (!gather_selftest::read_block(d.out_block, out_bytes, &block)) return "canary overwritten";
     const char* out = block.data() + kGuardBytes;
     double max_ref = 0;
     for (double v : ref) max_ref = std::max(max_ref, std::fabs(v));
     const double tol = (out_dtype == DType::kF32 ? 1e-4 : 1e-2) * std::max(max_ref, 1e-30);
     for (int64_t i = 0; i < mn; ++i) {
-      float o;
-      if (out_dtype == DType::kF32) {
-        std::memcpy(&o, out + i * 4, 4);
-      } else {
-        __nv_bfloat16 b;
-        std::memcpy(&b, out + i * 2, 2);
-        o = __bfloat162float(b);
-      }
+      const float o = gather_selftest::out_element(out, i, out_dtype);
       const int64_t r = i / cs.n;
       const int32_t s = src[static_cast<size_t>(r)];
       const bool zero_row = group[static_cast<size_t>(r)] < 0 || s < 0 || s >= cs.tokens;
@@ -226,11 +175,7 @@ struct Runner {
 
   void poison(const Case& cs, const Device& d, DType out_dtype) {
     const size_t out_bytes = static_cast<size_t>(cs.m * cs.n) * dtype_bytes(out_dtype);
-    std::vector<uint32_t> guard(kGuardBytes / 4, kCanary);
-    CHECK_CUDA(cudaMemcpy(d.out_block, guard.data(), kGuardBytes, cudaMemcpyHostToDevice));
-    CHECK_CUDA(cudaMemcpy(d.out_block + kGuardBytes + out_bytes, guard.data(), kGuardBytes,
-                          cudaMemcpyHostToDevice));
-    CHECK_CUDA(cudaMemset(d.out_block + kGuardBytes, 0xFF, out_bytes));  // NaN in bf16 and f32
+    gather_selftest::poison(d.out_block, out_bytes);
   }
 
   void run_case(const Case& cs, DType out_dtype, std::mt19937& rng) {
@@ -279,27 +224,17 @@ struct Runner {
     // The same call captured into a graph, replayed after the sizes and src changed.
     if (error.empty()) {
       poison(cs, d, out_dtype);
-      cudaGraph_t graph;
-      cudaGraphExec_t exec;
-      CHECK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-      const moe_xla::Status captured = moe_xla::cuda::gather_gemm(p, workspace, ws_bytes, stream);
-      CHECK_CUDA(cudaStreamEndCapture(stream, &graph));
-      if (!captured.ok()) {
-        error = "captured gather_gemm: " + captured.message();
-      } else {
-        std::vector<int32_t> sizes = cs.sizes;
-        std::reverse(sizes.begin(), sizes.end());
-        const std::vector<int32_t> src = random_src(cs.m, cs.tokens, 9, rng);
-        CHECK_CUDA(cudaMemcpy(d.sizes, sizes.data(), sizes.size() * 4, cudaMemcpyHostToDevice));
-        CHECK_CUDA(cudaMemcpy(d.src, src.data(), src.size() * 4, cudaMemcpyHostToDevice));
-        CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
-        CHECK_CUDA(cudaGraphLaunch(exec, stream));
-        CHECK_CUDA(cudaStreamSynchronize(stream));
-        error = compare(cs, d, out_dtype, src, sizes);
-        if (!error.empty()) error = "graph replay: " + error;
-        CHECK_CUDA(cudaGraphExecDestroy(exec));
-      }
-      CHECK_CUDA(cudaGraphDestroy(graph));
+      std::vector<int32_t> sizes, src;
+      error = gather_selftest::replay_in_graph(
+          stream, "gather_gemm", [&] { return moe_xla::cuda::gather_gemm(p, workspace, ws_bytes, stream); },
+          [&] {  // the sizes reversed, a new src
+            sizes = cs.sizes;
+            std::reverse(sizes.begin(), sizes.end());
+            src = random_src(cs.m, cs.tokens, 9, rng);
+            CHECK_CUDA(cudaMemcpy(d.sizes, sizes.data(), sizes.size() * 4, cudaMemcpyHostToDevice));
+            CHECK_CUDA(cudaMemcpy(d.src, src.data(), src.size() * 4, cudaMemcpyHostToDevice));
+          },
+          [&] { return compare(cs, d, out_dtype, src, sizes); });
     }
     std::printf(" %s\n", error.empty() ? "ok" : "FAIL");
     if (!error.empty()) fail(cs.name + ": " + error);
@@ -312,7 +247,7 @@ struct Runner {
   }
 
   // K or N not a multiple of 8 must be refused before anything is enqueued.
-  void check_rejects_unaligned_shapes() {
+  void check_rejects() {
     for (const auto& kn : {std::pair<int64_t, int64_t>{12, 64}, std::pair<int64_t, int64_t>{64, 60}}) {
       ++checks;
       GatherGemmParams p{};
@@ -334,22 +269,5 @@ struct Runner {
 }  // namespace
 
 int main() {
-  exit_if_no_cuda_device("gather_gemm_selftest");
-  const moe_xla::Status device =
-      moe_xla::cuda::require_device(moe_xla::cuda::DeviceSupport::kFull, "gather_gemm");
-  if (!device.ok()) {
-    std::printf("gather_gemm_selftest: SKIPPED, %s\n", device.message().c_str());
-    return 0;
-  }
-  Runner runner;
-  CHECK_CUDA(cudaStreamCreateWithFlags(&runner.stream, cudaStreamNonBlocking));
-  std::mt19937 rng(20240719);
-  for (const Case& cs : make_cases(rng)) {
-    for (DType out : {DType::kBF16, DType::kF32}) runner.run_case(cs, out, rng);
-  }
-  runner.check_rejects_unaligned_shapes();
-  CHECK_CUDA(cudaStreamDestroy(runner.stream));
-  std::printf("%s: %d of %d checks failed\n", runner.failures ? "FAIL" : "PASS", runner.failures,
-              runner.checks);
-  return runner.failures ? 1 : 0;
+  return gather_selftest::selftest_main<Runner>("gather_gemm_selftest", "gather_gemm", 20240719, make_cases);
 }
