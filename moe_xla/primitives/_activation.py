@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 GATED = {"swiglu": jax.nn.silu, "geglu": lambda g: jax.nn.gelu(g, approximate=True)}
 PLAIN = {"gelu": lambda h: jax.nn.gelu(h, approximate=True), "silu": jax.nn.silu, "relu": jax.nn.relu}
+# In the order of their FFI attribute value (Activation in common/expert_activation.h).
 ACTIVATIONS = tuple(GATED) + tuple(PLAIN)
 
 

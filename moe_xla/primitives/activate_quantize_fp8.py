@@ -33,10 +33,8 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching
 
 from moe_xla.primitives import _batching, _checks, _fp8, _impl, _lowering, _sharding
+from moe_xla.primitives._activation import ACTIVATIONS, GATED
 
-# The activations by their attribute value (common/expert_activation.h); the first two are gated.
-ACTIVATIONS = ("swiglu", "geglu", "gelu", "silu", "relu")
-GATED = ACTIVATIONS[:2]
 
 activate_quantize_fp8_p = Primitive("moe_xla_activate_quantize_fp8")
 activate_quantize_fp8_p.multiple_results = True

@@ -32,8 +32,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching
 
 from moe_xla.primitives import _batching, _checks, _impl, _lowering, _sharding
-from moe_xla.primitives._activation import weighted_tangent
-from moe_xla.primitives.activate_quantize_fp8 import ACTIVATIONS, GATED
+from moe_xla.primitives._activation import ACTIVATIONS, GATED, weighted_tangent
 
 OP = "activate_weighted_grad"
 

@@ -22,8 +22,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from moe_xla.primitives import _batching, _checks, _impl
-from moe_xla.primitives._activation import weighted_tangent
-from moe_xla.primitives.activate_quantize_fp8 import GATED
+from moe_xla.primitives._activation import GATED, weighted_tangent
 from moe_xla.primitives.activate_weighted_grad import activate_weighted_grad
 
 OP = "activate_weighted_tangent"
