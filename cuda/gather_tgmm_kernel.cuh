@@ -17,15 +17,20 @@
 // Both operands are MN-major in shared memory (the contiguous dimension of x rows and dy
 // rows is the GEMM's M resp. N; bf16 wgmma takes transposed operands from shared memory),
 // 128-byte swizzled, in a 4-stage pipeline between three warp groups:
-//   - warp group 0, the producer: per step of 64 rows, its 128 threads copy the B tile
-//     dy[r, n0:n0+256] (each thread one 16-byte chunk of 16 rows) and the A tile
-//     x[src[r], k0:k0+128] (one chunk of 8 rows, their src read per step) with cp.async.
-//     Chunks are zero-filled, reading nothing, for rows at or past the group's end (for
-//     both operands: a zero row of A alone would turn an inf or NaN in the next group's
-//     dy row into NaN, 0 * inf), for A rows whose src lies outside [0, T) (the zero row of
-//     the contract, times the row of dy as the contract says) and for columns past K or N.
+//   - warp group 0, the producer: per step of 64 rows, its 128 threads copy the A tile
+//     x[src[r], k0:k0+128] (each thread one 16-byte chunk of 8 rows, their src read per
+//     step) with cp.async, and the B tile dy[r, n0:n0+256]: for a step of 64 rows inside
+//     the group, thread 0 loads it with four TMA boxes of 64 rows x 64 columns (dy's rows
+//     are contiguous: only x needs a gather); for the group's last, partial step every
+//     thread copies its chunks of 16 rows with cp.async. Chunks are zero-filled, reading
+//     nothing, for rows at or past the group's end (for both operands: a zero row of A
+//     alone would turn an inf or NaN in the next group's dy row into NaN, 0 * inf; TMA
+//     cannot stop at a group's end, hence the cp.async tail), for A rows whose src lies
+//     outside [0, T) (the zero row of the contract, times the row of dy as the contract
+//     says) and for columns past K or N (TMA zero-fills those itself).
 //     A stage is full once every producer thread's copies into it have landed
-//     (cp.async.mbarrier.arrive.noinc: 128 arrivals).
+//     (cp.async.mbarrier.arrive.noinc: 128 arrivals), thread 0 has arrived, and the TMA
+//     bytes it announced for the stage, if any, have landed.
 //   - warp groups 1 and 2, the consumers: each multiplies its 64 rows of the block (64
 //     columns of x) by the B tile with wgmma (m64n256k16, f32 accumulators in registers),
 //     keeping one batch in flight (wgmma_stages), then stores its rows of the block
@@ -42,6 +47,8 @@
 
 #include "cute/tensor.hpp"  // first: the atoms below rely on its declarations
 #include "cute/algorithm/gemm.hpp"
+#include "cute/arch/copy_sm90_tma.hpp"
+#include "cute/atom/copy_traits_sm90_tma.hpp"
 #include "cute/atom/mma_atom.hpp"
 #include "cutlass/arch/barrier.h"
 #include "cutlass/arch/reg_reconfig.h"
@@ -69,12 +76,16 @@ struct GatherTgmmTraits {
   static constexpr int kProducerThreads = 128;
   static constexpr int kConsumerThreads = 256;
   static constexpr int kThreads = kProducerThreads + kConsumerThreads;
-  // Registers per thread after the producer gives some up (setmaxnreg); together within
-  // the register file of one SM: 128 * 64 + 256 * 216 = 63488 <= 65536. With 56 for the
-  // producer ptxas spills in its copy loop (12 bytes; 88 with 40); at 64 nothing spills,
-  // and the consumers (128 accumulators) compile without spills down to 208.
-  static constexpr int kProducerRegisters = 64;
+  // Registers per thread after the producer gives some up (setmaxnreg). The consumers'
+  // increase waits for registers the producer has freed, so both together must fit in what
+  // the CTA was launched with, 384 threads x 168 (the most __launch_bounds__(384, 1)
+  // allows): 128 * 72 + 256 * 216 = 64512 (more for the producer deadlocks at launch). The
+  // producer holds the addresses of its next step's copies; the consumers (128
+  // accumulators) compile without spills down to 208.
+  static constexpr int kProducerRegisters = 72;
   static constexpr int kConsumerRegisters = 216;
+  static_assert(kProducerThreads * kProducerRegisters + kConsumerThreads * kConsumerRegisters <=
+                    kThreads * 168, "setmaxnreg within the launch's registers");
 
   // The producer's copies: 16-byte chunks (8 bf16) along a row. For an operand `cols`
   // columns wide, thread t copies chunk t % (cols / 8) of the step's rows
@@ -116,14 +127,38 @@ struct GatherTgmmTraits {
       cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>{}));
   static_assert(cute::size(TiledMma{}) == kConsumerThreads, "two consumer warp groups");
 
-  using Pipeline = cutlass::PipelineAsync<kStages>;
+  // One TMA box of B: 64 columns of dy (one swizzle atom wide) by the step's rows, which
+  // is one contiguous 8 KiB slice of a stage of SmemLayoutB; kTileN / 64 boxes per stage.
+  static constexpr int kBoxCols = 64;
+  static constexpr int kBoxesB = kTileN / kBoxCols;
+  static constexpr uint32_t kBoxBytesB = kBoxCols * kTileK * kElementBytes;
+  using SmemLayoutBoxB = decltype(cute::tile_to_shape(
+      cute::GMMA::Layout_MN_SW128_Atom<Element>{},
+      cute::make_shape(cute::Int<kBoxCols>{}, cute::Int<kTileK>{})));
+  static_assert(kTileN % kBoxCols == 0 && kBoxBytesB * kBoxesB == kStageBytesB, "whole boxes");
+
+  // Transaction bytes are announced per stage (only full steps load by TMA).
+  using Pipeline = cutlass::PipelineTmaAsync<kStages>;
   using PipelineState = typename Pipeline::PipelineState;
 
   using SharedStorage = WgmmaSharedStorage<Element, SmemLayoutA, SmemLayoutB, Pipeline>;
 };
 
+// The TMA load of B boxes from dy viewed as (N, M): N contiguous; a box is kBoxCols
+// columns by kTileK rows, coordinates (column, row).
+inline auto make_gather_tgmm_tma_dy(const GatherTgmmTraits::Element* dy, int32_t n, int32_t m) {
+  using T = GatherTgmmTraits;
+  auto tensor = cute::make_tensor(cute::make_gmem_ptr(dy), cute::make_shape(n, m),
+                                  cute::make_stride(cute::_1{}, int64_t{n}));
+  return cute::make_tma_copy(cute::SM90_TMA_LOAD{}, tensor, T::SmemLayoutBoxB{},
+                             cute::make_shape(cute::Int<T::kBoxCols>{}, cute::Int<T::kTileK>{}),
+                             cute::Int<1>{});
+}
+using GatherTgmmTmaDy = decltype(make_gather_tgmm_tma_dy(nullptr, 0, 0));
+
 template <class Out>
 struct GatherTgmmKernelParams {
+  GatherTgmmTmaDy tma_dy;
   const char* x;   // [tokens, k] bf16, addressed in bytes by the cp.async copies
   const char* dy;  // [m, n] bf16, likewise
   const int32_t* src;
@@ -158,7 +193,57 @@ __device__ __forceinline__ GatherTgmmUnit gather_tgmm_unit(const GatherTgmmKerne
   return u;
 }
 
-// Warp group 0 (see the header comment).
+// A place in the producer's walk over this CTA's work: step `step` of unit `unit` (whose
+// description is u); unit >= p.units once the walk is over.
+struct GatherTgmmPosition {
+  int64_t unit;
+  GatherTgmmUnit u;
+  int64_t step;
+};
+
+// The first step of this CTA's first unit at or after `unit` that has steps (units of
+// empty groups load nothing).
+template <class Out>
+__device__ __forceinline__ GatherTgmmPosition gather_tgmm_seek(const GatherTgmmKernelParams<Out>& p,
+                                                               int64_t unit) {
+  GatherTgmmPosition pos;
+  pos.step = 0;
+  for (pos.unit = unit; pos.unit < p.units; pos.unit += gridDim.x) {
+    pos.u = gather_tgmm_unit(p, pos.unit);
+    if (pos.u.steps > 0) break;
+  }
+  return pos;
+}
+
+template <class Out>
+__device__ __forceinline__ GatherTgmmPosition gather_tgmm_next(const GatherTgmmKernelParams<Out>& p,
+                                                               GatherTgmmPosition pos) {
+  if (pos.step + 1 < pos.u.steps) {
+    ++pos.step;
+    return pos;
+  }
+  return gather_tgmm_seek(p, pos.unit + gridDim.x);
+}
+
+// The src entries of a producer thread's A rows at `pos` (rows first_row + 8 i of the
+// step), -1 for rows past the group's end. Nothing here uses the loaded values: the loads
+// stay in flight until the step is issued (a use would wait for them at once).
+template <class Out>
+__device__ __forceinline__ void gather_tgmm_src(const GatherTgmmKernelParams<Out>& p,
+                                                const GatherTgmmPosition& pos, int first_row,
+                                                int32_t (&src)[GatherTgmmTraits::kPassesA]) {
+  using T = GatherTgmmTraits;
+  const int32_t row0 = pos.u.start + static_cast<int32_t>(pos.step) * T::kTileK;
+  CUTLASS_PRAGMA_UNROLL
+  for (int i = 0; i < T::kPassesA; ++i) {
+    const int32_t row = row0 + first_row + i * T::kRowsPerPassA;
+    src[i] = row < pos.u.end ? __ldg(p.src + row) : -1;
+  }
+}
+
+// Warp group 0 (see the header comment). The src entries of a step are read one step
+// ahead, so that their latency passes while the step before is issued and its stage
+// awaited, instead of stalling the producer every step.
 template <class Out>
 __device__ __forceinline__ void gather_tgmm_produce(const GatherTgmmKernelParams<Out>& p,
                                                     typename GatherTgmmTraits::SharedStorage& smem,
@@ -167,49 +252,80 @@ __device__ __forceinline__ void gather_tgmm_produce(const GatherTgmmKernelParams
   const int thread = threadIdx.x;  // 0 .. kProducerThreads - 1
   const int chunk_a = thread % T::kChunksA, first_row_a = thread / T::kChunksA;
   const int chunk_b = thread % T::kChunksB, first_row_b = thread / T::kChunksB;
-  const uint32_t smem_a = cute::cast_smem_ptr_to_uint(smem.a.data());
+  // The rows of a thread's A chunks are 8 apart: the same swizzle, 8 rows of 128 bytes on.
+  static_assert(T::kRowsPerPassA % 8 == 0, "one swizzle phase per thread");
+  const uint32_t offset_a = cute::cast_smem_ptr_to_uint(smem.a.data()) + T::chunk_offset(chunk_a, first_row_a);
   const uint32_t smem_b = cute::cast_smem_ptr_to_uint(smem.b.data());
 
+  const bool tma_leader = thread == 0;
+  const void* tma_dy = p.tma_dy.get_tma_descriptor();
+  if (tma_leader) cute::prefetch_tma_descriptor(p.tma_dy.get_tma_descriptor());
+
   typename T::PipelineState write = cutlass::make_producer_start_state<typename T::Pipeline>();
-  for (int64_t unit = blockIdx.x; unit < p.units; unit += gridDim.x) {
-    const GatherTgmmUnit u = gather_tgmm_unit(p, unit);
-    // k and n are multiples of 8: a chunk is wholly inside or outside its row.
-    const int32_t col_a = u.k_tile * T::kTileM + chunk_a * T::kChunkElems;
-    const int32_t col_b = u.n_tile * T::kTileN + chunk_b * T::kChunkElems;
-    const bool col_a_in = col_a < p.k, col_b_in = col_b < p.n;
-    for (int64_t step = 0; step < u.steps; ++step) {
-      const int32_t row0 = u.start + static_cast<int32_t>(step) * T::kTileK;  // < end <= m
-      // The source tokens of this thread's A rows, -1 where there is none; loaded before
-      // waiting for the stage so that the wait and the B copies hide their latency.
-      int32_t token[T::kPassesA];
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < T::kPassesA; ++i) {
-        const int32_t row = row0 + first_row_a + i * T::kRowsPerPassA;
-        token[i] = row < u.end ? __ldg(p.src + row) : -1;
+  // Issues the copies of step `at` into the next stage, with its src entries `src`.
+  auto issue = [&](const GatherTgmmPosition& at, const int32_t (&src)[T::kPassesA]) {
+    const GatherTgmmUnit& u = at.u;
+    const int32_t row0 = u.start + static_cast<int32_t>(at.step) * T::kTileK;  // < end <= m
+    pipeline.producer_acquire(write);  // thread 0 arrives, announcing no bytes yet
+    const int stage = write.index();
+    if (row0 + T::kTileK <= u.end) {
+      if (tma_leader) {
+        // Announced before thread 0's cp.async arrival below, which the stage also waits
+        // for: the phase cannot complete before it knows these bytes.
+        pipeline.producer_expect_transaction(write, T::kStageBytesB);
+        uint64_t* barrier = pipeline.producer_get_barrier(write);
+        CUTLASS_PRAGMA_UNROLL
+        for (int box = 0; box < T::kBoxesB; ++box) {
+          cute::SM90_TMA_LOAD_2D::copy(
+              tma_dy, barrier, static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_NORMAL),
+              smem.b.data() + stage * (T::kStageBytesB / T::kElementBytes) +
+                  box * (T::kBoxBytesB / T::kElementBytes),
+              u.n_tile * T::kTileN + box * T::kBoxCols, row0);
+        }
       }
-      pipeline.producer_acquire(write);
-      const int stage = write.index();
+    } else {
+      // n % 8 == 0: a chunk is wholly inside or outside its row.
+      const int32_t col_b = u.n_tile * T::kTileN + chunk_b * T::kChunkElems;
       const uint32_t stage_b = smem_b + stage * T::kStageBytesB;
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < T::kPassesB; ++i) {
         const int r = first_row_b + i * T::kRowsPerPassB;
-        const bool in = col_b_in && row0 + r < u.end;
-        const char* from =
+        const bool in = col_b < p.n && row0 + r < u.end;
+        const char* from_b =
             in ? p.dy + (static_cast<int64_t>(row0 + r) * p.n + col_b) * T::kElementBytes : p.dy;
-        cp_async_16_zfill(stage_b + T::chunk_offset(chunk_b, r), from, in ? 16u : 0u);
+        cp_async_16_zfill(stage_b + T::chunk_offset(chunk_b, r), from_b, in ? 16u : 0u);
       }
-      const uint32_t stage_a = smem_a + stage * T::kStageBytesA;
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < T::kPassesA; ++i) {
-        const int r = first_row_a + i * T::kRowsPerPassA;
-        const bool in = col_a_in && token[i] >= 0 && token[i] < p.tokens;
-        const char* from =
-            in ? p.x + (static_cast<int64_t>(token[i]) * p.k + col_a) * T::kElementBytes : p.x;
-        cp_async_16_zfill(stage_a + T::chunk_offset(chunk_a, r), from, in ? 16u : 0u);
-      }
-      cutlass::arch::cpasync_barrier_arrive_noinc(pipeline.producer_get_barrier(write));
-      ++write;
     }
+    // Chunks read nothing for rows past the group's end, src outside [0, T) and columns
+    // past K (k % 8 == 0: a chunk is wholly inside or outside its row).
+    const int32_t col_a = u.k_tile * T::kTileM + chunk_a * T::kChunkElems;
+    const bool col_a_in = col_a < p.k;
+    const uint32_t stage_a = offset_a + stage * T::kStageBytesA;
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < T::kPassesA; ++i) {
+      const bool in = col_a_in && src[i] >= 0 && src[i] < p.tokens;
+      const char* from = in ? p.x + (static_cast<int64_t>(src[i]) * p.k + col_a) * T::kElementBytes : p.x;
+      cp_async_16_zfill(stage_a + i * (T::kRowsPerPassA * 128), from, in ? 16u : 0u);
+    }
+    cutlass::arch::cpasync_barrier_arrive_noinc(pipeline.producer_get_barrier(write));
+    ++write;
+  };
+
+  // Two sets of src registers used in turn: a set loaded for the next step is not touched
+  // (not even copied) until that step is issued.
+  int32_t src_a[T::kPassesA], src_b[T::kPassesA];
+  GatherTgmmPosition pos = gather_tgmm_seek(p, blockIdx.x);
+  if (pos.unit < p.units) gather_tgmm_src(p, pos, first_row_a, src_a);
+  while (pos.unit < p.units) {
+    GatherTgmmPosition next = gather_tgmm_next(p, pos);
+    if (next.unit < p.units) gather_tgmm_src(p, next, first_row_a, src_b);
+    issue(pos, src_a);
+    pos = next;
+    if (pos.unit >= p.units) break;
+    next = gather_tgmm_next(p, pos);
+    if (next.unit < p.units) gather_tgmm_src(p, next, first_row_a, src_a);
+    issue(pos, src_b);
+    pos = next;
   }
   // Stay until the consumers have freed every stage: this warp group's last copies have
   // landed and been read before it exits.
@@ -251,11 +367,13 @@ __global__ void __launch_bounds__(GatherTgmmTraits::kThreads, 1)
   const bool producer = cutlass::canonical_warp_group_idx() == 0;
 
   typename T::Pipeline::Params params;
+  params.transaction_bytes = 0;  // announced per stage by the producer
   params.role = producer ? T::Pipeline::ThreadCategory::Producer
                          : T::Pipeline::ThreadCategory::Consumer;
-  params.producer_arv_count = T::kProducerThreads;  // one cp.async arrival per producer thread
-  params.consumer_arv_count = T::kConsumerThreads;  // every consumer thread releases
-  typename T::Pipeline pipeline(smem.pipeline, params);
+  params.is_leader = threadIdx.x == 0;
+  params.num_consumers = T::kConsumerThreads;
+  params.num_producers = T::kProducerThreads + 1;  // cp.async arrivals + the TMA leader
+  typename T::Pipeline pipeline(smem.pipeline, params, cute::Shape<cute::_1, cute::_1, cute::_1>{});
   __syncthreads();  // barriers initialised before any thread uses them
 
   if (producer) {
@@ -274,6 +392,8 @@ Status gather_tgmm_kernel_run(const GatherTgmmLaunch& launch) {
   using Out = typename OutElement<kOut>::type;
   const GatherTgmmParams& p = *launch.params;
   GatherTgmmKernelParams<Out> kp;
+  kp.tma_dy = make_gather_tgmm_tma_dy(static_cast<const T::Element*>(p.dy),
+                                      static_cast<int32_t>(p.n), static_cast<int32_t>(p.m));
   // A zero-filled copy reads nothing but still names an address: x's base, or dy's when
   // there are no tokens (x may then be null, and every A row is zero).
   kp.x = static_cast<const char*>(p.tokens > 0 ? p.x : p.dy);
