@@ -142,13 +142,18 @@ def test_grads_match_vjp_of_decomposition(rng, dtype, with_slots, transpose_rhs)
 
 
 @pytest.mark.parametrize("transpose_rhs", [False, True], ids=["w_kn", "w_nk"])
+@pytest.mark.parametrize("k,n", [(16, 24), (16, 16)], ids=["k16n24", "square"])
 @pytest.mark.parametrize("gs", [[30, 0, 45, 20], [0, 0, 0, 0], [200, 5, 0, 1]], ids=["sum_below_m", "empty", "clamped"])
-def test_grads_match_einsum(rng, gs, transpose_rhs):
-    # Against a formulation that shares no code with gmm, gather_rows or the reference.
-    t, m, k, n = 40, 120, 16, 24
+def test_grads_match_einsum(rng, gs, k, n, transpose_rhs):
+    # Against a formulation that shares no code with gmm, gather_rows or the reference. K = N
+    # too: there a w taken in the wrong layout has the right shape and only values tell.
+    t, m = 40, 120
     x, w = normal(rng, (t, k), jnp.float32), normal(rng, _w_shape(4, k, n, transpose_rhs), jnp.float32)
     src, gs = _src(rng, t, m), jnp.array(gs, jnp.int32)
     weights = normal(rng, (m, n), jnp.float32)
+    np.testing.assert_allclose(np.asarray(jax.jit(moe_xla.gather_gmm, static_argnames="transpose_rhs")(
+        x, src, w, gs, transpose_rhs=transpose_rhs)), np.asarray(_einsum_gather_gmm(x, src, w, gs, transpose_rhs)),
+        rtol=1e-5, atol=1e-5)
     ours = _loss_grads(lambda x, w: moe_xla.gather_gmm(x, src, w, gs, transpose_rhs=transpose_rhs), x, w, weights)
     ref = _loss_grads(lambda x, w: _einsum_gather_gmm(x, src, w, gs, transpose_rhs), x, w, weights)
     for o, r in zip(ours, ref):
