@@ -12,10 +12,10 @@ dy[token(r)] @ w_out[e]^T with w_out [E, F, H] read as it is stored.
 
 Where it runs: on CUDA the kernel of cuda/gather_gemm.h when it supports the case, decided
 when lowering from the shapes and dtypes (kernel_supports: bf16 x and w, bf16 or float32
-out, K and N multiples of 8; either layout of w) and the local GPUs (Hopper, compute capability 9.0; with no
-local GPU the kernel is assumed and its handler checks the device). Everywhere else (CPU,
-other GPUs, other cases) it lowers to its decomposition, gather_rows + the gmm primitive, so
-every platform computes the same contract.
+out, K and N multiples of 8; either layout of w) and the local GPUs (Hopper, compute
+capability 9.0; with no local GPU the kernel is assumed and its handler checks the device).
+Everywhere else (CPU, other GPUs, other cases) it lowers to its decomposition, gather_rows +
+the gmm primitive (with transpose_rhs), so every platform computes the same contract.
 
 gather_gmm is bilinear in (x, w):
     d w = gather_tgmm(x, src, ct, group_sizes)   (= tgmm(gather_rows(x, src), ct)), [G, K, N];
