@@ -1,6 +1,6 @@
 // Dispatcher of the gather grouped GEMM: validation, device check, workspace layout and
 // the two prep kernels that turn the group sizes into the table of row tiles the GEMM
-// kernel (gather_gemm_kernel.cuh, one compilation per output dtype) walks.
+// kernel (gather_gemm_kernel.cuh, one compilation per output dtype and layout of w) walks.
 #include "cuda/gather_gemm.h"
 
 #include <cuda_runtime.h>
@@ -103,24 +103,47 @@ __global__ void __launch_bounds__(kFillThreads)
   detail::zero_rows_from(out, c.covered, m, row_vecs);
 }
 
-// The compiled kernels, one per output dtype of the instance table in cuda/BUILD.bazel.
-using KernelInstance = detail::OutDtypeInstance<detail::GatherGemmLaunch>;
+// One compiled kernel: its output dtype, the layout of w (kGmm: [G, K, N];
+// kGmmTransposed: [G, N, K]) and its launcher.
+struct KernelInstance {
+  DType out_dtype;
+  GroupedLayout layout;
+  Status (*run)(const detail::GatherGemmLaunch& launch);
+};
 
-#define MOE_XLA_CUTLASS_INSTANCE(OUT_DTYPE) \
-  KernelInstance{DType::OUT_DTYPE, &detail::gather_gemm_kernel_run<DType::OUT_DTYPE>},
+#define MOE_XLA_CUTLASS_INSTANCE(OUT_DTYPE, LAYOUT)            \
+  KernelInstance{DType::OUT_DTYPE, GroupedLayout::LAYOUT,      \
+                 &detail::gather_gemm_kernel_run<DType::OUT_DTYPE, GroupedLayout::LAYOUT>},
 
+// The compiled kernels, one per (output dtype, layout) of the instance table in
+// cuda/BUILD.bazel.
 constexpr KernelInstance kKernelInstances[] = {
-// One MOE_XLA_CUTLASS_INSTANCE(out dtype) line per entry of the table, written by the
-// build (cutlass_instances in bazel/cuda.bzl).
+// One MOE_XLA_CUTLASS_INSTANCE(out dtype, layout) line per entry of the table, written by
+// the build (cutlass_instances in bazel/cuda.bzl).
 #include "cuda/gather_gemm_kernels.inc"
 };
 #undef MOE_XLA_CUTLASS_INSTANCE
 
+// The layout of w that p names.
+GroupedLayout w_layout(const GatherGemmParams& p) {
+  return p.transpose_w ? GroupedLayout::kGmmTransposed : GroupedLayout::kGmm;
+}
+
+// The kernel for p's output dtype and layout of w, or null.
+const KernelInstance* find_instance(const GatherGemmParams& p) {
+  for (const KernelInstance& inst : kKernelInstances) {
+    if (inst.out_dtype == p.out_dtype && inst.layout == w_layout(p)) return &inst;
+  }
+  return nullptr;
+}
+
 // Shape and dtype errors that need no device: ok or an InvalidArgument naming the field.
-// (Both output dtypes of the checks have an instance.)
+// (Both output dtypes of the checks have an instance in both layouts.) K is the row length
+// of x, and of w when transposed ([G, N, K]); N that of out, and of w otherwise.
 Status validate(const GatherGemmParams& p) {
   return detail::validate_gather("gather_gemm", "x and w", p.in_dtype, p.out_dtype,
-                                 {p.tokens, p.m, p.k, p.n, p.num_groups}, "x", "w and out");
+                                 {p.tokens, p.m, p.k, p.n, p.num_groups},
+                                 p.transpose_w ? "x and w" : "x", p.transpose_w ? "out" : "w and out");
 }
 
 }  // namespace
@@ -179,7 +202,7 @@ Status gather_gemm(const GatherGemmParams& p, void* workspace, size_t workspace_
   MOE_XLA_RETURN_IF_CUDA_ERROR(cudaGetLastError());  // launch of the row-tile table
 
   const detail::GatherGemmLaunch launch{&p, row_tiles, count, max_row_tiles(p), sm_count, stream};
-  return detail::find_instance(kKernelInstances, p.out_dtype)->run(launch).With("gather_gemm");
+  return find_instance(p)->run(launch).With("gather_gemm");
 }
 
 }  // namespace cuda

@@ -5,7 +5,8 @@
 // Hopper only (compute capability 9.0): a warp-specialised persistent kernel whose
 // producer warps gather A rows with cp.async and load B tiles with TMA, and whose consumer
 // warp groups multiply them with wgmma (cuda/gather_gemm_kernel.cuh). bf16 x and w,
-// float32 accumulation, bf16 or f32 output.
+// float32 accumulation, bf16 or f32 output; w [G, K, N], or [G, N, K] with transpose_w
+// (the same kernel with a K-major B operand).
 //
 // Requirements, each an InvalidArgument error when not met: K and N multiples of 8 (rows
 // of x and w of whole 16-byte chunks, as cp.async and TMA read them); x, w and out 16-byte

@@ -1,5 +1,5 @@
 // Internal interface between the gather GEMM's dispatcher (gather_gemm.cu) and its Hopper
-// kernel (gather_gemm_kernel.cuh, compiled once per output dtype by
+// kernel (gather_gemm_kernel.cuh, compiled once per output dtype and layout of w by
 // gather_gemm_instance.cu). Not part of the API.
 #ifndef MOE_XLA_CUDA_GATHER_GEMM_INTERNAL_H_
 #define MOE_XLA_CUDA_GATHER_GEMM_INTERNAL_H_
@@ -45,10 +45,11 @@ struct GatherGemmLaunch {
   cudaStream_t stream;
 };
 
-// Enqueues the GEMM kernel (gather_gemm_kernel.cuh) with `kOut` output, after the prep
+// Enqueues the GEMM kernel (gather_gemm_kernel.cuh) with `kOut` output and w in `kLayout`
+// (kGmm: [G, K, N]; kGmmTransposed: [G, N, K], params->transpose_w), after the prep
 // kernels have written the tile table. Instantiated by gather_gemm_instance.cu for the
-// dtypes of the instance table in cuda/BUILD.bazel.
-template <DType kOut>
+// (dtype, layout) pairs of the instance table in cuda/BUILD.bazel.
+template <DType kOut, GroupedLayout kLayout>
 Status gather_gemm_kernel_run(const GatherGemmLaunch& launch);
 
 }  // namespace detail

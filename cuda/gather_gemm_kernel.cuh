@@ -1,5 +1,7 @@
 // The Hopper kernel of the gather GEMM (common/gather_gemm.h): out[r] = x[src[r]] @ w[g]
-// for the rows of the row tiles that the prep kernels of gather_gemm.cu listed.
+// (w[g]^T with transpose_w) for the rows of the row tiles that the prep kernels of
+// gather_gemm.cu listed. One source for both layouts of w: the traits, the TMA view of w
+// and the wgmma's B operand are chosen by the template parameter kTransposedB.
 //
 // One persistent CTA per SM walks the work units u = blockIdx.x, + gridDim.x, ...; unit u
 // is row tile u / n_tiles of the table and column tile u % n_tiles, so the CTAs that run
@@ -10,8 +12,9 @@
 //     16-byte column chunk of 8 of the 128 rows, looks up their source rows once per unit
 //     and, per K step, copies its 8 chunks with cp.async (zero-filled for rows past the
 //     group, rows whose src is out of range and columns past K). Thread 0 also loads the B
-//     tile, w[g][k0:k0+64, n0:n0+256], with one TMA load from a 3-D descriptor of w as
-//     (N, K, G), so no per-group descriptor is needed and TMA zero-fills past K and N.
+//     tile, w[g][k0:k0+64, n0:n0+256] (its transpose w[g][n0:n0+256, k0:k0+64] with
+//     kTransposedB), through a 3-D TMA descriptor of all of w, so no per-group descriptor
+//     is needed and TMA zero-fills past K and N.
 //     A stage is full when the TMA bytes have landed and each producer thread's cp.asyncs
 //     have completed (cp.async.mbarrier.arrive.noinc: 128 arrivals + the TMA leader's).
 //   - warp groups 1 and 2, the consumers: each multiplies its 64 rows of the tile by the B
@@ -47,8 +50,34 @@ namespace moe_xla {
 namespace cuda {
 namespace detail {
 
+// The shared-memory layout and wgmma operand major-ness of the B tile (kTileN x kTileK of
+// one stage, 128-byte swizzle), per layout of w.
+template <bool kTransposedB>
+struct GatherGemmBLayout;
+
+// w [G, K, N], N contiguous: B is N-major. Its 64 x 8 atoms are tiled along K first, so
+// each 64-column slice of a stage is one contiguous 64 x 64 TMA box (4 TMA loads per
+// stage).
+template <>
+struct GatherGemmBLayout<false> {
+  static constexpr cute::GMMA::Major kMajor = cute::GMMA::Major::MN;
+  using Atom = cute::GMMA::Layout_MN_SW128_Atom<cutlass::bfloat16_t>;
+  using Order = cute::Step<cute::_2, cute::_1, cute::_3>;
+};
+
+// w [G, N, K], K contiguous: B is K-major, 8-row x 128-byte atoms stacked along N, so a
+// stage is one contiguous block of 256 rows of 128 bytes: one 64 (K) x 256 (N) TMA box.
+template <>
+struct GatherGemmBLayout<true> {
+  static constexpr cute::GMMA::Major kMajor = cute::GMMA::Major::K;
+  using Atom = cute::GMMA::Layout_K_SW128_Atom<cutlass::bfloat16_t>;
+  using Order = cute::Step<cute::_1, cute::_2, cute::_3>;
+};
+
+template <bool kTransposedB>
 struct GatherGemmTraits {
   using Element = cutlass::bfloat16_t;
+  using BLayout = GatherGemmBLayout<kTransposedB>;
   static constexpr int kTileM = kGatherTileM;
   static constexpr int kTileN = kGatherTileN;
   static constexpr int kTileK = 64;  // one 128-byte swizzle row of bf16
@@ -71,16 +100,14 @@ struct GatherGemmTraits {
   static constexpr int kPasses = kTileM / kRowsPerPass;
   static_assert(kPasses <= 32, "the producer's row mask is one 32-bit word");
 
-  // A: K-major (x rows), 128-byte swizzle. B: N-major (w is [K, N]), 128-byte swizzle,
-  // its 64 x 8 atoms tiled along K first, so that each 64-column slice of a stage is one
-  // contiguous 64 x 64 TMA box (4 TMA loads per stage).
+  // A: K-major (x rows), 128-byte swizzle. B: as GatherGemmBLayout says.
   using SmemLayoutA = decltype(cute::tile_to_shape(
       cute::GMMA::Layout_K_SW128_Atom<Element>{},
       cute::make_shape(cute::Int<kTileM>{}, cute::Int<kTileK>{}, cute::Int<kStages>{})));
   using SmemLayoutB = decltype(cute::tile_to_shape(
-      cute::GMMA::Layout_MN_SW128_Atom<Element>{},
+      typename BLayout::Atom{},
       cute::make_shape(cute::Int<kTileN>{}, cute::Int<kTileK>{}, cute::Int<kStages>{}),
-      cute::Step<cute::_2, cute::_1, cute::_3>{}));
+      typename BLayout::Order{}));
   // Byte offset of row m, 16-byte chunk c of one stage of SmemLayoutA: rows of 128 bytes,
   // the chunk index XORed with m mod 8 (the SW128 K-major atom of 8 rows, stacked along M).
   static constexpr uint32_t kStageBytesA = kTileM * kTileK * sizeof(Element);
@@ -91,7 +118,7 @@ struct GatherGemmTraits {
 
   // Two consumer warp groups along M, each 64 x 256.
   using TiledMma = decltype(cute::make_tiled_mma(
-      cute::SM90_64x256x16_F32BF16BF16_SS<cute::GMMA::Major::K, cute::GMMA::Major::MN>{},
+      cute::SM90_64x256x16_F32BF16BF16_SS<cute::GMMA::Major::K, BLayout::kMajor>{},
       cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>{}));
   static_assert(cute::size(TiledMma{}) == kConsumerThreads, "two consumer warp groups");
 
@@ -102,23 +129,36 @@ struct GatherGemmTraits {
   using SharedStorage = WgmmaSharedStorage<Element, SmemLayoutA, SmemLayoutB, Pipeline>;
 };
 
-// The TMA load of B tiles from w viewed as (N, K, G): N contiguous, K and group strides in
-// elements; boxes of kTileN x kTileK into one stage of SmemLayoutB.
-inline auto make_gather_tma_b(const GatherGemmTraits::Element* w, int32_t n, int32_t k,
-                              int32_t groups) {
-  using T = GatherGemmTraits;
+// The (N, K, G) strides in elements of w [G, K, N] (N contiguous) or, with kTransposedB,
+// w [G, N, K] (K contiguous).
+template <bool kTransposedB>
+auto gather_w_strides(int32_t n, int32_t k) {
+  if constexpr (kTransposedB) {
+    return cute::make_stride(int64_t{k}, cute::_1{}, int64_t{n} * k);
+  } else {
+    return cute::make_stride(cute::_1{}, int64_t{n}, int64_t{n} * k);
+  }
+}
+
+// The TMA load of B tiles from w viewed as (N, K, G) with the strides of its layout; boxes
+// of kTileN x kTileK into one stage of SmemLayoutB (one box of 64 K x 256 N when
+// transposed, four of 64 N x 64 K otherwise).
+template <bool kTransposedB>
+auto make_gather_tma_b(const cutlass::bfloat16_t* w, int32_t n, int32_t k, int32_t groups) {
+  using T = GatherGemmTraits<kTransposedB>;
   auto tensor = cute::make_tensor(cute::make_gmem_ptr(w), cute::make_shape(n, k, groups),
-                                  cute::make_stride(cute::_1{}, int64_t{n}, int64_t{n} * k));
+                                  gather_w_strides<kTransposedB>(n, k));
   return cute::make_tma_copy(cute::SM90_TMA_LOAD{}, tensor,
-                             T::SmemLayoutB{}(cute::_, cute::_, cute::Int<0>{}),
+                             typename T::SmemLayoutB{}(cute::_, cute::_, cute::Int<0>{}),
                              cute::make_shape(cute::Int<T::kTileN>{}, cute::Int<T::kTileK>{}),
                              cute::Int<1>{});
 }
-using GatherTmaB = decltype(make_gather_tma_b(nullptr, 0, 0, 0));
+template <bool kTransposedB>
+using GatherTmaB = decltype(make_gather_tma_b<kTransposedB>(nullptr, 0, 0, 0));
 
-template <class Out>
+template <bool kTransposedB, class Out>
 struct GatherGemmKernelParams {
-  GatherTmaB tma_b;
+  GatherTmaB<kTransposedB> tma_b;
   const char* x;  // [tokens, k] bf16, addressed in bytes by the cp.async gather
   const int32_t* src;
   const GatherRowTile* row_tiles;
@@ -129,13 +169,11 @@ struct GatherGemmKernelParams {
 };
 
 // Warp group 0 (see the header comment). `units` work units, this CTA's from blockIdx.x.
-template <class Out>
-__device__ __forceinline__ void gather_gemm_produce(const GatherGemmKernelParams<Out>& p,
-                                                    typename GatherGemmTraits::SharedStorage& smem,
-                                                    typename GatherGemmTraits::Pipeline& pipeline,
-                                                    int64_t units) {
+template <bool kTransposedB, class Out, class T = GatherGemmTraits<kTransposedB>>
+__device__ __forceinline__ void gather_gemm_produce(const GatherGemmKernelParams<kTransposedB, Out>& p,
+                                                    typename T::SharedStorage& smem,
+                                                    typename T::Pipeline& pipeline, int64_t units) {
   using namespace cute;
-  using T = GatherGemmTraits;
   const int thread = threadIdx.x;  // 0 .. kProducerThreads - 1
   const int chunk = thread % T::kChunksPerRow;
   const int first_row = thread / T::kChunksPerRow;
@@ -199,13 +237,11 @@ __device__ __forceinline__ void gather_gemm_produce(const GatherGemmKernelParams
 }
 
 // Warp groups 1 and 2 (see the header comment).
-template <class Out>
-__device__ __forceinline__ void gather_gemm_consume(const GatherGemmKernelParams<Out>& p,
-                                                    typename GatherGemmTraits::SharedStorage& smem,
-                                                    typename GatherGemmTraits::Pipeline& pipeline,
-                                                    int64_t units) {
+template <bool kTransposedB, class Out, class T = GatherGemmTraits<kTransposedB>>
+__device__ __forceinline__ void gather_gemm_consume(const GatherGemmKernelParams<kTransposedB, Out>& p,
+                                                    typename T::SharedStorage& smem,
+                                                    typename T::Pipeline& pipeline, int64_t units) {
   using namespace cute;
-  using T = GatherGemmTraits;
   const int thread = threadIdx.x - T::kProducerThreads;  // 0 .. kConsumerThreads - 1
   typename T::TiledMma mma;
   auto [tCrA, tCrB, accum, coord] = consumer_tensors<T>(mma, thread, smem);
@@ -220,11 +256,11 @@ __device__ __forceinline__ void gather_gemm_consume(const GatherGemmKernelParams
   }
 }
 
-template <class Out>
-__global__ void __launch_bounds__(GatherGemmTraits::kThreads, 1)
-    gather_gemm_kernel(const __grid_constant__ GatherGemmKernelParams<Out> p) {
+template <bool kTransposedB, class Out>
+__global__ void __launch_bounds__(GatherGemmTraits<kTransposedB>::kThreads, 1)
+    gather_gemm_kernel(const __grid_constant__ GatherGemmKernelParams<kTransposedB, Out> p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using T = GatherGemmTraits;
+  using T = GatherGemmTraits<kTransposedB>;
   extern __shared__ __align__(1024) char smem_raw[];  // the 128-byte swizzle needs 1024
   auto& smem = *reinterpret_cast<typename T::SharedStorage*>(smem_raw);
   const bool producer = cutlass::canonical_warp_group_idx() == 0;
@@ -250,14 +286,18 @@ __global__ void __launch_bounds__(GatherGemmTraits::kThreads, 1)
 #endif
 }
 
-template <DType kOut>
+template <DType kOut, GroupedLayout kLayout>
 Status gather_gemm_kernel_run(const GatherGemmLaunch& launch) {
-  using T = GatherGemmTraits;
+  static_assert(kLayout == GroupedLayout::kGmm || kLayout == GroupedLayout::kGmmTransposed,
+                "the gather GEMM computes x[src] @ w[g] or x[src] @ w[g]^T");
+  constexpr bool kTransposedB = kLayout == GroupedLayout::kGmmTransposed;
+  using T = GatherGemmTraits<kTransposedB>;
   using Out = typename OutElement<kOut>::type;
   const GatherGemmParams& p = *launch.params;
-  GatherGemmKernelParams<Out> kp;
-  kp.tma_b = make_gather_tma_b(static_cast<const T::Element*>(p.w), static_cast<int32_t>(p.n),
-                           static_cast<int32_t>(p.k), static_cast<int32_t>(p.num_groups));
+  GatherGemmKernelParams<kTransposedB, Out> kp;
+  kp.tma_b = make_gather_tma_b<kTransposedB>(static_cast<const typename T::Element*>(p.w),
+                                             static_cast<int32_t>(p.n), static_cast<int32_t>(p.k),
+                                             static_cast<int32_t>(p.num_groups));
   kp.x = static_cast<const char*>(p.x);
   kp.src = p.src;
   kp.row_tiles = launch.row_tiles;
@@ -270,7 +310,7 @@ Status gather_gemm_kernel_run(const GatherGemmLaunch& launch) {
   kp.n_tiles = static_cast<int32_t>((p.n + T::kTileN - 1) / T::kTileN);
   kp.k_tiles = static_cast<int32_t>((p.k + T::kTileK - 1) / T::kTileK);
 
-  return launch_persistent<T>(gather_gemm_kernel<Out>, kp, launch.max_row_tiles * kp.n_tiles,
+  return launch_persistent<T>(gather_gemm_kernel<kTransposedB, Out>, kp, launch.max_row_tiles * kp.n_tiles,
                               launch.sm_count, launch.stream);
 }
 

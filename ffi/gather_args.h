@@ -1,7 +1,8 @@
 // Decoding and enqueueing shared by the CUDA handlers of the gather products
 // (gather_gmm_cuda.cc, gather_tgmm_cuda.cc). Their params (GatherGemmParams,
 // GatherTgmmParams) name x [T, K], src [M], group_sizes [G], out and the dtypes alike;
-// only the second operand (w or dy) and out's shape differ.
+// only the second operand (w or dy) and out's shape differ. decode_gather_w decodes
+// gather_gmm's w in either layout.
 #ifndef MOE_XLA_FFI_GATHER_ARGS_H_
 #define MOE_XLA_FFI_GATHER_ARGS_H_
 
@@ -12,6 +13,7 @@
 #include <initializer_list>
 #include <string>
 
+#include "common/gather_gemm.h"
 #include "common/status.h"
 #include "ffi/grouped_gemm_args.h"
 #include "ffi/status.h"
@@ -45,6 +47,23 @@ ffi::Error decode_gather_sizes(Params& p, ffi::AnyBuffer x, ffi::Buffer<ffi::S32
   p.k = x.dimensions()[1];
   p.m = src.dimensions()[0];
   p.num_groups = group_sizes.dimensions()[0];
+  return ffi::Error::Success();
+}
+
+// Checks w's shape for its layout, [G, K, N] or, with transpose_w, [G, N, K] (G and K as
+// decode_gather_sizes filled them); fills p.n, p.w and p.transpose_w.
+inline ffi::Error decode_gather_w(GatherGemmParams& p, ffi::AnyBuffer w, bool transpose_w) {
+  const auto dims = w.dimensions();
+  const size_t k_axis = transpose_w ? 2 : 1;
+  if (dims.size() != 3 || dims[0] != p.num_groups || dims[k_axis] != p.k) {
+    const std::string g = std::to_string(p.num_groups), k = std::to_string(p.k);
+    const std::string expected = transpose_w ? "[G, N, K] = [" + g + ", N, " + k + "] (transpose_rhs)"
+                                             : "[G, K, N] = [" + g + ", " + k + ", N]";
+    return ffi::Error::InvalidArgument("w: expected shape " + expected + ", got " + shape_string(dims));
+  }
+  p.n = dims[transpose_w ? 1 : 2];
+  p.w = w.untyped_data();
+  p.transpose_w = transpose_w;
   return ffi::Error::Success();
 }
 

@@ -1,7 +1,8 @@
 // XLA FFI handler of gather_gmm on CUDA (contract in common/gather_gemm.h):
 //
 //   out[r] = x[src[r]] @ w[g]  for the rows r of group g (src outside [0, T): a zero row),
-//   rows past the groups 0.
+//   rows past the groups 0; out[r] = x[src[r]] @ w[g]^T with the attribute transpose_rhs
+//   (w [G, N, K]), as gmm's.
 //
 // It decodes and validates the buffers into GatherGemmParams, uses the workspace result
 // (ffi/workspace.h, sized by MoeXlaGatherGmmWorkspaceBytes) and enqueues
@@ -14,7 +15,6 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <string>
 
 #include "common/gather_gemm.h"
 #include "common/grouped_gemm.h"
@@ -31,34 +31,29 @@ namespace {
 constexpr char kOp[] = "gather_gmm";
 
 // Fills GatherGemmParams from the call's buffers:
-//   x [T, K], src [M], w [G, K, N], group_sizes [G], out [M, N].
+//   x [T, K], src [M], w [G, K, N] ([G, N, K] if transpose_rhs), group_sizes [G], out [M, N].
 ffi::ErrorOr<GatherGemmParams> decode(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> src, ffi::AnyBuffer w,
-                                      ffi::Buffer<ffi::S32> group_sizes, ffi::AnyBuffer out) {
-  using ffi_args::invalid;
-  using ffi_args::shape_string;
+                                      ffi::Buffer<ffi::S32> group_sizes, ffi::AnyBuffer out,
+                                      bool transpose_rhs) {
   GatherGemmParams p{};
   if (auto e = ffi_args::decode_gather_sizes(p, x, src, "w", w, group_sizes); e.failure()) {
     return ffi::Unexpected<ffi::Error>(e);
   }
-  const auto w_dims = w.dimensions();
-  if (w_dims.size() != 3 || w_dims[0] != p.num_groups || w_dims[1] != p.k) {
-    return invalid("w: expected shape [" + std::to_string(p.num_groups) + ", " + std::to_string(p.k) +
-                   ", N], got " + shape_string(w_dims));
+  if (auto e = ffi_args::decode_gather_w(p, w, transpose_rhs); e.failure()) {
+    return ffi::Unexpected<ffi::Error>(e);
   }
-  p.n = w_dims[2];
   if (auto e = ffi_args::decode_gather_out(p, x, src, group_sizes, out, {p.m, p.n}); e.failure()) {
     return ffi::Unexpected<ffi::Error>(e);
   }
-  p.w = w.untyped_data();
   return p;
 }
 
 ffi::Error gather_gmm_cuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> src, ffi::AnyBuffer w,
                            ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> out,
-                           ffi::Result<ffi::AnyBuffer> workspace_buffer) {
-  return ffi_args::enqueue_gather<GatherGemmParams>(kOp, decode(x, src, w, group_sizes, *out),
-                                             &cuda::gather_gemm_workspace_bytes, &cuda::gather_gemm,
-                                             stream, *workspace_buffer);
+                           ffi::Result<ffi::AnyBuffer> workspace_buffer, bool transpose_rhs) {
+  return ffi_args::enqueue_gather<GatherGemmParams>(
+      kOp, decode(x, src, w, group_sizes, *out, transpose_rhs), &cuda::gather_gemm_workspace_bytes,
+      &cuda::gather_gemm, stream, *workspace_buffer);
 }
 
 }  // namespace
@@ -69,10 +64,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaGatherGmmCuda, moe_xla::gather_gmm_cuda,
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
                                   .Arg<ffi::AnyBuffer>()                     // x [T, K]
                                   .Arg<ffi::Buffer<ffi::S32>>()              // src [M]
-                                  .Arg<ffi::AnyBuffer>()                     // w [G, K, N]
+                                  .Arg<ffi::AnyBuffer>()                     // w [G, K, N] or [G, N, K]
                                   .Arg<ffi::Buffer<ffi::S32>>()              // group_sizes [G]
                                   .Ret<ffi::AnyBuffer>()                     // out [M, N]
-                                  .Ret<ffi::AnyBuffer>(),  // workspace u8[MoeXlaGatherGmmWorkspaceBytes(M, G)]
+                                  .Ret<ffi::AnyBuffer>()  // workspace u8[MoeXlaGatherGmmWorkspaceBytes(M, G)]
+                                  .Attr<bool>("transpose_rhs"),  // w is [G, N, K]
                               {ffi::Traits::kCmdBufferCompatible});
 
 // Workspace bytes of a gather_gmm call with M output rows and `num_groups` groups, any K,

@@ -76,10 +76,12 @@ def gather_rows(values, src, factor=None):
     return jnp.where(named, rows, jnp.zeros((), values.dtype))
 
 
-def gather_gmm(x, src, w, group_sizes, *, preferred_element_type=None):
-    """out[rows of g] = x[src[rows of g]] @ w[g]: gmm of the gathered rows, where src outside
-    [0, T) gathers a zero row. x [T, K], src [M], w [G, K, N], group_sizes [G] -> [M, N]."""
-    return gmm(gather_rows(x, src), w, group_sizes, preferred_element_type=preferred_element_type or x.dtype)
+def gather_gmm(x, src, w, group_sizes, *, transpose_rhs=False, preferred_element_type=None):
+    """out[rows of g] = x[src[rows of g]] @ w[g] (w[g]^T if transpose_rhs): gmm of the
+    gathered rows, where src outside [0, T) gathers a zero row. x [T, K], src [M],
+    w [G, K, N] ([G, N, K] if transpose_rhs), group_sizes [G] -> [M, N]."""
+    return gmm(gather_rows(x, src), w, group_sizes, transpose_rhs=transpose_rhs,
+               preferred_element_type=preferred_element_type or x.dtype)
 
 
 def gather_tgmm(x, src, dy, group_sizes, *, preferred_element_type=None):

@@ -1,6 +1,7 @@
 """gather_gmm against the reference on the default backend (CPU in CI: its decomposition;
-the H200: the CUDA kernel for bf16 with K, N multiples of 8), its autodiff, batching,
-lowering and errors, and moe() with its first product gathered against the copying layer."""
+the H200: the CUDA kernel for bf16 with K, N multiples of 8), in both layouts of w ([G, K, N]
+and, with transpose_rhs, [G, N, K]), its autodiff, batching, lowering and errors, and moe()
+with its first product gathered against the copying layer."""
 
 from __future__ import annotations
 
@@ -42,44 +43,68 @@ def _slots(rng, t: int, k: int):
     return jnp.asarray(src), jnp.asarray(perm.reshape(t, k))
 
 
-def _ref(x, src, w, gs, out_dtype=None):
-    return reference.gather_gmm(x.astype(jnp.float32), src, w.astype(jnp.float32), gs,
+def _ref(x, src, w, gs, out_dtype=None, transpose_rhs=False):
+    return reference.gather_gmm(x.astype(jnp.float32), src, w.astype(jnp.float32), gs, transpose_rhs=transpose_rhs,
                                 preferred_element_type=out_dtype or jnp.float32)
+
+
+def _w_shape(g: int, k: int, n: int, transpose_rhs: bool):
+    """w's shape in its layout: [G, K, N], or [G, N, K] with transpose_rhs."""
+    return (g, n, k) if transpose_rhs else (g, k, n)
+
+
+def _einsum_gather_gmm(x, src, w, gs, transpose_rhs=False):
+    """gather_gmm written independently of gmm and gather_rows: each row's token row (zero
+    for src outside [0, T)) times its group's matrix by one einsum over all rows; rows past
+    the groups 0."""
+    t, m = x.shape[0], src.shape[0]
+    valid = (src >= 0) & (src < t)
+    rows = jnp.where(valid[:, None], x[jnp.clip(src, 0, max(t - 1, 0))], 0)
+    ends = jnp.cumsum(jnp.clip(gs, 0, None))
+    group = jnp.searchsorted(ends, jnp.arange(m), side="right")  # G for rows past the groups
+    w_row = jnp.take(w, jnp.minimum(group, w.shape[0] - 1), axis=0)
+    out = jnp.einsum("mk,mnk->mn" if transpose_rhs else "mk,mkn->mn", rows, w_row)
+    return jnp.where((group < w.shape[0])[:, None], out, 0)
 
 
 def _cases():
     return cases(SHAPES, DTYPES, ("random", "zeros", "one_giant", "sum_below_m", "sum_above_m"))
 
 
+@pytest.mark.parametrize("transpose_rhs", [False, True], ids=["w_kn", "w_nk"])
 @pytest.mark.parametrize("t,m,k,n,g,dtype,sizes", list(_cases()))
-def test_matches_reference(rng, t, m, k, n, g, dtype, sizes):
-    x, w = normal(rng, (t, k), dtype), normal(rng, (g, k, n), dtype)
+def test_matches_reference(rng, t, m, k, n, g, dtype, sizes, transpose_rhs):
+    x, w = normal(rng, (t, k), dtype), normal(rng, _w_shape(g, k, n, transpose_rhs), dtype)
     src, gs = _src(rng, t, m), group_sizes(rng, m, g, sizes)
-    out = jax.jit(moe_xla.gather_gmm)(x, src, w, gs)
+    out = jax.jit(lambda *a: moe_xla.gather_gmm(*a, transpose_rhs=transpose_rhs))(x, src, w, gs)
     assert out.dtype == dtype and out.shape == (m, n)
-    assert_close(out, _ref(x, src, w, gs), dtype)
+    assert_close(out, _ref(x, src, w, gs, transpose_rhs=transpose_rhs), dtype)
     tail = int(reference.group_ends(gs, m)[-1])
     assert np.all(np.asarray(out[tail:], np.float32) == 0), "rows past sum(group_sizes) must be zero"
     bad = ~((np.asarray(src) >= 0) & (np.asarray(src) < t))
     assert np.all(np.asarray(out, np.float32)[bad] == 0), "rows of src outside [0, T) must be zero"
 
 
+@pytest.mark.parametrize("transpose_rhs", [False, True], ids=["w_kn", "w_nk"])
 @pytest.mark.parametrize("in_dtype,out_dtype", [(jnp.bfloat16, jnp.float32), (jnp.float32, jnp.bfloat16)])
-def test_preferred_element_type(rng, in_dtype, out_dtype):
-    x, w = normal(rng, (64, 32), in_dtype), normal(rng, (3, 32, 40), in_dtype)
+def test_preferred_element_type(rng, in_dtype, out_dtype, transpose_rhs):
+    x, w = normal(rng, (64, 32), in_dtype), normal(rng, _w_shape(3, 32, 40, transpose_rhs), in_dtype)
     src, gs = _src(rng, 64, 100), jnp.array([30, 0, 65], jnp.int32)
-    out = jax.jit(lambda *a: moe_xla.gather_gmm(*a, preferred_element_type=out_dtype))(x, src, w, gs)
+    out = jax.jit(lambda *a: moe_xla.gather_gmm(*a, transpose_rhs=transpose_rhs, preferred_element_type=out_dtype))(
+        x, src, w, gs)
     assert out.dtype == out_dtype
-    assert_close(out, _ref(x, src, w, gs), out_dtype)
+    assert_close(out, _ref(x, src, w, gs, transpose_rhs=transpose_rhs), out_dtype)
 
 
+@pytest.mark.parametrize("transpose_rhs", [False, True], ids=["w_kn", "w_nk"])
 @pytest.mark.parametrize("t,m,sizes", [(0, 16, [10, 6]), (16, 0, [0, 0]), (16, 24, []), (16, 24, [0, 0])],
                          ids=["no-tokens", "no-rows", "no-groups", "empty-groups"])
-def test_empty(rng, t, m, sizes):
+def test_empty(rng, t, m, sizes, transpose_rhs):
     # Every row is zero: no token to read, no row, no group, or only empty groups.
-    x, w = normal(rng, (t, 16), jnp.bfloat16), normal(rng, (len(sizes), 16, 8), jnp.bfloat16)
+    x, w = normal(rng, (t, 16), jnp.bfloat16), normal(rng, _w_shape(len(sizes), 16, 8, transpose_rhs), jnp.bfloat16)
     src = jnp.asarray(rng.integers(0, max(t, 1), size=m), jnp.int32)
-    out = jax.jit(moe_xla.gather_gmm)(x, src, w, jnp.asarray(sizes, jnp.int32).reshape(len(sizes)))
+    gs = jnp.asarray(sizes, jnp.int32).reshape(len(sizes))
+    out = jax.jit(lambda *a: moe_xla.gather_gmm(*a, transpose_rhs=transpose_rhs))(x, src, w, gs)
     assert out.shape == (m, 8) and np.all(np.asarray(out, np.float32) == 0)
 
 
@@ -90,9 +115,10 @@ def _loss_grads(fn, x, w, weights):
     return jax.jit(jax.grad(lambda x, w: jnp.sum(fn(x, w).astype(jnp.float32) * weights), (0, 1)))(x, w)
 
 
+@pytest.mark.parametrize("transpose_rhs", [False, True], ids=["w_kn", "w_nk"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("with_slots", [False, True], ids=["src", "token_slots"])
-def test_grads_match_vjp_of_decomposition(rng, dtype, with_slots):
+def test_grads_match_vjp_of_decomposition(rng, dtype, with_slots, transpose_rhs):
     t, k, kk, n = 40, 16, 3, 24
     src, slots = _slots(rng, t, kk)
     if with_slots:
@@ -102,45 +128,70 @@ def test_grads_match_vjp_of_decomposition(rng, dtype, with_slots):
         slots = jnp.where(jnp.isin(slots, dropped), -1, slots)
     else:
         src = _src(rng, t, t * kk)  # repeats and rows naming no token
-    x, w = normal(rng, (t, k), dtype), normal(rng, (4, k, n), dtype)
+    x, w = normal(rng, (t, k), dtype), normal(rng, _w_shape(4, k, n, transpose_rhs), dtype)
     gs = jnp.array([30, 0, 45, 20], jnp.int32)  # sum 95 < M = 120
     weights = normal(rng, (t * kk, n), jnp.float32)
     kw = dict(token_slots=slots) if with_slots else {}
-    ours = _loss_grads(lambda x, w: moe_xla.gather_gmm(x, src, w, gs, **kw), x, w, weights)
-    ref = _loss_grads(lambda x, w: reference.gather_gmm(x, src, w, gs), x.astype(jnp.float32),
-                      w.astype(jnp.float32), weights)
+    ours = _loss_grads(lambda x, w: moe_xla.gather_gmm(x, src, w, gs, transpose_rhs=transpose_rhs, **kw), x, w,
+                       weights)
+    ref = _loss_grads(lambda x, w: reference.gather_gmm(x, src, w, gs, transpose_rhs=transpose_rhs),
+                      x.astype(jnp.float32), w.astype(jnp.float32), weights)
     for o, r in zip(ours, ref):
         assert o.dtype == dtype
         assert_close(o, r, dtype)
 
 
+@pytest.mark.parametrize("transpose_rhs", [False, True], ids=["w_kn", "w_nk"])
+@pytest.mark.parametrize("k,n", [(16, 24), (16, 16)], ids=["k16n24", "square"])
+@pytest.mark.parametrize("gs", [[30, 0, 45, 20], [0, 0, 0, 0], [200, 5, 0, 1]], ids=["sum_below_m", "empty", "clamped"])
+def test_grads_match_einsum(rng, gs, k, n, transpose_rhs):
+    # Against a formulation that shares no code with gmm, gather_rows or the reference. K = N
+    # too: there a w taken in the wrong layout has the right shape and only values tell.
+    t, m = 40, 120
+    x, w = normal(rng, (t, k), jnp.float32), normal(rng, _w_shape(4, k, n, transpose_rhs), jnp.float32)
+    src, gs = _src(rng, t, m), jnp.array(gs, jnp.int32)
+    weights = normal(rng, (m, n), jnp.float32)
+    np.testing.assert_allclose(np.asarray(jax.jit(moe_xla.gather_gmm, static_argnames="transpose_rhs")(
+        x, src, w, gs, transpose_rhs=transpose_rhs)), np.asarray(_einsum_gather_gmm(x, src, w, gs, transpose_rhs)),
+        rtol=1e-5, atol=1e-5)
+    ours = _loss_grads(lambda x, w: moe_xla.gather_gmm(x, src, w, gs, transpose_rhs=transpose_rhs), x, w, weights)
+    ref = _loss_grads(lambda x, w: _einsum_gather_gmm(x, src, w, gs, transpose_rhs), x, w, weights)
+    for o, r in zip(ours, ref):
+        assert o.shape == r.shape
+        np.testing.assert_allclose(np.asarray(o), np.asarray(r), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("transpose_rhs", [False, True], ids=["w_kn", "w_nk"])
 @pytest.mark.parametrize("with_slots", [False, True], ids=["src", "token_slots"])
-def test_check_grads(rng, with_slots):
+def test_check_grads(rng, with_slots, transpose_rhs):
     src, slots = _slots(rng, 10, 2)
-    x, w = normal(rng, (10, 6), jnp.float32), normal(rng, (3, 6, 5), jnp.float32)
+    x, w = normal(rng, (10, 6), jnp.float32), normal(rng, _w_shape(3, 6, 5, transpose_rhs), jnp.float32)
     gs = jnp.array([7, 0, 9], jnp.int32)
     kw = dict(token_slots=slots) if with_slots else {}
-    check_grads(lambda a, b: moe_xla.gather_gmm(a, src, b, gs, **kw), (x, w), order=2, modes=("fwd", "rev"),
-                atol=2e-2, rtol=2e-2, eps=1e-2)
+    check_grads(lambda a, b: moe_xla.gather_gmm(a, src, b, gs, transpose_rhs=transpose_rhs, **kw), (x, w), order=2,
+                modes=("fwd", "rev"), atol=2e-2, rtol=2e-2, eps=1e-2)
 
 
 # ---------------------------------------------------------------------------- vmap and sharding
 
 
+@pytest.mark.parametrize("transpose_rhs", [False, True], ids=["w_kn", "w_nk"])
 @pytest.mark.parametrize("in_axes", [(0, 0, 0, 0), (None, 0, 0, 0), (0, None, None, None), (1, 0, None, 0)])
-def test_vmap(rng, in_axes):
+def test_vmap(rng, in_axes, transpose_rhs):
     b, t, m, k, n, g = 3, 20, 30, 16, 8, 4
-    shapes = [(t, k), (m,), (g, k, n), (g,)]
+    shapes = [(t, k), (m,), _w_shape(g, k, n, transpose_rhs), (g,)]
     shapes = [s if a is None else s[:a] + (b,) + s[a:] for s, a in zip(shapes, in_axes)]
     x, w = normal(rng, shapes[0], jnp.float32), normal(rng, shapes[2], jnp.float32)
     src = jnp.asarray(rng.integers(-2, t + 2, size=shapes[1]), jnp.int32)
     gs = jnp.asarray(rng.integers(0, 12, size=shapes[3]), jnp.int32)
-    ours = jax.jit(jax.vmap(moe_xla.gather_gmm, in_axes))(x, src, w, gs)
-    assert_close(ours, jax.vmap(reference.gather_gmm, in_axes)(x, src, w, gs), jnp.float32)
+    ours_fn = lambda *a: moe_xla.gather_gmm(*a, transpose_rhs=transpose_rhs)
+    ref_fn = lambda *a: reference.gather_gmm(*a, transpose_rhs=transpose_rhs)
+    ours = jax.jit(jax.vmap(ours_fn, in_axes))(x, src, w, gs)
+    assert_close(ours, jax.vmap(ref_fn, in_axes)(x, src, w, gs), jnp.float32)
     cts = normal(rng, ours.shape, jnp.float32)
     loss = lambda fn, x, w: jnp.sum(jax.vmap(fn, in_axes)(x, src, w, gs) * cts)
-    for o, r in zip(jax.jit(jax.grad(lambda x, w: loss(moe_xla.gather_gmm, x, w), (0, 1)))(x, w),
-                    jax.grad(lambda x, w: loss(reference.gather_gmm, x, w), (0, 1))(x, w)):
+    for o, r in zip(jax.jit(jax.grad(lambda x, w: loss(ours_fn, x, w), (0, 1)))(x, w),
+                    jax.grad(lambda x, w: loss(ref_fn, x, w), (0, 1))(x, w)):
         assert_close(o, r, jnp.float32)
 
 
@@ -162,38 +213,63 @@ def test_vmap_with_token_slots(rng, x_batched):
 
 
 @requires_8_devices
-def test_column_parallel_mesh(rng):
+@pytest.mark.parametrize("transpose_rhs", [False, True], ids=["w_kn", "w_nk"])
+def test_column_parallel_mesh(rng, transpose_rhs):
     # w split along N over 4 devices: out comes back split the same way, equal to one device's.
-    x, w = normal(rng, (40, 16), jnp.float32), normal(rng, (3, 16, 32), jnp.float32)
+    x, w = normal(rng, (40, 16), jnp.float32), normal(rng, _w_shape(3, 16, 32, transpose_rhs), jnp.float32)
     src, gs = _src(rng, 40, 50), jnp.array([20, 0, 25], jnp.int32)
     mesh = jax.make_mesh((4,), ("x",))
     put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
-    out = jax.jit(moe_xla.gather_gmm)(put(x, P()), put(src, P()), put(w, P(None, None, "x")), put(gs, P()))
+    w_spec = P(None, "x", None) if transpose_rhs else P(None, None, "x")
+    f = jax.jit(lambda *a: moe_xla.gather_gmm(*a, transpose_rhs=transpose_rhs))
+    out = f(put(x, P()), put(src, P()), put(w, w_spec), put(gs, P()))
     assert out.sharding.is_equivalent_to(NamedSharding(mesh, P(None, "x")), 2)
-    assert_close(out, _ref(x, src, w, gs), jnp.float32)
+    assert_close(out, _ref(x, src, w, gs, transpose_rhs=transpose_rhs), jnp.float32)
+
+
+@requires_8_devices
+@pytest.mark.parametrize("transpose_rhs", [False, True], ids=["w_kn", "w_nk"])
+def test_contraction_split_mesh(rng, transpose_rhs):
+    # x and w split along K over 4 devices: each computes a partial product, summed once.
+    x, w = normal(rng, (40, 32), jnp.float32), normal(rng, _w_shape(3, 32, 16, transpose_rhs), jnp.float32)
+    src, gs = _src(rng, 40, 50), jnp.array([20, 0, 25], jnp.int32)
+    mesh = jax.make_mesh((4,), ("x",))
+    put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
+    w_spec = P(None, None, "x") if transpose_rhs else P(None, "x", None)
+    f = jax.jit(lambda *a: moe_xla.gather_gmm(*a, transpose_rhs=transpose_rhs))
+    out = f(put(x, P(None, "x")), put(src, P()), put(w, w_spec), put(gs, P()))
+    assert_close(out, _ref(x, src, w, gs, transpose_rhs=transpose_rhs), jnp.float32)
 
 
 # ---------------------------------------------------------------------------- lowering and errors
 
 
 @needs_cuda_kernel
+@pytest.mark.parametrize("transpose_rhs", [False, True], ids=["w_kn", "w_nk"])
 @pytest.mark.parametrize("k,n,dtype,out_dtype,kernel", [
     (16, 24, jnp.bfloat16, None, True), (16, 24, jnp.bfloat16, jnp.float32, True),
     (12, 24, jnp.bfloat16, None, False), (16, 20, jnp.bfloat16, None, False),
     (16, 24, jnp.float32, None, False), (16, 24, jnp.float16, None, False)])
-def test_cuda_lowering_takes_the_kernel_where_it_applies(k, n, dtype, out_dtype, kernel):
-    x, w = jnp.zeros((10, k), dtype), jnp.zeros((2, k, n), dtype)
+def test_cuda_lowering_takes_the_kernel_where_it_applies(k, n, dtype, out_dtype, kernel, transpose_rhs):
+    x, w = jnp.zeros((10, k), dtype), jnp.zeros(_w_shape(2, k, n, transpose_rhs), dtype)
     src, gs = jnp.zeros((12,), jnp.int32), jnp.zeros((2,), jnp.int32)
-    targets = cuda_targets(lambda *a: moe_xla.gather_gmm(*a, preferred_element_type=out_dtype), x, src, w, gs)
+    f = lambda *a: moe_xla.gather_gmm(*a, transpose_rhs=transpose_rhs, preferred_element_type=out_dtype)
+    targets = cuda_targets(f, x, src, w, gs)
     decomposition = ["moe_xla_gather_rows_cuda_v1", "moe_xla_gmm_cuda_v1"]
     assert targets == (["moe_xla_gather_gmm_cuda_v1"] if kernel else decomposition)
+    if kernel:  # the layout reaches the handler as its typed attribute
+        text = jax.jit(f).trace(x, src, w, gs).lower(lowering_platforms=("cuda",)).as_text()
+        assert f"transpose_rhs = {str(transpose_rhs).lower()}" in text
 
 
-def test_cpu_lowering_is_the_decomposition(rng):
-    x, w = normal(rng, (10, 16), jnp.bfloat16), normal(rng, (2, 16, 8), jnp.bfloat16)
-    text = jax.jit(moe_xla.gather_gmm).trace(x, jnp.zeros((12,), jnp.int32), w, jnp.zeros((2,), jnp.int32)).lower(
+@pytest.mark.parametrize("transpose_rhs", [False, True], ids=["w_kn", "w_nk"])
+def test_cpu_lowering_is_the_decomposition(rng, transpose_rhs):
+    x, w = normal(rng, (10, 16), jnp.bfloat16), normal(rng, _w_shape(2, 16, 8, transpose_rhs), jnp.bfloat16)
+    f = jax.jit(lambda *a: moe_xla.gather_gmm(*a, transpose_rhs=transpose_rhs))
+    text = f.trace(x, jnp.zeros((12,), jnp.int32), w, jnp.zeros((2,), jnp.int32)).lower(
         lowering_platforms=("cpu",)).as_text()
     assert re.findall(r"custom_call @(moe_xla_\w+)", text) == ["moe_xla_gather_rows_cpu_v1", "moe_xla_gmm_cpu_v1"]
+    assert f"transpose_rhs = {str(transpose_rhs).lower()}" in text  # gmm's attribute carries the layout
 
 
 @pytest.mark.parametrize("change,exc,message", [
@@ -201,6 +277,12 @@ def test_cpu_lowering_is_the_decomposition(rng):
     (dict(src=jnp.zeros((6,), jnp.float32)), TypeError, "expected int32 src, got float32"),
     (dict(src=jnp.zeros((6, 1), jnp.int32)), ValueError, r"expected src of rank 1 \[M\]"),
     (dict(w=jnp.zeros((2, 9, 5))), ValueError, r"expected w.shape\[1\] \(K of x \[T, K\]\) = 8, got 9"),
+    (dict(w=jnp.zeros((2, 8, 5)), transpose_rhs=True), ValueError,
+     r"expected w.shape\[2\] \(K of x \[T, K\]\) = 8, got 5"),
+    (dict(w=jnp.zeros((2, 5, 8, 1)), transpose_rhs=True), ValueError,
+     r"expected w of rank 3 \[G, N, K\], got shape \(2, 5, 8, 1\)"),
+    (dict(w=jnp.zeros((3, 5, 8)), transpose_rhs=True), ValueError, r"expected group_sizes of shape \(3,\)"),
+    (dict(transpose_rhs=1), TypeError, "expected transpose_rhs to be a Python bool, got 1"),
     (dict(w=jnp.zeros((2, 8, 5), jnp.bfloat16)), TypeError, r"expected w of the dtype of x \(float32\), got bfloat16"),
     (dict(x=jnp.zeros((4, 8), jnp.int32), w=jnp.zeros((2, 8, 5), jnp.int32)), TypeError, "expected x of dtype"),
     (dict(gs=jnp.zeros((3,), jnp.int32)), ValueError, r"expected group_sizes of shape \(2,\)"),
@@ -213,7 +295,7 @@ def test_cpu_lowering_is_the_decomposition(rng):
 def test_bad_inputs(change, exc, message):
     args = dict(x=jnp.zeros((4, 8)), src=jnp.zeros((6,), jnp.int32), w=jnp.zeros((2, 8, 5)),
                 gs=jnp.zeros((2,), jnp.int32)) | change
-    kw = {key: args.pop(key) for key in ("token_slots", "preferred_element_type") if key in args}
+    kw = {key: args.pop(key) for key in ("token_slots", "preferred_element_type", "transpose_rhs") if key in args}
     with pytest.raises(exc, match=f"gather_gmm: {message}"):
         moe_xla.gather_gmm(args["x"], args["src"], args["w"], args["gs"], **kw)
 

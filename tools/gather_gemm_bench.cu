@@ -4,10 +4,12 @@
 // For each case it routes T tokens to top_k distinct experts each, uniformly at random
 // (balanced multinomial routing, fixed seed), sorts the M = T * top_k assignments by
 // expert (stable in token order) into src [M] and group_sizes [G], and on the same random
-// bf16 x [T, K] and w [G, K, N] on the device times
+// bf16 x [T, K] and w on the device times, in both layouts of w (one table row each: the
+// case name with "/w_kn" for w [G, K, N], "/w_nk" for w [G, N, K], transpose_w)
 //   (a) gather:  gather_gemm(x, src, w, group_sizes) -> out [M, N]
 //   (b) copy:    a gather kernel x_sorted[r] = x[src[r]] (16-byte vectors), then
-//                grouped_gemm (kGmm, auto configuration) of x_sorted with w -> out [M, N]
+//                grouped_gemm (auto configuration; kGmm, or kGmmTransposed for w [G, N, K])
+//                of x_sorted with w -> out [M, N]
 // It checks once that the two outputs agree (max |a - b| / max |b| < 1e-2 on ~4096 rows,
 // no NaN), then runs `--warmup` untimed rounds and `--reps` timed rounds, each round
 // timing (a) then (b) with one pair of CUDA events around each, and reports the medians in
@@ -15,6 +17,7 @@
 // faster).
 //
 // Usage: gather_gemm_bench [--reps N] [--warmup N] [--case SUBSTR]...
+// (--case matches the row names, so --case /w_nk times the transposed layout alone.)
 // Exit status 1 if a check failed.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -32,64 +35,81 @@
 #include "tools/cuda_check.h"
 #include "tools/gather_bench.cuh"
 
-int main(int argc, char** argv) {
+namespace {
+
+// Times and checks one routed case with w in its layout (w [G, N, K] if transpose_w) and
+// prints its row; returns 1 if the two paths' outputs differ, else 0.
+int run_case(const gather_bench::GatherCase& c, bool transpose_w, const gather_bench::Options& options,
+             int sm_count, cudaStream_t stream) {
   using gather_bench::check;
-  using moe_xla::DType;
+  const int64_t m = c.tokens * c.top_k;
+  std::vector<int32_t> src, sizes;
+  gather_bench::route(c, &src, &sizes);
+  __nv_bfloat16 *x, *w, *x_sorted, *out_gather, *out_copy;
+  int32_t *d_src, *d_sizes;
+  CHECK_CUDA(cudaMalloc(&x, c.tokens * c.k * 2));
+  CHECK_CUDA(cudaMalloc(&w, c.g * c.k * c.n * 2));
+  CHECK_CUDA(cudaMalloc(&x_sorted, m * c.k * 2));
+  CHECK_CUDA(cudaMalloc(&out_gather, m * c.n * 2));
+  CHECK_CUDA(cudaMalloc(&out_copy, m * c.n * 2));
+  CHECK_CUDA(cudaMalloc(&d_src, m * 4));
+  CHECK_CUDA(cudaMalloc(&d_sizes, c.g * 4));
+  CHECK_CUDA(cudaMemcpy(d_src, src.data(), m * 4, cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(d_sizes, sizes.data(), c.g * 4, cudaMemcpyHostToDevice));
+  gather_bench::fill_uniform(x, c.tokens * c.k, 1, stream);
+  gather_bench::fill_uniform(w, c.g * c.k * c.n, 2, stream);  // either layout: G * K * N values
+  auto gp = gather_bench::gather_params<moe_xla::GatherGemmParams>(
+      x, d_src, d_sizes, out_gather, c.tokens, m, c.k, c.n, c.g);
+  gp.w = w;
+  gp.transpose_w = transpose_w;
+  const moe_xla::GroupedLayout layout =
+      transpose_w ? moe_xla::GroupedLayout::kGmmTransposed : moe_xla::GroupedLayout::kGmm;
+  const moe_xla::GroupedGemmParams mp =
+      gather_bench::grouped_params(layout, x_sorted, w, d_sizes, out_copy, m, c.k, c.n, c.g);
+  const size_t gather_ws_bytes = moe_xla::cuda::gather_gemm_workspace_bytes(gp);
+  const size_t gemm_ws_bytes = moe_xla::cuda::grouped_gemm_workspace_bytes(mp, sm_count);
+  void *gather_ws, *gemm_ws;
+  CHECK_CUDA(cudaMalloc(&gather_ws, gather_ws_bytes));
+  CHECK_CUDA(cudaMalloc(&gemm_ws, gemm_ws_bytes));
+
+  auto run_gather = [&] { check(moe_xla::cuda::gather_gemm(gp, gather_ws, gather_ws_bytes, stream), "gather_gemm"); };
+  auto run_copy = [&] {
+    gather_bench::gather_rows(x, d_src, x_sorted, c.tokens, m, c.k, sm_count, stream);
+    check(moe_xla::cuda::grouped_gemm(mp, gemm_ws, gemm_ws_bytes, sm_count, stream), "grouped_gemm");
+  };
+
+  run_gather();
+  run_copy();
+  CHECK_CUDA(cudaStreamSynchronize(stream));
+  std::string detail;
+  const int failures = gather_bench::outputs_agree(out_gather, out_copy, m, c.n, &detail) ? 0 : 1;
+
+  double ms_gather = 0, ms_copy = 0;
+  gather_bench::time_pair(options, stream, run_gather, run_copy, &ms_gather, &ms_copy);
+  gather_bench::print_row(c, ms_gather, ms_copy, detail);
+  for (void* p : {static_cast<void*>(x), static_cast<void*>(w), static_cast<void*>(x_sorted),
+                  static_cast<void*>(out_gather), static_cast<void*>(out_copy),
+                  static_cast<void*>(d_src), static_cast<void*>(d_sizes), gather_ws, gemm_ws}) {
+    CHECK_CUDA(cudaFree(p));
+  }
+  return failures;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
   const gather_bench::Options options = gather_bench::parse_options(argc, argv);
   exit_if_no_cuda_device("gather_gemm_bench");
   const int sm_count = gather_bench::print_device(options);
   cudaStream_t stream;
   CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   int failures = 0;
-
-  for (const gather_bench::GatherCase& c : gather_bench::kCases) {
-    if (!options.selected(c)) continue;
-    const int64_t m = c.tokens * c.top_k;
-    std::vector<int32_t> src, sizes;
-    gather_bench::route(c, &src, &sizes);
-    __nv_bfloat16 *x, *w, *x_sorted, *out_gather, *out_copy;
-    int32_t *d_src, *d_sizes;
-    CHECK_CUDA(cudaMalloc(&x, c.tokens * c.k * 2));
-    CHECK_CUDA(cudaMalloc(&w, c.g * c.k * c.n * 2));
-    CHECK_CUDA(cudaMalloc(&x_sorted, m * c.k * 2));
-    CHECK_CUDA(cudaMalloc(&out_gather, m * c.n * 2));
-    CHECK_CUDA(cudaMalloc(&out_copy, m * c.n * 2));
-    CHECK_CUDA(cudaMalloc(&d_src, m * 4));
-    CHECK_CUDA(cudaMalloc(&d_sizes, c.g * 4));
-    CHECK_CUDA(cudaMemcpy(d_src, src.data(), m * 4, cudaMemcpyHostToDevice));
-    CHECK_CUDA(cudaMemcpy(d_sizes, sizes.data(), c.g * 4, cudaMemcpyHostToDevice));
-    gather_bench::fill_uniform(x, c.tokens * c.k, 1, stream);
-    gather_bench::fill_uniform(w, c.g * c.k * c.n, 2, stream);
-    auto gp = gather_bench::gather_params<moe_xla::GatherGemmParams>(
-        x, d_src, d_sizes, out_gather, c.tokens, m, c.k, c.n, c.g);
-    gp.w = w;
-    const moe_xla::GroupedGemmParams mp = gather_bench::grouped_params(
-        moe_xla::GroupedLayout::kGmm, x_sorted, w, d_sizes, out_copy, m, c.k, c.n, c.g);
-    const size_t gather_ws_bytes = moe_xla::cuda::gather_gemm_workspace_bytes(gp);
-    const size_t gemm_ws_bytes = moe_xla::cuda::grouped_gemm_workspace_bytes(mp, sm_count);
-    void *gather_ws, *gemm_ws;
-    CHECK_CUDA(cudaMalloc(&gather_ws, gather_ws_bytes));
-    CHECK_CUDA(cudaMalloc(&gemm_ws, gemm_ws_bytes));
-
-    auto run_gather = [&] { check(moe_xla::cuda::gather_gemm(gp, gather_ws, gather_ws_bytes, stream), "gather_gemm"); };
-    auto run_copy = [&] {
-      gather_bench::gather_rows(x, d_src, x_sorted, c.tokens, m, c.k, sm_count, stream);
-      check(moe_xla::cuda::grouped_gemm(mp, gemm_ws, gemm_ws_bytes, sm_count, stream), "grouped_gemm");
-    };
-
-    run_gather();
-    run_copy();
-    CHECK_CUDA(cudaStreamSynchronize(stream));
-    std::string detail;
-    failures += gather_bench::outputs_agree(out_gather, out_copy, m, c.n, &detail) ? 0 : 1;
-
-    double ms_gather = 0, ms_copy = 0;
-    gather_bench::time_pair(options, stream, run_gather, run_copy, &ms_gather, &ms_copy);
-    gather_bench::print_row(c, ms_gather, ms_copy, detail);
-    for (void* p : {static_cast<void*>(x), static_cast<void*>(w), static_cast<void*>(x_sorted),
-                    static_cast<void*>(out_gather), static_cast<void*>(out_copy),
-                    static_cast<void*>(d_src), static_cast<void*>(d_sizes), gather_ws, gemm_ws}) {
-      CHECK_CUDA(cudaFree(p));
+  for (const gather_bench::GatherCase& routed : gather_bench::kCases) {
+    for (bool transpose_w : {false, true}) {
+      const std::string name = std::string(routed.name) + (transpose_w ? "/w_nk" : "/w_kn");
+      gather_bench::GatherCase c = routed;
+      c.name = name.c_str();
+      if (options.selected(c)) failures += run_case(c, transpose_w, options, sm_count, stream);
     }
   }
   CHECK_CUDA(cudaStreamDestroy(stream));

@@ -30,8 +30,9 @@ def _route(logits, bias, *, has_bias, **params):
 _REFERENCE = {
     "gmm": reference.gmm,
     "tgmm": reference.tgmm,
-    "gather_gmm": lambda x, src, w, group_sizes, *token_slots, preferred_element_type, **_: reference.gather_gmm(
-        x, src, w, group_sizes, preferred_element_type=preferred_element_type),
+    "gather_gmm": lambda x, src, w, group_sizes, *token_slots, transpose_rhs, preferred_element_type, **_: (
+        reference.gather_gmm(x, src, w, group_sizes, transpose_rhs=transpose_rhs,
+                             preferred_element_type=preferred_element_type)),
     "gather_tgmm": reference.gather_tgmm,
     "route": _route,
     "permute": lambda x, expert_ids, *, num_experts: list(reference.permute(x, expert_ids, num_experts)),

@@ -204,16 +204,17 @@ GMM = Rule(
     specs=_gmm_specs, need_replication=("m", "g"), reduction=("k",))
 
 
-def _gather_gmm_specs(arg_axes, *, has_token_slots, **_):
+def _gather_gmm_specs(arg_axes, *, transpose_rhs, has_token_slots, **_):
     x, _src, w, gs = arg_axes[:4]
-    (x_in, w_in, gs_in), out, sums = _gmm_specs([x, w, gs], transpose_rhs=False)
+    (x_in, w_in, gs_in), out, sums = _gmm_specs([x, w, gs], transpose_rhs=transpose_rhs)
     return [x_in, ((),), w_in, gs_in] + [((), ())] * has_token_slots, out, sums
 
 
 # As gmm with x in lhs's place: N of w and out split together, K ends in one all-reduce;
 # tokens, rows, groups and token_slots stay whole.
 GATHER_GMM = Rule(
-    sharding_rule=lambda has_token_slots, **_: "t k, m, g k n, g" + ", t j" * has_token_slots + " -> m n",
+    sharding_rule=lambda transpose_rhs, has_token_slots, **_: (
+        "t k, m, " + ("g n k" if transpose_rhs else "g k n") + ", g" + ", t j" * has_token_slots + " -> m n"),
     specs=_gather_gmm_specs, need_replication=("t", "m", "g", "j"), reduction=("k",))
 
 

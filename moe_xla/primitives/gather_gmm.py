@@ -1,23 +1,27 @@
 """gather_gmm: the grouped matrix product of MoE experts read through a row map.
 
     out[rows of g] = x[src[rows of g]] @ w[g]   = gmm(gather_rows(x, src), w, group_sizes)
+    (x[src[rows of g]] @ w[g]^T with transpose_rhs: gmm(..., transpose_rhs=True))
 
-x [T, K]; src [M] int32 (an entry outside [0, T) reads a zero row); w [G, K, N];
-group_sizes [G] int32, clamped to the M rows as gmm's; rows past sum(group_sizes) are
-zero. Accumulation is float32; the output dtype is preferred_element_type, or x.dtype.
-The first expert product of a MoE layer, without the permuted copy of x in memory.
+x [T, K]; src [M] int32 (an entry outside [0, T) reads a zero row); w [G, K, N], or
+[G, N, K] with transpose_rhs; group_sizes [G] int32, clamped to the M rows as gmm's; rows
+past sum(group_sizes) are zero. Accumulation is float32; the output dtype is
+preferred_element_type, or x.dtype. The first expert product of a MoE layer, without the
+permuted copy of x in memory; with transpose_rhs, e.g. the combine's backward
+dy[token(r)] @ w_out[e]^T with w_out [E, F, H] read as it is stored.
 
 Where it runs: on CUDA the kernel of cuda/gather_gemm.h when it supports the case, decided
 when lowering from the shapes and dtypes (kernel_supports: bf16 x and w, bf16 or float32
-out, K and N multiples of 8) and the local GPUs (Hopper, compute capability 9.0; with no
-local GPU the kernel is assumed and its handler checks the device). Everywhere else (CPU,
-other GPUs, other cases) it lowers to its decomposition, gather_rows + the gmm primitive, so
-every platform computes the same contract.
+out, K and N multiples of 8; either layout of w) and the local GPUs (Hopper, compute
+capability 9.0; with no local GPU the kernel is assumed and its handler checks the device).
+Everywhere else (CPU, other GPUs, other cases) it lowers to its decomposition, gather_rows +
+the gmm primitive (with transpose_rhs), so every platform computes the same contract.
 
 gather_gmm is bilinear in (x, w):
-    d w = gather_tgmm(x, src, ct, group_sizes)   (= tgmm(gather_rows(x, src), ct))
-    d x = the rows of d x_sorted = gmm(ct, w, transpose_rhs=True) summed back to tokens:
-          d x[t] = sum_{r: src[r] = t} d x_sorted[r]
+    d w = gather_tgmm(x, src, ct, group_sizes)   (= tgmm(gather_rows(x, src), ct)), [G, K, N];
+          with transpose_rhs its transpose: d w[g] = (x[src]_g^T ct_g)^T, [G, N, K]
+    d x = the rows of d x_sorted = gmm(ct, w, transpose_rhs = not transpose_rhs) summed
+          back to tokens: d x[t] = sum_{r: src[r] = t} d x_sorted[r]
 The sum is deterministic either way. With token_slots [T, k] int32, a promise that
 token_slots[t, j] names the j-th row r with src[r] = t (k * T = M, each row named at most
 once, as permute's row_map reshaped to [T, k]), it is one gather-sum,
@@ -45,27 +49,30 @@ from moe_xla.primitives.unpermute import unpermute_p
 gather_gmm_p = Primitive("moe_xla_gather_gmm")
 
 
-def gather_gmm(x, src, w, group_sizes, *, preferred_element_type=None, token_slots=None):
-    """Grouped matmul of gathered rows: out[rows of g] = x[src[rows of g]] @ w[g]. See the
-    module docstring; token_slots ([T, k], src's inverse) makes the gradient in x one
-    gather-sum."""
+def gather_gmm(x, src, w, group_sizes, *, transpose_rhs=False, preferred_element_type=None, token_slots=None):
+    """Grouped matmul of gathered rows: out[rows of g] = x[src[rows of g]] @ w[g] (w[g]^T
+    with transpose_rhs, w [G, N, K]). See the module docstring; token_slots ([T, k], src's
+    inverse) makes the gradient in x one gather-sum."""
+    transpose_rhs = _checks.static_bool("gather_gmm", "transpose_rhs", transpose_rhs)
     out_dtype = _checks.out_dtype("gather_gmm", preferred_element_type, getattr(x, "dtype", jnp.float32))
     slots = () if token_slots is None else (token_slots,)
-    return gather_gmm_p.bind(x, src, w, group_sizes, *slots, preferred_element_type=out_dtype,
-                             has_token_slots=token_slots is not None)
+    return gather_gmm_p.bind(x, src, w, group_sizes, *slots, transpose_rhs=transpose_rhs,
+                             preferred_element_type=out_dtype, has_token_slots=token_slots is not None)
 
 
-def kernel_supports(x_shape, w_shape, m: int, in_dtype, out_dtype) -> bool:
-    """Whether the CUDA kernel computes this case: x [T, K] and w [G, K, N] in bf16, M
-    output rows in bf16 or float32, K and N multiples of 8 (16-byte rows), every size at
-    most 2^31 - 256."""
-    (t, k), (g, _, n) = x_shape, w_shape
+def kernel_supports(x_shape, w_shape, m: int, in_dtype, out_dtype, transpose_rhs: bool = False) -> bool:
+    """Whether the CUDA kernel computes this case: x [T, K] and w [G, K, N] ([G, N, K] with
+    transpose_rhs) in bf16, M output rows in bf16 or float32, K and N multiples of 8
+    (16-byte rows), every size at most 2^31 - 256."""
+    (t, k), g = x_shape, w_shape[0]
+    n = w_shape[1] if transpose_rhs else w_shape[2]
     return _gather_kernel.supports(t, m, k, n, g, in_dtype, out_dtype)
 
 
-def _abstract_eval(x, src, w, group_sizes, *token_slots, preferred_element_type, has_token_slots):
-    _checks.gather_inputs("gather_gmm", x, src, "w", w, 3, "[G, K, N]")
-    _checks.dim("gather_gmm", "w.shape[1] (K of x [T, K])", x.shape[1], w.shape[1])
+def _abstract_eval(x, src, w, group_sizes, *token_slots, transpose_rhs, preferred_element_type, has_token_slots):
+    _checks.gather_inputs("gather_gmm", x, src, "w", w, 3, "[G, N, K]" if transpose_rhs else "[G, K, N]")
+    k_axis = 2 if transpose_rhs else 1
+    _checks.dim("gather_gmm", f"w.shape[{k_axis}] (K of x [T, K])", x.shape[1], w.shape[k_axis])
     _checks.group_sizes("gather_gmm", group_sizes, w.shape[0])
     m = src.shape[0]
     if has_token_slots:
@@ -76,19 +83,21 @@ def _abstract_eval(x, src, w, group_sizes, *token_slots, preferred_element_type,
         _checks.dim("gather_gmm", "token_slots.shape[0] (T of x [T, K])", x.shape[0], slots.shape[0])
         _checks.dim("gather_gmm", "token_slots.shape[0] * token_slots.shape[1] (M of src [M])", m,
                     slots.shape[0] * slots.shape[1])
-    return jax.core.ShapedArray((m, w.shape[2]), preferred_element_type)
+    return jax.core.ShapedArray((m, w.shape[1] if transpose_rhs else w.shape[2]), preferred_element_type)
 
 
-def _decomposition(x, src, w, group_sizes, *_token_slots, preferred_element_type, has_token_slots):
-    """gmm(gather_rows(x, src), w, group_sizes): the contract from other primitives."""
-    return gmm_p.bind(gather_rows(x, src), w, group_sizes, transpose_rhs=False,
+def _decomposition(x, src, w, group_sizes, *_token_slots, transpose_rhs, preferred_element_type, has_token_slots):
+    """gmm(gather_rows(x, src), w, group_sizes, transpose_rhs): the contract from other
+    primitives."""
+    return gmm_p.bind(gather_rows(x, src), w, group_sizes, transpose_rhs=transpose_rhs,
                       preferred_element_type=preferred_element_type)
 
 
-def _kernel_operands(x, src, w, group_sizes, *_token_slots, preferred_element_type, has_token_slots):
+def _kernel_operands(x, src, w, group_sizes, *_token_slots, transpose_rhs, preferred_element_type,
+                     has_token_slots):
     """The operands of the CUDA kernel call (x, src, w, group_sizes), or None where it does
     not apply (module docstring)."""
-    if not (kernel_supports(x.shape, w.shape, src.shape[0], x.dtype, preferred_element_type)
+    if not (kernel_supports(x.shape, w.shape, src.shape[0], x.dtype, preferred_element_type, transpose_rhs)
             and _lib.local_gpus_hopper()):
         return None
     return (0, 1, 2, 3)
@@ -108,7 +117,7 @@ def _sum_to_tokens(d_sorted, src, token_slots, num_tokens: int):
     return _rows.sum_rows_into(d_sorted, src[:, None], jnp.ones((src.shape[0], 1), jnp.float32), num_rows=num_tokens)
 
 
-def _transpose(ct, x, src, w, group_sizes, *token_slots, preferred_element_type, has_token_slots):
+def _transpose(ct, x, src, w, group_sizes, *token_slots, transpose_rhs, preferred_element_type, has_token_slots):
     if any(ad.is_undefined_primal(a) for a in (src, group_sizes, *token_slots)):
         raise ValueError("gather_gmm: src, group_sizes and token_slots are integers and cannot be differentiated")
     none = (None,) * (3 + len(token_slots))
@@ -116,13 +125,15 @@ def _transpose(ct, x, src, w, group_sizes, *token_slots, preferred_element_type,
         if type(ct) is ad.Zero:
             return (ad.Zero(x.aval), *none)
         x_dtype = jnp.dtype(x.aval.dtype)
-        d_sorted = gmm_p.bind(ct.astype(w.dtype), w, group_sizes, transpose_rhs=True, preferred_element_type=x_dtype)
+        d_sorted = gmm_p.bind(ct.astype(w.dtype), w, group_sizes, transpose_rhs=not transpose_rhs,
+                              preferred_element_type=x_dtype)
         return (_sum_to_tokens(d_sorted, src, token_slots, x.aval.shape[0]).astype(x_dtype), *none)
     w_aval = w.aval
     if type(ct) is ad.Zero:
         return None, None, ad.Zero(w_aval), *none[2:]
+    # [G, K, N]: x[src]_g^T ct_g; with transpose_rhs w is [G, N, K], so its transpose.
     d_w = gather_tgmm_p.bind(x, src, ct.astype(x.dtype), group_sizes, preferred_element_type=jnp.dtype(w_aval.dtype))
-    return None, None, d_w, *none[2:]
+    return None, None, jnp.swapaxes(d_w, 1, 2) if transpose_rhs else d_w, *none[2:]
 
 
 def _gather_tgmm_transpose(ct, x, src, dy, group_sizes, *, preferred_element_type):
@@ -136,12 +147,12 @@ def _gather_tgmm_transpose(ct, x, src, dy, group_sizes, *, preferred_element_typ
         return _sum_to_tokens(d_sorted, src, (), x.aval.shape[0]).astype(x_dtype), None, None, None
     if type(ct) is ad.Zero:
         return None, None, ad.Zero(dy.aval), None
-    d_dy = gather_gmm_p.bind(x, src, ct.astype(x.dtype), group_sizes, preferred_element_type=jnp.dtype(dy.aval.dtype),
-                             has_token_slots=False)
+    d_dy = gather_gmm_p.bind(x, src, ct.astype(x.dtype), group_sizes, transpose_rhs=False,
+                             preferred_element_type=jnp.dtype(dy.aval.dtype), has_token_slots=False)
     return None, None, d_dy, None
 
 
-def _batch(args, dims, *, preferred_element_type, has_token_slots):
+def _batch(args, dims, *, transpose_rhs, preferred_element_type, has_token_slots):
     x_batched = dims[0] is not None
     args, b = _batching.batched_to_front(args, dims)
     # x is stacked only where it is batched; every other operand gets the batch dimension.
@@ -159,7 +170,8 @@ def _batch(args, dims, *, preferred_element_type, has_token_slots):
         token_slots = []
     folded = _batching.folded_group_sizes(group_sizes, m)
     out = gather_gmm_p.bind(x, src.reshape(b * m), _batching.with_spacer_groups(w), folded, *token_slots,
-                            preferred_element_type=preferred_element_type, has_token_slots=bool(token_slots))
+                            transpose_rhs=transpose_rhs, preferred_element_type=preferred_element_type,
+                            has_token_slots=bool(token_slots))
     return _batching.zero_spacer_rows(out, folded, b, m), 0
 
 
@@ -169,5 +181,6 @@ ad.primitive_jvps[gather_gmm_p] = _ad.bilinear_jvp(gather_gmm_p, 0, 2)
 ad.primitive_transposes[gather_gmm_p] = _transpose
 ad.primitive_transposes[gather_tgmm_p] = _gather_tgmm_transpose
 batching.primitive_batchers[gather_gmm_p] = _batch
-_lowering.register_decomposed(gather_gmm_p, "gather_gmm", _decomposition, _kernel_operands, lambda **_: {},
-                              _cuda_workspace, sharding=_sharding.GATHER_GMM)
+_lowering.register_decomposed(gather_gmm_p, "gather_gmm", _decomposition, _kernel_operands,
+                              lambda transpose_rhs, **_: {"transpose_rhs": transpose_rhs}, _cuda_workspace,
+                              sharding=_sharding.GATHER_GMM)

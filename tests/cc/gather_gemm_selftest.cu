@@ -2,8 +2,8 @@
 //
 // For every case (random and adversarial group sizes: empty groups, one row, all rows in
 // one group, negative and huge sizes, sums below and above M, G up to 512; src with
-// entries outside [0, T); M, K and N that are not multiples of the tiles) and both output
-// dtypes (bf16, f32) it:
+// entries outside [0, T); M, K and N that are not multiples of the tiles), in both layouts
+// of w ([G, K, N], and [G, N, K] with transpose_w) and both output dtypes (bf16, f32) it:
 //   1. poisons the output with NaN and surrounds it with canaries,
 //   2. runs gather_gemm with exactly gather_gemm_workspace_bytes of (misaligned) scratch,
 //   3. compares with a reference kernel that computes every output element on its own,
@@ -15,7 +15,8 @@
 //   4. captures the same call into a CUDA graph, rewrites group_sizes and src in device
 //      memory, replays the graph and checks against the reference of the new inputs
 //      (the sizes are read on the device at run time; the call is graph capturable).
-// It also checks that K or N not a multiple of 8 is an InvalidArgument error.
+// It also checks that K or N not a multiple of 8 is an InvalidArgument error in both
+// layouts.
 // Prints one line per case and a PASS/FAIL summary; exit status 1 if any check failed.
 // On a GPU other than compute capability 9.0, or without a GPU, it exits 0 saying it
 // skipped. Usage: gather_gemm_selftest
@@ -60,12 +61,12 @@ std::vector<int32_t> row_groups(const std::vector<int32_t>& sizes, int64_t m) {
   return group;
 }
 
-// ref[r, c] = sum_k x[src[r], k] * w[group[r], k, c] in float64, in K order; 0 where the
-// row has no group or its src is outside [0, T).
+// ref[r, c] = sum_k x[src[r], k] * w[group[r], k, c] (w[group[r], c, k] with transpose_w)
+// in float64, in K order; 0 where the row has no group or its src is outside [0, T).
 __global__ void reference_kernel(const __nv_bfloat16* __restrict__ x, const int32_t* __restrict__ src,
                                  const __nv_bfloat16* __restrict__ w,
                                  const int32_t* __restrict__ group, int64_t tokens, int64_t m,
-                                 int64_t k, int64_t n, double* __restrict__ ref) {
+                                 int64_t k, int64_t n, bool transpose_w, double* __restrict__ ref) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= m * n) return;
   const int64_t r = i / n, c = i % n;
@@ -73,8 +74,9 @@ __global__ void reference_kernel(const __nv_bfloat16* __restrict__ x, const int3
   double acc = 0;
   if (g >= 0 && s >= 0 && s < tokens) {
     for (int64_t j = 0; j < k; ++j) {
+      const int64_t w_index = transpose_w ? (g * n + c) * k + j : (g * k + j) * n + c;
       acc += static_cast<double>(__bfloat162float(x[s * k + j])) *
-             static_cast<double>(__bfloat162float(w[(g * k + j) * n + c]));
+             static_cast<double>(__bfloat162float(w[w_index]));
     }
   }
   ref[i] = acc;
@@ -85,6 +87,7 @@ struct Case {
   int64_t tokens, m, k, n;
   std::vector<int32_t> sizes;
   std::vector<int32_t> src;
+  bool transpose_w;  // w [G, N, K]
 };
 
 // src of m rows into `tokens` tokens; with `bad` > 0, about one row in `bad` is out of
@@ -100,17 +103,21 @@ std::vector<int32_t> random_src(int64_t m, int64_t tokens, int bad, std::mt19937
   return src;
 }
 
+// Every case in both layouts of w, the transposed one right after the other.
 std::vector<Case> make_cases(std::mt19937& rng) {
   std::vector<Case> cases;
   auto add = [&](const std::string& name, int64_t tokens, int64_t m, int64_t k, int64_t n,
-                 std::vector<int32_t> sizes, int bad_src) {
-    cases.push_back(Case{name, tokens, m, k, n, std::move(sizes), random_src(m, tokens, bad_src, rng)});
+                 const std::vector<int32_t>& sizes, int bad_src) {
+    for (bool transpose_w : {false, true}) {
+      cases.push_back(Case{name, tokens, m, k, n, sizes, random_src(m, tokens, bad_src, rng), transpose_w});
+    }
   };
   add("uniform 8 groups", 300, 1024, 256, 512, random_sizes(1024, 8, 0, rng), 0);
   add("tails M K N", 517, 1037, 200, 264, random_sizes(1037, 5, 0, rng), 0);
   add("bad src", 400, 777, 136, 136, random_sizes(777, 6, 1, rng), 7);
   add("K 8 N 8", 50, 131, 8, 8, random_sizes(131, 3, 0, rng), 5);
   add("K 72 N 520", 250, 600, 72, 520, random_sizes(600, 4, 1, rng), 0);
+  add("K 40 N 776 bad src", 300, 900, 40, 776, random_sizes(900, 7, 2, rng), 5);
   add("empty groups", 128, 700, 96, 256, random_sizes(700, 12, 6, rng), 0);
   add("one row per group", 64, 40, 64, 256, std::vector<int32_t>(40, 1), 0);
   add("all rows in one group", 900, 2000, 128, 384, {0, 2000, 0}, 0);
@@ -146,7 +153,7 @@ struct Runner : gather_selftest::RunnerBase {
     CHECK_CUDA(cudaMemcpy(d.group, group.data(), group.size() * 4, cudaMemcpyHostToDevice));
     const int threads = 256;
     reference_kernel<<<static_cast<unsigned>((mn + threads - 1) / threads), threads, 0, stream>>>(
-        d.x, d.src, d.w, d.group, cs.tokens, cs.m, cs.k, cs.n, d.ref);
+        d.x, d.src, d.w, d.group, cs.tokens, cs.m, cs.k, cs.n, cs.transpose_w, d.ref);
     CHECK_CUDA(cudaGetLastError());
     CHECK_CUDA(cudaStreamSynchronize(stream));
     std::vector<double> ref(static_cast<size_t>(mn));
@@ -180,10 +187,10 @@ struct Runner : gather_selftest::RunnerBase {
 
   void run_case(const Case& cs, DType out_dtype, std::mt19937& rng) {
     ++checks;
-    std::printf("%-26s T %5lld M %5lld K %5lld N %5lld G %4zu out %-4s", cs.name.c_str(),
+    std::printf("%-26s T %5lld M %5lld K %5lld N %5lld G %4zu w %s out %-4s", cs.name.c_str(),
                 static_cast<long long>(cs.tokens), static_cast<long long>(cs.m),
                 static_cast<long long>(cs.k), static_cast<long long>(cs.n), cs.sizes.size(),
-                dtype_name(out_dtype));
+                cs.transpose_w ? "[G,N,K]" : "[G,K,N]", dtype_name(out_dtype));
     Device d;
     d.x = device_copy(random_bf16(cs.tokens * cs.k, 1.0f, rng));
     d.w = device_copy(random_bf16(static_cast<int64_t>(cs.sizes.size()) * cs.k * cs.n, 1.0f, rng));
@@ -207,6 +214,7 @@ struct Runner : gather_selftest::RunnerBase {
     p.k = cs.k;
     p.n = cs.n;
     p.num_groups = static_cast<int64_t>(cs.sizes.size());
+    p.transpose_w = cs.transpose_w;
     const size_t ws_bytes = moe_xla::cuda::gather_gemm_workspace_bytes(p);
     CHECK_CUDA(cudaMalloc(&d.workspace, ws_bytes + 8));
     void* workspace = d.workspace + 8;  // not 256-byte aligned on purpose
@@ -237,7 +245,7 @@ struct Runner : gather_selftest::RunnerBase {
           [&] { return compare(cs, d, out_dtype, src, sizes); });
     }
     std::printf(" %s\n", error.empty() ? "ok" : "FAIL");
-    if (!error.empty()) fail(cs.name + ": " + error);
+    if (!error.empty()) fail(cs.name + (cs.transpose_w ? " (w [G,N,K])" : "") + ": " + error);
     for (void* ptr : {static_cast<void*>(d.x), static_cast<void*>(d.w), static_cast<void*>(d.src),
                       static_cast<void*>(d.sizes), static_cast<void*>(d.group),
                       static_cast<void*>(d.ref), static_cast<void*>(d.out_block),
@@ -246,22 +254,30 @@ struct Runner : gather_selftest::RunnerBase {
     }
   }
 
-  // K or N not a multiple of 8 must be refused before anything is enqueued.
+  // K or N not a multiple of 8 must be refused before anything is enqueued, in both
+  // layouts of w.
   void check_rejects() {
-    for (const auto& kn : {std::pair<int64_t, int64_t>{12, 64}, std::pair<int64_t, int64_t>{64, 60}}) {
-      ++checks;
-      GatherGemmParams p{};
-      p.in_dtype = p.out_dtype = DType::kBF16;
-      p.tokens = 4;
-      p.m = 4;
-      p.k = kn.first;
-      p.n = kn.second;
-      p.num_groups = 1;
-      const moe_xla::Status status = moe_xla::cuda::gather_gemm(p, nullptr, 0, stream);
-      const bool ok = status.code() == moe_xla::StatusCode::kInvalidArgument;
-      std::printf("%-26s K %lld N %lld: %s\n", "unaligned shape rejected", static_cast<long long>(p.k),
-                  static_cast<long long>(p.n), ok ? "ok" : "FAIL");
-      if (!ok) fail("K " + std::to_string(p.k) + " N " + std::to_string(p.n) + " not rejected as InvalidArgument");
+    for (bool transpose_w : {false, true}) {
+      for (const auto& kn : {std::pair<int64_t, int64_t>{12, 64}, std::pair<int64_t, int64_t>{64, 60}}) {
+        ++checks;
+        GatherGemmParams p{};
+        p.in_dtype = p.out_dtype = DType::kBF16;
+        p.tokens = 4;
+        p.m = 4;
+        p.k = kn.first;
+        p.n = kn.second;
+        p.num_groups = 1;
+        p.transpose_w = transpose_w;
+        const moe_xla::Status status = moe_xla::cuda::gather_gemm(p, nullptr, 0, stream);
+        const bool ok = status.code() == moe_xla::StatusCode::kInvalidArgument;
+        const char* layout = transpose_w ? "[G,N,K]" : "[G,K,N]";
+        std::printf("%-26s K %lld N %lld w %s: %s\n", "unaligned shape rejected", static_cast<long long>(p.k),
+                    static_cast<long long>(p.n), layout, ok ? "ok" : "FAIL");
+        if (!ok) {
+          fail("K " + std::to_string(p.k) + " N " + std::to_string(p.n) + " w " + layout +
+               " not rejected as InvalidArgument");
+        }
+      }
     }
   }
 };
