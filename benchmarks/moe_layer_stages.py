@@ -76,7 +76,10 @@ moe_xla.first_product (how moe() feeds its first product: "gather" reads the row
 tokens through the row map, "copy" from permute's copy, "auto" lets moe() choose; FP8
 quantizations copy in every mode), column first_product; with "gather" the forward's
 dispatch stage holds the sort alone and gmm_in the gather (a step that differentiates the
-layer copies: first_product's custom_jvp).
+layer copies: first_product's custom_jvp). --combine-backward likewise measures each mode
+of moe_xla.product_combine (how the second product's backward reads the cotangent:
+"gather" through the row map inside gather_gmm / gather_tgmm, under gmm_out bwd; "copy"
+gathered once into expert order, under combine bwd), column combine_backward.
 Output: moe_layer_stages_<platform>.json / .md under --out (_timing.write_results).
 """
 
@@ -96,7 +99,7 @@ from moe_layer import moe_xla_layer
 import jax
 
 import moe_xla
-from moe_xla import first_product
+from moe_xla import first_product, product_combine
 
 from moe_xla.inspect import parse_hlo
 
@@ -268,13 +271,14 @@ def prequantized_layer(case: dict):
 
 
 def measure_case(case: dict, t_scale: float, reps: int, inner: int, trace_steps: int, key,
-                 quantization=None, first_product_mode="auto") -> dict:
+                 quantization=None, first_product_mode="auto", combine_backward_mode="auto") -> dict:
     """One row: the case's timings, TFLOP/s and stage columns (module docstring), moe()'s
-    first product traced as first_product_mode."""
-    with first_product.forced(first_product_mode):
+    first product traced as first_product_mode, its combine's backward as
+    combine_backward_mode."""
+    with first_product.forced(first_product_mode), product_combine.forced(combine_backward_mode):
         row = _measure_case(case, t_scale, reps, inner, trace_steps, key, quantization)
     return {"case": row.pop("case"), "quantization": row.pop("quantization"), "first_product": first_product_mode,
-            **row}
+            "combine_backward": combine_backward_mode, **row}
 
 
 def _measure_case(case: dict, t_scale: float, reps: int, inner: int, trace_steps: int, key, quantization) -> dict:
@@ -317,7 +321,7 @@ def _measure_case(case: dict, t_scale: float, reps: int, inner: int, trace_steps
     return row
 
 
-COLUMNS = (["case", "quantization", "first_product", "T", "fwd_ms", "fwd_bwd_ms", "fwd_tflops", "bwd_tflops", "fwd_vs_sonicmoe",
+COLUMNS = (["case", "quantization", "first_product", "combine_backward", "T", "fwd_ms", "fwd_bwd_ms", "fwd_tflops", "bwd_tflops", "fwd_vs_sonicmoe",
             "bwd_vs_sonicmoe", "weights_quant_ms",
             "fwd_bwd_mem_gib", "kernels_ms", "other_ms"]
            + [f"{s}_{d}_ms" for s in STAGES for d in DIRECTIONS]
@@ -325,20 +329,21 @@ COLUMNS = (["case", "quantization", "first_product", "T", "fwd_ms", "fwd_bwd_ms"
 
 
 def run(cases, out: Path, t_scale: float, reps: int, inner: int, trace_steps: int, quantizations=(None,),
-        first_products=("auto",)) -> list:
-    """Measures `cases` (once per entry of quantizations, moe()'s option, and of
-    first_products, first_product's modes) and writes moe_layer_stages_<platform>.json /
-    .md under out."""
+        first_products=("auto",), combine_backwards=("auto",)) -> list:
+    """Measures `cases` (once per entry of quantizations, moe()'s option, of
+    first_products, first_product's modes, and of combine_backwards, product_combine's)
+    and writes moe_layer_stages_<platform>.json / .md under out."""
     platform = jax.devices()[0].platform
     env = environment()
     env.update(t_scale=t_scale, reps=reps, inner=inner, trace_steps=trace_steps)
     rows = []
     for i, case in enumerate(cases):
-        for quantization, mode in itertools.product(quantizations, first_products):
+        for quantization, mode, combine in itertools.product(quantizations, first_products, combine_backwards):
             row = measure_case(case, t_scale, reps, inner, trace_steps, jax.random.fold_in(jax.random.key(0), i),
-                               quantization, mode)
+                               quantization, mode, combine)
             rows.append(row)
-            print(f"{row['case']} ({row['quantization']}, first product {mode}): fwd {row['fwd_ms']:.3f} ms "
+            print(f"{row['case']} ({row['quantization']}, first product {mode}, combine backward {combine}): "
+                  f"fwd {row['fwd_ms']:.3f} ms "
                   f"({row['fwd_tflops']:.3g} TFLOP/s), fwd+bwd {row['fwd_bwd_ms']:.3f} ms "
                   f"(bwd {row['bwd_tflops'] or float('nan'):.3g} TFLOP/s)", flush=True)
             if row["kernels_ms"] is None:
@@ -365,6 +370,9 @@ def main(argv=None):
     parser.add_argument("--first-product", nargs="+", default=["auto"], choices=list(first_product.MODES),
                         help="how moe() feeds its first product (moe_xla.first_product), each measured in turn: "
                              "gather (rows read through the row map), copy (permute's copy of x), auto")
+    parser.add_argument("--combine-backward", nargs="+", default=["auto"], choices=list(product_combine.MODES),
+                        help="how the combine's backward reads the cotangent (moe_xla.product_combine), each "
+                             "measured in turn: gather (through the row map), copy (gathered into c), auto")
     args = parser.parse_args(argv)
     cases = default_cases()
     unknown = set(args.cases or ()) - {c["name"] for c in cases}
@@ -373,7 +381,7 @@ def main(argv=None):
     on_gpu = jax.devices()[0].platform == "gpu"
     return run([c for c in cases if not args.cases or c["name"] in args.cases], args.out, args.t_scale,
                args.reps or (20 if on_gpu else 1), 5 if on_gpu else 1, args.trace_steps or (3 if on_gpu else 1),
-               [None if q == "none" else q for q in args.quantization], args.first_product)
+               [None if q == "none" else q for q in args.quantization], args.first_product, args.combine_backward)
 
 
 if __name__ == "__main__":

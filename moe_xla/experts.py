@@ -14,7 +14,7 @@ import moe_xla.fp8 as fp8
 from moe_xla.activations import activate
 from moe_xla.first_product import GatheredRows
 from moe_xla.grouped import gmm, is_fp8
-from moe_xla.product_combine import activate_gmm_combine
+from moe_xla.product_combine import activate_gmm_combine, backward_gathers
 
 
 def expert_mlp(x_sorted, w_in, w_out, group_sizes, activation: str, quantization=None, x_quantized=None,
@@ -54,19 +54,21 @@ def expert_mlp(x_sorted, w_in, w_out, group_sizes, activation: str, quantization
         else:
             h = gmm(x_sorted, w_in, group_sizes, quantization=quantization)
     if combine is not None:
-        return _activate_product_combine(h, w_out, group_sizes, *combine, activation)
+        row_map, weights = combine
+        return _activate_product_combine(h, w_out, group_sizes, row_map, weights, activation,
+                                         backward_gathers(h, w_out, weights.shape[0]))
     with jax.named_scope("moe_xla/act"):
         a = activate(h, activation)
     with jax.named_scope("moe_xla/gmm_out"):
         return gmm(a, w_out, group_sizes, quantization=quantization)
 
 
-@functools.partial(jax.checkpoint, static_argnums=(5,))
-def _activate_product_combine(h, w_out, group_sizes, row_map, weights, activation: str):
+@functools.partial(jax.checkpoint, static_argnums=(5, 6))
+def _activate_product_combine(h, w_out, group_sizes, row_map, weights, activation: str, gathered_backward: bool):
     """activate_gmm_combine(h, w_out, ...), rematerialised: a step keeps h, which the
     activation's backward reads anyway, and recomputes omega * a for w_out's gradient (one
     elementwise pass over h) instead of keeping a [T*k, F] array."""
-    return activate_gmm_combine(h, w_out, group_sizes, row_map, weights, activation)
+    return activate_gmm_combine(h, w_out, group_sizes, row_map, weights, activation, gathered_backward)
 
 
 def shared_mlp(x, shared_experts, activation: str):

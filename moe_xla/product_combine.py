@@ -19,6 +19,10 @@ transpose with weights 1: one gather_rows pass), is
     d weights[t, j] = d omega[r]          (F wide; = <dy[t], out[r]>)
     d w_out[e] = b_e^T c_e                (one tgmm)
 
+With `backward_gathers`, c is never written: the tangent's product and combine are one
+bilinear primitive (primitives/gmm_unpermute.py) whose transposes read dy through the row
+map, g = gather_gmm(dy, src, w_out, transpose_rhs=True) and d w_out = gather_tgmm(dy, src,
+b)^T (src[r] the token of row r); otherwise c is gathered once and read by gmm and tgmm.
 The usual rule (unpermute's transpose, then gmm's, then the activation's) keeps out
 [T*k, H] for d weights and reads it, and writes the weighted cotangent. Roundings: the
 tangent rounds b and d b to h's dtype, g is rounded to it, and omega g is not (d h is
@@ -28,16 +32,59 @@ weighted cotangent's product had.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
 import jax.numpy as jnp
 
+import moe_xla._lib as _lib
 import moe_xla._rows as _rows
 from moe_xla.activations import activate
 from moe_xla.primitives.activate_weighted_tangent import activate_weighted_tangent
+from moe_xla.primitives.gather_gmm import kernel_supports as gather_gmm_supports
+from moe_xla.primitives.gather_tgmm import kernel_supports as gather_tgmm_supports
 from moe_xla.primitives.gmm import gmm
+from moe_xla.primitives.gmm_unpermute import gmm_unpermute
 from moe_xla.primitives.unpermute import unpermute
+
+MODES = ("auto", "gather", "copy")
+# Largest F (w_out [E, F, H]) whose backward gathers under "auto": the gathered products
+# replace the [T*k, H] pass that writes c, and gather_tgmm is slower than tgmm on c by a
+# share of the weight gradient that grows with F (LOG.md, session 16).
+GATHER_MAX_F = 512
+
+_forced = "auto"
+
+
+@contextlib.contextmanager
+def forced(mode: str):
+    """Within the block `backward_gathers` answers as `mode` says: "gather"
+    (the cotangent read through the row map), "copy" (gathered once into c), or "auto"
+    (`backward_gathers`). For tests and benchmarks; a function jitted under one mode keeps
+    it in its compiled programs."""
+    global _forced
+    if mode not in MODES:
+        raise ValueError(f"product_combine.forced: expected a mode in {MODES}, got {mode!r}")
+    previous, _forced = _forced, mode
+    try:
+        yield
+    finally:
+        _forced = previous
+
+
+def backward_gathers(h, w_out, num_tokens: int) -> bool:
+    """Whether the derivative of activate_gmm_combine(h, w_out, ...) should read the
+    cotangent through the row map (module docstring), unless `forced`: on Hopper GPUs in bf16 where
+    both gather kernels run, for F <= GATHER_MAX_F."""
+    if _forced != "auto":
+        return _forced == "gather"
+    m, (e, f, hidden) = h.shape[0], w_out.shape
+    dtype = h.dtype
+    return (jax.default_backend() == "gpu" and _lib.local_gpus_hopper() and jnp.dtype(dtype) == jnp.bfloat16
+            and f <= GATHER_MAX_F
+            and gather_gmm_supports((num_tokens, hidden), w_out.shape, m, dtype, dtype, transpose_rhs=True)
+            and gather_tgmm_supports((num_tokens, hidden), (m, f), e, dtype, dtype))
 
 
 def _row_weights(row_map, weights, num_rows: int):
@@ -48,13 +95,15 @@ def _row_weights(row_map, weights, num_rows: int):
     return jnp.zeros((num_rows,), weights.dtype).at[place].set(weights.reshape(-1), mode="drop", unique_indices=True)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(5,))
-def activate_gmm_combine(h, w_out, group_sizes, row_map, weights, activation: str):
+@functools.partial(jax.custom_jvp, nondiff_argnums=(5, 6))
+def activate_gmm_combine(h, w_out, group_sizes, row_map, weights, activation: str, gathered_backward: bool):
     """unpermute(gmm(activate(h, activation), w_out, group_sizes), row_map, weights,
     unique_rows=True): h [T*k, 2F] (gated) or [T*k, F] grouped by expert, w_out [E, F, H],
     row_map permute's (naming each row at most once), weights [T, k] float32 -> y [T, H] in
     h's dtype. Differentiable w.r.t. h, w_out and weights by the rule of the module
-    docstring (jvp, grad, vmap)."""
+    docstring (jvp, grad, vmap), reading the cotangent through the row map where
+    gathered_backward (the caller's choice, e.g. `backward_gathers`; an argument, so that
+    traces of the rule made under one choice are not reused for the other)."""
     with jax.named_scope("moe_xla/act"):
         a = activate(h, activation)
     with jax.named_scope("moe_xla/gmm_out"):
@@ -64,16 +113,24 @@ def activate_gmm_combine(h, w_out, group_sizes, row_map, weights, activation: st
 
 
 @activate_gmm_combine.defjvp
-def _activate_gmm_combine_jvp(activation, primals, tangents):
+def _activate_gmm_combine_jvp(activation, gathered_backward, primals, tangents):
     h, w_out, group_sizes, row_map, weights = primals
     d_h, d_w_out, _, _, d_weights = tangents
-    y = activate_gmm_combine(h, w_out, group_sizes, row_map, weights, activation)
+    y = activate_gmm_combine(h, w_out, group_sizes, row_map, weights, activation, gathered_backward)
     with jax.named_scope("moe_xla/combine"):
         omega = _row_weights(row_map, weights, h.shape[0])
         d_omega = _row_weights(row_map, d_weights, h.shape[0])
     with jax.named_scope("moe_xla/act"):
         d_rows = activate_weighted_tangent(h, omega, d_h, d_omega, activation)
         weighted = (omega[:, None] * activate(h, activation).astype(jnp.float32)).astype(h.dtype)
+    if gathered_backward:
+        with jax.named_scope("moe_xla/gmm_out"):
+            slots = row_map.reshape(weights.shape)
+            # src[r]: the token whose slot names row r; rows no slot names read no row.
+            pair, named = _rows.inverse_rows(row_map, h.shape[0])
+            src = jnp.where(named, pair // weights.shape[1], -1)
+            return y, (gmm_unpermute(d_rows, w_out, group_sizes, slots, src)
+                       + gmm_unpermute(weighted, d_w_out, group_sizes, slots, src))
     with jax.named_scope("moe_xla/gmm_out"):
         d_out = gmm(d_rows, w_out, group_sizes) + gmm(weighted, d_w_out, group_sizes)
     with jax.named_scope("moe_xla/combine"):

@@ -5,8 +5,10 @@ product.
 Forward, gradients (h, w_out, routing weights), forward mode, vmap and second order against
 a dense formula that shares nothing with it (the activation of tests/independent.py,
 one-hot matrices and einsum in float32), for every activation, on row maps with entries
-naming no row, rows no entry names and rows past the groups; moe()'s step keeps neither the
-product's output nor a, has no scatter-add and runs the fused activation backward.
+naming no row, rows no entry names and rows past the groups, with the cotangent gathered
+into c and read through the row map (product_combine.forced, "copy" and "gather"); moe()'s
+step keeps neither the product's output nor a, has no scatter-add and runs the fused
+activation backward, and gathers no c where its backward gathers.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from independent import ACTIVATIONS, GATED_ACTIVATIONS, activation_fn
 from jax.test_util import check_grads
 
 import moe_xla
+from moe_xla import product_combine
 from moe_xla.product_combine import activate_gmm_combine
 
 T, K, F, H = 24, 3, 8, 12
@@ -35,6 +38,18 @@ def _row_map(rng, kind):
     if kind == "holes":
         rm[rng.choice(T * K, 8, replace=False)] = [-1, T * K, T * K + 5, -(2**31), 2**31 - 1, -7, T * K, -1]
     return jnp.asarray(rm.astype(np.int32))
+
+
+@pytest.fixture(params=["copy", "gather"])
+def combined(request):
+    """activate_gmm_combine as _dense's signature, its derivative reading the cotangent's
+    rows gathered into c ("copy") or through the row map ("gather": gathered_backward)."""
+    gathered = request.param == "gather"
+
+    def combine(h, w_out, weights, row_map, activation="swiglu"):
+        return activate_gmm_combine(h, w_out, jnp.asarray(SIZES), row_map, weights, activation, gathered)
+
+    return combine
 
 
 def _inputs(rng, dtype, activation="swiglu"):
@@ -57,10 +72,6 @@ def _dense(h, w_out, weights, row_map, activation="swiglu"):
     return jnp.einsum("tk,tkr,rh->th", weights, picks, out, precision="highest")
 
 
-def _combined(h, w_out, weights, row_map, activation="swiglu"):
-    return activate_gmm_combine(h, w_out, jnp.asarray(SIZES), row_map, weights, activation)
-
-
 def _grads(f, h, w_out, weights, row_map, ct, activation="swiglu"):
     loss = lambda *x: jnp.sum(f(*x, row_map, activation).astype(jnp.float32) * ct)  # noqa: E731
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(h, w_out, weights)
@@ -69,14 +80,14 @@ def _grads(f, h, w_out, weights, row_map, ct, activation="swiglu"):
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("kind", ["permutation", "holes"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
-def test_forward_and_gradients_match_the_dense_formula(rng, kind, dtype, activation):
+def test_forward_and_gradients_match_the_dense_formula(rng, kind, dtype, activation, combined):
     h, w_out, weights = _inputs(rng, dtype, activation)
     row_map = _row_map(rng, kind)
     ct = normal(rng, (T, H), jnp.float32)
-    y = jax.jit(_combined, static_argnums=4)(h, w_out, weights, row_map, activation)
+    y = jax.jit(combined, static_argnums=4)(h, w_out, weights, row_map, activation)
     assert y.dtype == dtype
     assert_close(y, _dense(h, w_out, weights, row_map, activation), dtype)
-    got = _grads(_combined, h, w_out, weights, row_map, ct, activation)
+    got = _grads(combined, h, w_out, weights, row_map, ct, activation)
     want = _grads(_dense, h, w_out, weights, row_map, ct, activation)
     # bf16 / f16 gradients round a, g and omega * a where the dense formula does not.
     for name, x, y_ in zip(("d h", "d w_out", "d weights"), got, want):
@@ -88,13 +99,13 @@ def test_forward_and_gradients_match_the_dense_formula(rng, kind, dtype, activat
     assert np.all(np.asarray(got[0], np.float32)[~named | past] == 0)
 
 
-def test_forward_mode_and_vmap_of_the_gradient(rng):
+def test_forward_mode_and_vmap_of_the_gradient(rng, combined):
     h, w_out, weights = _inputs(rng, jnp.float32)
     row_map = _row_map(rng, "holes")
     tangents = (normal(rng, h.shape, jnp.float32), normal(rng, w_out.shape, jnp.float32),
                 normal(rng, weights.shape, jnp.float32))
     primals = (h, w_out, weights)
-    y, dy = jax.jit(lambda p, t: jax.jvp(lambda *x: _combined(*x, row_map), p, t))(primals, tangents)
+    y, dy = jax.jit(lambda p, t: jax.jvp(lambda *x: combined(*x, row_map), p, t))(primals, tangents)
     y_ref, dy_ref = jax.jvp(lambda *x: _dense(*x, row_map), primals, tangents)
     assert_close(y, y_ref, jnp.float32)
     assert_close(dy, dy_ref, jnp.float32)
@@ -104,22 +115,22 @@ def test_forward_mode_and_vmap_of_the_gradient(rng):
         return jax.jit(jax.vmap(lambda ct: jax.grad(lambda *x: jnp.sum(f(*x, row_map) * ct), argnums=(0, 1, 2))(
             *primals)))(cts)
 
-    for x, y_ in zip(grads(_combined), grads(_dense)):
+    for x, y_ in zip(grads(combined), grads(_dense)):
         assert_close(x, y_, jnp.float32)
-    check_grads(lambda *x: _combined(*x, row_map), primals, order=2, modes=("fwd", "rev"), atol=1e-2, rtol=1e-2)
+    check_grads(lambda *x: combined(*x, row_map), primals, order=2, modes=("fwd", "rev"), atol=1e-2, rtol=1e-2)
 
 
-def test_gradient_in_the_weights_alone(rng):
+def test_gradient_in_the_weights_alone(rng, combined):
     """Differentiating only the routing weights (h and w_out constants) gives the same."""
     h, w_out, weights = _inputs(rng, jnp.float32)
     row_map = _row_map(rng, "permutation")
     ct = normal(rng, (T, H), jnp.float32)
-    got = jax.jit(jax.grad(lambda w: jnp.sum(_combined(h, w_out, w, row_map) * ct)))(weights)
+    got = jax.jit(jax.grad(lambda w: jnp.sum(combined(h, w_out, w, row_map) * ct)))(weights)
     want = jax.grad(lambda w: jnp.sum(_dense(h, w_out, w, row_map) * ct))(weights)
     assert rel_err(got, want) < 1e-5
 
 
-def test_gradient_of_the_gradient(rng):
+def test_gradient_of_the_gradient(rng, combined):
     """Second order (the fused kernel's own derivative is its jnp formula's): a Hessian-vector
     product of a loss of the layer, forward over reverse, against the dense formula's."""
     h, w_out, weights = _inputs(rng, jnp.float32, "geglu")
@@ -132,7 +143,7 @@ def test_gradient_of_the_gradient(rng):
         grad = jax.grad(lambda *x: jnp.sum(f(*x, row_map, "geglu") * ct) ** 2 / 100, argnums=(0, 1, 2))
         return jax.jit(lambda p, t: jax.jvp(lambda *x: grad(*x), p, t)[1])((h, w_out, weights), v)
 
-    for x, y_ in zip(hvp(_combined), hvp(_dense)):
+    for x, y_ in zip(hvp(combined), hvp(_dense)):
         assert rel_err(x, y_) < 1e-4
 
 
@@ -154,12 +165,13 @@ def test_the_step_keeps_neither_the_product_nor_a(rng):
     assert (t * k, 2 * f) in shapes, shapes  # h, which the activation's backward reads
 
 
-def test_the_gradient_has_no_scatter_add_and_gathers_the_cotangent_once(rng):
+def test_the_gradient_has_no_scatter_add_and_gathers_the_cotangent_once(rng, combined):
     """A float scatter-add sums in an order that varies on GPUs: the weights' cotangent is
-    a gather. moe()'s step gathers its cotangent into expert order in one gather_rows."""
+    a gather, either way. moe()'s step (which copies on the CPU) gathers its cotangent into
+    expert order in one gather_rows."""
     h, w_out, weights = _inputs(rng, jnp.float32)
     row_map = _row_map(rng, "holes")
-    grad = jax.grad(lambda *x: jnp.sum(_combined(*x, row_map)), argnums=(0, 1, 2))
+    grad = jax.grad(lambda *x: jnp.sum(combined(*x, row_map)), argnums=(0, 1, 2))
     text = str(jax.make_jaxpr(grad)(h, w_out, weights))
     for banned in ("scatter-add", "scatter_add"):
         assert not re.search(rf"\b{banned}\[", text), f"{banned} in activate_gmm_combine's gradient"
@@ -168,3 +180,20 @@ def test_the_gradient_has_no_scatter_add_and_gathers_the_cotangent_once(rng):
     assert step_text.count("moe_xla_gather_rows[") == 1
     # d h and the routing weights' d omega come from one pass of the fused kernel.
     assert step_text.count("moe_xla_activate_weighted_grad[") == 1
+
+
+def test_a_gathering_backward_writes_no_gathered_cotangent(rng):
+    """With the backward gathering, the step's only gathers of rows are inside the products:
+    gather_gmm for d a and gather_tgmm for d w_out, no gather_rows of the cotangent."""
+    step = jax.grad(lambda *x: jnp.sum(moe_xla.moe(*x, top_k=2)), argnums=(0, 1, 2, 3))
+    with product_combine.forced("gather"):
+        text = str(jax.make_jaxpr(step)(*_layer_inputs(rng)))
+    assert text.count("moe_xla_gather_rows[") == 0
+    assert text.count("moe_xla_gather_gmm[") == 1
+    assert text.count("moe_xla_gather_tgmm[") == 1
+
+
+def test_forced_rejects_an_unknown_mode():
+    with pytest.raises(ValueError, match="expected a mode in"):
+        with product_combine.forced("scatter"):
+            pass
