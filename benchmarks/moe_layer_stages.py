@@ -79,7 +79,7 @@ dispatch stage holds the sort alone and gmm_in the gather (a step that different
 layer copies: first_product's custom_jvp). --combine-backward likewise measures each mode
 of moe_xla.product_combine (how the second product's backward reads the cotangent:
 "gather" through the row map inside gather_gmm / gather_tgmm, under gmm_out bwd; "copy"
-gathered once into expert order, under combine bwd), column combine_backward.
+gathered once into expert order, under combine bwd), column cotangent_rows.
 Output: moe_layer_stages_<platform>.json / .md under --out (_timing.write_results).
 """
 
@@ -278,7 +278,7 @@ def measure_case(case: dict, t_scale: float, reps: int, inner: int, trace_steps:
     with first_product.forced(first_product_mode), product_combine.forced(combine_backward_mode):
         row = _measure_case(case, t_scale, reps, inner, trace_steps, key, quantization)
     return {"case": row.pop("case"), "quantization": row.pop("quantization"), "first_product": first_product_mode,
-            "combine_backward": combine_backward_mode, **row}
+            "cotangent_rows": combine_backward_mode, **row}
 
 
 def _measure_case(case: dict, t_scale: float, reps: int, inner: int, trace_steps: int, key, quantization) -> dict:
@@ -321,7 +321,7 @@ def _measure_case(case: dict, t_scale: float, reps: int, inner: int, trace_steps
     return row
 
 
-COLUMNS = (["case", "quantization", "first_product", "combine_backward", "T", "fwd_ms", "fwd_bwd_ms", "fwd_tflops", "bwd_tflops", "fwd_vs_sonicmoe",
+COLUMNS = (["case", "quantization", "first_product", "cotangent_rows", "T", "fwd_ms", "fwd_bwd_ms", "fwd_tflops", "bwd_tflops", "fwd_vs_sonicmoe",
             "bwd_vs_sonicmoe", "weights_quant_ms",
             "fwd_bwd_mem_gib", "kernels_ms", "other_ms"]
            + [f"{s}_{d}_ms" for s in STAGES for d in DIRECTIONS]

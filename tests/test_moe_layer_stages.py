@@ -202,12 +202,14 @@ def test_prequantized_weights_are_inputs_of_the_step(tmp_path, monkeypatch):
     assert "moe_xla_quantize_fp8_weights" not in step and "moe_xla_quantize_fp8_blocks" not in step
 
 
-def test_first_product_modes_in_one_run(tmp_path, monkeypatch):
+@pytest.mark.parametrize("flag,column", [("--first-product", "first_product"),
+                                         ("--combine-backward", "cotangent_rows")])
+def test_modes_in_one_run(tmp_path, monkeypatch, flag, column):
     shrunk = {name: [dict(c, H=32, F=16, E=8, top_k=min(c["top_k"], 4)) for c in stages.CASES[name]]
               for name in stages.CASE_LISTS}
     monkeypatch.setattr(stages, "CASES", shrunk)
     stages.main(["--out", str(tmp_path), "--t-scale", str(1 / 512), "--cases", "sonicmoe-30b-n256-e256-k16",
-                 "--first-product", "gather", "copy"])
+                 flag, "gather", "copy"])
     results = json.loads((tmp_path / "moe_layer_stages_cpu.json").read_text())["results"]
-    assert [r["first_product"] for r in results] == ["gather", "copy"]
+    assert [r[column] for r in results] == ["gather", "copy"]
     assert all(r["fwd_bwd_ms"] > 0 for r in results)
