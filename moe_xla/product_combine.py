@@ -49,10 +49,12 @@ from moe_xla.primitives.gmm_unpermute import gmm_unpermute
 from moe_xla.primitives.unpermute import unpermute
 
 MODES = ("auto", "gather", "copy")
-# Largest F (w_out [E, F, H]) whose backward gathers under "auto": the gathered products
-# replace the [T*k, H] pass that writes c, and gather_tgmm is slower than tgmm on c by a
-# share of the weight gradient that grows with F (LOG.md, session 16).
-GATHER_MAX_F = 512
+# Largest F (w_out [E, F, H]) whose backward gathers under "auto". The gathered products
+# replace the [T*k, H] pass that writes c, but gather_tgmm runs at 0.66-0.89 of a row
+# gather + tgmm on the benchmark cases (1.16 on the finest, sonicmoe n256; LOG.md, session
+# 16), so where the gathers pay is not measured yet: 0, none, until the layer's A/B
+# (moe_layer_stages.py --combine-backward gather copy) says.
+GATHER_MAX_F = 0
 
 _forced = "auto"
 

@@ -193,7 +193,12 @@ def test_a_gathering_backward_writes_no_gathered_cotangent(rng):
     assert text.count("moe_xla_gather_tgmm[") == 1
 
 
-def test_forced_rejects_an_unknown_mode():
+def test_the_choice_follows_forced_and_copies_on_the_cpu(rng):
+    h, w_out, weights = _inputs(rng, jnp.bfloat16)
+    assert not product_combine.backward_gathers(h, w_out, T)  # auto: copies (GATHER_MAX_F = 0)
+    for mode, gathers in (("gather", True), ("copy", False)):
+        with product_combine.forced(mode):
+            assert product_combine.backward_gathers(h, w_out, T) is gathers
     with pytest.raises(ValueError, match="expected a mode in"):
         with product_combine.forced("scatter"):
             pass
