@@ -24,42 +24,34 @@ a function jitted under one mode keeps it in its compiled programs.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 
+import moe_xla._choice as _choice
 import moe_xla._lib as _lib
 import moe_xla._rows as _rows
 from moe_xla.primitives.gather_gmm import gather_gmm, kernel_supports
 from moe_xla.primitives.gmm import gmm
 from moe_xla.primitives.permute import permute
 
-MODES = ("auto", "gather", "copy")
+MODES = _choice.MODES
 GATHER_MAX_N = 1024
 # Largest w_in width whose derivative gathers under "auto". 0, none: on the H200 the gathered
 # derivative's weight gradient (gather_tgmm) is slower than the copy it saves on every
 # benchmark case (LOG.md, session 15), though the step then keeps no x_sorted.
 GATHER_DERIVATIVE_MAX_N = 0
 
-_forced = "auto"
+_override = _choice.Override("first_product")
 
 
-@contextlib.contextmanager
 def forced(mode: str):
     """Within the block moe() traces its first product as `mode`: "gather" (forward and
     derivative), "copy", or "auto" (`choose`, `derivative_gathers`). "gather" applies to the
     bf16 / f16 / f32 products; FP8 quantization keeps its own path."""
-    global _forced
-    if mode not in MODES:
-        raise ValueError(f"first_product.forced: expected a mode in {MODES}, got {mode!r}")
-    previous, _forced = _forced, mode
-    try:
-        yield
-    finally:
-        _forced = previous
+    return _override.forced(mode)
 
 
 def choose(x, w_in, top_k: int, quantization) -> str:
@@ -67,8 +59,8 @@ def choose(x, w_in, top_k: int, quantization) -> str:
     docstring), unless `forced`."""
     if quantization is not None:
         return "copy"
-    if _forced != "auto":
-        return _forced
+    if _override.mode != "auto":
+        return _override.mode
     gathers = (jax.default_backend() == "gpu" and _lib.local_gpus_hopper() and jnp.dtype(x.dtype) == jnp.bfloat16
                and w_in.shape[2] <= GATHER_MAX_N
                and kernel_supports(x.shape, w_in.shape, x.shape[0] * top_k, x.dtype, x.dtype))
@@ -78,8 +70,8 @@ def choose(x, w_in, top_k: int, quantization) -> str:
 def derivative_gathers(w_in) -> bool:
     """Whether a gathered first product of w_in [E, H, N] takes gather_gmm's own derivative
     (module docstring), unless `forced`."""
-    if _forced != "auto":
-        return _forced == "gather"
+    if _override.mode != "auto":
+        return _override.mode == "gather"
     return w_in.shape[2] <= GATHER_DERIVATIVE_MAX_N
 
 

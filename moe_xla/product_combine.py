@@ -32,12 +32,12 @@ weighted cotangent's product had.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import jax
 import jax.numpy as jnp
 
+import moe_xla._choice as _choice
 import moe_xla._lib as _lib
 import moe_xla._rows as _rows
 from moe_xla.activations import activate
@@ -48,7 +48,7 @@ from moe_xla.primitives.gmm import gmm
 from moe_xla.primitives.gmm_unpermute import gmm_unpermute
 from moe_xla.primitives.unpermute import unpermute
 
-MODES = ("auto", "gather", "copy")
+MODES = _choice.MODES
 # Largest F (w_out [E, F, H]) whose backward gathers under "auto". The gathered products
 # replace the [T*k, H] pass that writes c, but gather_tgmm runs at 0.66-0.89 of a row
 # gather + tgmm on the benchmark cases (1.16 on the finest, sonicmoe n256; LOG.md, session
@@ -56,31 +56,23 @@ MODES = ("auto", "gather", "copy")
 # (moe_layer_stages.py --combine-backward gather copy) says.
 GATHER_MAX_F = 0
 
-_forced = "auto"
+_override = _choice.Override("product_combine")
 
 
-@contextlib.contextmanager
 def forced(mode: str):
     """Within the block `backward_gathers` answers as `mode` says: "gather"
     (the cotangent read through the row map), "copy" (gathered once into c), or "auto"
     (`backward_gathers`). For tests and benchmarks; a function jitted under one mode keeps
     it in its compiled programs."""
-    global _forced
-    if mode not in MODES:
-        raise ValueError(f"product_combine.forced: expected a mode in {MODES}, got {mode!r}")
-    previous, _forced = _forced, mode
-    try:
-        yield
-    finally:
-        _forced = previous
+    return _override.forced(mode)
 
 
 def backward_gathers(h, w_out, num_tokens: int) -> bool:
     """Whether the derivative of activate_gmm_combine(h, w_out, ...) should read the
     cotangent through the row map (module docstring), unless `forced`: on Hopper GPUs in bf16 where
     both gather kernels run, for F <= GATHER_MAX_F."""
-    if _forced != "auto":
-        return _forced == "gather"
+    if _override.mode != "auto":
+        return _override.mode == "gather"
     m, (e, f, hidden) = h.shape[0], w_out.shape
     dtype = h.dtype
     return (jax.default_backend() == "gpu" and _lib.local_gpus_hopper() and jnp.dtype(dtype) == jnp.bfloat16
