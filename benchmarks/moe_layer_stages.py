@@ -5,6 +5,7 @@
                                           [--quantization none fp8_blockwise fp8_blockwise_fp8_wgrad
                                                           fp8_blockwise_prequantized]
                                           [--first-product auto gather copy]
+                                          [--combine-backward auto gather copy]
 
 Cases: every "moe_layer" and "sonicmoe" case of cases.json (bf16, swiglu experts w_in
 [E, d, 2n], w_out [E, n, d], the case's routing). Notation: T tokens, d hidden (H), n
@@ -303,9 +304,13 @@ def _measure_case(case: dict, t_scale: float, reps: int, inner: int, trace_steps
     t_fb = time_jax(step, *inputs, ct, reps=reps, inner=inner)
     # The traced step is compiled without command buffers: inside one, every kernel carries
     # the command buffer's name ("command_buffer_1") instead of its HLO instruction's.
-    traced = jax.jit(fwd_bwd(layer, n_diff)).lower(*inputs, ct).compile(
-        compiler_options={"xla_gpu_enable_command_buffer": ""})
-    kernels = [ev for ks in gpu_kernels(trace_events(traced, inputs + (ct,), trace_steps)).values() for ev in ks]
+    # trace_steps = 0: no trace (an A/B of step times alone), the stage columns left empty.
+    kernels, scopes = [], {}
+    if trace_steps > 0:
+        traced = jax.jit(fwd_bwd(layer, n_diff)).lower(*inputs, ct).compile(
+            compiler_options={"xla_gpu_enable_command_buffer": ""})
+        kernels = [ev for ks in gpu_kernels(trace_events(traced, inputs + (ct,), trace_steps)).values() for ev in ks]
+        scopes = instruction_scopes(traced.as_text())
     flops = 6.0 * t * k * d * n
     row = {"case": case["name"], "quantization": quantization or "none", "T": t, "H": d, "F": n, "E": e, "top_k": k,
            "score": case["score"],
@@ -316,7 +321,7 @@ def _measure_case(case: dict, t_scale: float, reps: int, inner: int, trace_steps
     for tag in ("fwd", "bwd"):
         ref = case.get(f"sonicmoe_h100_{tag}_tflops")
         row[f"{tag}_vs_sonicmoe"] = row[f"{tag}_tflops"] / ref if ref and row[f"{tag}_tflops"] else None
-    row.update(stage_columns(kernels, instruction_scopes(traced.as_text()), trace_steps, t_fb * 1e3,
+    row.update(stage_columns(kernels, scopes, trace_steps, t_fb * 1e3,
                              dict(t=t, k=k, d=d, n=n, e=e, b=inputs[0].dtype.itemsize)))
     return row
 
@@ -347,7 +352,8 @@ def run(cases, out: Path, t_scale: float, reps: int, inner: int, trace_steps: in
                   f"({row['fwd_tflops']:.3g} TFLOP/s), fwd+bwd {row['fwd_bwd_ms']:.3f} ms "
                   f"(bwd {row['bwd_tflops'] or float('nan'):.3g} TFLOP/s)", flush=True)
             if row["kernels_ms"] is None:
-                print(f"  note: the {platform} trace has no GPU kernels; stage columns left empty", flush=True)
+                print(f"  note: no GPU kernels traced on {platform} (or --trace-steps 0); stage columns left empty",
+                      flush=True)
             else:
                 print(format_stages(row), flush=True)
     write_results(out, f"moe_layer_stages_{platform}", env, rows, COLUMNS)
@@ -360,7 +366,8 @@ def main(argv=None):
     parser.add_argument("--cases", nargs="*", help="case names (default: every moe_layer and sonicmoe case)")
     parser.add_argument("--t-scale", type=float, default=1.0, help="scale T (for quick runs)")
     parser.add_argument("--reps", type=int, default=None, help="timed repetitions (default 20 on GPU, 1 on CPU)")
-    parser.add_argument("--trace-steps", type=int, default=None, help="steps traced (default 3 on GPU, 1 on CPU)")
+    parser.add_argument("--trace-steps", type=int, default=None,
+                        help="steps traced (default 3 on GPU, 1 on CPU; 0: no trace, step times alone)")
     parser.add_argument("--quantization", nargs="+", default=["none"],
                         choices=["none", "fp8_blockwise", "fp8_blockwise_fp8_wgrad", PREQUANTIZED],
                         help="moe()'s quantization, each measured in turn; " + PREQUANTIZED + ": FP8 with the "
@@ -380,7 +387,7 @@ def main(argv=None):
         parser.error(f"unknown cases {sorted(unknown)}; known: {[c['name'] for c in cases]}")
     on_gpu = jax.devices()[0].platform == "gpu"
     return run([c for c in cases if not args.cases or c["name"] in args.cases], args.out, args.t_scale,
-               args.reps or (20 if on_gpu else 1), 5 if on_gpu else 1, args.trace_steps or (3 if on_gpu else 1),
+               args.reps or (20 if on_gpu else 1), 5 if on_gpu else 1, (3 if on_gpu else 1) if args.trace_steps is None else args.trace_steps,
                [None if q == "none" else q for q in args.quantization], args.first_product, args.combine_backward)
 
 

@@ -213,3 +213,14 @@ def test_modes_in_one_run(tmp_path, monkeypatch, flag, column):
     results = json.loads((tmp_path / "moe_layer_stages_cpu.json").read_text())["results"]
     assert [r[column] for r in results] == ["gather", "copy"]
     assert all(r["fwd_bwd_ms"] > 0 for r in results)
+
+
+def test_no_trace_leaves_the_stage_columns_empty(tmp_path, monkeypatch):
+    shrunk = {name: [dict(c, H=32, F=16, E=8, top_k=min(c["top_k"], 4)) for c in stages.CASES[name]]
+              for name in stages.CASE_LISTS}
+    monkeypatch.setattr(stages, "CASES", shrunk)
+    monkeypatch.setattr(stages, "trace_events", lambda *a: pytest.fail("traced with --trace-steps 0"))
+    stages.main(["--out", str(tmp_path), "--t-scale", str(1 / 512), "--cases", "sonicmoe-30b-n256-e256-k16",
+                 "--trace-steps", "0"])
+    (row,) = json.loads((tmp_path / "moe_layer_stages_cpu.json").read_text())["results"]
+    assert row["fwd_bwd_ms"] > 0 and row["kernels_ms"] is None and row["gmm_in_bwd_ms"] is None
