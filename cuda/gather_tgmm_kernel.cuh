@@ -18,8 +18,8 @@
 // rows is the GEMM's M resp. N; bf16 wgmma takes transposed operands from shared memory),
 // 128-byte swizzled, in a 4-stage pipeline between three warp groups:
 //   - warp group 0, the producer: per step of 64 rows, its 128 threads copy the A tile
-//     x[src[r], k0:k0+128] (each thread one 16-byte chunk of 8 rows, their src read per
-//     step) with cp.async, and the B tile dy[r, n0:n0+256]: for a step of 64 rows inside
+//     x[src[r], k0:k0+128] (each thread one 16-byte chunk of 8 rows, their src read one
+//     step ahead) with cp.async, and the B tile dy[r, n0:n0+256]: for a step of 64 rows inside
 //     the group, thread 0 loads it with four TMA boxes of 64 rows x 64 columns (dy's rows
 //     are contiguous: only x needs a gather); for the group's last, partial step every
 //     thread copies its chunks of 16 rows with cp.async. Chunks are zero-filled, reading

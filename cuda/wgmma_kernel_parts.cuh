@@ -100,8 +100,8 @@ __device__ __forceinline__ void wgmma_stages(Pipeline& pipeline, PipelineState& 
   mma.accumulate_ = GMMA::ScaleOut::Zero;
   for (int64_t step = 0; step < steps; ++step) {
     pipeline.consumer_wait(read);
-    // The stage was written by cp.async (generic proxy); wgmma reads through the async
-    // proxy.
+    // The stage's gathered operand (and any part not loaded by TMA) was written by cp.async
+    // (generic proxy); wgmma reads through the async proxy.
     cutlass::arch::fence_view_async_shared();
     const int stage = read.index();
     warpgroup_fence_operand(accum);

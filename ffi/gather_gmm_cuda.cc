@@ -59,7 +59,7 @@ ffi::Error gather_gmm_cuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ff
 }  // namespace
 }  // namespace moe_xla
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaGatherGmmCuda, moe_xla::gather_gmm_cuda,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaGatherGmmCudaV2, moe_xla::gather_gmm_cuda,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
                                   .Arg<ffi::AnyBuffer>()                     // x [T, K]

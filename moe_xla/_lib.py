@@ -48,13 +48,15 @@ _SYMBOLS.update({
 
 # gather_gmm and gather_tgmm have a CUDA kernel only (other platforms lower their
 # decompositions).
-_SYMBOLS[("gather_gmm", "cuda")] = "MoeXlaGatherGmmCuda"
+# gather_gmm v2 takes the `transpose_rhs` attribute; its symbol carries the version, so that
+# a library built before it registers no target under the new name.
+_SYMBOLS[("gather_gmm", "cuda")] = "MoeXlaGatherGmmCudaV2"
 _SYMBOLS[("gather_tgmm", "cuda")] = "MoeXlaGatherTgmmCuda"
 
 # An op's version rises with each change of its handler's operands or attributes, so that
 # an HLO module written for the old signature fails by name, not by an attribute mismatch.
-# gmm_fp8 v2 takes the `path` attribute.
-_VERSIONS = {"gmm_fp8": 2}
+# gmm_fp8 v2 takes the `path` attribute, gather_gmm v2 `transpose_rhs`.
+_VERSIONS = {"gmm_fp8": 2, "gather_gmm": 2}
 
 
 def target_name(op: str, platform: str) -> str:

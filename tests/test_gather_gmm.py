@@ -256,7 +256,7 @@ def test_cuda_lowering_takes_the_kernel_where_it_applies(k, n, dtype, out_dtype,
     f = lambda *a: moe_xla.gather_gmm(*a, transpose_rhs=transpose_rhs, preferred_element_type=out_dtype)
     targets = cuda_targets(f, x, src, w, gs)
     decomposition = ["moe_xla_gather_rows_cuda_v1", "moe_xla_gmm_cuda_v1"]
-    assert targets == (["moe_xla_gather_gmm_cuda_v1"] if kernel else decomposition)
+    assert targets == (["moe_xla_gather_gmm_cuda_v2"] if kernel else decomposition)
     if kernel:  # the layout reaches the handler as its typed attribute
         text = jax.jit(f).trace(x, src, w, gs).lower(lowering_platforms=("cuda",)).as_text()
         assert f"transpose_rhs = {str(transpose_rhs).lower()}" in text
@@ -377,15 +377,15 @@ def test_moe_forward_gathers_without_a_permuted_copy_and_so_does_its_step(rng):
             return jax.jit(make()).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
     gathered, copied = lowered("gather", fwd), lowered("copy", fwd)
-    assert "moe_xla_gather_gmm_cuda_v1" in gathered and "moe_xla_gather_gmm_cuda_v1" not in copied
+    assert "moe_xla_gather_gmm_cuda_v2" in gathered and "moe_xla_gather_gmm_cuda_v2" not in copied
     assert set(_permute_width(gathered)) == {0} and 16 in _permute_width(copied)
     assert "stablehlo.gather" not in gathered  # no [T*k, H] gather of x either
     # A step under "gather" differentiates gather_gmm itself: its weight gradient is a
     # gather_tgmm and no permute copies x; under "copy" it copies.
     gathered, copied = lowered("gather", step), lowered("copy", step)
-    assert "moe_xla_gather_gmm_cuda_v1" in gathered and "moe_xla_gather_tgmm_cuda_v1" in gathered
+    assert "moe_xla_gather_gmm_cuda_v2" in gathered and "moe_xla_gather_tgmm_cuda_v1" in gathered
     assert set(_permute_width(gathered)) == {0}
-    assert "moe_xla_gather_gmm_cuda_v1" not in copied and 16 in _permute_width(copied)
+    assert "moe_xla_gather_gmm_cuda_v2" not in copied and 16 in _permute_width(copied)
 
 
 def test_the_derivative_rule_follows_derivative_gathers(rng, monkeypatch):
@@ -411,7 +411,7 @@ def test_the_derivative_rule_follows_derivative_gathers(rng, monkeypatch):
 def test_moe_gathers_on_the_gpu_by_default(rng):
     args = _layer_args(rng, jnp.bfloat16)
     hlo = jax.jit(lambda *a: moe_xla.moe(*a, top_k=3)).lower(*args).compile().as_text()
-    assert 'custom_call_target="moe_xla_gather_gmm_cuda_v1"' in hlo
+    assert 'custom_call_target="moe_xla_gather_gmm_cuda_v2"' in hlo
 
 
 def test_choose(monkeypatch):

@@ -202,3 +202,20 @@ def test_the_choice_follows_forced_and_copies_on_the_cpu(rng):
     with pytest.raises(ValueError, match="expected a mode in"):
         with product_combine.forced("scatter"):
             pass
+
+
+def test_the_heuristic_on_a_hopper_gpu(rng, monkeypatch):
+    """backward_gathers' GPU branch (GATHER_MAX_F = 0 today keeps it from answering yes):
+    bf16, both gather kernels applicable (rows of 16-byte multiples) and F within the bound."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(product_combine._lib, "local_gpus_hopper", lambda: True)
+    monkeypatch.setattr(product_combine, "GATHER_MAX_F", 16)
+
+    def ask(dtype, f=8, h=16):
+        return product_combine.backward_gathers(jnp.zeros((T * K, 2 * f), dtype), jnp.zeros((4, f, h), dtype), T)
+    assert ask(jnp.bfloat16)
+    assert not ask(jnp.float32)
+    assert not ask(jnp.bfloat16, f=24)  # F past GATHER_MAX_F
+    assert not ask(jnp.bfloat16, h=12)  # H rows not 16-byte multiples: no gather kernel
+    monkeypatch.setattr(product_combine._lib, "local_gpus_hopper", lambda: False)
+    assert not ask(jnp.bfloat16)

@@ -2,8 +2,9 @@
 a primitive whose transposes read the cotangent through the row map.
 
     a [M, F] grouped by expert, w [G, F, H], group_sizes [G] int32, token_slots [T, k]
-    int32 (token t's j-th row; each row named at most once), src [M] int32 (src's inverse:
-    the token of row r, outside [0, T) for rows no slot names) -> y [T, H] in a's dtype:
+    int32 (token t's j-th row, T * k = M; each row named at most once), src [M] int32
+    (token_slots' inverse: the token of row r, outside [0, T) for rows no slot names)
+    -> y [T, H] in a's dtype:
         out = gmm(a, w, group_sizes),   y[t] = sum_j out[token_slots[t, j]]
     = unpermute(gmm(a, w), token_slots, weights 1): what it lowers to.
 
@@ -25,7 +26,7 @@ import jax.numpy as jnp
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from moe_xla.primitives import _checks, _impl
+from moe_xla.primitives import _ad, _checks, _impl
 from moe_xla.primitives.gather_gmm import gather_gmm
 from moe_xla.primitives.gather_tgmm import gather_tgmm
 from moe_xla.primitives.gmm import gmm_p
@@ -54,6 +55,8 @@ def _abstract_eval(a, w, group_sizes, token_slots, src):
         if jnp.dtype(x.dtype) != jnp.int32:
             raise TypeError(f"{OP}: expected int32 {name}, got {x.dtype}")
     _checks.dim(OP, "src.shape[0] (M of a [M, F])", a.shape[0], src.shape[0])
+    _checks.dim(OP, "token_slots.shape[0] * token_slots.shape[1] (M of a [M, F])", a.shape[0],
+                token_slots.shape[0] * token_slots.shape[1])
     return jax.core.ShapedArray((token_slots.shape[0], w.shape[2]), a.dtype)
 
 
@@ -62,14 +65,6 @@ def _formula(a, w, group_sizes, token_slots, src):
     out = gmm_p.bind(a, w, group_sizes, transpose_rhs=False, preferred_element_type=jnp.dtype(a.dtype))
     ones = jnp.ones(token_slots.shape, jnp.float32)
     return unpermute_p.bind(out, token_slots.reshape(-1), ones, unique_rows=True)
-
-
-def _jvp(primals, tangents):
-    a, w, group_sizes, token_slots, src = primals
-    d_a, d_w = (ad.instantiate_zeros(t) for t in tangents[:2])
-    y = gmm_unpermute_p.bind(*primals)
-    return y, (gmm_unpermute_p.bind(d_a, w, group_sizes, token_slots, src)
-               + gmm_unpermute_p.bind(a, d_w, group_sizes, token_slots, src))
 
 
 def _transpose(ct, a, w, group_sizes, token_slots, src):
@@ -96,7 +91,7 @@ def _batch(args, dims):
 
 _impl.def_jitted_impl(gmm_unpermute_p)
 gmm_unpermute_p.def_abstract_eval(_abstract_eval)
-ad.primitive_jvps[gmm_unpermute_p] = _jvp
+ad.primitive_jvps[gmm_unpermute_p] = _ad.bilinear_jvp(gmm_unpermute_p, 0, 1)
 ad.primitive_transposes[gmm_unpermute_p] = _transpose
 batching.primitive_batchers[gmm_unpermute_p] = _batch
 mlir.register_lowering(gmm_unpermute_p, mlir.lower_fun(_formula, multiple_results=False))
