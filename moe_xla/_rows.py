@@ -42,6 +42,14 @@ def inverse_rows(idx, num_rows: int):
     return src, jnp.zeros((num_rows,), bool).at[target].set(True, mode="drop", unique_indices=True)
 
 
+def row_tokens(row_map, top_k: int, num_rows: int):
+    """The token of each of num_rows sorted rows, from permute's row_map [T * top_k] (entry
+    t * top_k + j names token t's j-th row, each row at most once): -1 for rows no entry
+    names, which a gather through it reads as zero rows."""
+    pair, named = inverse_rows(row_map, num_rows)
+    return jnp.where(named, pair // top_k, -1)
+
+
 def acc_dtype(dtype):
     """The accumulation dtype: float32, or wider inputs' own."""
     return jnp.promote_types(dtype, jnp.float32)

@@ -117,6 +117,6 @@ def sorted_rows(x, expert_ids, num_experts: int):
     row_map), the sort alone (permute of zero-width rows) and its inverse."""
     t, k = expert_ids.shape
     _, group_sizes, row_map = permute(jnp.zeros((t, 0), x.dtype), expert_ids, num_experts)
-    # row_map is a permutation of the T*k rows: row r holds assignment pair[r] = t*k + j.
-    pair, _ = _rows.inverse_rows(row_map, t * k)
-    return GatheredRows(x, pair // k, expert_ids, row_map, num_experts), group_sizes, row_map
+    # row_map is a permutation of the T*k rows: every row has a token.
+    src = _rows.row_tokens(row_map, k, t * k)
+    return GatheredRows(x, src, expert_ids, row_map, num_experts), group_sizes, row_map

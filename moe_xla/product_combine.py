@@ -69,8 +69,8 @@ def forced(mode: str):
 
 def backward_gathers(h, w_out, num_tokens: int) -> bool:
     """Whether the derivative of activate_gmm_combine(h, w_out, ...) should read the
-    cotangent through the row map (module docstring), unless `forced`: on Hopper GPUs in bf16 where
-    both gather kernels run, for F <= GATHER_MAX_F."""
+    cotangent through the row map (module docstring), unless `forced`: on Hopper GPUs in
+    bf16 where both gather kernels run, for F <= GATHER_MAX_F."""
     if _override.mode != "auto":
         return _override.mode == "gather"
     m, (e, f, hidden) = h.shape[0], w_out.shape
@@ -120,9 +120,7 @@ def _activate_gmm_combine_jvp(activation, gathered_backward, primals, tangents):
     if gathered_backward:
         with jax.named_scope("moe_xla/gmm_out"):
             slots = row_map.reshape(weights.shape)
-            # src[r]: the token whose slot names row r; rows no slot names read no row.
-            pair, named = _rows.inverse_rows(row_map, h.shape[0])
-            src = jnp.where(named, pair // weights.shape[1], -1)
+            src = _rows.row_tokens(row_map, weights.shape[1], h.shape[0])
             return y, (gmm_unpermute(d_rows, w_out, group_sizes, slots, src)
                        + gmm_unpermute(weighted, d_w_out, group_sizes, slots, src))
     with jax.named_scope("moe_xla/gmm_out"):

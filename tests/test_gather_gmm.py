@@ -214,30 +214,21 @@ def test_vmap_with_token_slots(rng, x_batched):
 
 @requires_8_devices
 @pytest.mark.parametrize("transpose_rhs", [False, True], ids=["w_kn", "w_nk"])
-def test_column_parallel_mesh(rng, transpose_rhs):
-    # w split along N over 4 devices: out comes back split the same way, equal to one device's.
-    x, w = normal(rng, (40, 16), jnp.float32), normal(rng, _w_shape(3, 16, 32, transpose_rhs), jnp.float32)
+@pytest.mark.parametrize("split", ["n", "k"])
+def test_split_over_a_mesh(rng, transpose_rhs, split):
+    # Over 4 devices, w split along N: out comes back split the same way; x and w split along
+    # K: each device computes a partial product, summed once. Both equal one device's.
+    k, n = (16, 32) if split == "n" else (32, 16)
+    x, w = normal(rng, (40, k), jnp.float32), normal(rng, _w_shape(3, k, n, transpose_rhs), jnp.float32)
     src, gs = _src(rng, 40, 50), jnp.array([20, 0, 25], jnp.int32)
     mesh = jax.make_mesh((4,), ("x",))
     put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
-    w_spec = P(None, "x", None) if transpose_rhs else P(None, None, "x")
+    w_axis = {("n", False): 2, ("n", True): 1, ("k", False): 1, ("k", True): 2}[split, transpose_rhs]
+    w_spec = P(*("x" if axis == w_axis else None for axis in range(3)))
     f = jax.jit(lambda *a: moe_xla.gather_gmm(*a, transpose_rhs=transpose_rhs))
-    out = f(put(x, P()), put(src, P()), put(w, w_spec), put(gs, P()))
-    assert out.sharding.is_equivalent_to(NamedSharding(mesh, P(None, "x")), 2)
-    assert_close(out, _ref(x, src, w, gs, transpose_rhs=transpose_rhs), jnp.float32)
-
-
-@requires_8_devices
-@pytest.mark.parametrize("transpose_rhs", [False, True], ids=["w_kn", "w_nk"])
-def test_contraction_split_mesh(rng, transpose_rhs):
-    # x and w split along K over 4 devices: each computes a partial product, summed once.
-    x, w = normal(rng, (40, 32), jnp.float32), normal(rng, _w_shape(3, 32, 16, transpose_rhs), jnp.float32)
-    src, gs = _src(rng, 40, 50), jnp.array([20, 0, 25], jnp.int32)
-    mesh = jax.make_mesh((4,), ("x",))
-    put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
-    w_spec = P(None, None, "x") if transpose_rhs else P(None, "x", None)
-    f = jax.jit(lambda *a: moe_xla.gather_gmm(*a, transpose_rhs=transpose_rhs))
-    out = f(put(x, P(None, "x")), put(src, P()), put(w, w_spec), put(gs, P()))
+    out = f(put(x, P() if split == "n" else P(None, "x")), put(src, P()), put(w, w_spec), put(gs, P()))
+    if split == "n":
+        assert out.sharding.is_equivalent_to(NamedSharding(mesh, P(None, "x")), 2)
     assert_close(out, _ref(x, src, w, gs, transpose_rhs=transpose_rhs), jnp.float32)
 
 
