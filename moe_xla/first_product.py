@@ -39,12 +39,10 @@ from moe_xla.primitives.permute import permute
 
 MODES = _choice.MODES
 GATHER_MAX_N = 1024
-# Largest w_in width whose derivative gathers under "auto". 0, none: on the H200 the gathered
-# derivative's weight gradient (gather_tgmm) was slower than the copy it saves on every
-# benchmark case (LOG.md, session 15), though the step then keeps no x_sorted. gather_tgmm
-# has since become 1.16x a row gather + tgmm at sonicmoe n256 (0.66-0.89 elsewhere; session
-# 16); the layer A/B (moe_layer_stages.py --first-product gather copy) is not rerun yet.
-GATHER_DERIVATIVE_MAX_N = 0
+# Largest w_in width whose derivative gathers under "auto": where the layer's step gains on
+# the H200 (LOG.md, session 17: sonicmoe n256, N = 512, 1.02x with the combine's gathered
+# backward; n512, N = 1024, 0.99x), the step then keeps no x_sorted.
+GATHER_DERIVATIVE_MAX_N = 512
 
 _override = _choice.Override("first_product")
 

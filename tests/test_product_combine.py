@@ -195,7 +195,7 @@ def test_a_gathering_backward_writes_no_gathered_cotangent(rng):
 
 def test_the_choice_follows_forced_and_copies_on_the_cpu(rng):
     h, w_out, weights = _inputs(rng, jnp.bfloat16)
-    assert not product_combine.backward_gathers(h, w_out, T)  # auto: copies (GATHER_MAX_F = 0)
+    assert not product_combine.backward_gathers(h, w_out, T)  # auto on the CPU: copies
     for mode, gathers in (("gather", True), ("copy", False)):
         with product_combine.forced(mode):
             assert product_combine.backward_gathers(h, w_out, T) is gathers
@@ -205,8 +205,7 @@ def test_the_choice_follows_forced_and_copies_on_the_cpu(rng):
 
 
 def test_the_heuristic_on_a_hopper_gpu(rng, monkeypatch):
-    """backward_gathers' GPU branch (GATHER_MAX_F = 0 today keeps it from answering yes):
-    bf16, both gather kernels applicable (rows of 16-byte multiples) and F within the bound."""
+    """backward_gathers' GPU branch: bf16, both gather kernels applicable (rows of 16-byte multiples) and F within the bound."""
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(product_combine._lib, "local_gpus_hopper", lambda: True)
     monkeypatch.setattr(product_combine, "GATHER_MAX_F", 16)

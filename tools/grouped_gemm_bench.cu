@@ -1,6 +1,7 @@
 // Tuning benchmark of moe_xla::cuda::grouped_gemm: every CUTLASS configuration x tile
 // scheduler raster order (or, with --teams, each case's default configuration x tile
-// scheduler team sizes) on the grouped_matmul cases of benchmarks/cases.json, in one run.
+// scheduler team sizes) on the grouped_matmul cases of benchmarks/cases.json and the two
+// expert products of its sonicmoe layers, in one run.
 //
 // For each case (both group-size distributions, sizes exactly as benchmarks/_timing.py draws
 // them: tools/bench_cases.py writes them into bench_cases.inc at build time) and each of
@@ -80,6 +81,7 @@ std::string short_case_name(const BenchCase& c) {
   if (model.rfind("qwen", 0) == 0) model = "qwen";
   if (model.rfind("deepseek", 0) == 0) model = "dsv3";
   if (model.rfind("mixtral", 0) == 0) model = "mixt";
+  if (model == "sonicmoe") model = name.substr(13, name.find('-', 13) - 13);  // "n256", ...
   const std::string proj = name.find("gate_up") != std::string::npos ? "gu"
                            : name.find("down") != std::string::npos  ? "dn"
                                                                       : "?";
