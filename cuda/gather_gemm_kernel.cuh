@@ -327,6 +327,26 @@ __device__ __forceinline__ void gather_gemm_produce(const GatherGemmKernelParams
   pipeline.producer_tail(write);
 }
 
+// Stores the finished accumulators of column tile n_tile of `tile` through the epilogue
+// (header comment): out [M, N] for kNone and kPlain, [M, N / 2] for kGated.
+template <bool kTransposedB, GatherEpilogue kEpilogue, class Out, class Accum, class Coord,
+          class T = GatherGemmTraits<kTransposedB>>
+__device__ __forceinline__ void store_tile(const GatherGemmKernelParams<kTransposedB, kEpilogue, Out>& p,
+                                           const GatherRowTile& tile, int32_t n_tile, const Accum& accum,
+                                           const Coord& coord) {
+  if constexpr (kEpilogue == GatherEpilogue::kNone) {
+    store_accumulators(p.out, p.n, tile.row_begin, tile.row_end, n_tile * T::kTileN, accum, coord);
+  } else if constexpr (kEpilogue == GatherEpilogue::kPlain) {
+    with_activation<kEpilogue>(p.activation, [&](const auto& g) {
+      store_accumulators(p.out, p.n, tile.row_begin, tile.row_end, n_tile * T::kTileN, accum, coord, g);
+    });
+  } else {
+    with_activation<kEpilogue>(p.activation, [&](const auto& g) {
+      store_gated(p.out, p.n / 2, tile.row_begin, tile.row_end, n_tile * (T::kTileN / 2), accum, coord, g);
+    });
+  }
+}
+
 // Warp groups 1 and 2 (see the header comment).
 template <bool kTransposedB, GatherEpilogue kEpilogue, class Out, class T = GatherGemmTraits<kTransposedB>>
 __device__ __forceinline__ void gather_gemm_consume(const GatherGemmKernelParams<kTransposedB, kEpilogue, Out>& p,
@@ -343,17 +363,7 @@ __device__ __forceinline__ void gather_gemm_consume(const GatherGemmKernelParams
     const int32_t n_tile = static_cast<int32_t>(unit % p.n_tiles);
 
     wgmma_stages(pipeline, read, mma, tCrA, tCrB, accum, p.k_tiles);
-    if constexpr (kEpilogue == GatherEpilogue::kNone) {
-      store_accumulators(p.out, p.n, tile.row_begin, tile.row_end, n_tile * T::kTileN, accum, coord);
-    } else if constexpr (kEpilogue == GatherEpilogue::kPlain) {
-      with_activation<kEpilogue>(p.activation, [&](const auto& g) {
-        store_accumulators(p.out, p.n, tile.row_begin, tile.row_end, n_tile * T::kTileN, accum, coord, g);
-      });
-    } else {
-      with_activation<kEpilogue>(p.activation, [&](const auto& g) {
-        store_gated(p.out, p.n / 2, tile.row_begin, tile.row_end, n_tile * (T::kTileN / 2), accum, coord, g);
-      });
-    }
+    store_tile(p, tile, n_tile, accum, coord);
   }
 }
 

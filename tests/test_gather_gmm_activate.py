@@ -16,7 +16,7 @@ from jax.test_util import check_grads
 
 import moe_xla
 import moe_xla._lib as _lib
-from moe_xla import reference
+from moe_xla import first_product, reference
 from conftest import ON_GPU, assert_close, normal
 import independent
 from gather_inputs import cases, cuda_targets, group_sizes, src_with_bad_rows
@@ -222,6 +222,32 @@ def test_gpu_runs_the_kernel(rng, activation):
     f = jax.jit(moe_xla.gather_gmm_activate, static_argnums=4)
     assert "moe_xla_gather_gmm_activate_cuda_v1" in f.lower(x, src, w, gs, activation).compile().as_text()
     assert_close(f(x, src, w, gs, activation), _formula(x, src, w, gs, activation), jnp.bfloat16)
+
+
+# ---------------------------------------------------------------------------- first_product
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "relu"])
+def test_first_product_gmm_activate(rng, activation):
+    # GatheredRows.gmm_activate is the activation of the copying path's product, and so are
+    # its gradients (float32, where the single rounding is no rounding).
+    t, h, e, k = 50, 16, 4, 2
+    x, w = normal(rng, (t, h), jnp.float32), normal(rng, (e, h, 24), jnp.float32)
+    ids = jnp.asarray(np.argsort(rng.random((t, e)), axis=1)[:, :k], jnp.int32)
+
+    def gathered(x, w):
+        rows, gs, _ = first_product.sorted_rows(x, ids, e)
+        return rows.gmm_activate(w, gs, activation)
+
+    def copied(x, w):
+        x_sorted, gs, _ = moe_xla.permute(x, ids, e)
+        return independent.activation_fn(activation)(moe_xla.gmm(x_sorted, w, gs))
+
+    assert_close(jax.jit(gathered)(x, w), copied(x, w), jnp.float32)
+    cts = normal(rng, (t * k, 12 if activation in GATED else 24), jnp.float32)
+    for o, r in zip(_loss_grads(gathered, x, w, cts), _loss_grads(copied, x, w, cts)):
+        assert_close(o, r, jnp.float32)
+    assert not first_product.activation_fuses(x, w, k, activation)  # float32 (and, in CI, no GPU)
 
 
 # ---------------------------------------------------------------------------- errors

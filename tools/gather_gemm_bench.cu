@@ -45,30 +45,24 @@
 
 namespace {
 
-// A case's routed inputs on the device: x [T, K] and w (G * K * N values, either layout)
-// uniform in [-1, 1), src [M] and group_sizes [G] of gather_bench::route.
+// A case's routed inputs on the device: its routing, and x [T, K] and w (G * K * N values,
+// either layout) uniform in [-1, 1).
 struct Routed {
+  gather_bench::DeviceRouting routing;
   int64_t m;
+  const int32_t *src, *sizes;
   __nv_bfloat16 *x, *w;
-  int32_t *src, *sizes;
 
-  Routed(const gather_bench::GatherCase& c, cudaStream_t stream) : m(c.tokens * c.top_k) {
-    std::vector<int32_t> host_src, host_sizes;
-    gather_bench::route(c, &host_src, &host_sizes);
+  Routed(const gather_bench::GatherCase& c, cudaStream_t stream)
+      : routing(c), m(routing.m), src(routing.src), sizes(routing.sizes) {
     CHECK_CUDA(cudaMalloc(&x, c.tokens * c.k * 2));
     CHECK_CUDA(cudaMalloc(&w, c.g * c.k * c.n * 2));
-    CHECK_CUDA(cudaMalloc(&src, m * 4));
-    CHECK_CUDA(cudaMalloc(&sizes, c.g * 4));
-    CHECK_CUDA(cudaMemcpy(src, host_src.data(), m * 4, cudaMemcpyHostToDevice));
-    CHECK_CUDA(cudaMemcpy(sizes, host_sizes.data(), c.g * 4, cudaMemcpyHostToDevice));
     gather_bench::fill_uniform(x, c.tokens * c.k, 1, stream);
     gather_bench::fill_uniform(w, c.g * c.k * c.n, 2, stream);
   }
   ~Routed() {
-    for (void* p : {static_cast<void*>(x), static_cast<void*>(w), static_cast<void*>(src),
-                    static_cast<void*>(sizes)}) {
-      CHECK_CUDA(cudaFree(p));
-    }
+    CHECK_CUDA(cudaFree(x));
+    CHECK_CUDA(cudaFree(w));
   }
   Routed(const Routed&) = delete;
   Routed& operator=(const Routed&) = delete;
