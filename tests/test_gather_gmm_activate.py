@@ -12,12 +12,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from jax.test_util import check_grads
 
 import moe_xla
 import moe_xla._lib as _lib
 from moe_xla import first_product, reference
-from conftest import ON_GPU, assert_close, normal
+from conftest import ON_GPU, assert_close, normal, requires_8_devices
 import independent
 from gather_inputs import cases, cuda_targets, group_sizes, src_with_bad_rows
 
@@ -180,6 +182,26 @@ def test_vmap(rng, in_axes, activation):
     for o, r in zip(jax.jit(jax.grad(lambda x, w: loss(ours_fn, x, w), (0, 1)))(x, w),
                     jax.grad(lambda x, w: loss(ref_fn, x, w), (0, 1))(x, w)):
         assert_close(o, r, jnp.float32)
+
+
+# ---------------------------------------------------------------------------- sharding
+
+
+@requires_8_devices
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+def test_w_split_along_n_over_a_mesh(rng, activation):
+    # Over 4 devices, w_in split along N: a plain activation's output comes back split the
+    # same way; a gated one's (whose gate and up halves one shard would not both hold) is
+    # computed whole. Both equal the formula.
+    x, src, w, _ = _inputs(rng, 40, 50, 16, 64, 3, jnp.float32)
+    gs = jnp.array([20, 0, 25], jnp.int32)
+    mesh = jax.make_mesh((4,), ("x",))
+    put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))  # noqa: E731
+    out = jax.jit(moe_xla.gather_gmm_activate, static_argnums=4)(put(x, P()), put(src, P()),
+                                                                  put(w, P(None, None, "x")), put(gs, P()), activation)
+    if activation not in GATED:
+        assert out.sharding.is_equivalent_to(NamedSharding(mesh, P(None, "x")), 2)
+    assert_close(out, _formula(x, src, w, gs, activation), jnp.float32)
 
 
 # ---------------------------------------------------------------------------- lowering
