@@ -181,7 +181,7 @@ std::vector<Case> make_cases(std::mt19937& rng) {
   add("G 1", 333, 1111, 320, 1000, {1111}, 0);
   add("M below one tile", 10, 37, 64, 256, {20, 17}, 3);
   add("T 1", 1, 300, 64, 256, random_sizes(300, 4, 0, rng), 0);
-  // Gated: F = 128 (one column tile), 384 and 768 (several: the up boxes F / 128 further).
+  // Gated: F = 128 (one column tile), 256, 384 and 768 (several: the up boxes F / 128 further).
   add_activated("swiglu uniform", Activation::kSwiglu, 300, 1024, 256, 512, random_sizes(1024, 8, 0, rng), 0);
   add_activated("geglu uniform", Activation::kGeglu, 300, 1024, 256, 512, random_sizes(1024, 8, 0, rng), 0);
   add_activated("swiglu tails M K", Activation::kSwiglu, 517, 1037, 200, 768, random_sizes(1037, 5, 0, rng), 0);
@@ -312,7 +312,9 @@ struct Runner : gather_selftest::RunnerBase {
           [&] { return compare(cs, d, out_dtype, src, sizes); });
     }
     std::printf(" %s\n", error.empty() ? "ok" : "FAIL");
-    if (!error.empty()) fail(cs.name + (cs.transpose_w ? " (w [G,N,K])" : "") + " out " + dtype_name(out_dtype) + ": " + error);
+    if (!error.empty()) {
+      fail(cs.name + (cs.transpose_w ? " (w [G,N,K])" : "") + " out " + dtype_name(out_dtype) + ": " + error);
+    }
     for (void* ptr : {static_cast<void*>(d.x), static_cast<void*>(d.w), static_cast<void*>(d.src),
                       static_cast<void*>(d.sizes), static_cast<void*>(d.group),
                       static_cast<void*>(d.ref), static_cast<void*>(d.out_block),
