@@ -12,7 +12,7 @@ group_sizes [G] int32, clamped to the M rows as gmm's; rows past sum(group_sizes
 (g(0) = 0 for every g). It equals gather_gmm(x, src, w_in, group_sizes, preferred_element_type
 =float32), then the activation in float32, then a cast to x.dtype; it differs from the
 unfused path, gather_gmm followed by the activation, only by the rounding of h to x.dtype
-that it no longer does.
+(bf16 in a bf16 layer) that it no longer does.
 
 Where it runs: on CUDA the kernel of cuda/gather_gemm.h with the activation epilogue
 (GatherGemmParams.activated: the activation is applied to the float32 accumulators in
@@ -24,6 +24,11 @@ decomposition above, with the same one rounding.
 Derivatives: the JVP is that of the decomposition, d a = act'(h) (gather_gmm(dx, src, w_in)
 + gather_gmm(x, src, d w_in)) in float32 (h recomputed in float32 by gather_gmm), rounded
 to x.dtype; gather_gmm's transpose makes it reverse-differentiable.
+
+vmap folds the batch into the tokens, rows and groups as gather_gmm's batching does
+(_batching.fold_gather). Over a mesh (the kernel's call) a plain activation splits along N
+as gather_gmm does; a gated one keeps N whole (_sharding.GATHER_GMM_ACTIVATE); K stays
+whole, the activation needing the whole sum.
 """
 
 from __future__ import annotations
