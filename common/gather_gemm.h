@@ -11,13 +11,20 @@
 //   (out[r, :] = x[src[r], :] @ w[g]^T with transpose_w),
 // where a row whose src[r] lies outside [0, T) reads a zero row of x (so its output row is
 // 0 @ w[g]). Rows at or past start_G belong to no group and are zero.
+// With `activated`, the float32 product h[r] = x[src[r]] @ w[g] (not rounded) goes through
+// the expert activation `activation` of common/expert_activation.h before its one rounding
+// to out_dtype (transpose_w false):
+//   gated (swiglu, geglu; N = 2F, w[g] = gate | up):  out [M, F],  out[r, c] = g(h[r, c]) * h[r, F + c]
+//   plain (gelu, silu, relu):                          out [M, N],  out[r, c] = g(h[r, c])
+// Rows with no group stay zero (g(0) = 0 for every g).
 // All arrays are dense row-major.
 #ifndef MOE_XLA_COMMON_GATHER_GEMM_H_
 #define MOE_XLA_COMMON_GATHER_GEMM_H_
 
 #include <cstdint>
 
-#include "common/grouped_gemm.h"  // DType
+#include "common/expert_activation.h"  // Activation
+#include "common/grouped_gemm.h"       // DType
 
 namespace moe_xla {
 
@@ -28,13 +35,15 @@ struct GatherGemmParams {
   const int32_t* src;          // [m]: the row of x that output row r reads
   const void* w;               // [num_groups, k, n], or [num_groups, n, k] if transpose_w
   const int32_t* group_sizes;  // [num_groups]; device memory for CUDA kernels
-  void* out;                   // [m, n]
+  void* out;                   // [m, n], or [m, n / 2] activated by a gated activation
   int64_t tokens;              // T
   int64_t m;
   int64_t k;
   int64_t n;
   int64_t num_groups;
   bool transpose_w;            // w holds each group's matrix transposed, [n, k]
+  bool activated;              // out = activation(product) (above); false: out = product
+  Activation activation;       // read only when activated
 };
 
 }  // namespace moe_xla

@@ -1,6 +1,6 @@
 // Internal interface between the gather GEMM's dispatcher (gather_gemm.cu) and its Hopper
-// kernel (gather_gemm_kernel.cuh, compiled once per output dtype and layout of w by
-// gather_gemm_instance.cu). Not part of the API.
+// kernel (gather_gemm_kernel.cuh, compiled once per output dtype, layout of w and epilogue
+// by gather_gemm_instance.cu). Not part of the API.
 #ifndef MOE_XLA_CUDA_GATHER_GEMM_INTERNAL_H_
 #define MOE_XLA_CUDA_GATHER_GEMM_INTERNAL_H_
 
@@ -18,6 +18,11 @@ namespace detail {
 // Output tile of one CTA: kGatherTileM rows of one group by kGatherTileN columns.
 constexpr int kGatherTileM = 128;
 constexpr int kGatherTileN = 256;
+
+// What the consumers do with a tile's float32 accumulators before the one rounding to the
+// output (common/gather_gemm.h): store them (kNone), store g of them (kPlain: gelu, silu,
+// relu) or store g(gate) * up (kGated: swiglu, geglu), the activation read at run time.
+enum class GatherEpilogue { kNone, kPlain, kGated };
 
 // One row tile of the product: rows [row_begin, row_end) of group `group`, at most
 // kGatherTileM of them. The prep kernels write one per row tile of every group, group by
@@ -45,11 +50,11 @@ struct GatherGemmLaunch {
   cudaStream_t stream;
 };
 
-// Enqueues the GEMM kernel (gather_gemm_kernel.cuh) with `kOut` output and w in `kLayout`
-// (kGmm: [G, K, N]; kGmmTransposed: [G, N, K], params->transpose_w), after the prep
-// kernels have written the tile table. Instantiated by gather_gemm_instance.cu for the
-// (dtype, layout) pairs of the instance table in cuda/BUILD.bazel.
-template <DType kOut, GroupedLayout kLayout>
+// Enqueues the GEMM kernel (gather_gemm_kernel.cuh) with `kOut` output, w in `kLayout`
+// (kGmm: [G, K, N]; kGmmTransposed: [G, N, K], params->transpose_w) and `kEpilogue`, after
+// the prep kernels have written the tile table. Instantiated by gather_gemm_instance.cu for
+// the (dtype, layout, epilogue) entries of the instance table in cuda/BUILD.bazel.
+template <DType kOut, GroupedLayout kLayout, GatherEpilogue kEpilogue>
 Status gather_gemm_kernel_run(const GatherGemmLaunch& launch);
 
 }  // namespace detail

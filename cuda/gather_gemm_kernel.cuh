@@ -1,7 +1,9 @@
 // The Hopper kernel of the gather GEMM (common/gather_gemm.h): out[r] = x[src[r]] @ w[g]
 // (w[g]^T with transpose_w) for the rows of the row tiles that the prep kernels of
 // gather_gemm.cu listed. One source for both layouts of w: the traits, the TMA view of w
-// and the wgmma's B operand are chosen by the template parameter kTransposedB.
+// and the wgmma's B operand are chosen by the template parameter kTransposedB; what the
+// consumers store by kEpilogue (GatherEpilogue): the product, or the expert activation of
+// it in float32 before its one rounding (gather_gmm_activate).
 //
 // One persistent CTA per SM walks the work units u = blockIdx.x, + gridDim.x, ...; unit u
 // is row tile u / n_tiles of the table and column tile u % n_tiles, so the CTAs that run
@@ -21,7 +23,14 @@
 //     tile with wgmma (m64n256k16, both operands from shared memory, f32 accumulators in
 //     registers), keeps one batch of wgmma in flight and frees a stage when the batch that
 //     read it is done; after the last K step it stores its rows straight from the
-//     accumulators (rows past the tile's group and columns past N are left alone).
+//     accumulators (rows past the tile's group and columns past N are left alone), through
+//     the epilogue:
+//       kNone   out[r, n0 + c] = acc[c]
+//       kPlain  out[r, n0 + c] = g(acc[c])                g: gelu (tanh), silu or relu
+//       kGated  out[r, 128j + c] = g(acc[c]) * acc[128 + c], c < 128   g: silu or gelu (tanh)
+//     For kGated the B tile of column tile j is two TMA boxes of 128 columns of w [G, K, 2F],
+//     gate columns [128j, 128j + 128) and up columns [F + 128j, F + 128j + 128), so each
+//     output's gate and up products land in one thread's accumulators (F % 128 == 0).
 // The producer keeps loading the next unit's stages while the consumers store a tile.
 #ifndef MOE_XLA_CUDA_GATHER_GEMM_KERNEL_CUH_
 #define MOE_XLA_CUDA_GATHER_GEMM_KERNEL_CUH_
@@ -41,6 +50,7 @@
 #include "cutlass/numeric_types.h"
 #include "cutlass/pipeline/sm90_pipeline.hpp"
 
+#include "common/expert_activation.h"
 #include "common/gather_gemm.h"
 #include "common/status.h"
 #include "cuda/gather_gemm_internal.h"
@@ -129,6 +139,24 @@ struct GatherGemmTraits {
   using SharedStorage = WgmmaSharedStorage<Element, SmemLayoutA, SmemLayoutB, Pipeline>;
 };
 
+// The B tile of one stage as kCount TMA boxes of kBoxN columns of w: one box of the tile's
+// kTileN columns, or for kGated two of kTileN / 2, gate and up (header comment). Box b of
+// stage s is entry s * kCount + b of SmemLayout, which holds the same bytes as
+// SmemLayoutB: its atoms (64 columns x 8 K N-major, 8 rows x 64 K K-major) are laid out K
+// first, then N, so a stage's columns are one box after the other.
+template <bool kTransposedB, GatherEpilogue kEpilogue>
+struct GatherBoxes {
+  using T = GatherGemmTraits<kTransposedB>;
+  static constexpr int kBoxN = kEpilogue == GatherEpilogue::kGated ? T::kTileN / 2 : T::kTileN;
+  static constexpr int kCount = T::kTileN / kBoxN;
+  using SmemLayout = decltype(cute::tile_to_shape(
+      typename T::BLayout::Atom{},
+      cute::make_shape(cute::Int<kBoxN>{}, cute::Int<T::kTileK>{}, cute::Int<kCount * T::kStages>{}),
+      typename T::BLayout::Order{}));
+  static_assert(cute::cosize_v<SmemLayout> == cute::cosize_v<typename T::SmemLayoutB>,
+                "the boxes cover the stages of B");
+};
+
 // The (N, K, G) strides in elements of w [G, K, N] (N contiguous) or, with kTransposedB,
 // w [G, N, K] (K contiguous).
 template <bool kTransposedB>
@@ -140,25 +168,26 @@ auto gather_w_strides(int32_t n, int32_t k) {
   }
 }
 
-// The TMA load of B tiles from w viewed as (N, K, G) with the strides of its layout; boxes
-// of kTileN x kTileK into one stage of SmemLayoutB (one box of 64 K x 256 N when
-// transposed, four of 64 N x 64 K otherwise).
-template <bool kTransposedB>
+// The TMA load of B boxes (GatherBoxes) from w viewed as (N, K, G) with the strides of its
+// layout: kBoxN x kTileK into one box of SmemLayout (one TMA box of 64 K x 256 N when
+// transposed, kBoxN / 64 of 64 N x 64 K otherwise).
+template <bool kTransposedB, GatherEpilogue kEpilogue>
 auto make_gather_tma_b(const cutlass::bfloat16_t* w, int32_t n, int32_t k, int32_t groups) {
   using T = GatherGemmTraits<kTransposedB>;
+  using B = GatherBoxes<kTransposedB, kEpilogue>;
   auto tensor = cute::make_tensor(cute::make_gmem_ptr(w), cute::make_shape(n, k, groups),
                                   gather_w_strides<kTransposedB>(n, k));
   return cute::make_tma_copy(cute::SM90_TMA_LOAD{}, tensor,
-                             typename T::SmemLayoutB{}(cute::_, cute::_, cute::Int<0>{}),
-                             cute::make_shape(cute::Int<T::kTileN>{}, cute::Int<T::kTileK>{}),
+                             typename B::SmemLayout{}(cute::_, cute::_, cute::Int<0>{}),
+                             cute::make_shape(cute::Int<B::kBoxN>{}, cute::Int<T::kTileK>{}),
                              cute::Int<1>{});
 }
-template <bool kTransposedB>
-using GatherTmaB = decltype(make_gather_tma_b<kTransposedB>(nullptr, 0, 0, 0));
+template <bool kTransposedB, GatherEpilogue kEpilogue>
+using GatherTmaB = decltype(make_gather_tma_b<kTransposedB, kEpilogue>(nullptr, 0, 0, 0));
 
-template <bool kTransposedB, class Out>
+template <bool kTransposedB, GatherEpilogue kEpilogue, class Out>
 struct GatherGemmKernelParams {
-  GatherTmaB<kTransposedB> tma_b;
+  GatherTmaB<kTransposedB, kEpilogue> tma_b;
   const char* x;  // [tokens, k] bf16, addressed in bytes by the cp.async gather
   const int32_t* src;
   const GatherRowTile* row_tiles;
@@ -166,11 +195,67 @@ struct GatherGemmKernelParams {
   Out* out;
   int32_t tokens, k, n, num_groups;
   int32_t n_tiles, k_tiles;
+  int32_t up_boxes;       // kGated: F / 128, how many boxes the up columns follow the gate's
+  Activation activation;  // kPlain, kGated
 };
 
+// The elementwise functions g of the activations, in float32 (common/expert_activation.h).
+struct SiluEpilogue {
+  __device__ __forceinline__ float operator()(float v) const { return silu(v); }
+};
+struct GeluEpilogue {
+  __device__ __forceinline__ float operator()(float v) const { return gelu_tanh(v); }
+};
+struct ReluEpilogue {
+  __device__ __forceinline__ float operator()(float v) const { return relu(v); }
+};
+
+// Calls store(g) with the g of `act` (of the gate for swiglu and geglu), chosen once per
+// tile so that each store loop is compiled for one g; the dispatcher passes kGated only
+// swiglu and geglu, kPlain only gelu, silu and relu.
+template <GatherEpilogue kEpilogue, class Store>
+__device__ __forceinline__ void with_activation(Activation act, const Store& store) {
+  switch (act) {
+    case Activation::kSwiglu:
+    case Activation::kSilu:
+      store(SiluEpilogue{});
+      break;
+    case Activation::kGeglu:
+    case Activation::kGelu:
+      store(GeluEpilogue{});
+      break;
+    case Activation::kRelu:
+      if constexpr (kEpilogue == GatherEpilogue::kPlain) store(ReluEpilogue{});
+      break;
+  }
+}
+
+// The kGated store: the tile's accumulator columns c < 128 are gate products and c + 128
+// the up products of the same outputs; out (f columns) gets out[r][col0 + c] =
+// g(acc[c]) * acc[c + 128] for the rows r < row_end (f % 128 == 0: every column is in).
+// In the m64n256 accumulator fragment a thread's value i + size/2 is the value i's column
+// plus 128 in the same row (values 4v .. 4v + 3 are column block v of 8, v < 32), so the
+// pairs meet in registers.
+template <class Out, class Accum, class Coord, class Gate>
+__device__ __forceinline__ void store_gated(Out* out, int32_t f, int32_t row0, int32_t row_end,
+                                            int32_t col0, const Accum& accum, const Coord& coord,
+                                            const Gate& g) {
+  using namespace cute;
+  constexpr int kHalf = decltype(size(accum))::value / 2;
+  static_assert(kHalf % 2 == 0, "accumulators come in column pairs");
+  CUTLASS_PRAGMA_UNROLL
+  for (int i = 0; i < kHalf; i += 2) {
+    const int32_t row = row0 + get<0>(coord(i));
+    if (row < row_end) {
+      store_pair(out + static_cast<int64_t>(row) * f + col0 + get<1>(coord(i)),
+                 g(accum(i)) * accum(i + kHalf), g(accum(i + 1)) * accum(i + 1 + kHalf));
+    }
+  }
+}
+
 // Warp group 0 (see the header comment). `units` work units, this CTA's from blockIdx.x.
-template <bool kTransposedB, class Out, class T = GatherGemmTraits<kTransposedB>>
-__device__ __forceinline__ void gather_gemm_produce(const GatherGemmKernelParams<kTransposedB, Out>& p,
+template <bool kTransposedB, GatherEpilogue kEpilogue, class Out, class T = GatherGemmTraits<kTransposedB>>
+__device__ __forceinline__ void gather_gemm_produce(const GatherGemmKernelParams<kTransposedB, kEpilogue, Out>& p,
                                                     typename T::SharedStorage& smem,
                                                     typename T::Pipeline& pipeline, int64_t units) {
   using namespace cute;
@@ -180,12 +265,13 @@ __device__ __forceinline__ void gather_gemm_produce(const GatherGemmKernelParams
   const bool tma_leader = thread == 0;
   if (tma_leader) prefetch_tma_descriptor(p.tma_b.get_tma_descriptor());
 
+  using B = GatherBoxes<kTransposedB, kEpilogue>;
   Tensor mB = p.tma_b.get_tma_tensor(make_shape(p.n, p.k, p.num_groups));  // (N, K, G)
-  Tensor gB = local_tile(mB, typename T::TileShape{}, make_coord(_, _, _),
-                         Step<X, _1, _1>{});  // (BLK_N, BLK_K, n, k, g)
-  Tensor sB = make_tensor(make_smem_ptr(smem.b.data()), typename T::SmemLayoutB{});
+  Tensor gB = local_tile(mB, Shape<Int<T::kTileM>, Int<B::kBoxN>, Int<T::kTileK>>{}, make_coord(_, _, _),
+                         Step<X, _1, _1>{});  // (BOX_N, BLK_K, n boxes, k, g)
+  Tensor sB = make_tensor(make_smem_ptr(smem.b.data()), typename B::SmemLayout{});
   auto [tBgB, tBsB] = tma_partition(p.tma_b, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sB),
-                                    group_modes<0, 2>(gB));  // (TMA, n, k, g), (TMA, PIPE)
+                                    group_modes<0, 2>(gB));  // (TMA, n, k, g), (TMA, BOXES * PIPE)
 
   const uint32_t smem_a = cast_smem_ptr_to_uint(smem.a.data());
   typename T::PipelineState write = cutlass::make_producer_start_state<typename T::Pipeline>();
@@ -212,8 +298,13 @@ __device__ __forceinline__ void gather_gemm_produce(const GatherGemmKernelParams
       pipeline.producer_acquire(write);  // the leader also expects the B tile's bytes
       const int stage = write.index();
       if (tma_leader) {
-        copy(p.tma_b.with(*pipeline.producer_get_barrier(write)),
-             tBgB(_, n_tile, k_tile, tile.group), tBsB(_, stage));
+        // Box b of column tile n_tile: column box n_tile, and for kGated (b = 1) the up
+        // columns, F / 128 boxes further.
+        CUTLASS_PRAGMA_UNROLL
+        for (int b = 0; b < B::kCount; ++b) {
+          copy(p.tma_b.with(*pipeline.producer_get_barrier(write)),
+               tBgB(_, n_tile + b * p.up_boxes, k_tile, tile.group), tBsB(_, stage * B::kCount + b));
+        }
       }
       const int col = k_tile * T::kTileK + chunk * T::kChunkElems;
       const bool col_in = col < p.k;  // k % 8 == 0: a chunk is wholly in or out
@@ -236,9 +327,29 @@ __device__ __forceinline__ void gather_gemm_produce(const GatherGemmKernelParams
   pipeline.producer_tail(write);
 }
 
+// Stores the finished accumulators of column tile n_tile of `tile` through the epilogue
+// (header comment): out [M, N] for kNone and kPlain, [M, N / 2] for kGated.
+template <bool kTransposedB, GatherEpilogue kEpilogue, class Out, class Accum, class Coord,
+          class T = GatherGemmTraits<kTransposedB>>
+__device__ __forceinline__ void store_tile(const GatherGemmKernelParams<kTransposedB, kEpilogue, Out>& p,
+                                           const GatherRowTile& tile, int32_t n_tile, const Accum& accum,
+                                           const Coord& coord) {
+  if constexpr (kEpilogue == GatherEpilogue::kNone) {
+    store_accumulators(p.out, p.n, tile.row_begin, tile.row_end, n_tile * T::kTileN, accum, coord);
+  } else if constexpr (kEpilogue == GatherEpilogue::kPlain) {
+    with_activation<kEpilogue>(p.activation, [&](const auto& g) {
+      store_accumulators(p.out, p.n, tile.row_begin, tile.row_end, n_tile * T::kTileN, accum, coord, g);
+    });
+  } else {
+    with_activation<kEpilogue>(p.activation, [&](const auto& g) {
+      store_gated(p.out, p.n / 2, tile.row_begin, tile.row_end, n_tile * (T::kTileN / 2), accum, coord, g);
+    });
+  }
+}
+
 // Warp groups 1 and 2 (see the header comment).
-template <bool kTransposedB, class Out, class T = GatherGemmTraits<kTransposedB>>
-__device__ __forceinline__ void gather_gemm_consume(const GatherGemmKernelParams<kTransposedB, Out>& p,
+template <bool kTransposedB, GatherEpilogue kEpilogue, class Out, class T = GatherGemmTraits<kTransposedB>>
+__device__ __forceinline__ void gather_gemm_consume(const GatherGemmKernelParams<kTransposedB, kEpilogue, Out>& p,
                                                     typename T::SharedStorage& smem,
                                                     typename T::Pipeline& pipeline, int64_t units) {
   using namespace cute;
@@ -249,16 +360,16 @@ __device__ __forceinline__ void gather_gemm_consume(const GatherGemmKernelParams
   typename T::PipelineState read;
   for (int64_t unit = blockIdx.x; unit < units; unit += gridDim.x) {
     const GatherRowTile tile = p.row_tiles[unit / p.n_tiles];  // used by the stores below
-    const int32_t col0 = static_cast<int32_t>(unit % p.n_tiles) * T::kTileN;
+    const int32_t n_tile = static_cast<int32_t>(unit % p.n_tiles);
 
     wgmma_stages(pipeline, read, mma, tCrA, tCrB, accum, p.k_tiles);
-    store_accumulators(p.out, p.n, tile.row_begin, tile.row_end, col0, accum, coord);
+    store_tile(p, tile, n_tile, accum, coord);
   }
 }
 
-template <bool kTransposedB, class Out>
+template <bool kTransposedB, GatherEpilogue kEpilogue, class Out>
 __global__ void __launch_bounds__(GatherGemmTraits<kTransposedB>::kThreads, 1)
-    gather_gemm_kernel(const __grid_constant__ GatherGemmKernelParams<kTransposedB, Out> p) {
+    gather_gemm_kernel(const __grid_constant__ GatherGemmKernelParams<kTransposedB, kEpilogue, Out> p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using T = GatherGemmTraits<kTransposedB>;
   extern __shared__ __align__(1024) char smem_raw[];  // the 128-byte swizzle needs 1024
@@ -286,18 +397,21 @@ __global__ void __launch_bounds__(GatherGemmTraits<kTransposedB>::kThreads, 1)
 #endif
 }
 
-template <DType kOut, GroupedLayout kLayout>
+template <DType kOut, GroupedLayout kLayout, GatherEpilogue kEpilogue>
 Status gather_gemm_kernel_run(const GatherGemmLaunch& launch) {
   static_assert(kLayout == GroupedLayout::kGmm || kLayout == GroupedLayout::kGmmTransposed,
                 "the gather GEMM computes x[src] @ w[g] or x[src] @ w[g]^T");
   constexpr bool kTransposedB = kLayout == GroupedLayout::kGmmTransposed;
+  static_assert(kEpilogue == GatherEpilogue::kNone || !kTransposedB,
+                "the activation epilogues take w [G, K, N]");
+  constexpr bool kGated = kEpilogue == GatherEpilogue::kGated;
   using T = GatherGemmTraits<kTransposedB>;
   using Out = typename OutElement<kOut>::type;
   const GatherGemmParams& p = *launch.params;
-  GatherGemmKernelParams<kTransposedB, Out> kp;
-  kp.tma_b = make_gather_tma_b<kTransposedB>(static_cast<const typename T::Element*>(p.w),
-                                             static_cast<int32_t>(p.n), static_cast<int32_t>(p.k),
-                                             static_cast<int32_t>(p.num_groups));
+  GatherGemmKernelParams<kTransposedB, kEpilogue, Out> kp;
+  kp.tma_b = make_gather_tma_b<kTransposedB, kEpilogue>(static_cast<const typename T::Element*>(p.w),
+                                                        static_cast<int32_t>(p.n), static_cast<int32_t>(p.k),
+                                                        static_cast<int32_t>(p.num_groups));
   kp.x = static_cast<const char*>(p.x);
   kp.src = p.src;
   kp.row_tiles = launch.row_tiles;
@@ -307,11 +421,14 @@ Status gather_gemm_kernel_run(const GatherGemmLaunch& launch) {
   kp.k = static_cast<int32_t>(p.k);
   kp.n = static_cast<int32_t>(p.n);
   kp.num_groups = static_cast<int32_t>(p.num_groups);
-  kp.n_tiles = static_cast<int32_t>((p.n + T::kTileN - 1) / T::kTileN);
+  // kGated: one column tile per 128 outputs (N = 2F, F % 128 == 0, checked by the dispatcher).
+  kp.n_tiles = static_cast<int32_t>(kGated ? p.n / T::kTileN : (p.n + T::kTileN - 1) / T::kTileN);
   kp.k_tiles = static_cast<int32_t>((p.k + T::kTileK - 1) / T::kTileK);
+  kp.up_boxes = kGated ? kp.n_tiles : 0;
+  kp.activation = p.activation;
 
-  return launch_persistent<T>(gather_gemm_kernel<kTransposedB, Out>, kp, launch.max_row_tiles * kp.n_tiles,
-                              launch.sm_count, launch.stream);
+  return launch_persistent<T>(gather_gemm_kernel<kTransposedB, kEpilogue, Out>, kp,
+                              launch.max_row_tiles * kp.n_tiles, launch.sm_count, launch.stream);
 }
 
 }  // namespace detail

@@ -126,22 +126,29 @@ __device__ __forceinline__ void wgmma_stages(Pipeline& pipeline, PipelineState& 
   pipeline.consumer_release(release);
 }
 
+// The identity on float32: the epilogue of a product stored as it is accumulated.
+struct IdentityEpilogue {
+  __device__ __forceinline__ float operator()(float v) const { return v; }
+};
+
 // Stores a tile's accumulators (`coord` as from consumer_tensors) into `out`, row-major
-// with n columns: tile element (r, c) goes to out[row0 + r][col0 + c] where
+// with n columns, through the elementwise `fn` (float32 -> float32, before the rounding to
+// Out): tile element (r, c) goes to out[row0 + r][col0 + c] = fn(accum) where
 // row0 + r < row_end and col0 + c < n; the others are left alone. Accumulators i and i + 1
 // are columns c and c + 1 of one row (the wgmma C layout) and n % 8 == 0, so a pair is
 // wholly inside or outside n and is stored as one.
-template <class Out, class Accum, class Coord>
+template <class Out, class Accum, class Coord, class Fn = IdentityEpilogue>
 __device__ __forceinline__ void store_accumulators(Out* out, int32_t n, int32_t row0,
                                                    int32_t row_end, int32_t col0,
-                                                   const Accum& accum, const Coord& coord) {
+                                                   const Accum& accum, const Coord& coord,
+                                                   const Fn& fn = Fn{}) {
   using namespace cute;
   CUTLASS_PRAGMA_UNROLL
   for (int i = 0; i < size(accum); i += 2) {
     const int32_t row = row0 + get<0>(coord(i));
     const int32_t col = col0 + get<1>(coord(i));
     if (row < row_end && col < n) {
-      store_pair(out + static_cast<int64_t>(row) * n + col, accum(i), accum(i + 1));
+      store_pair(out + static_cast<int64_t>(row) * n + col, fn(accum(i)), fn(accum(i + 1)));
     }
   }
 }

@@ -52,6 +52,9 @@ _SYMBOLS.update({
 # a library built before it registers no target under the new name.
 _SYMBOLS[("gather_gmm", "cuda")] = "MoeXlaGatherGmmCudaV2"
 _SYMBOLS[("gather_tgmm", "cuda")] = "MoeXlaGatherTgmmCuda"
+# gather_gmm_activate (gather_gmm with the expert activation in its epilogue) has a CUDA
+# kernel only; its symbol carries its version from the start.
+_SYMBOLS[("gather_gmm_activate", "cuda")] = "MoeXlaGatherGmmActivateCudaV1"
 
 # An op's version rises with each change of its handler's operands or attributes, so that
 # an HLO module written for the old signature fails by name, not by an attribute mismatch.

@@ -175,6 +175,14 @@ def expert_activation(h, name: str):
     return PLAIN[name](h)
 
 
+def gather_gmm_activate(x, src, w_in, group_sizes, *, activation: str):
+    """act(x[src[rows of g]] @ w_in[g]): the expert activation (expert_activation) of the
+    float32 gather_gmm, rounded once to x.dtype. x [T, K], src [M], w_in [G, K, N],
+    group_sizes [G] -> [M, N / 2] (gated) or [M, N]."""
+    h = gather_gmm(x, src, w_in, group_sizes, preferred_element_type=jnp.float32)
+    return expert_activation(h, activation).astype(x.dtype)
+
+
 def moe(x, router_logits, w_in, w_out, *, top_k, activation="swiglu", score="softmax", bias=None, n_groups=None,
         topk_groups=None, renormalize=True, scale=1.0, shared_experts=None):
     """The MoE layer as a loop over experts (no dispatch): every expert runs on every token

@@ -43,6 +43,21 @@ def activation_fn(activation: str):
     return gated
 
 
+def gather_gmm(x, src, w, gs, transpose_rhs=False):
+    """gather_gmm (x [T, K], src [M], w [G, K, N] or [G, N, K] with transpose_rhs,
+    group_sizes [G] -> [M, N]) from its formula: each row's token row (zero for src outside
+    [0, T)) times its group's matrix (sizes clamped to the M rows) by one einsum over all
+    rows; rows past the groups 0."""
+    t, m = x.shape[0], src.shape[0]
+    valid = (src >= 0) & (src < t)
+    rows = jnp.where(valid[:, None], x[jnp.clip(src, 0, max(t - 1, 0))], 0)
+    ends = jnp.cumsum(jnp.clip(gs, 0, None))
+    group = jnp.searchsorted(ends, jnp.arange(m), side="right")  # G for rows past the groups
+    w_row = jnp.take(w, jnp.minimum(group, w.shape[0] - 1), axis=0)
+    out = jnp.einsum("mk,mnk->mn" if transpose_rhs else "mk,mkn->mn", rows, w_row)
+    return jnp.where((group < w.shape[0])[:, None], out, 0)
+
+
 def np_sources(logits, score: str):
     """float64 [T, E]: softmax(logits) or sigmoid(logits), the values weights come from."""
     x = np.asarray(logits, np.float64)

@@ -19,6 +19,7 @@ import moe_xla
 import moe_xla._lib as _lib
 from moe_xla import first_product, reference
 from conftest import ON_GPU, assert_close, normal, requires_8_devices
+import independent
 from gather_inputs import cases, cuda_targets, group_sizes, src_with_bad_rows
 
 # (T, M, K, N, G): kernel-shaped (K, N multiples of 8: the CUDA kernel in bf16), tails of
@@ -51,20 +52,6 @@ def _ref(x, src, w, gs, out_dtype=None, transpose_rhs=False):
 def _w_shape(g: int, k: int, n: int, transpose_rhs: bool):
     """w's shape in its layout: [G, K, N], or [G, N, K] with transpose_rhs."""
     return (g, n, k) if transpose_rhs else (g, k, n)
-
-
-def _einsum_gather_gmm(x, src, w, gs, transpose_rhs=False):
-    """gather_gmm written independently of gmm and gather_rows: each row's token row (zero
-    for src outside [0, T)) times its group's matrix by one einsum over all rows; rows past
-    the groups 0."""
-    t, m = x.shape[0], src.shape[0]
-    valid = (src >= 0) & (src < t)
-    rows = jnp.where(valid[:, None], x[jnp.clip(src, 0, max(t - 1, 0))], 0)
-    ends = jnp.cumsum(jnp.clip(gs, 0, None))
-    group = jnp.searchsorted(ends, jnp.arange(m), side="right")  # G for rows past the groups
-    w_row = jnp.take(w, jnp.minimum(group, w.shape[0] - 1), axis=0)
-    out = jnp.einsum("mk,mnk->mn" if transpose_rhs else "mk,mkn->mn", rows, w_row)
-    return jnp.where((group < w.shape[0])[:, None], out, 0)
 
 
 def _cases():
@@ -152,10 +139,10 @@ def test_grads_match_einsum(rng, gs, k, n, transpose_rhs):
     src, gs = _src(rng, t, m), jnp.array(gs, jnp.int32)
     weights = normal(rng, (m, n), jnp.float32)
     np.testing.assert_allclose(np.asarray(jax.jit(moe_xla.gather_gmm, static_argnames="transpose_rhs")(
-        x, src, w, gs, transpose_rhs=transpose_rhs)), np.asarray(_einsum_gather_gmm(x, src, w, gs, transpose_rhs)),
+        x, src, w, gs, transpose_rhs=transpose_rhs)), np.asarray(independent.gather_gmm(x, src, w, gs, transpose_rhs)),
         rtol=1e-5, atol=1e-5)
     ours = _loss_grads(lambda x, w: moe_xla.gather_gmm(x, src, w, gs, transpose_rhs=transpose_rhs), x, w, weights)
-    ref = _loss_grads(lambda x, w: _einsum_gather_gmm(x, src, w, gs, transpose_rhs), x, w, weights)
+    ref = _loss_grads(lambda x, w: independent.gather_gmm(x, src, w, gs, transpose_rhs), x, w, weights)
     for o, r in zip(ours, ref):
         assert o.shape == r.shape
         np.testing.assert_allclose(np.asarray(o), np.asarray(r), rtol=1e-5, atol=1e-5)

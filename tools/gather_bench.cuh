@@ -1,6 +1,6 @@
 // What the gather benchmarks (gather_gemm_bench.cu, gather_tgmm_bench.cu) share: the
 // routed first-GEMM cases, their routing, random inputs, the row-gather kernel of the path
-// they replace, the params of both paths, the check of two outputs, the command line, the
+// they replace, the routing on the device, the params of both paths, the check of two outputs, the command line, the
 // timing of two paths and the printed table.
 // Included by one translation unit per program.
 #ifndef MOE_XLA_TOOLS_GATHER_BENCH_CUH_
@@ -127,6 +127,27 @@ inline void route(const GatherCase& c, std::vector<int32_t>* src, std::vector<in
     sizes->push_back(static_cast<int32_t>(tokens.size()));
   }
 }
+
+// A case's routing (route) on the device: src [M] and group_sizes [G], freed with it.
+struct DeviceRouting {
+  int64_t m;
+  int32_t *src, *sizes;
+
+  explicit DeviceRouting(const GatherCase& c) : m(c.tokens * c.top_k) {
+    std::vector<int32_t> host_src, host_sizes;
+    route(c, &host_src, &host_sizes);
+    CHECK_CUDA(cudaMalloc(&src, m * 4));
+    CHECK_CUDA(cudaMalloc(&sizes, c.g * 4));
+    CHECK_CUDA(cudaMemcpy(src, host_src.data(), m * 4, cudaMemcpyHostToDevice));
+    CHECK_CUDA(cudaMemcpy(sizes, host_sizes.data(), c.g * 4, cudaMemcpyHostToDevice));
+  }
+  ~DeviceRouting() {
+    CHECK_CUDA(cudaFree(src));
+    CHECK_CUDA(cudaFree(sizes));
+  }
+  DeviceRouting(const DeviceRouting&) = delete;
+  DeviceRouting& operator=(const DeviceRouting&) = delete;
+};
 
 // The params of a gather product (moe_xla::GatherGemmParams or GatherTgmmParams, whose
 // shared fields have the same names) with bf16 input and output; the caller sets the

@@ -45,20 +45,16 @@ int main(int argc, char** argv) {
 
   for (const gather_bench::GatherCase& c : gather_bench::kCases) {
     if (!options.selected(c)) continue;
-    const int64_t m = c.tokens * c.top_k;
-    std::vector<int32_t> src, sizes;
-    gather_bench::route(c, &src, &sizes);
+    const gather_bench::DeviceRouting routing(c);
+    const int64_t m = routing.m;
+    const int32_t* d_src = routing.src;
+    const int32_t* d_sizes = routing.sizes;
     __nv_bfloat16 *x, *dy, *x_sorted, *out_gather, *out_copy;
-    int32_t *d_src, *d_sizes;
     CHECK_CUDA(cudaMalloc(&x, c.tokens * c.k * 2));
     CHECK_CUDA(cudaMalloc(&dy, m * c.n * 2));
     CHECK_CUDA(cudaMalloc(&x_sorted, m * c.k * 2));
     CHECK_CUDA(cudaMalloc(&out_gather, c.g * c.k * c.n * 2));
     CHECK_CUDA(cudaMalloc(&out_copy, c.g * c.k * c.n * 2));
-    CHECK_CUDA(cudaMalloc(&d_src, m * 4));
-    CHECK_CUDA(cudaMalloc(&d_sizes, c.g * 4));
-    CHECK_CUDA(cudaMemcpy(d_src, src.data(), m * 4, cudaMemcpyHostToDevice));
-    CHECK_CUDA(cudaMemcpy(d_sizes, sizes.data(), c.g * 4, cudaMemcpyHostToDevice));
     gather_bench::fill_uniform(x, c.tokens * c.k, 1, stream);
     gather_bench::fill_uniform(dy, m * c.n, 3, stream);
 
@@ -89,8 +85,7 @@ int main(int argc, char** argv) {
     gather_bench::time_pair(options, stream, run_gather, run_copy, &ms_gather, &ms_copy);
     gather_bench::print_row(c, ms_gather, ms_copy, detail);
     for (void* p : {static_cast<void*>(x), static_cast<void*>(dy), static_cast<void*>(x_sorted),
-                    static_cast<void*>(out_gather), static_cast<void*>(out_copy),
-                    static_cast<void*>(d_src), static_cast<void*>(d_sizes), gather_ws, tgmm_ws}) {
+                    static_cast<void*>(out_gather), static_cast<void*>(out_copy), gather_ws, tgmm_ws}) {
       CHECK_CUDA(cudaFree(p));
     }
   }

@@ -57,6 +57,27 @@ def with_spacer_groups(rhs):
     return rhs.reshape((b * (g + 1),) + rhs.shape[2:])
 
 
+def fold_gather(args, dims):
+    """The operands (x [T, K], src [M], w [G, ...], group_sizes [G], *rest) of a gather
+    product (gather_gmm, gather_gmm_activate) vmapped along `dims`, as one unbatched call
+    over B stacked problems: (x, src [B * M], w [B * (G + 1), ...] with spacer groups,
+    folded group sizes [B * (G + 1)], rest [B, ...], B, M, T or None). A batched x is
+    stacked to [B * T, K] (T returned) and src folded into the stacked tokens (entries that
+    name no token go past them); an unbatched x is read by every element as it is."""
+    x_batched = dims[0] is not None
+    args, b = batched_to_front(args, dims)
+    # x is stacked only where it is batched; every other operand gets the batch dimension.
+    x, src, w, group_sizes, *rest = [a if d is not None or i == 0 else jnp.broadcast_to(a, (b,) + a.shape)
+                                     for i, (a, d) in enumerate(zip(args, dims))]
+    m = src.shape[1]
+    t = None
+    if x_batched:
+        t = x.shape[1]
+        x = x.reshape(b * t, x.shape[2])
+        src = folded_rows(src, t)
+    return (x, src.reshape(b * m), with_spacer_groups(w), folded_group_sizes(group_sizes, m), rest, b, m, t)
+
+
 def zero_spacer_rows(out, folded, b: int, m: int):
     """The [B * m, N] output of a folded grouped product as [B, m, N], with each element's
     rows past its groups (its spacer group's, folded_group_sizes) set to exactly 0: the

@@ -33,6 +33,7 @@ _REFERENCE = {
     "gather_gmm": lambda x, src, w, group_sizes, *token_slots, transpose_rhs, preferred_element_type, **_: (
         reference.gather_gmm(x, src, w, group_sizes, transpose_rhs=transpose_rhs,
                              preferred_element_type=preferred_element_type)),
+    "gather_gmm_activate": reference.gather_gmm_activate,
     "gather_tgmm": reference.gather_tgmm,
     "route": _route,
     "permute": lambda x, expert_ids, *, num_experts: list(reference.permute(x, expert_ids, num_experts)),

@@ -3,6 +3,9 @@
 What each op splits without communication:
   gmm      along N (column-parallel expert weights); along K it ends in one all-reduce;
   gather_gmm  as gmm;
+  gather_gmm_activate  along N for the plain activations (elementwise after the whole K
+           sum, so K stays whole); gated ones keep N whole (a shard of w_in's gate | up
+           columns would not hold both halves of its outputs);
   tgmm     along K and N of the weight gradient;
   gather_tgmm  as tgmm;
   route    along tokens T;
@@ -41,6 +44,8 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.interpreters import mlir
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+
+from moe_xla.primitives._activation import GATED
 
 # Private JAX APIs (checked on 0.10.2): the lowering contexts that carry the mesh, and the
 # registry of primitives that get the device assignment while lowering. Where a JAX
@@ -216,6 +221,17 @@ GATHER_GMM = Rule(
     sharding_rule=lambda transpose_rhs, has_token_slots, **_: (
         "t k, m, " + ("g n k" if transpose_rhs else "g k n") + ", g" + ", t j" * has_token_slots + " -> m n"),
     specs=_gather_gmm_specs, need_replication=("t", "m", "g", "j"), reduction=("k",))
+
+
+def _gather_gmm_activate_specs(arg_axes, *, activation):
+    n = () if activation in GATED else arg_axes[2][2]
+    return [((), ()), ((),), ((), (), n), ((),)], [((), n)], ()
+
+
+# Gated: N (c) and F (f) are separate factors, both whole.
+GATHER_GMM_ACTIVATE = Rule(
+    sharding_rule=lambda activation: "t k, m, g k c, g -> m f" if activation in GATED else "t k, m, g k n, g -> m n",
+    specs=_gather_gmm_activate_specs, need_replication=("t", "m", "g", "k", "c", "f"))
 
 
 def _tgmm_specs(arg_axes, **_):

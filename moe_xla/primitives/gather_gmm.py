@@ -153,25 +153,15 @@ def _gather_tgmm_transpose(ct, x, src, dy, group_sizes, *, preferred_element_typ
 
 
 def _batch(args, dims, *, transpose_rhs, preferred_element_type, has_token_slots):
-    x_batched = dims[0] is not None
-    args, b = _batching.batched_to_front(args, dims)
-    # x is stacked only where it is batched; every other operand gets the batch dimension.
-    x, src, w, group_sizes, *token_slots = [a if d is not None or i == 0 else jnp.broadcast_to(a, (b,) + a.shape)
-                                             for i, (a, d) in enumerate(zip(args, dims))]
-    m = src.shape[1]
-    if x_batched:
-        t = x.shape[1]
-        x = x.reshape(b * t, x.shape[2])
-        src = _batching.folded_rows(src, t)  # entries naming no row go past the stacked tokens
+    x, src, w, folded, token_slots, b, m, t = _batching.fold_gather(args, dims)
+    if t is not None:
         token_slots = [_batching.folded_rows(s, m).reshape(b * t, s.shape[2]) for s in token_slots]
     else:
         # Every element reads the one x; token_slots would then name rows of several
         # elements, so d x takes the sum over src instead.
         token_slots = []
-    folded = _batching.folded_group_sizes(group_sizes, m)
-    out = gather_gmm_p.bind(x, src.reshape(b * m), _batching.with_spacer_groups(w), folded, *token_slots,
-                            transpose_rhs=transpose_rhs, preferred_element_type=preferred_element_type,
-                            has_token_slots=bool(token_slots))
+    out = gather_gmm_p.bind(x, src, w, folded, *token_slots, transpose_rhs=transpose_rhs,
+                            preferred_element_type=preferred_element_type, has_token_slots=bool(token_slots))
     return _batching.zero_spacer_rows(out, folded, b, m), 0
 
 
