@@ -6,6 +6,7 @@
                                                           fp8_blockwise_prequantized]
                                           [--first-product auto gather copy]
                                           [--combine-backward auto gather copy]
+                                          [--fused-activation auto fused unfused]
 
 Cases: every "moe_layer" and "sonicmoe" case of cases.json (bf16, swiglu experts w_in
 [E, d, 2n], w_out [E, n, d], the case's routing). Notation: T tokens, d hidden (H), n
@@ -81,6 +82,9 @@ layer copies: first_product's custom_jvp). --combine-backward likewise measures 
 of moe_xla.product_combine (how the second product's backward reads the cotangent:
 "gather" through the row map inside gather_gmm / gather_tgmm, under gmm_out bwd; "copy"
 gathered once into expert order, under combine bwd), column cotangent_rows.
+--fused-activation likewise measures each mode of moe_xla.experts.fused_activation (whether
+a gathered forward runs the activation in the first product's epilogue, gather_gmm_activate:
+act fwd then falls under gmm_in fwd), column fused_activation.
 Output: moe_layer_stages_<platform>.json / .md under --out (_timing.write_results).
 """
 
@@ -100,7 +104,7 @@ from moe_layer import moe_xla_layer
 import jax
 
 import moe_xla
-from moe_xla import first_product, product_combine
+from moe_xla import experts, first_product, product_combine
 
 from moe_xla.inspect import parse_hlo
 
@@ -272,14 +276,16 @@ def prequantized_layer(case: dict):
 
 
 def measure_case(case: dict, t_scale: float, reps: int, inner: int, trace_steps: int, key,
-                 quantization=None, first_product_mode="auto", combine_backward_mode="auto") -> dict:
+                 quantization=None, first_product_mode="auto", combine_backward_mode="auto",
+                 fused_activation_mode="auto") -> dict:
     """One row: the case's timings, TFLOP/s and stage columns (module docstring), moe()'s
     first product traced as first_product_mode, its combine's backward as
-    combine_backward_mode."""
-    with first_product.forced(first_product_mode), product_combine.forced(combine_backward_mode):
+    combine_backward_mode, its activation's fusion as fused_activation_mode."""
+    with (first_product.forced(first_product_mode), product_combine.forced(combine_backward_mode),
+          experts.fused_activation(fused_activation_mode)):
         row = _measure_case(case, t_scale, reps, inner, trace_steps, key, quantization)
     return {"case": row.pop("case"), "quantization": row.pop("quantization"), "first_product": first_product_mode,
-            "cotangent_rows": combine_backward_mode, **row}
+            "cotangent_rows": combine_backward_mode, "fused_activation": fused_activation_mode, **row}
 
 
 def _measure_case(case: dict, t_scale: float, reps: int, inner: int, trace_steps: int, key, quantization) -> dict:
@@ -326,7 +332,7 @@ def _measure_case(case: dict, t_scale: float, reps: int, inner: int, trace_steps
     return row
 
 
-COLUMNS = (["case", "quantization", "first_product", "cotangent_rows", "T", "fwd_ms", "fwd_bwd_ms", "fwd_tflops", "bwd_tflops", "fwd_vs_sonicmoe",
+COLUMNS = (["case", "quantization", "first_product", "cotangent_rows", "fused_activation", "T", "fwd_ms", "fwd_bwd_ms", "fwd_tflops", "bwd_tflops", "fwd_vs_sonicmoe",
             "bwd_vs_sonicmoe", "weights_quant_ms",
             "fwd_bwd_mem_gib", "kernels_ms", "other_ms"]
            + [f"{s}_{d}_ms" for s in STAGES for d in DIRECTIONS]
@@ -334,20 +340,23 @@ COLUMNS = (["case", "quantization", "first_product", "cotangent_rows", "T", "fwd
 
 
 def run(cases, out: Path, t_scale: float, reps: int, inner: int, trace_steps: int, quantizations=(None,),
-        first_products=("auto",), combine_backwards=("auto",)) -> list:
+        first_products=("auto",), combine_backwards=("auto",), fused_activations=("auto",)) -> list:
     """Measures `cases` (once per entry of quantizations, moe()'s option, of
-    first_products, first_product's modes, and of combine_backwards, product_combine's)
+    first_products, first_product's modes, of combine_backwards, product_combine's, and of
+    fused_activations, experts.fused_activation's)
     and writes moe_layer_stages_<platform>.json / .md under out."""
     platform = jax.devices()[0].platform
     env = environment()
     env.update(t_scale=t_scale, reps=reps, inner=inner, trace_steps=trace_steps)
     rows = []
     for i, case in enumerate(cases):
-        for quantization, mode, combine in itertools.product(quantizations, first_products, combine_backwards):
+        for quantization, mode, combine, fusion in itertools.product(quantizations, first_products, combine_backwards,
+                                                                     fused_activations):
             row = measure_case(case, t_scale, reps, inner, trace_steps, jax.random.fold_in(jax.random.key(0), i),
-                               quantization, mode, combine)
+                               quantization, mode, combine, fusion)
             rows.append(row)
-            print(f"{row['case']} ({row['quantization']}, first product {mode}, combine backward {combine}): "
+            print(f"{row['case']} ({row['quantization']}, first product {mode}, combine backward {combine}, "
+                  f"activation {fusion}): "
                   f"fwd {row['fwd_ms']:.3f} ms "
                   f"({row['fwd_tflops']:.3g} TFLOP/s), fwd+bwd {row['fwd_bwd_ms']:.3f} ms "
                   f"(bwd {row['bwd_tflops'] or float('nan'):.3g} TFLOP/s)", flush=True)
@@ -380,6 +389,9 @@ def main(argv=None):
     parser.add_argument("--combine-backward", nargs="+", default=["auto"], choices=list(product_combine.MODES),
                         help="how the combine's backward reads the cotangent (moe_xla.product_combine), each "
                              "measured in turn: gather (through the row map), copy (gathered into c), auto")
+    parser.add_argument("--fused-activation", nargs="+", default=["auto"], choices=["auto", "fused", "unfused"],
+                        help="whether a gathered forward runs the activation in the first product's epilogue "
+                             "(moe_xla.experts.fused_activation), each measured in turn")
     args = parser.parse_args(argv)
     cases = default_cases()
     unknown = set(args.cases or ()) - {c["name"] for c in cases}
@@ -388,7 +400,8 @@ def main(argv=None):
     on_gpu = jax.devices()[0].platform == "gpu"
     return run([c for c in cases if not args.cases or c["name"] in args.cases], args.out, args.t_scale,
                args.reps or (20 if on_gpu else 1), 5 if on_gpu else 1, (3 if on_gpu else 1) if args.trace_steps is None else args.trace_steps,
-               [None if q == "none" else q for q in args.quantization], args.first_product, args.combine_backward)
+               [None if q == "none" else q for q in args.quantization], args.first_product, args.combine_backward,
+               args.fused_activation)
 
 
 if __name__ == "__main__":

@@ -10,11 +10,16 @@ import functools
 
 import jax
 
+import moe_xla._choice as _choice
+import moe_xla.first_product as first_product
 import moe_xla.fp8 as fp8
 from moe_xla.activations import activate
 from moe_xla.first_product import GatheredRows
 from moe_xla.grouped import gmm, is_fp8
-from moe_xla.product_combine import activate_gmm_combine, backward_gathers
+from moe_xla.primitives.gather_gmm_activate import gather_gmm_activate
+from moe_xla.product_combine import activate_gmm_combine, backward_gathers, gmm_combine
+
+_fusion = _choice.Override("experts.fused_activation", ("auto", "fused", "unfused"))
 
 
 def expert_mlp(x_sorted, w_in, w_out, group_sizes, activation: str, quantization=None, x_quantized=None,
@@ -32,7 +37,9 @@ def expert_mlp(x_sorted, w_in, w_out, group_sizes, activation: str, quantization
     instead of quantising the arrays (which still get their gradients). combine = (row_map,
     weights) of permute and route: returns the weighted combine unpermute(out, row_map,
     weights) [T, H] instead of out, through product_combine.activate_gmm_combine (whose
-    derivative needs neither out nor a weighted copy of the cotangent); with "fp8_blockwise" the
+    derivative needs neither out nor a weighted copy of the cotangent); with GatheredRows
+    (of the same permute) the forward runs the activation in the first product's epilogue
+    where `fused_activation` says (_fused_forward_mlp); with "fp8_blockwise" the
     second product and the combine are one custom_vjp whose backward quantises d out as it
     gathers it (fp8.gmm_combine_fp8)."""
     if is_fp8(quantization):
@@ -48,6 +55,13 @@ def expert_mlp(x_sorted, w_in, w_out, group_sizes, activation: str, quantization
             return fp8.gmm_combine_fp8(a, w_out, group_sizes, *combine, **second)
         with jax.named_scope("moe_xla/gmm_out"):
             return fp8.gmm_fp8_blockwise(a, w_out, group_sizes, **second)
+    if isinstance(x_sorted, GatheredRows) and combine is not None:
+        # combine's row_map is the one x_sorted's rows come from (both permute's).
+        rows, (row_map, weights) = x_sorted, combine
+        args = (rows.x, w_in, w_out, group_sizes, rows.src, rows.expert_ids, row_map, weights)
+        if _activation_fuses(rows, w_in, activation):
+            return _fused_forward_mlp(*args, activation, rows.num_experts)
+        return _gathered_mlp(*args, activation=activation, num_experts=rows.num_experts)
     with jax.named_scope("moe_xla/gmm_in"):
         if isinstance(x_sorted, GatheredRows):
             h = x_sorted.gmm(w_in, group_sizes)
@@ -61,6 +75,49 @@ def expert_mlp(x_sorted, w_in, w_out, group_sizes, activation: str, quantization
         a = activate(h, activation)
     with jax.named_scope("moe_xla/gmm_out"):
         return gmm(a, w_out, group_sizes, quantization=quantization)
+
+
+def fused_activation(mode: str):
+    """Within the block, whether moe()'s gathered expert MLP runs its forward with the
+    activation in the first product's epilogue: "fused", "unfused", or "auto"
+    (first_product.activation_fuses: where the fused kernel runs). For tests and
+    benchmarks; a function jitted under one mode keeps it in its compiled programs."""
+    return _fusion.forced(mode)
+
+
+def _activation_fuses(rows: GatheredRows, w_in, activation: str) -> bool:
+    if _fusion.mode != "auto":
+        return _fusion.mode == "fused"
+    return first_product.activation_fuses(rows.x, w_in, rows.expert_ids.shape[1], activation)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(8, 9))
+def _fused_forward_mlp(x, w_in, w_out, group_sizes, src, expert_ids, row_map, weights, activation: str,
+                       num_experts: int):
+    """The gathered expert MLP and weighted combine, y [T, H], computed with the activation in
+    the first product's epilogue (gather_gmm_activate: h stays float32, a is rounded once)
+    where nothing differentiates it. Its derivative, and its values inside a differentiated
+    program, are those of the unfused path (_gathered_mlp), which keeps h for the backward:
+    the two differ by the rounding of h to x's dtype."""
+    with jax.named_scope("moe_xla/gmm_in"):
+        a = gather_gmm_activate(x, src, w_in, group_sizes, activation)
+    return gmm_combine(a, w_out, group_sizes, row_map, weights)
+
+
+@_fused_forward_mlp.defjvp
+def _fused_forward_mlp_jvp(activation, num_experts, primals, tangents):
+    return jax.jvp(functools.partial(_gathered_mlp, activation=activation, num_experts=num_experts), primals, tangents)
+
+
+def _gathered_mlp(x, w_in, w_out, group_sizes, src, expert_ids, row_map, weights, *, activation: str,
+                  num_experts: int):
+    """expert_mlp's unfused path on first_product.GatheredRows(x, src, expert_ids, row_map)
+    with combine = (row_map, weights)."""
+    rows = GatheredRows(x, src, expert_ids, row_map, num_experts)
+    with jax.named_scope("moe_xla/gmm_in"):
+        h = rows.gmm(w_in, group_sizes)
+    return _activate_product_combine(h, w_out, group_sizes, row_map, weights, activation,
+                                     backward_gathers(h, w_out, weights.shape[0]))
 
 
 @functools.partial(jax.checkpoint, static_argnums=(5, 6))

@@ -20,8 +20,8 @@ gathering weight gradient (its sort may then run twice, once with zero-width row
 
 GatheredRows.gmm_activate is the gathered first product with the expert activation fused
 into the kernel's epilogue (gather_gmm_activate: the product stays float32 until the
-activation, one rounding); `activation_fuses` says where its kernel applies. moe() does not
-call it yet.
+activation, one rounding); `activation_fuses` says where its kernel applies. moe()'s
+forward runs it there (experts._fused_forward_mlp).
 
 `forced` overrides the choice for tests and benchmarks. The choice is made while tracing:
 a function jitted under one mode keeps it in its compiled programs.

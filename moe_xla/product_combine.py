@@ -100,6 +100,12 @@ def activate_gmm_combine(h, w_out, group_sizes, row_map, weights, activation: st
     traces of the rule made under one choice are not reused for the other)."""
     with jax.named_scope("moe_xla/act"):
         a = activate(h, activation)
+    return gmm_combine(a, w_out, group_sizes, row_map, weights)
+
+
+def gmm_combine(a, w_out, group_sizes, row_map, weights):
+    """unpermute(gmm(a, w_out, group_sizes), row_map, weights, unique_rows=True), under the
+    gmm_out and combine scopes: the forward of activate_gmm_combine after the activation."""
     with jax.named_scope("moe_xla/gmm_out"):
         out = gmm(a, w_out, group_sizes)
     with jax.named_scope("moe_xla/combine"):
