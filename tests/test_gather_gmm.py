@@ -17,7 +17,7 @@ from jax.test_util import check_grads
 
 import moe_xla
 import moe_xla._lib as _lib
-from moe_xla import first_product, reference
+from moe_xla import first_product, product_combine, reference
 from conftest import ON_GPU, assert_close, normal, requires_8_devices
 import independent
 from gather_inputs import cases, cuda_targets, group_sizes, src_with_bad_rows
@@ -350,8 +350,9 @@ def test_moe_forward_gathers_without_a_permuted_copy_and_so_does_its_step(rng):
         return jax.grad(lambda *a: jnp.sum(moe_xla.moe(*a, top_k=3).astype(jnp.float32)), (0, 1, 2, 3))
 
     def lowered(mode, make):
-        # A fresh function per mode: jit reuses a function's trace, made under one mode.
-        with first_product.forced(mode):
+        # A fresh function per mode: jit reuses a function's trace, made under one mode. The
+        # combine's backward copies, so that the gather_gmm calls are the first product's.
+        with first_product.forced(mode), product_combine.forced("copy"):
             return jax.jit(make()).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
     gathered, copied = lowered("gather", fwd), lowered("copy", fwd)
