@@ -389,7 +389,7 @@ def main(argv=None):
     parser.add_argument("--combine-backward", nargs="+", default=["auto"], choices=list(product_combine.MODES),
                         help="how the combine's backward reads the cotangent (moe_xla.product_combine), each "
                              "measured in turn: gather (through the row map), copy (gathered into c), auto")
-    parser.add_argument("--fused-activation", nargs="+", default=["auto"], choices=["auto", "fused", "unfused"],
+    parser.add_argument("--fused-activation", nargs="+", default=["auto"], choices=list(experts.FUSION_MODES),
                         help="whether a gathered forward runs the activation in the first product's epilogue "
                              "(moe_xla.experts.fused_activation), each measured in turn")
     args = parser.parse_args(argv)

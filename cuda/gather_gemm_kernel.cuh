@@ -195,7 +195,6 @@ struct GatherGemmKernelParams {
   Out* out;
   int32_t tokens, k, n, num_groups;
   int32_t n_tiles, k_tiles;
-  int32_t up_boxes;       // kGated: F / 128, how many boxes the up columns follow the gate's
   Activation activation;  // kPlain, kGated
 };
 
@@ -225,8 +224,13 @@ __device__ __forceinline__ void with_activation(Activation act, const Store& sto
       store(GeluEpilogue{});
       break;
     case Activation::kRelu:
-      if constexpr (kEpilogue == GatherEpilogue::kPlain) store(ReluEpilogue{});
-      break;
+      if constexpr (kEpilogue == GatherEpilogue::kPlain) {
+        store(ReluEpilogue{});
+        break;
+      }
+      __trap();  // relu is not gated: the dispatcher never passes it here
+    default:
+      __trap();
   }
 }
 
@@ -242,7 +246,7 @@ __device__ __forceinline__ void store_gated(Out* out, int32_t f, int32_t row0, i
                                             const Gate& g) {
   using namespace cute;
   constexpr int kHalf = decltype(size(accum))::value / 2;
-  static_assert(kHalf % 2 == 0, "accumulators come in column pairs");
+  static_assert(kHalf == 64, "one m64n256 fragment per warp group: value i + 64 is column + 128");
   CUTLASS_PRAGMA_UNROLL
   for (int i = 0; i < kHalf; i += 2) {
     const int32_t row = row0 + get<0>(coord(i));
@@ -299,11 +303,11 @@ __device__ __forceinline__ void gather_gemm_produce(const GatherGemmKernelParams
       const int stage = write.index();
       if (tma_leader) {
         // Box b of column tile n_tile: column box n_tile, and for kGated (b = 1) the up
-        // columns, F / 128 boxes further.
+        // columns, F / 128 = n_tiles boxes further.
         CUTLASS_PRAGMA_UNROLL
         for (int b = 0; b < B::kCount; ++b) {
           copy(p.tma_b.with(*pipeline.producer_get_barrier(write)),
-               tBgB(_, n_tile + b * p.up_boxes, k_tile, tile.group), tBsB(_, stage * B::kCount + b));
+               tBgB(_, n_tile + b * p.n_tiles, k_tile, tile.group), tBsB(_, stage * B::kCount + b));
         }
       }
       const int col = k_tile * T::kTileK + chunk * T::kChunkElems;
@@ -424,7 +428,6 @@ Status gather_gemm_kernel_run(const GatherGemmLaunch& launch) {
   // kGated: one column tile per 128 outputs (N = 2F, F % 128 == 0, checked by the dispatcher).
   kp.n_tiles = static_cast<int32_t>(kGated ? p.n / T::kTileN : (p.n + T::kTileN - 1) / T::kTileN);
   kp.k_tiles = static_cast<int32_t>((p.k + T::kTileK - 1) / T::kTileK);
-  kp.up_boxes = kGated ? kp.n_tiles : 0;
   kp.activation = p.activation;
 
   return launch_persistent<T>(gather_gemm_kernel<kTransposedB, kEpilogue, Out>, kp,

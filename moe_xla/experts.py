@@ -19,7 +19,8 @@ from moe_xla.grouped import gmm, is_fp8
 from moe_xla.primitives.gather_gmm_activate import gather_gmm_activate
 from moe_xla.product_combine import activate_gmm_combine, backward_gathers, gmm_combine
 
-_fusion = _choice.Override("experts.fused_activation", ("auto", "fused", "unfused"))
+FUSION_MODES = ("auto", "fused", "unfused")
+_fusion = _choice.Override("experts.fused_activation", FUSION_MODES)
 
 
 def expert_mlp(x_sorted, w_in, w_out, group_sizes, activation: str, quantization=None, x_quantized=None,
@@ -96,9 +97,9 @@ def _fused_forward_mlp(x, w_in, w_out, group_sizes, src, expert_ids, row_map, we
                        num_experts: int):
     """The gathered expert MLP and weighted combine, y [T, H], computed with the activation in
     the first product's epilogue (gather_gmm_activate: h stays float32, a is rounded once)
-    where nothing differentiates it. Its derivative, and its values inside a differentiated
-    program, are those of the unfused path (_gathered_mlp), which keeps h for the backward:
-    the two differ by the rounding of h to x's dtype."""
+    where no nonzero tangent reaches it. Its derivative, and its values where a tangent
+    does, are those of the unfused path (_gathered_mlp), which keeps h for the backward: the
+    two differ by the rounding of h to x's dtype."""
     with jax.named_scope("moe_xla/gmm_in"):
         a = gather_gmm_activate(x, src, w_in, group_sizes, activation)
     return gmm_combine(a, w_out, group_sizes, row_map, weights)

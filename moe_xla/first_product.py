@@ -18,10 +18,10 @@ row_map (one gather-sum), so a training step keeps no x_sorted; or the copy path
 (permute's copy, then gmm), where the sorted copy of the rows costs less than the
 gathering weight gradient (its sort may then run twice, once with zero-width rows).
 
-GatheredRows.gmm_activate is the gathered first product with the expert activation fused
-into the kernel's epilogue (gather_gmm_activate: the product stays float32 until the
-activation, one rounding); `activation_fuses` says where its kernel applies. moe()'s
-forward runs it there (experts._fused_forward_mlp).
+gather_gmm_activate is the gathered first product with the expert activation fused into
+the kernel's epilogue (the product stays float32 until the activation, one rounding);
+`activation_fuses` says where its kernel applies, and there moe()'s forward runs it
+(experts._fused_forward_mlp).
 
 `forced` overrides the choice for tests and benchmarks. The choice is made while tracing:
 a function jitted under one mode keeps it in its compiled programs.
@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import moe_xla._choice as _choice
 import moe_xla._lib as _lib
 import moe_xla._rows as _rows
-from moe_xla.primitives import gather_gmm_activate as _activate
+import moe_xla.primitives.gather_gmm_activate as _gather_gmm_activate
 from moe_xla.primitives.gather_gmm import gather_gmm, kernel_supports
 from moe_xla.primitives.gmm import gmm
 from moe_xla.primitives.permute import permute
@@ -74,12 +74,12 @@ def choose(x, w_in, top_k: int, quantization) -> str:
 
 
 def activation_fuses(x, w_in, top_k: int, activation: str) -> bool:
-    """Whether GatheredRows.gmm_activate of x [T, H] and w_in [E, H, N] runs the fused CUDA
-    kernel here (a Hopper GPU, bf16, the shapes of gather_gmm_activate.kernel_supports: for
-    gated activations F = N / 2 a multiple of 128); elsewhere it computes the same values
-    through its decomposition."""
+    """Whether gather_gmm_activate of the rows of x [T, H] (top_k each) and w_in [E, H, N]
+    runs the fused CUDA kernel here (a Hopper GPU, bf16, the shapes of its kernel_supports:
+    for gated activations F = N / 2 a multiple of 128); elsewhere it computes the same
+    values through its decomposition."""
     return (jax.default_backend() == "gpu" and _lib.local_gpus_hopper()
-            and _activate.kernel_supports(x.shape, w_in.shape, x.shape[0] * top_k, x.dtype, activation))
+            and _gather_gmm_activate.kernel_supports(x.shape, w_in.shape, x.shape[0] * top_k, x.dtype, activation))
 
 
 def derivative_gathers(w_in) -> bool:
@@ -123,12 +123,6 @@ class GatheredRows:
         """gmm(x_sorted, w, group_sizes) without x_sorted."""
         return _gathered_product(self.x, w, group_sizes, self.src, self.expert_ids, self.row_map, self.num_experts,
                                  derivative_gathers(w))
-
-    def gmm_activate(self, w, group_sizes, activation: str):
-        """activation(gmm(x_sorted, w, group_sizes)) without x_sorted, the product kept in
-        float32 until the activation (gather_gmm_activate; differentiated through
-        gather_gmm's rules, d x summed over src)."""
-        return _activate.gather_gmm_activate(self.x, self.src, w, group_sizes, activation)
 
 
 def sorted_rows(x, expert_ids, num_experts: int):

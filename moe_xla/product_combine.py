@@ -52,7 +52,7 @@ MODES = _choice.MODES
 # Largest F (w_out [E, F, H]) whose backward gathers under "auto". The gathered products
 # replace the [T*k, H] pass that writes c but run slower than the copy path's gmm and tgmm
 # (gather_tgmm 0.66-0.89 of a row gather + tgmm, 1.16 at F = 256; LOG.md, session 16): the
-# layer's step gains at F = 256 (sonicmoe n256: 1.04x) and loses from F = 512 on (n512 even,
+# layer's step gains at F = 256 (sonicmoe n256: 1.04x) and loses from F = 512 on (n512 1.00x,
 # qwen3-30b-a3b F = 768 0.97x, n1024 0.96x; LOG.md, session 17).
 GATHER_MAX_F = 256
 

@@ -249,27 +249,17 @@ def test_gpu_runs_the_kernel(rng, activation):
 # ---------------------------------------------------------------------------- first_product
 
 
-@pytest.mark.parametrize("activation", ["swiglu", "relu"])
-def test_first_product_gmm_activate(rng, activation):
-    # GatheredRows.gmm_activate is the activation of the copying path's product, and so are
-    # its gradients (float32, where the single rounding is no rounding).
-    t, h, e, k = 50, 16, 4, 2
-    x, w = normal(rng, (t, h), jnp.float32), normal(rng, (e, h, 24), jnp.float32)
-    ids = jnp.asarray(np.argsort(rng.random((t, e)), axis=1)[:, :k], jnp.int32)
-
-    def gathered(x, w):
-        rows, gs, _ = first_product.sorted_rows(x, ids, e)
-        return rows.gmm_activate(w, gs, activation)
-
-    def copied(x, w):
-        x_sorted, gs, _ = moe_xla.permute(x, ids, e)
-        return independent.activation_fn(activation)(moe_xla.gmm(x_sorted, w, gs))
-
-    assert_close(jax.jit(gathered)(x, w), copied(x, w), jnp.float32)
-    cts = normal(rng, (t * k, 12 if activation in GATED else 24), jnp.float32)
-    for o, r in zip(_loss_grads(gathered, x, w, cts), _loss_grads(copied, x, w, cts)):
-        assert_close(o, r, jnp.float32)
-    assert not first_product.activation_fuses(x, w, k, activation)  # float32 (and, in CI, no GPU)
+def test_activation_fuses_where_the_kernel_applies(monkeypatch):
+    x, w = jnp.zeros((64, 256), jnp.bfloat16), jnp.zeros((8, 256, 512), jnp.bfloat16)
+    assert not first_product.activation_fuses(x, w, 4, "swiglu")  # the CPU
+    monkeypatch.setattr(first_product.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(first_product._lib, "local_gpus_hopper", lambda: True)
+    assert first_product.activation_fuses(x, w, 4, "swiglu") and first_product.activation_fuses(x, w, 4, "relu")
+    assert not first_product.activation_fuses(x, w[..., :320], 4, "swiglu")  # F = 160: not a multiple of 128
+    assert first_product.activation_fuses(x, w[..., :320], 4, "gelu")  # plain: any N of 16-byte rows
+    assert not first_product.activation_fuses(x.astype(jnp.float32), w, 4, "swiglu")
+    monkeypatch.setattr(first_product._lib, "local_gpus_hopper", lambda: False)
+    assert not first_product.activation_fuses(x, w, 4, "swiglu")
 
 
 # ---------------------------------------------------------------------------- errors

@@ -23,7 +23,10 @@ decomposition above, with the same one rounding.
 
 Derivatives: the JVP is that of the decomposition, d a = act'(h) (gather_gmm(dx, src, w_in)
 + gather_gmm(x, src, d w_in)) in float32 (h recomputed in float32 by gather_gmm), rounded
-to x.dtype; gather_gmm's transpose makes it reverse-differentiable.
+to x.dtype; gather_gmm's transpose makes it reverse-differentiable. That rule runs a second
+product and keeps a float32 [M, N] residual, so training is better served by the unfused
+path: moe() runs this primitive only where nothing differentiates it
+(experts._fused_forward_mlp).
 
 vmap folds the batch into the tokens, rows and groups as gather_gmm's batching does
 (_batching.fold_gather). Over a mesh (the kernel's call) a plain activation splits along N
