@@ -236,11 +236,14 @@ def test_cpu_lowering_is_the_decomposition(rng):
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device")
+@pytest.mark.parametrize("k,n", [(256, 1024), (1000, 768)], ids=["K256", "K-tail-F384"])
 @pytest.mark.parametrize("activation", ACTIVATIONS)
-def test_gpu_runs_the_kernel(rng, activation):
+def test_gpu_runs_the_kernel(rng, activation, k, n):
     # On the H200: the compiled program calls the fused kernel, and its result is the
-    # formula's (the kernel-shaped cases of test_matches_formula check the values too).
-    x, src, w, gs = _inputs(rng, 500, 1000, 256, 1024, 8, jnp.bfloat16)
+    # formula's (the kernel-shaped cases of test_matches_formula check the values too);
+    # K = 1000 ends in a partial 64-deep step, and gated N = 768 has three 128-column tiles
+    # of gate | up pairs.
+    x, src, w, gs = _inputs(rng, 500, 1000, k, n, 8, jnp.bfloat16)
     f = jax.jit(moe_xla.gather_gmm_activate, static_argnums=4)
     assert "moe_xla_gather_gmm_activate_cuda_v1" in f.lower(x, src, w, gs, activation).compile().as_text()
     assert_close(f(x, src, w, gs, activation), _formula(x, src, w, gs, activation), jnp.bfloat16)
