@@ -15,7 +15,7 @@ PLAIN = {"gelu": lambda h: jax.nn.gelu(h, approximate=True), "silu": jax.nn.silu
 ACTIVATIONS = tuple(GATED) + tuple(PLAIN)
 
 
-def _activate_f32(h32, activation: str):
+def activate_f32(h32, activation: str):
     """The expert activation of float32 h, in float32 (not rounded)."""
     if activation in GATED:
         gate, up = jnp.split(h32, 2, axis=-1)
@@ -25,7 +25,7 @@ def _activate_f32(h32, activation: str):
 
 def activate(h, activation: str):
     """The expert activation on [rows, 2F] (gated: act(gate) * up) or [rows, F]."""
-    return _activate_f32(h.astype(jnp.float32), activation).astype(h.dtype)
+    return activate_f32(h.astype(jnp.float32), activation).astype(h.dtype)
 
 
 def weighted_tangent(h, omega, d_h, d_omega, activation: str):
@@ -38,6 +38,6 @@ def weighted_tangent(h, omega, d_h, d_omega, activation: str):
     ActivateWeightedGradParams contract: d h = act'(h)^T (omega * g) (omega * g not
     rounded), d omega = <g, a>."""
     h32 = h.astype(jnp.float32)
-    a, d_a = jax.jvp(lambda v: _activate_f32(v, activation), (h32,), (d_h.astype(jnp.float32),))
+    a, d_a = jax.jvp(lambda v: activate_f32(v, activation), (h32,), (d_h.astype(jnp.float32),))
     a = a.astype(h.dtype).astype(jnp.float32)
     return (omega[:, None] * d_a + d_omega[:, None] * a).astype(h.dtype)

@@ -44,7 +44,7 @@ from jax.interpreters import ad, batching
 
 import moe_xla._lib as _lib
 from moe_xla.primitives import _batching, _checks, _gather_kernel, _impl, _lowering, _sharding
-from moe_xla.primitives._activation import ACTIVATIONS, GATED, _activate_f32
+from moe_xla.primitives._activation import ACTIVATIONS, GATED, activate_f32
 from moe_xla.primitives.gather_gmm import gather_gmm_p
 
 OP = "gather_gmm_activate"
@@ -58,8 +58,6 @@ def gather_gmm_activate(x, src, w_in, group_sizes, activation: str):
     """a[rows of g] = act(x[src[rows of g]] @ w_in[g]), h kept in float32 until the one
     rounding to x.dtype: [M, F] for gated activations (w_in [G, K, 2F] = gate | up), [M, N]
     for plain ones. See the module docstring."""
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"{OP}: expected activation in {ACTIVATIONS}, got {activation!r}")
     return gather_gmm_activate_p.bind(x, src, w_in, group_sizes, activation=activation)
 
 
@@ -91,15 +89,17 @@ def _abstract_eval(x, src, w_in, group_sizes, *, activation):
     return jax.core.ShapedArray((src.shape[0], out_cols(n, activation)), x.dtype)
 
 
-def _product_f32(x, src, w_in, group_sizes):
-    """h = gather_gmm(x, src, w_in, group_sizes) in float32, not rounded."""
-    return gather_gmm_p.bind(x, src, w_in, group_sizes, transpose_rhs=False,
-                             preferred_element_type=jnp.dtype(jnp.float32), has_token_slots=False)
+def _activated_f32(x, src, w_in, group_sizes, activation):
+    """act(h) in float32 of h = gather_gmm(x, src, w_in, group_sizes) in float32, neither
+    rounded."""
+    h = gather_gmm_p.bind(x, src, w_in, group_sizes, transpose_rhs=False,
+                          preferred_element_type=jnp.dtype(jnp.float32), has_token_slots=False)
+    return activate_f32(h, activation)
 
 
 def _decomposition(x, src, w_in, group_sizes, *, activation):
     """The activation of the float32 gather_gmm, in float32, rounded once to x.dtype."""
-    return _activate_f32(_product_f32(x, src, w_in, group_sizes), activation).astype(x.dtype)
+    return _activated_f32(x, src, w_in, group_sizes, activation).astype(x.dtype)
 
 
 def _kernel_operands(x, src, w_in, group_sizes, *, activation):
@@ -119,8 +119,7 @@ def _jvp(primals, tangents, *, activation):
     out = gather_gmm_activate_p.bind(*primals, activation=activation)
     dx, dw = (ad.instantiate_zeros(t) for t in (tangents[0], tangents[2]))
     # The decomposition's tangent in float32: act'(h) applied to gather_gmm's (bilinear) one.
-    _, d_out = jax.jvp(lambda x, w: _activate_f32(_product_f32(x, src, w, group_sizes), activation), (x, w_in),
-                       (dx, dw))
+    _, d_out = jax.jvp(lambda x, w: _activated_f32(x, src, w, group_sizes, activation), (x, w_in), (dx, dw))
     return out, d_out.astype(out.dtype)
 
 
