@@ -1,7 +1,6 @@
-// Dispatcher of the gather grouped GEMM: validation, device check, workspace layout and
-// the two prep kernels that turn the group sizes into the table of row tiles the GEMM
-// kernel (gather_gemm_kernel.cuh, one compilation per output dtype, layout of w and
-// epilogue) walks.
+// Dispatcher of the gather grouped GEMM: validation, device check, workspace, and the
+// table of row tiles (cuda/row_tiles.h) that the GEMM kernel (gather_gemm_kernel.cuh, one
+// compilation per output dtype, layout of w and epilogue) walks.
 #include "cuda/gather_gemm.h"
 
 #include <cuda_runtime.h>
@@ -17,95 +16,17 @@
 #include "cuda/gather_checks.h"
 #include "cuda/gather_dispatch.h"
 #include "cuda/gather_gemm_internal.h"
-#include "cuda/group_offsets.cuh"
+#include "cuda/row_tiles.h"
 
 namespace moe_xla {
 namespace cuda {
 namespace {
 
-using detail::align_up;
 using detail::aligned16;
 using detail::GatherEpilogue;
-using detail::GatherRowTile;
-using detail::GatherTileCount;
 using detail::kAlign;
 using detail::kGatherMaxDim;
 using detail::kGatherTileM;
-using detail::kScanThreads;
-
-constexpr int kFillThreads = 256;
-
-// Where group g's row tiles start in the table, and its rows [start, end).
-struct alignas(16) GroupTiles {
-  int32_t first_tile;
-  int32_t start;
-  int32_t end;
-  int32_t unused;
-};
-
-// Row tiles of all groups: sum_g ceil(rows_g / 128) <= ceil(M / 128) + G.
-int64_t max_row_tiles(int64_t m, int64_t num_groups) {
-  return (m + kGatherTileM - 1) / kGatherTileM + num_groups;
-}
-int64_t max_row_tiles(const GatherGemmParams& p) { return max_row_tiles(p.m, p.num_groups); }
-
-// Offsets from an aligned base: group tiles | tile count | row-tile table.
-struct WorkspaceLayout {
-  size_t groups, count, row_tiles, total;
-  WorkspaceLayout(int64_t m, int64_t num_groups) {
-    groups = 0;
-    count = align_up(static_cast<size_t>(num_groups) * sizeof(GroupTiles));
-    row_tiles = count + align_up(sizeof(GatherTileCount));
-    total = row_tiles + align_up(static_cast<size_t>(max_row_tiles(m, num_groups)) * sizeof(GatherRowTile));
-  }
-};
-
-// One block of kScanThreads: every group's first row tile and rows (scan_group_tiles of
-// group_offsets.cuh, clamped as common/gather_gemm.h says), the number of row tiles and
-// the covered rows.
-__global__ void __launch_bounds__(kScanThreads)
-    gather_group_tiles_kernel(const int32_t* __restrict__ group_sizes, int64_t num_groups,
-                              int64_t m, GroupTiles* __restrict__ groups,
-                              GatherTileCount* __restrict__ count) {
-  int64_t tiles = 0;
-  const int64_t covered = detail::scan_group_tiles<kScanThreads>(
-      group_sizes, num_groups, m, kGatherTileM, &tiles,
-      [&](int64_t g, int64_t start, int64_t end, int64_t first) {
-        groups[g] = GroupTiles{static_cast<int32_t>(first), static_cast<int32_t>(start),
-                               static_cast<int32_t>(end), 0};
-      });
-  if (threadIdx.x == 0) *count = GatherTileCount{tiles, covered};
-}
-
-// The grid writes row tile i of the table for every i < count->row_tiles (its group: the
-// last one whose first tile is <= i; empty groups share their first tile with the next
-// group, so that one is never empty) and zeroes the output rows past the groups
-// (16-byte vectors, row_vecs of them per row).
-__global__ void __launch_bounds__(kFillThreads)
-    gather_row_tiles_kernel(const GroupTiles* __restrict__ groups, int64_t num_groups,
-                            const GatherTileCount* __restrict__ count,
-                            GatherRowTile* __restrict__ row_tiles, uint4* __restrict__ out,
-                            int64_t m, int64_t row_vecs) {
-  const GatherTileCount c = *count;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < c.row_tiles;
-       i += stride) {
-    int64_t lo = 0, hi = num_groups - 1;  // groups[0].first_tile = 0 <= i
-    while (lo < hi) {
-      const int64_t mid = (lo + hi + 1) / 2;
-      if (groups[mid].first_tile <= i) {
-        lo = mid;
-      } else {
-        hi = mid - 1;
-      }
-    }
-    const GroupTiles g = groups[lo];
-    const int32_t begin = g.start + static_cast<int32_t>(i - g.first_tile) * kGatherTileM;
-    row_tiles[i] = GatherRowTile{static_cast<int32_t>(lo), begin,
-                                 std::min(begin + kGatherTileM, g.end), 0};
-  }
-  detail::zero_rows_from(out, c.covered, m, row_vecs);
-}
 
 // One compiled kernel: its output dtype, the layout of w (kGmm: [G, K, N];
 // kGmmTransposed: [G, N, K]), its epilogue and its launcher.
@@ -193,7 +114,7 @@ Status validate(const GatherGemmParams& p) {
 
 size_t gather_gemm_workspace_bytes(int64_t m, int64_t num_groups) {
   if (m < 0 || m > kGatherMaxDim || num_groups < 0 || num_groups > kGatherMaxDim) return 0;
-  return kAlign /* slack to align the base */ + WorkspaceLayout(m, num_groups).total;
+  return kAlign /* slack to align the base */ + detail::row_tile_table_bytes(m, num_groups, kGatherTileM);
 }
 
 size_t gather_gemm_workspace_bytes(const GatherGemmParams& p) {
@@ -227,24 +148,13 @@ Status gather_gemm(const GatherGemmParams& p, void* workspace, size_t workspace_
   MOE_XLA_RETURN_IF_ERROR(
       detail::check_workspace("gather_gemm", workspace, workspace_bytes, needed));
 
-  char* base = detail::aligned_base(workspace);
-  const WorkspaceLayout layout(p.m, p.num_groups);
-  auto* groups = reinterpret_cast<GroupTiles*>(base + layout.groups);
-  auto* count = reinterpret_cast<GatherTileCount*>(base + layout.count);
-  auto* row_tiles = reinterpret_cast<GatherRowTile*>(base + layout.row_tiles);
-
-  gather_group_tiles_kernel<<<1, kScanThreads, 0, stream>>>(p.group_sizes, p.num_groups, p.m,
-                                                           groups, count);
-  MOE_XLA_RETURN_IF_CUDA_ERROR(cudaGetLastError());  // launch of the group scan
   const int64_t row_vecs = out_cols(p) * static_cast<int64_t>(dtype_bytes(p.out_dtype)) / 16;
-  const int64_t work = std::max(max_row_tiles(p), p.m * row_vecs);
-  const int64_t blocks =
-      std::clamp<int64_t>((work + kFillThreads - 1) / kFillThreads, 1, 2 * int64_t{sm_count});
-  gather_row_tiles_kernel<<<static_cast<unsigned>(blocks), kFillThreads, 0, stream>>>(
-      groups, p.num_groups, count, row_tiles, static_cast<uint4*>(p.out), p.m, row_vecs);
-  MOE_XLA_RETURN_IF_CUDA_ERROR(cudaGetLastError());  // launch of the row-tile table
+  detail::RowTileTable table;
+  MOE_XLA_RETURN_IF_ERROR(detail::enqueue_row_tile_table(p.group_sizes, p.num_groups, p.m, kGatherTileM,
+                                                         detail::aligned_base(workspace), p.out, row_vecs,
+                                                         sm_count, stream, &table));
 
-  const detail::GatherGemmLaunch launch{&p, row_tiles, count, max_row_tiles(p), sm_count, stream};
+  const detail::GatherGemmLaunch launch{&p, table, sm_count, stream};
   return find_instance(p)->run(launch).With("gather_gemm");
 }
 

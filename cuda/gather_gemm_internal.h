@@ -10,6 +10,7 @@
 
 #include "common/gather_gemm.h"
 #include "common/status.h"
+#include "cuda/row_tiles.h"
 
 namespace moe_xla {
 namespace cuda {
@@ -24,28 +25,9 @@ constexpr int kGatherTileN = 256;
 // relu) or store g(gate) * up (kGated: swiglu, geglu), the activation read at run time.
 enum class GatherEpilogue { kNone, kPlain, kGated };
 
-// One row tile of the product: rows [row_begin, row_end) of group `group`, at most
-// kGatherTileM of them. The prep kernels write one per row tile of every group, group by
-// group, in a table of the workspace.
-struct alignas(16) GatherRowTile {
-  int32_t group;
-  int32_t row_begin;
-  int32_t row_end;
-  int32_t unused;
-};
-
-// Written by the prep kernels next to the table: how many row tiles it holds, and the
-// rows the groups cover (rows [covered, M) are zero).
-struct alignas(16) GatherTileCount {
-  int64_t row_tiles;
-  int64_t covered;
-};
-
 struct GatherGemmLaunch {
   const GatherGemmParams* params;
-  const GatherRowTile* row_tiles;     // device
-  const GatherTileCount* tile_count;  // device
-  int64_t max_row_tiles;              // an upper bound of tile_count->row_tiles
+  RowTileTable row_tiles;  // of kGatherTileM rows
   int sm_count;
   cudaStream_t stream;
 };

@@ -1,6 +1,6 @@
 // The Hopper kernel of the gather GEMM (common/gather_gemm.h): out[r] = x[src[r]] @ w[g]
-// (w[g]^T with transpose_w) for the rows of the row tiles that the prep kernels of
-// gather_gemm.cu listed. One source for both layouts of w: the traits, the TMA view of w
+// (w[g]^T with transpose_w) for the rows of the row tiles in the table of
+// cuda/row_tiles.h. One source for both layouts of w: the traits, the TMA view of w
 // and the wgmma's B operand are chosen by the template parameter kTransposedB; what the
 // consumers store by kEpilogue (GatherEpilogue): the product, or the expert activation of
 // it in float32 before its one rounding (gather_gmm_activate).
@@ -190,8 +190,8 @@ struct GatherGemmKernelParams {
   GatherTmaB<kTransposedB, kEpilogue> tma_b;
   const char* x;  // [tokens, k] bf16, addressed in bytes by the cp.async gather
   const int32_t* src;
-  const GatherRowTile* row_tiles;
-  const GatherTileCount* tile_count;
+  const RowTile* row_tiles;
+  const RowTileCount* tile_count;
   Out* out;
   int32_t tokens, k, n, num_groups;
   int32_t n_tiles, k_tiles;
@@ -280,7 +280,7 @@ __device__ __forceinline__ void gather_gemm_produce(const GatherGemmKernelParams
   const uint32_t smem_a = cast_smem_ptr_to_uint(smem.a.data());
   typename T::PipelineState write = cutlass::make_producer_start_state<typename T::Pipeline>();
   for (int64_t unit = blockIdx.x; unit < units; unit += gridDim.x) {
-    const GatherRowTile tile = p.row_tiles[unit / p.n_tiles];
+    const RowTile tile = p.row_tiles[unit / p.n_tiles];
     const int n_tile = static_cast<int>(unit % p.n_tiles);
     // The source rows of this thread's rows of the tile; bit i of `valid` says that row i
     // is in the group and its src in [0, T).
@@ -336,7 +336,7 @@ __device__ __forceinline__ void gather_gemm_produce(const GatherGemmKernelParams
 template <bool kTransposedB, GatherEpilogue kEpilogue, class Out, class Accum, class Coord,
           class T = GatherGemmTraits<kTransposedB>>
 __device__ __forceinline__ void store_tile(const GatherGemmKernelParams<kTransposedB, kEpilogue, Out>& p,
-                                           const GatherRowTile& tile, int32_t n_tile, const Accum& accum,
+                                           const RowTile& tile, int32_t n_tile, const Accum& accum,
                                            const Coord& coord) {
   if constexpr (kEpilogue == GatherEpilogue::kNone) {
     store_accumulators(p.out, p.n, tile.row_begin, tile.row_end, n_tile * T::kTileN, accum, coord);
@@ -363,7 +363,7 @@ __device__ __forceinline__ void gather_gemm_consume(const GatherGemmKernelParams
 
   typename T::PipelineState read;
   for (int64_t unit = blockIdx.x; unit < units; unit += gridDim.x) {
-    const GatherRowTile tile = p.row_tiles[unit / p.n_tiles];  // used by the stores below
+    const RowTile tile = p.row_tiles[unit / p.n_tiles];  // used by the stores below
     const int32_t n_tile = static_cast<int32_t>(unit % p.n_tiles);
 
     wgmma_stages(pipeline, read, mma, tCrA, tCrB, accum, p.k_tiles);
@@ -418,8 +418,8 @@ Status gather_gemm_kernel_run(const GatherGemmLaunch& launch) {
                                                         static_cast<int32_t>(p.num_groups));
   kp.x = static_cast<const char*>(p.x);
   kp.src = p.src;
-  kp.row_tiles = launch.row_tiles;
-  kp.tile_count = launch.tile_count;
+  kp.row_tiles = launch.row_tiles.tiles;
+  kp.tile_count = launch.row_tiles.count;
   kp.out = static_cast<Out*>(p.out);
   kp.tokens = static_cast<int32_t>(p.tokens);
   kp.k = static_cast<int32_t>(p.k);
@@ -431,7 +431,7 @@ Status gather_gemm_kernel_run(const GatherGemmLaunch& launch) {
   kp.activation = p.activation;
 
   return launch_persistent<T>(gather_gemm_kernel<kTransposedB, kEpilogue, Out>, kp,
-                              launch.max_row_tiles * kp.n_tiles, launch.sm_count, launch.stream);
+                              launch.row_tiles.max_tiles * kp.n_tiles, launch.sm_count, launch.stream);
 }
 
 }  // namespace detail
