@@ -1,6 +1,6 @@
 // Dispatcher of the FP8 blockwise grouped product (cuda/fp8_grouped_gemm.h): argument
-// checks, path choice, the CUTLASS instantiations of the table in cuda/BUILD.bazel, and
-// the SIMT kernel that computes the contract's order exactly.
+// checks, path choice, the CUTLASS instantiations and our wgmma kernel's of the tables in
+// cuda/BUILD.bazel, and the SIMT kernel that computes the contract's order exactly.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -13,7 +13,9 @@
 #include "cuda/device.h"
 #include "cuda/fp8_grouped_gemm.h"
 #include "cuda/fp8_grouped_gemm_internal.h"
+#include "cuda/fp8_wgmma_internal.h"
 #include "cuda/group_offsets.cuh"
+#include "cuda/row_tiles.h"
 
 namespace moe_xla {
 namespace cuda {
@@ -22,6 +24,7 @@ namespace {
 using detail::align_up;
 using detail::CutlassFp8Args;
 using detail::Fp8TileConfig;
+using detail::kFp8WgmmaTileM;
 using detail::kScanThreads;
 using detail::kWorkspaceAlign;
 
@@ -63,25 +66,55 @@ bool tile_of(Fp8GemmPath path, Fp8TileConfig* tile) {
     case Fp8GemmPath::kCutlassCoop128x128Cluster2x1: *tile = Fp8TileConfig::kCoop128x128Cluster2x1; return true;
     case Fp8GemmPath::kCutlassPingpong64x128Cluster1x1: *tile = Fp8TileConfig::kPingpong64x128Cluster1x1; return true;
     case Fp8GemmPath::kAuto:
-    case Fp8GemmPath::kSimt: return false;
+    case Fp8GemmPath::kSimt:
+    case Fp8GemmPath::kWgmma128x128: return false;
   }
   return false;
+}
+
+// Whether the TMA-fed kernels (CUTLASS's and ours) can compute this product: sizes in
+// int32 (with a row tile's slack), K a multiple of 16 and N of a 16-byte output vector,
+// 16-byte aligned operands and output (group offsets move the bases by whole rows, which
+// keeps them aligned).
+bool tma_eligible(const Fp8GroupedGemmParams& p) {
+  if (!sizes_in_range(p)) return false;
+  if (p.m <= 0 || p.k <= 0 || p.n <= 0 || p.num_groups <= 0) return false;
+  if (p.m > INT32_MAX - kFp8WgmmaTileM || p.k > INT32_MAX || p.n > INT32_MAX || p.num_groups > INT32_MAX) return false;
+  const int64_t out_vec = 16 / static_cast<int64_t>(dtype_bytes(p.out_dtype));
+  if (p.k % 16 != 0 || p.n % out_vec != 0) return false;
+  return aligned16(p.lhs) && aligned16(p.rhs) && aligned16(p.out);
 }
 
 // The instantiation that computes this product on a CUTLASS path, or nullptr when the path
 // is not a CUTLASS one or cannot compute it (output dtype not instantiated, shapes, alignment).
 const CutlassFp8Instance* cutlass_instance_for(const Fp8GroupedGemmParams& p, Fp8GemmPath path) {
   Fp8TileConfig tile;
-  if (!tile_of(path, &tile) || !sizes_in_range(p)) return nullptr;
-  if (p.m <= 0 || p.k <= 0 || p.n <= 0 || p.num_groups <= 0) return nullptr;
-  if (p.m > INT32_MAX || p.k > INT32_MAX || p.n > INT32_MAX || p.num_groups > INT32_MAX) return nullptr;
-  // TMA: 16-byte aligned bases and leading dimensions; group offsets move the bases by
-  // whole rows, which keeps them aligned.
-  const int64_t out_vec = 16 / static_cast<int64_t>(dtype_bytes(p.out_dtype));
-  if (p.k % 16 != 0 || p.n % out_vec != 0) return nullptr;
-  if (!aligned16(p.lhs) || !aligned16(p.rhs) || !aligned16(p.out)) return nullptr;
+  if (!tile_of(path, &tile) || !tma_eligible(p)) return nullptr;
   for (const CutlassFp8Instance& inst : kCutlassFp8Instances) {
     if (inst.out_dtype == p.out_dtype && inst.tile == tile) return &inst;
+  }
+  return nullptr;
+}
+
+// Our wgmma kernel's instantiations (the table in cuda/BUILD.bazel).
+struct WgmmaFp8Instance {
+  DType out_dtype;
+  Status (*run)(const detail::Fp8WgmmaLaunch& launch);
+};
+
+#define MOE_XLA_CUTLASS_INSTANCE(DTYPE) WgmmaFp8Instance{DType::DTYPE, &detail::fp8_wgmma_run<DType::DTYPE>},
+
+constexpr WgmmaFp8Instance kWgmmaFp8Instances[] = {
+// One MOE_XLA_CUTLASS_INSTANCE(dtype) line per entry of the table, written by the build.
+#include "cuda/fp8_wgmma_kernels.inc"
+};
+#undef MOE_XLA_CUTLASS_INSTANCE
+
+// Our kernel's instantiation for this product, or nullptr when it cannot compute it.
+const WgmmaFp8Instance* wgmma_instance_for(const Fp8GroupedGemmParams& p) {
+  if (!tma_eligible(p)) return nullptr;
+  for (const WgmmaFp8Instance& inst : kWgmmaFp8Instances) {
+    if (inst.out_dtype == p.out_dtype) return &inst;
   }
   return nullptr;
 }
@@ -187,12 +220,14 @@ const char* fp8_gemm_path_name(Fp8GemmPath path) {
     case Fp8GemmPath::kCutlassCoop128x128Cluster1x2: return "cutlass_coop128x128_1x2";
     case Fp8GemmPath::kCutlassCoop128x128Cluster2x1: return "cutlass_coop128x128_2x1";
     case Fp8GemmPath::kCutlassPingpong64x128Cluster1x1: return "cutlass_pingpong64x128_1x1";
+    case Fp8GemmPath::kWgmma128x128: return "wgmma128x128";
   }
   return "unknown";
 }
 
 bool fp8_gemm_path_supported(const Fp8GroupedGemmParams& p, Fp8GemmPath path) {
   if (path == Fp8GemmPath::kAuto || path == Fp8GemmPath::kSimt) return true;
+  if (path == Fp8GemmPath::kWgmma128x128) return wgmma_instance_for(p) != nullptr;
   return cutlass_instance_for(p, path) != nullptr;
 }
 
@@ -201,12 +236,14 @@ Fp8GemmPath fp8_gemm_select_path(const Fp8GroupedGemmParams& p, int sm_count) {
   return select_path(p);
 }
 
-size_t fp8_grouped_gemm_workspace_bytes_bound(int64_t num_groups, int max_sm_count) {
-  size_t cutlass_bytes = 0;
+size_t fp8_grouped_gemm_workspace_bytes_bound(int64_t m, int64_t num_groups, int max_sm_count) {
+  size_t bytes = offsets_bytes(num_groups);
   for (const CutlassFp8Instance& inst : kCutlassFp8Instances) {
-    cutlass_bytes = std::max(cutlass_bytes, inst.workspace_bytes(std::max<int64_t>(num_groups, 1), std::max(max_sm_count, 1)));
+    const size_t cutlass = inst.workspace_bytes(std::max<int64_t>(num_groups, 1), std::max(max_sm_count, 1));
+    bytes = std::max(bytes, align_up(cutlass, kWorkspaceAlign));
   }
-  return kWorkspaceAlign + std::max(offsets_bytes(num_groups), align_up(cutlass_bytes, kWorkspaceAlign));
+  const size_t table = detail::row_tile_table_bytes(std::max<int64_t>(m, 0), std::max<int64_t>(num_groups, 0), kFp8WgmmaTileM);
+  return kWorkspaceAlign + std::max(bytes, table);
 }
 
 Status fp8_grouped_gemm(const Fp8GroupedGemmParams& p, void* workspace, size_t workspace_bytes, int sm_count,
@@ -242,7 +279,7 @@ Status fp8_grouped_gemm(const Fp8GroupedGemmParams& p, void* workspace, size_t w
     return Status::InvalidArgument("fp8_grouped_gemm: null input pointer");
   }
 
-  const size_t needed = fp8_grouped_gemm_workspace_bytes_bound(p.num_groups, sm_count);
+  const size_t needed = fp8_grouped_gemm_workspace_bytes_bound(p.m, p.num_groups, sm_count);
   if (workspace == nullptr || workspace_bytes < needed) {
     return Status::InvalidArgument("fp8_grouped_gemm: workspace of " +
                                    std::to_string(workspace == nullptr ? 0 : workspace_bytes) +
@@ -255,6 +292,18 @@ Status fp8_grouped_gemm(const Fp8GroupedGemmParams& p, void* workspace, size_t w
 
   if (path == Fp8GemmPath::kSimt) {
     return simt_run(p, reinterpret_cast<int64_t*>(base), stream).With("fp8_grouped_gemm path simt");
+  }
+  if (path == Fp8GemmPath::kWgmma128x128) {
+    const WgmmaFp8Instance* inst = wgmma_instance_for(p);
+    if (inst == nullptr) {
+      return Status::InvalidArgument("fp8_grouped_gemm: the path wgmma128x128 does not support this output dtype, "
+                                     "shape or alignment");
+    }
+    detail::RowTileTable table;
+    const int64_t row_vecs = p.n * static_cast<int64_t>(dtype_bytes(p.out_dtype)) / 16;
+    MOE_XLA_RETURN_IF_ERROR(detail::enqueue_row_tile_table(p.group_sizes, p.num_groups, p.m, kFp8WgmmaTileM, base,
+                                                           p.out, row_vecs, sm_count, stream, &table));
+    return inst->run(detail::Fp8WgmmaLaunch{&p, table, sm_count, stream}).With("fp8_grouped_gemm path wgmma128x128");
   }
   const CutlassFp8Instance* inst = cutlass_instance_for(p, path);
   if (inst == nullptr) {

@@ -73,7 +73,8 @@ __global__ void __launch_bounds__(kFillThreads)
     }
     const GroupTiles g = groups[lo];
     const int32_t begin = g.start + static_cast<int32_t>(i - g.first_tile) * tile_rows;
-    row_tiles[i] = RowTile{static_cast<int32_t>(lo), begin, std::min(begin + tile_rows, g.end), 0};
+    const int32_t tiles = (g.end - g.start + tile_rows - 1) / tile_rows;
+    row_tiles[i] = RowTile{static_cast<int32_t>(lo), begin, std::min(begin + tile_rows, g.end), g.first_tile, tiles, {}};
   }
   if (out != nullptr) zero_rows_from(out, c.covered, m, row_vecs);
 }

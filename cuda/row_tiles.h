@@ -16,12 +16,15 @@ namespace moe_xla {
 namespace cuda {
 namespace detail {
 
-// One row tile: rows [row_begin, row_end) of group `group`, at most tile_rows of them.
+// One row tile: rows [row_begin, row_end) of group `group`, at most tile_rows of them; the
+// group's tiles are entries [group_first, group_first + group_tiles) of the table.
 struct alignas(16) RowTile {
   int32_t group;
   int32_t row_begin;
   int32_t row_end;
-  int32_t unused;
+  int32_t group_first;
+  int32_t group_tiles;
+  int32_t unused[3];
 };
 
 // Written next to the table: how many row tiles it holds, and the rows the groups cover

@@ -167,6 +167,36 @@ Status launch_persistent(void (*kernel)(Params), const Params& kp, int64_t max_u
   return Status();
 }
 
+// Launches the persistent kernel of traits T in clusters of T::kClusterSize CTAs: as many
+// clusters as can be resident at once (cudaOccupancyMaxActiveClusters; at most
+// `max_units`, at least one), each CTA of T::kThreads threads with T::SharedStorage as
+// dynamic shared memory.
+template <class T, class Params>
+Status launch_persistent_clusters(void (*kernel)(Params), const Params& kp, int64_t max_units,
+                                  cudaStream_t stream) {
+  const int smem_bytes = static_cast<int>(sizeof(typename T::SharedStorage));
+  MOE_XLA_RETURN_IF_CUDA_ERROR(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
+  cudaLaunchAttribute cluster;
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = T::kClusterSize;
+  cluster.val.clusterDim.y = 1;
+  cluster.val.clusterDim.z = 1;
+  cudaLaunchConfig_t config = {};
+  config.blockDim = dim3(T::kThreads);
+  config.dynamicSmemBytes = smem_bytes;
+  config.stream = stream;
+  config.attrs = &cluster;
+  config.numAttrs = 1;
+  config.gridDim = dim3(T::kClusterSize);
+  int resident = 0;  // clusters resident at once
+  MOE_XLA_RETURN_IF_CUDA_ERROR(cudaOccupancyMaxActiveClusters(&resident, kernel, &config));
+  const int64_t clusters = std::max<int64_t>(std::min<int64_t>(resident, max_units), 1);
+  config.gridDim = dim3(static_cast<unsigned>(clusters * T::kClusterSize));
+  MOE_XLA_RETURN_IF_CUDA_ERROR(cudaLaunchKernelEx(&config, kernel, kp));
+  return Status();
+}
+
 }  // namespace detail
 }  // namespace cuda
 }  // namespace moe_xla

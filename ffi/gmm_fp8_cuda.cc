@@ -36,7 +36,7 @@ ffi::Error gmm_fp8_cuda(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::Buffer<ffi
   int sm_count = 0;
   if (Status s = cuda::current_device_sm_count(&sm_count); !s.ok()) return ffi_args::to_error(s, "gmm_fp8");
   if (auto e = ffi_args::check_sm_count(sm_count, "gmm_fp8"); e.failure()) return e;
-  const size_t bytes = cuda::fp8_grouped_gemm_workspace_bytes_bound(p->num_groups, sm_count);
+  const size_t bytes = cuda::fp8_grouped_gemm_workspace_bytes_bound(p->m, p->num_groups, sm_count);
   auto workspace = ffi_args::workspace(*workspace_buffer, bytes, "gmm_fp8");
   if (workspace.has_error()) return workspace.error();
   return ffi_args::to_error(
@@ -49,12 +49,12 @@ ffi::Error gmm_fp8_cuda(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::Buffer<ffi
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaGmmFp8Cuda, moe_xla::gmm_fp8_cuda,
                               moe_xla::ffi_args::bind_fp8_gemm(
                                   ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>())
-                                  .Ret<ffi::AnyBuffer>(),  // workspace u8[MoeXlaGmmFp8WorkspaceBytes(G)]
+                                  .Ret<ffi::AnyBuffer>(),  // workspace u8[MoeXlaGmmFp8WorkspaceBytes(M, G)]
                               {ffi::Traits::kCmdBufferCompatible});
 
-// Workspace bytes of a gmm_fp8 call with `num_groups` groups, any shape and dtype (called
-// from Python through ctypes when lowering).
-extern "C" int64_t MoeXlaGmmFp8WorkspaceBytes(int64_t num_groups) {
+// Workspace bytes of a gmm_fp8 call with `m` rows in `num_groups` groups, any K, N and
+// dtype (called from Python through ctypes when lowering).
+extern "C" int64_t MoeXlaGmmFp8WorkspaceBytes(int64_t m, int64_t num_groups) {
   using moe_xla::ffi_args::kMaxSmCount;
-  return static_cast<int64_t>(moe_xla::cuda::fp8_grouped_gemm_workspace_bytes_bound(num_groups, kMaxSmCount));
+  return static_cast<int64_t>(moe_xla::cuda::fp8_grouped_gemm_workspace_bytes_bound(m, num_groups, kMaxSmCount));
 }

@@ -135,21 +135,26 @@ def test_gpu_simt_path_bitwise_against_the_cpu(rng, kind, out_dtype, k, path):
     np.testing.assert_array_equal(gpu.view(np.uint8), cpu.view(np.uint8))
 
 
-# The CUTLASS path: 64- and 128-row tiles (average group sizes below and above 128), N
-# tails inside a 128-column tile, K tails inside a 128-deep step, empty groups.
-GPU_SHAPES = [(1000, 512, 384, 8), (4096, 1024, 256, 4), (700, 272, 136, 16), (300, 2048, 512, 2)]
+# The TMA paths (CUTLASS's and our wgmma kernel): 64- and 128-row tiles (average group
+# sizes below and above 128), N tails inside a 128-column tile, K tails inside a 128-deep
+# step, empty groups; the last shape has more 128 x 128 tiles than the H200 has SMs (the
+# persistent loop) and an odd number of K steps.
+GPU_SHAPES = [(1000, 512, 384, 8), (4096, 1024, 256, 4), (700, 272, 136, 16), (300, 2048, 512, 2),
+              (6000, 640, 1024, 6)]
 
 
-CUTLASS_PATHS = [p for p in gmm_fp8_module.PATHS if p.startswith("cutlass")]
+TMA_PATHS = [p for p in gmm_fp8_module.PATHS if p not in ("auto", "simt")]
+# The paths instantiated for float32 output too.
+F32_PATHS = ("auto", "cutlass_coop128x128_1x2", "wgmma128x128")
 
 
 @requires_gpu
-@pytest.mark.parametrize("path", ["auto"] + CUTLASS_PATHS)
+@pytest.mark.parametrize("path", ["auto"] + TMA_PATHS)
 @pytest.mark.parametrize("kind", ["random", "empty_and_short", "clamped"])
 @pytest.mark.parametrize("shape", GPU_SHAPES)
-def test_gpu_cutlass_path_against_the_cpu(rng, shape, kind, path):
+def test_gpu_tma_path_against_the_cpu(rng, shape, kind, path):
     """Hopper's FP8 tensor cores sum a 128-deep step with about 14 significant bits before
-    CUTLASS promotes it to the float32 accumulator (the limit DeepSeek-V3's report measured
+    the kernel promotes it to the float32 accumulator (the limit DeepSeek-V3's report measured
     and its 128-deep promotion interval bounds): per element within 2^-12 of sum_j |fl(s_a
     s_b) P_j| (the product of the dequantised magnitudes). Measured on an H200: 8.5e-5 of
     it at most."""
@@ -158,9 +163,8 @@ def test_gpu_cutlass_path_against_the_cpu(rng, shape, kind, path):
     sizes = _sizes(kind, m, g, rng)
     cpu = np.asarray(_run(jax.devices("cpu")[0], ops, sizes, jnp.float32), np.float64)
     bf16 = np.asarray(_run(jax.devices("gpu")[0], ops, sizes, jnp.bfloat16, path), np.float64)
-    # float32 output is instantiated for the auto path's 128-row tiles only.
     gpu = np.asarray(_run(jax.devices("gpu")[0], ops, sizes, jnp.float32,
-                          "auto" if path == "auto" else "cutlass_coop128x128_1x2"), np.float64)
+                          path if path in F32_PATHS else "cutlass_coop128x128_1x2"), np.float64)
     x = np.abs(np.asarray(reference.dequantize_fp8_rows(lhs, lhs_s), np.float64))
     w = np.abs(np.asarray(reference.dequantize_fp8_blocks(jnp.swapaxes(rhs, 1, 2), rhs_s), np.float64))
     bound = np.zeros((m, n))
@@ -225,7 +229,23 @@ def test_errors_name_the_argument(rng):
 
 
 @requires_gpu
-@pytest.mark.parametrize("path", CUTLASS_PATHS)
+@pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("kind", ["random", "empty_and_short", "clamped"])
+@pytest.mark.parametrize("shape", GPU_SHAPES)
+def test_gpu_wgmma_path_bitwise_against_cutlass(rng, shape, kind, out_dtype):
+    """Our kernel computes each 128-deep block sum with the same wgmma shape and order as
+    CUTLASS's cooperative 128 x 128 kernel and promotes it with the same one fma per block,
+    so the two agree bit for bit (rows past the groups included)."""
+    m, k, n, g = shape
+    ops = _operands(rng, m, k, n, g)
+    sizes = _sizes(kind, m, g, rng)
+    ours = np.asarray(_run(jax.devices("gpu")[0], ops, sizes, out_dtype, "wgmma128x128"))
+    cutlass = np.asarray(_run(jax.devices("gpu")[0], ops, sizes, out_dtype, "cutlass_coop128x128_1x2"))
+    np.testing.assert_array_equal(ours.view(np.uint8), cutlass.view(np.uint8))
+
+
+@requires_gpu
+@pytest.mark.parametrize("path", TMA_PATHS)
 def test_gpu_forced_path_that_cannot_compute_names_itself(rng, path):
     """K % 16 != 0 rules out TMA: the error names the path by the name Python passed, which
     also checks that PATHS lists the kernels in the order of cuda::Fp8GemmPath."""

@@ -149,8 +149,8 @@ def grouped_gemm_workspace(lhs, rhs, group_sizes, **_) -> int:
 
 
 def fp8_gemm_workspace(lhs, lhs_scales, rhs, rhs_scales, group_sizes, **_) -> int:
-    """Workspace bytes of the CUDA gmm_fp8 handler: a bound that depends on G only."""
-    return _lib.cuda_workspace_bytes("MoeXlaGmmFp8WorkspaceBytes", group_sizes.shape[0])
+    """Workspace bytes of the CUDA gmm_fp8 handler: a bound that depends on M and G only."""
+    return _lib.cuda_workspace_bytes("MoeXlaGmmFp8WorkspaceBytes", lhs.shape[0], group_sizes.shape[0])
 
 
 def fp8_wgrad_workspace(lhs_t, lhs_scales, rhs_t, rhs_scales, group_sizes, **_) -> int:

@@ -14,7 +14,8 @@ an FP8 layer passes the weights' quantised blocks transposed ([G, N, K]); its dg
 passes them as stored ([G, K, N] read as [G, N' = K, K' = N]) with the scales swapped.
 
 `path` picks the CUDA kernel (benchmarks, tests): "auto" (a shape heuristic) or one of
-PATHS, named by kernel schedule, CTA tile M x N (K 128) and cluster M x N; a forced path
+PATHS: CUTLASS's named by kernel schedule, CTA tile M x N (K 128) and cluster M x N, ours
+("wgmma128x128") by its CTA tile; a forced path
 that cannot compute the product (shape, alignment, GPU) fails at run time naming it. The
 CPU has one kernel and ignores it.
 
@@ -37,7 +38,8 @@ from moe_xla.primitives import _batching, _checks, _fp8, _impl, _lowering, _shar
 gmm_fp8_p = Primitive("moe_xla_gmm_fp8")
 
 # The kernels by their attribute value (cuda::Fp8GemmPath in cuda/fp8_grouped_gemm.h).
-PATHS = ("auto", "simt", "cutlass_coop128x128_1x2", "cutlass_coop128x128_2x1", "cutlass_pingpong64x128_1x1")
+PATHS = ("auto", "simt", "cutlass_coop128x128_1x2", "cutlass_coop128x128_2x1", "cutlass_pingpong64x128_1x1",
+         "wgmma128x128")
 
 
 def gmm_fp8(lhs, lhs_scales, rhs, rhs_scales, group_sizes, *, preferred_element_type=jnp.bfloat16, path="auto"):

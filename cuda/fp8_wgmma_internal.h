@@ -1,0 +1,36 @@
+// Internal interface between the FP8 dispatcher (fp8_grouped_gemm.cu) and our Hopper FP8
+// kernel (fp8_wgmma_kernel.cuh, compiled once per output dtype by fp8_wgmma_instance.cu).
+// Not part of the API.
+#ifndef MOE_XLA_CUDA_FP8_WGMMA_INTERNAL_H_
+#define MOE_XLA_CUDA_FP8_WGMMA_INTERNAL_H_
+
+#include <cuda_runtime_api.h>
+
+#include "common/fp8_grouped_gemm.h"
+#include "common/status.h"
+#include "cuda/row_tiles.h"
+
+namespace moe_xla {
+namespace cuda {
+namespace detail {
+
+// Rows of the kernel's output tile: the row tiles of its table have this height.
+constexpr int kFp8WgmmaTileM = 128;
+
+struct Fp8WgmmaLaunch {
+  const Fp8GroupedGemmParams* params;
+  RowTileTable row_tiles;  // of kFp8WgmmaTileM rows
+  int sm_count;
+  cudaStream_t stream;
+};
+
+// Enqueues the kernel with `kOut` output after the row-tile table's kernels.
+// Instantiated by fp8_wgmma_instance.cu for the output dtypes of cuda/BUILD.bazel's table.
+template <DType kOut>
+Status fp8_wgmma_run(const Fp8WgmmaLaunch& launch);
+
+}  // namespace detail
+}  // namespace cuda
+}  // namespace moe_xla
+
+#endif  // MOE_XLA_CUDA_FP8_WGMMA_INTERNAL_H_

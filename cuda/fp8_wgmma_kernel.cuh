@@ -1,0 +1,384 @@
+// Our Hopper kernel of the FP8 blockwise grouped product (common/fp8_grouped_gemm.h):
+// out[r, n] = sum_j fl(lhs_scales[r, j] * rhs_scales[g, j, n / 128]) * P_j[r, n], one fma
+// per 128-deep block j in block order, for the rows r of group g, walked as the row tiles
+// of the table of cuda/row_tiles.h.
+//
+// Persistent clusters of two CTAs, one CTA per SM, walk the work units (fp8_unit_tile:
+// a row tile and a pair of column tiles, one per CTA, ordered so that the clusters running
+// at once share B tiles and A rows in L2); the two CTAs share the A tile, each loading half
+// of its rows and multicasting them to both. Each CTA's output tile is 128 x 128, computed in
+// 128-deep K steps (one scale block, one 128-byte swizzle row of FP8) through a 6-stage
+// shared-memory pipeline by three warp groups:
+//   - warp group 0, the producer: one thread loads per K step its half of the A tile
+//     lhs[row_begin : row_begin + 128, k0 : k0 + 128] through a 2-D TMA descriptor of all of
+//     lhs (rows past the tile's group are loaded too and never stored; TMA zero-fills past
+//     M and K) and the B tile rhs[g, n0 : n0 + 128, k0 : k0 + 128] through a 3-D descriptor
+//     of all of rhs (zero-filled past N and K), so no per-group descriptor is needed.
+//   - warp groups 1 and 2, the consumers: each multiplies its 64 rows of the tile by the B
+//     tile with wgmma (m64n128k32 FP8, K-major operands from shared memory): the 128-deep
+//     block sum P_j in float32 accumulators. Two accumulator sets take turns: the wgmma of
+//     step j runs into one while the thread promotes the other's P_{j-1} into the tile's
+//     float32 total, total = fma(fl(s_lhs * s_rhs), P, total), so the tensor cores never
+//     wait for the promotion. A stage is freed as soon as the wgmma that read it is done.
+//     Each thread loads the scales of its two rows and of the column tile for step j + 1
+//     from global memory while step j runs (the producer staging them in shared memory
+//     measured slower: benchmarks/results/LOG.md). After the last K step each thread
+//     stores its rows straight from the totals (rows past the tile's group and columns
+//     past N are left alone).
+// The rows past the last group are zeroed by the table's kernel.
+#ifndef MOE_XLA_CUDA_FP8_WGMMA_KERNEL_CUH_
+#define MOE_XLA_CUDA_FP8_WGMMA_KERNEL_CUH_
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "cute/tensor.hpp"  // first: the atoms below rely on its declarations
+#include "cute/algorithm/gemm.hpp"
+#include "cute/arch/cluster_sm90.hpp"
+#include "cute/atom/copy_traits_sm90_tma.hpp"
+#include "cute/atom/mma_atom.hpp"
+#include "cutlass/arch/barrier.h"
+#include "cutlass/arch/reg_reconfig.h"
+#include "cutlass/cutlass.h"
+#include "cutlass/numeric_types.h"
+#include "cutlass/pipeline/sm90_pipeline.hpp"
+
+#include "common/fp8_blockwise.h"
+#include "common/fp8_grouped_gemm.h"
+#include "common/status.h"
+#include "cuda/fp8_wgmma_internal.h"
+#include "cuda/row_tiles.h"
+#include "cuda/wgmma_kernel_parts.cuh"
+
+namespace moe_xla {
+namespace cuda {
+namespace detail {
+
+struct Fp8WgmmaTraits {
+  using Element = cutlass::float_e4m3_t;
+  static constexpr int kTileM = kFp8WgmmaTileM;
+  static constexpr int kTileN = fp8::kTile;  // one scale column block of rhs
+  static constexpr int kTileK = fp8::kTile;  // one scale block, one 128-byte swizzle row
+  static constexpr int kStages = 6;
+  // Two CTAs per cluster compute column tiles 2p and 2p + 1 of one row tile: each loads
+  // half of the A tile's rows and multicasts it to both.
+  static constexpr int kClusterSize = 2;
+  using ClusterShape = cute::Shape<cute::Int<kClusterSize>, cute::_1, cute::_1>;
+
+  static constexpr int kProducerThreads = 128;
+  static constexpr int kConsumerThreads = 256;
+  static constexpr int kThreads = kProducerThreads + kConsumerThreads;
+  // Registers per thread after the producer gives some up (setmaxnreg); together within
+  // the register file of one SM: 128 * 40 + 256 * 232 <= 65536.
+  static constexpr int kProducerRegisters = 40;
+  static constexpr int kConsumerRegisters = 232;
+  static_assert(kProducerThreads * kProducerRegisters + kConsumerThreads * kConsumerRegisters <= 65536,
+                "the warp groups' registers fit one SM");
+
+  // Both operands K-major (FP8 wgmma takes no other), 128-byte swizzle.
+  using SmemLayoutA = decltype(cute::tile_to_shape(
+      cute::GMMA::Layout_K_SW128_Atom<Element>{},
+      cute::make_shape(cute::Int<kTileM>{}, cute::Int<kTileK>{}, cute::Int<kStages>{})));
+  using SmemLayoutB = decltype(cute::tile_to_shape(
+      cute::GMMA::Layout_K_SW128_Atom<Element>{},
+      cute::make_shape(cute::Int<kTileN>{}, cute::Int<kTileK>{}, cute::Int<kStages>{})));
+
+  // Two consumer warp groups along M, each 64 x 128.
+  using TiledMma = decltype(cute::make_tiled_mma(cute::SM90_64x128x32_F32E4M3E4M3_SS_TN<>{},
+                                                 cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>{}));
+  static_assert(cute::size(TiledMma{}) == kConsumerThreads, "two consumer warp groups");
+
+  using Pipeline = cutlass::PipelineTmaAsync<kStages>;
+  using PipelineState = typename Pipeline::PipelineState;
+  static constexpr uint32_t kTmaBytes = (kTileM + kTileN) * kTileK * sizeof(Element);
+
+  using SharedStorage = WgmmaSharedStorage<Element, SmemLayoutA, SmemLayoutB, Pipeline>;
+};
+
+// The TMA loads: lhs viewed as (M, K), rhs as (N, K, G), both K contiguous, into one stage
+// of the A and B layouts.
+inline auto make_fp8_tma_a(const cutlass::float_e4m3_t* lhs, int32_t m, int32_t k) {
+  using T = Fp8WgmmaTraits;
+  auto tensor = cute::make_tensor(cute::make_gmem_ptr(lhs), cute::make_shape(m, k),
+                                  cute::make_stride(int64_t{k}, cute::_1{}));
+  return cute::make_tma_copy(cute::SM90_TMA_LOAD_MULTICAST{}, tensor,
+                             typename T::SmemLayoutA{}(cute::_, cute::_, cute::Int<0>{}),
+                             cute::make_shape(cute::Int<T::kTileM>{}, cute::Int<T::kTileK>{}),
+                             cute::Int<T::kClusterSize>{});
+}
+inline auto make_fp8_tma_b(const cutlass::float_e4m3_t* rhs, int32_t n, int32_t k, int32_t groups) {
+  using T = Fp8WgmmaTraits;
+  auto tensor = cute::make_tensor(cute::make_gmem_ptr(rhs), cute::make_shape(n, k, groups),
+                                  cute::make_stride(int64_t{k}, cute::_1{}, int64_t{n} * k));
+  return cute::make_tma_copy(cute::SM90_TMA_LOAD{}, tensor, typename T::SmemLayoutB{}(cute::_, cute::_, cute::Int<0>{}),
+                             cute::make_shape(cute::Int<T::kTileN>{}, cute::Int<T::kTileK>{}), cute::Int<1>{});
+}
+using Fp8TmaA = decltype(make_fp8_tma_a(nullptr, 0, 0));
+using Fp8TmaB = decltype(make_fp8_tma_b(nullptr, 0, 0, 0));
+
+template <class Out>
+struct Fp8WgmmaKernelParams {
+  Fp8TmaA tma_a;
+  Fp8TmaB tma_b;
+  const float* lhs_scales;  // [M, Kt]
+  const float* rhs_scales;  // [G, Kt, Nt]
+  const RowTile* row_tiles;
+  const RowTileCount* tile_count;
+  Out* out;
+  int32_t m, k, n, num_groups;
+  int32_t n_tiles, k_tiles;  // Nt and Kt: 128-column tiles of out, 128-deep steps
+  int32_t n_pairs;           // ceil(Nt / 2): the column-tile pairs of a cluster's units
+};
+
+// The work units of this CTA: u = cluster, + clusters, ... < units, each a row tile and
+// a pair of column tiles (one per CTA of the cluster).
+struct Fp8UnitWalk {
+  int64_t first, stride;
+  int32_t rank;  // in the cluster: which column tile of the pair
+};
+__device__ __forceinline__ Fp8UnitWalk fp8_unit_walk() {
+  const uint32_t rank = cute::block_rank_in_cluster();
+  return Fp8UnitWalk{blockIdx.x / Fp8WgmmaTraits::kClusterSize, gridDim.x / Fp8WgmmaTraits::kClusterSize,
+                     static_cast<int32_t>(rank)};
+}
+
+// Row tiles per band of the unit order below.
+constexpr int kFp8BandTiles = 16;
+
+// Unit u's row tile and column tile. A group of R row tiles owns units [first P,
+// (first + R) P) (P = n_pairs), so u / P is one of its row tiles. Inside the group the
+// units go band by band (kFp8BandTiles row tiles), and in a band column pair by column pair
+// over its row tiles: the clusters running at once share each B tile across a band's row
+// tiles (the expert's weights are read from memory about once per band) while the band's
+// A rows stay in L2 from one column pair to the next.
+__device__ __forceinline__ RowTile fp8_unit_tile(const RowTile* row_tiles, int64_t unit, int32_t n_pairs,
+                                                int32_t rank, int32_t* n_tile) {
+  const int64_t t0 = unit / n_pairs;
+  const RowTile any = row_tiles[t0];
+  const int64_t local = unit - static_cast<int64_t>(any.group_first) * n_pairs;
+  const int64_t band = local / (static_cast<int64_t>(kFp8BandTiles) * n_pairs);
+  const int64_t within = local - band * kFp8BandTiles * n_pairs;
+  const int64_t band_tiles = std::min<int64_t>(kFp8BandTiles, any.group_tiles - band * kFp8BandTiles);
+  const int64_t t = any.group_first + band * kFp8BandTiles + within % band_tiles;
+  *n_tile = static_cast<int32_t>(within / band_tiles) * Fp8WgmmaTraits::kClusterSize + rank;
+  return t == t0 ? any : row_tiles[t];
+}
+
+// Warp group 0, thread 0 (see the header comment). `units` work units, this CTA's as
+// fp8_unit_walk says.
+template <class Out, class T = Fp8WgmmaTraits>
+__device__ __forceinline__ void fp8_wgmma_produce(const Fp8WgmmaKernelParams<Out>& p, typename T::SharedStorage& smem,
+                                                  typename T::Pipeline& pipeline, int64_t units) {
+  using namespace cute;
+  prefetch_tma_descriptor(p.tma_a.get_tma_descriptor());
+  prefetch_tma_descriptor(p.tma_b.get_tma_descriptor());
+  Tensor mA = p.tma_a.get_tma_tensor(make_shape(p.m, p.k));                 // (M, K)
+  Tensor mB = p.tma_b.get_tma_tensor(make_shape(p.n, p.k, p.num_groups));   // (N, K, G)
+  Tensor sA = make_tensor(make_smem_ptr(smem.a.data()), typename T::SmemLayoutA{});  // (BLK_M, BLK_K, PIPE)
+  Tensor sB = make_tensor(make_smem_ptr(smem.b.data()), typename T::SmemLayoutB{});  // (BLK_N, BLK_K, PIPE)
+  Tensor gB = local_tile(mB, Shape<Int<T::kTileM>, Int<T::kTileN>, Int<T::kTileK>>{}, make_coord(_, _, _),
+                         Step<X, _1, _1>{});  // (BLK_N, BLK_K, n, k, g)
+  auto [tBgB, tBsB] = tma_partition(p.tma_b, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sB),
+                                    group_modes<0, 2>(gB));  // (TMA, n, k, g), (TMA, PIPE)
+
+  const Fp8UnitWalk walk = fp8_unit_walk();
+  constexpr uint16_t kBothCtas = (1u << T::kClusterSize) - 1;
+  typename T::PipelineState write = cutlass::make_producer_start_state<typename T::Pipeline>();
+  for (int64_t unit = walk.first; unit < units; unit += walk.stride) {
+    int32_t n_tile;
+    const RowTile tile = fp8_unit_tile(p.row_tiles, unit, p.n_pairs, walk.rank, &n_tile);
+    // The tile's rows start anywhere: lhs offset to row_begin, then 128-row blocks; this
+    // CTA loads its half of the rows into both CTAs' stage.
+    Tensor gA = local_tile(domain_offset(make_coord(tile.row_begin, 0), mA),
+                           Shape<Int<T::kTileM>, Int<T::kTileK>>{}, make_coord(0, _));  // (BLK_M, BLK_K, k)
+    auto [tAgA, tAsA] = tma_partition(p.tma_a, walk.rank, Layout<Int<T::kClusterSize>>{}, group_modes<0, 2>(sA),
+                                      group_modes<0, 2>(gA));  // (TMA, k), (TMA, PIPE)
+    for (int k_tile = 0; k_tile < p.k_tiles; ++k_tile) {
+      pipeline.producer_acquire(write);  // and expects the stage's kTmaBytes (both halves of A)
+      const int stage = write.index();
+      auto* barrier = pipeline.producer_get_barrier(write);
+      copy(p.tma_a.with(*barrier, kBothCtas), tAgA(_, k_tile), tAsA(_, stage));
+      copy(p.tma_b.with(*barrier), tBgB(_, n_tile, k_tile, tile.group), tBsB(_, stage));
+      ++write;
+    }
+  }
+  // Stay until the consumers have freed every stage.
+  pipeline.producer_tail(write);
+}
+
+// The wgmma of one stage into `acc` (overwritten: the 128-deep block sum P of the stage),
+// committed as one batch and left in flight.
+template <class TiledMma, class FragA, class FragB, class Accum>
+__device__ __forceinline__ void fp8_issue_stage(TiledMma& mma, const FragA& tCrA, const FragB& tCrB, Accum& acc,
+                                                int stage) {
+  using namespace cute;
+  warpgroup_fence_operand(acc);
+  warpgroup_arrive();
+  mma.accumulate_ = GMMA::ScaleOut::Zero;
+  CUTLASS_PRAGMA_UNROLL
+  for (int k_block = 0; k_block < size<2>(tCrA); ++k_block) {
+    gemm(mma, tCrA(_, _, k_block, stage), tCrB(_, _, k_block, stage), acc);
+    mma.accumulate_ = GMMA::ScaleOut::One;
+  }
+  warpgroup_commit_batch();
+}
+
+// total = fma(s, P, total) per accumulator, s the combined scale of the value's row: in
+// the m64nN wgmma fragment value i is row (i >> 1) & 1 of the thread's two rows (r and
+// r + 8), so s0 scales the values with bit 1 clear and s1 the others.
+template <class Accum>
+__device__ __forceinline__ void fp8_promote(Accum& total, Accum& acc, float s0, float s1) {
+  using namespace cute;
+  warpgroup_fence_operand(acc);
+  CUTLASS_PRAGMA_UNROLL
+  for (int i = 0; i < size(acc); ++i) {
+    total(i) = __fmaf_rn((i & 2) ? s1 : s0, acc(i), total(i));
+  }
+}
+
+// Warp groups 1 and 2 (see the header comment).
+template <class Out, class T = Fp8WgmmaTraits>
+__device__ __forceinline__ void fp8_wgmma_consume(const Fp8WgmmaKernelParams<Out>& p, typename T::SharedStorage& smem,
+                                                  typename T::Pipeline& pipeline, int64_t units) {
+  using namespace cute;
+  const int thread = threadIdx.x - T::kProducerThreads;  // 0 .. kConsumerThreads - 1
+  typename T::TiledMma mma;
+  auto tensors = consumer_tensors<T>(mma, thread, smem);  // named below: lambdas capture them
+  auto& tCrA = get<0>(tensors);
+  auto& tCrB = get<1>(tensors);
+  auto& acc0 = get<2>(tensors);
+  auto& coord = get<3>(tensors);
+  auto acc1 = make_fragment_like(acc0);
+  auto total = make_fragment_like(acc0);
+  // The tile rows of this thread's values: i with (i & 2) == 0, and the others (r + 8).
+  const int32_t row_lo = get<0>(coord(0)), row_hi = get<0>(coord(2));
+
+  const Fp8UnitWalk walk = fp8_unit_walk();
+  typename T::PipelineState read;
+  for (int64_t unit = walk.first; unit < units; unit += walk.stride) {
+    int32_t n_tile;
+    const RowTile tile = fp8_unit_tile(p.row_tiles, unit, p.n_pairs, walk.rank, &n_tile);
+    // Scale rows of the thread's rows (clamped into lhs: rows past M are never stored), and
+    // the column tile's scales (clamped: the second tile of the last pair may lie past N,
+    // zero-filled by TMA and never stored).
+    const float* sa_lo = p.lhs_scales + static_cast<int64_t>(std::min(tile.row_begin + row_lo, p.m - 1)) * p.k_tiles;
+    const float* sa_hi = p.lhs_scales + static_cast<int64_t>(std::min(tile.row_begin + row_hi, p.m - 1)) * p.k_tiles;
+    const float* sb = p.rhs_scales + static_cast<int64_t>(tile.group) * p.k_tiles * p.n_tiles +
+                      std::min(n_tile, p.n_tiles - 1);
+
+    clear(total);
+    float next_lo = __ldg(sa_lo), next_hi = __ldg(sa_hi), next_b = __ldg(sb);  // step 0's scales
+    float s_lo = 0.0f, s_hi = 0.0f;            // combined scales of the older batch in flight
+    float s_next_lo = 0.0f, s_next_hi = 0.0f;  // and of the newer one
+    typename T::PipelineState release = read;
+    // Issues step j's wgmma into `acc` (its scales become the pending ones).
+    auto issue = [&](auto& acc, int j) {
+      pipeline.consumer_wait(read);
+      fp8_issue_stage(mma, tCrA, tCrB, acc, read.index());
+      ++read;
+      s_next_lo = __fmul_rn(next_lo, next_b);
+      s_next_hi = __fmul_rn(next_hi, next_b);
+      if (j + 1 < p.k_tiles) {
+        next_lo = __ldg(sa_lo + j + 1);
+        next_hi = __ldg(sa_hi + j + 1);
+        next_b = __ldg(sb + static_cast<int64_t>(j + 1) * p.n_tiles);
+      }
+    };
+    // Once the older batch (in `done`) has finished: free its stage, promote it.
+    auto retire = [&](auto& done) {
+      pipeline.consumer_release(release);
+      ++release;
+      fp8_promote(total, done, s_lo, s_hi);
+      s_lo = s_next_lo;
+      s_hi = s_next_hi;
+    };
+    issue(acc0, 0);
+    s_lo = s_next_lo;
+    s_hi = s_next_hi;
+    int j = 1;
+    for (; j + 1 < p.k_tiles; j += 2) {
+      issue(acc1, j);
+      warpgroup_wait<1>();
+      retire(acc0);
+      issue(acc0, j + 1);
+      warpgroup_wait<1>();
+      retire(acc1);
+    }
+    if (j < p.k_tiles) {
+      issue(acc1, j);
+      warpgroup_wait<1>();
+      retire(acc0);
+      warpgroup_wait<0>();
+      retire(acc1);
+    } else {
+      warpgroup_wait<0>();
+      retire(acc0);
+    }
+    store_accumulators(p.out, p.n, tile.row_begin, tile.row_end, n_tile * T::kTileN, total, coord);
+  }
+}
+
+template <class Out>
+__global__ void __launch_bounds__(Fp8WgmmaTraits::kThreads, 1)
+    fp8_wgmma_kernel(const __grid_constant__ Fp8WgmmaKernelParams<Out> p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using T = Fp8WgmmaTraits;
+  extern __shared__ __align__(1024) char smem_raw[];  // the 128-byte swizzle needs 1024
+  auto& smem = *reinterpret_cast<typename T::SharedStorage*>(smem_raw);
+  const bool producer = cutlass::canonical_warp_group_idx() == 0;
+
+  typename T::Pipeline::Params params;
+  params.transaction_bytes = T::kTmaBytes;
+  params.role = producer ? T::Pipeline::ThreadCategory::Producer : T::Pipeline::ThreadCategory::Consumer;
+  params.is_leader = threadIdx.x == 0;
+  params.num_consumers = T::kConsumerThreads;
+  typename T::Pipeline pipeline(smem.pipeline, params, typename T::ClusterShape{});
+  // Both CTAs' barriers initialised before any thread of the cluster uses them.
+  cute::cluster_arrive_relaxed();
+  cute::cluster_wait();
+
+  const int64_t units = p.tile_count->row_tiles * p.n_pairs;
+  if (producer) {
+    cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegisters>();
+    if (threadIdx.x == 0) fp8_wgmma_produce(p, smem, pipeline, units);
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegisters>();
+    fp8_wgmma_consume(p, smem, pipeline, units);
+  }
+#endif
+}
+
+template <DType kOut>
+Status fp8_wgmma_run(const Fp8WgmmaLaunch& launch) {
+  using T = Fp8WgmmaTraits;
+  using Out = typename OutElement<kOut>::type;
+  const Fp8GroupedGemmParams& p = *launch.params;
+  Fp8WgmmaKernelParams<Out> kp;
+  const auto* lhs = reinterpret_cast<const cutlass::float_e4m3_t*>(p.lhs);
+  const auto* rhs = reinterpret_cast<const cutlass::float_e4m3_t*>(p.rhs);
+  kp.tma_a = make_fp8_tma_a(lhs, static_cast<int32_t>(p.m), static_cast<int32_t>(p.k));
+  kp.tma_b = make_fp8_tma_b(rhs, static_cast<int32_t>(p.n), static_cast<int32_t>(p.k),
+                            static_cast<int32_t>(p.num_groups));
+  kp.lhs_scales = p.lhs_scales;
+  kp.rhs_scales = p.rhs_scales;
+  kp.row_tiles = launch.row_tiles.tiles;
+  kp.tile_count = launch.row_tiles.count;
+  kp.out = static_cast<Out*>(p.out);
+  kp.m = static_cast<int32_t>(p.m);
+  kp.k = static_cast<int32_t>(p.k);
+  kp.n = static_cast<int32_t>(p.n);
+  kp.num_groups = static_cast<int32_t>(p.num_groups);
+  kp.n_tiles = static_cast<int32_t>(fp8::tiles(p.n));
+  kp.k_tiles = static_cast<int32_t>(fp8::tiles(p.k));
+  kp.n_pairs = (kp.n_tiles + T::kClusterSize - 1) / T::kClusterSize;
+  return launch_persistent_clusters<T>(fp8_wgmma_kernel<Out>, kp, launch.row_tiles.max_tiles * kp.n_pairs,
+                                       launch.stream);
+}
+
+}  // namespace detail
+}  // namespace cuda
+}  // namespace moe_xla
+
+#endif  // MOE_XLA_CUDA_FP8_WGMMA_KERNEL_CUH_
