@@ -9,6 +9,7 @@
 
 #include "common/status.h"
 #include "cuda/group_offsets.cuh"
+#include "cuda/grouped_gemm_internal.h"  // align_up, kWorkspaceAlign
 
 namespace moe_xla {
 namespace cuda {
@@ -16,9 +17,8 @@ namespace detail {
 namespace {
 
 constexpr int kFillThreads = 256;
-constexpr size_t kTableAlign = 256;
 
-size_t align_table(size_t bytes) { return (bytes + kTableAlign - 1) / kTableAlign * kTableAlign; }
+size_t align_table(size_t bytes) { return align_up(bytes, kWorkspaceAlign); }
 
 // Where group g's row tiles start in the table, and its rows [start, end).
 struct alignas(16) GroupTiles {
