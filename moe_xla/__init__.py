@@ -3,7 +3,7 @@
 import importlib
 
 from moe_xla.aux_losses import MoeAux
-from moe_xla.fp8 import Fp8Weights, quantize_fp8_weights
+from moe_xla.fp8 import Fp8Weights, dequantize_fp8_rows, quantize_fp8_weights
 from moe_xla.grouped import gmm
 from moe_xla.moe import moe
 from moe_xla.primitives.gather_gmm import gather_gmm
@@ -21,8 +21,8 @@ from moe_xla.primitives.tgmm_fp8 import tgmm_fp8
 from moe_xla.primitives.unpermute import unpermute
 from moe_xla.routing_bias import update_routing_bias
 
-__all__ = ["Fp8Weights", "MoeAux", "gather_gmm", "gather_gmm_activate", "gather_tgmm", "gmm", "gmm_fp8", "moe",
-           "permute", "quantize_fp8_blocks", "quantize_fp8_group_cols", "quantize_fp8_rows", "quantize_fp8_weights",
+__all__ = ["Fp8Weights", "MoeAux", "dequantize_fp8_rows", "gather_gmm", "gather_gmm_activate", "gather_tgmm", "gmm",
+           "gmm_fp8", "moe", "permute", "quantize_fp8_blocks", "quantize_fp8_group_cols", "quantize_fp8_rows", "quantize_fp8_weights",
            "ragged_dot", "route", "tgmm", "tgmm_fp8", "unpermute", "update_routing_bias"]
 
 

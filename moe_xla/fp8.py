@@ -6,6 +6,8 @@
                           and one scale per block, scales [G, ceil(K/128), ceil(N/128)].
     quantize_fp8_weights  w -> Fp8Weights (once per step; or once, for frozen weights): one
                           kernel writes the blocks in both layouts and their scales.
+    dequantize_fp8_rows   (q, scales) of quantize_fp8_rows -> the values they stand for,
+                          q[r, k] * scales[r, k // 128] in float32, then in a dtype.
     gmm_fp8_blockwise     out[rows of g] = lhs[rows of g] @ w[g] with lhs quantised in 1 x 128
                           row tiles and w in 128 x 128 blocks (moe_xla.gmm(quantization=
                           "fp8_blockwise") calls it).
@@ -51,6 +53,7 @@ import jax
 import jax.numpy as jnp
 
 import moe_xla._rows as _rows
+from moe_xla.primitives import _fp8
 from moe_xla.primitives.activate_grad_quantize_fp8 import activate_grad_quantize_fp8
 from moe_xla.primitives.activate_quantize_fp8 import activate_quantize_fp8
 from moe_xla.primitives.gather_quantize_fp8_rows import gather_quantize_fp8_rows
@@ -87,6 +90,20 @@ def quantize_fp8_weights(w, *, pow2_scale=False) -> Fp8Weights:
     if jnp.ndim(w) != 3:
         raise ValueError(f"quantize_fp8_weights: expected w of rank 3 [G, K, N], got shape {jnp.shape(w)}")
     return Fp8Weights(*quantize_fp8_weight_layouts(jax.lax.stop_gradient(w), pow2_scale=pow2_scale))
+
+
+def dequantize_fp8_rows(q, scales, dtype=jnp.float32):
+    """The [M, K] values that quantize_fp8_rows' (q [M, K] float8_e4m3fn, scales [M, Kt]
+    float32, Kt = ceil(K / 128)) stand for: the float32 product q[r, k] * scales[r, k // 128],
+    then converted to `dtype` (reference.dequantize_fp8_rows states the same)."""
+    if q.ndim != 2 or scales.ndim != 2 or scales.shape != (q.shape[0], -(-q.shape[1] // _fp8.TILE)):
+        raise ValueError(f"dequantize_fp8_rows: expected q [M, K] and scales [M, ceil(K/128)], got q "
+                         f"{tuple(q.shape)} and scales {tuple(scales.shape)}")
+    if jnp.dtype(q.dtype) != jnp.dtype(jnp.float8_e4m3fn) or jnp.dtype(scales.dtype) != jnp.dtype(jnp.float32):
+        raise TypeError(f"dequantize_fp8_rows: expected float8_e4m3fn q and float32 scales, got {q.dtype} and "
+                        f"{scales.dtype}")
+    s = jnp.repeat(scales, _fp8.TILE, axis=1)[:, :q.shape[1]]
+    return (q.astype(jnp.float32) * s).astype(dtype)
 
 
 def _kernel_dtype(dtype):

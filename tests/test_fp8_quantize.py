@@ -287,6 +287,22 @@ def test_dequantized_values_are_within_half_an_e4m3_step(rng):
     assert np.max(np.abs(np.asarray(reference.dequantize_fp8_blocks(q, s) - w))) <= np.max(np.asarray(s)) * 16
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_public_dequantize_is_the_numpy_product(rng, dtype):
+    """moe_xla.dequantize_fp8_rows: q * its tile's scale in float32 (numpy, independent of
+    the reference), then rounded to the dtype; a K tail (300 = 2 * 128 + 44) included."""
+    x = tricky(rng, (7, 300), jnp.bfloat16)
+    q, s = moe_xla.quantize_fp8_rows(x)
+    want = (np.asarray(q).astype(np.float32) * np.repeat(np.asarray(s), 128, axis=1)[:, :300]).astype(dtype)
+    got = jax.jit(moe_xla.dequantize_fp8_rows, static_argnums=2)(q, s, dtype)
+    assert got.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(got, np.float32), want.astype(np.float32))  # NaN as NaN
+    with pytest.raises(ValueError, match=r"scales \[M, ceil\(K/128\)\], got q \(7, 300\) and scales \(7, 2\)"):
+        moe_xla.dequantize_fp8_rows(q, s[:, :2])
+    with pytest.raises(TypeError, match="expected float8_e4m3fn q and float32 scales, got bfloat16"):
+        moe_xla.dequantize_fp8_rows(q.astype(jnp.bfloat16), s)
+
+
 def test_leading_dims_vmap_and_eager_agree(rng):
     x = tricky(rng, (3, 5, 200), jnp.bfloat16)
     q, s = moe_xla.quantize_fp8_rows(x)

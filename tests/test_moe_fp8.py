@@ -1,13 +1,16 @@
 """moe(quantization="fp8_blockwise"): the layer with both expert products in FP8 blockwise.
 
 Forward and gradients within FP8 accuracy of the bf16 layer; pre-quantised weights give
-the same forward as arrays; the expert-parallel layer on 8 CPU devices (dedup off) equals
-the one-device FP8 layer bitwise (rows are quantised one by one and each rank quantises
-whole experts, so every element sees the same operands); jit, grad and checkpoint; bad
-options named.
+the same forward as arrays; the expert-parallel layer on 8 CPU devices, which sends the
+tokens' FP8 rows, equals the one-device FP8 layer bitwise in the forward (rows are
+quantised one by one, so every element sees the same operands) and in its gradients
+within 1% of that layer's on the rows it multiplied; jit, grad and checkpoint; bad options
+named.
 """
 
 from __future__ import annotations
+
+import re
 
 import jax
 import jax.numpy as jnp
@@ -96,25 +99,70 @@ def test_quantized_weights_are_used_and_the_arrays_get_the_gradients(rng):
         moe_xla.moe(x, logits, w_in, w_out, top_k=K, quantization="fp8_blockwise", quantized_weights=qw[0])
 
 
-@requires_8_devices
-@pytest.mark.parametrize("quantization", ["fp8_blockwise", "fp8_blockwise_fp8_wgrad"])
-def test_expert_parallel_fp8_equals_one_device(rng, quantization):
-    """The forward bitwise, the weight gradients within 1% (with either wgrad: a rank's rows
-    of an expert come in token order, as on one device, so the FP8 wgrad's tiles match)."""
-    x, logits, w_in, w_out = _inputs(rng)
-    one = moe_xla.moe(x, logits, w_in, w_out, top_k=K, quantization=quantization)
+def _ep_layer(dedup, capacity_factor=None):
     mesh = Mesh(np.array(jax.devices()[:8]), ("ep",))
     split = NamedSharding(mesh, P("ep"))
+    kw = dict(mesh=mesh, expert_axis="ep", dedup=dedup, capacity_factor=capacity_factor)
+    return split, kw
+
+
+@requires_8_devices
+@pytest.mark.parametrize("quantization,dedup,capacity_factor", [
+    ("fp8_blockwise", False, None), ("fp8_blockwise", True, None), ("fp8_blockwise", False, 0.25),
+    ("fp8_blockwise_fp8_wgrad", False, None), ("fp8_blockwise_fp8_wgrad", True, None)],
+    # Not the FP8 wgrad with rounds: each round's wgrad quantises its own rows of an expert
+    # in 128-row tiles, other tiles than one device's, so it differs at FP8 accuracy.
+    ids=["plain", "dedup", "rounds", "fp8_wgrad", "fp8_wgrad-dedup"])
+def test_expert_parallel_fp8_equals_one_device(rng, quantization, dedup, capacity_factor):
+    """The EP layer sends the tokens' FP8 rows (ep/fp8_dispatch.py). Its forward is the
+    one-device layer's bitwise (each rank receives the FP8 rows that layer quantises; with
+    dedup a token's results are summed in another order, so within rounding; with
+    capacity_factor the rows travel in several rounds, each sending its FP8 rows). Its
+    gradients are the one-device layer's on the values it multiplied, x_hat =
+    dequantize(quantize(x)), within 1% (with either wgrad: a rank's rows of an expert come
+    in token order, as on one device, so the FP8 wgrad's tiles match); d x is the
+    straight-through estimate. The weight gradient d w_in, x_hat^T d h, is nearer the
+    x_hat layer's than the x layer's (x^T d h) by far: it multiplies the rows that travelled."""
+    x, logits, w_in, w_out = _inputs(rng)
+    split, kw = _ep_layer(dedup, capacity_factor)
+    one = moe_xla.moe(x, logits, w_in, w_out, top_k=K, quantization=quantization)
     placed = [jax.device_put(a, split) for a in (x, logits, w_in, w_out)]
-    ep = jax.jit(lambda *a: moe_xla.moe(*a, top_k=K, mesh=mesh, expert_axis="ep", dedup=False,
-                                        quantization=quantization))(*placed)
-    np.testing.assert_array_equal(np.asarray(ep, np.float32), np.asarray(one, np.float32))
+    ep = jax.jit(lambda *a: moe_xla.moe(*a, top_k=K, quantization=quantization, **kw))(*placed)
+    if dedup:  # a token's results are summed per rank first, then across ranks: another order
+        assert rel_err(ep, one) < 1e-2
+    else:
+        np.testing.assert_array_equal(np.asarray(ep, np.float32), np.asarray(one, np.float32))
     ct = normal(rng, (T, H), jnp.float32)
-    g_ep = jax.jit(jax.grad(_loss(quantization, mesh=mesh, expert_axis="ep"), argnums=(2, 3)))(
-        *placed, jax.device_put(ct, split))
-    g_one = jax.grad(_loss(quantization), argnums=(2, 3))(x, logits, w_in, w_out, ct)
-    for a, b in zip(g_ep, g_one):
+    grads = (0, 2, 3)
+    g_ep = jax.jit(jax.grad(_loss(quantization, **kw), argnums=grads))(*placed, jax.device_put(ct, split))
+    x_hat = moe_xla.dequantize_fp8_rows(*moe_xla.quantize_fp8_rows(x), x.dtype)
+    g_hat = jax.grad(_loss(quantization), argnums=grads)(x_hat, logits, w_in, w_out, ct)
+    for a, b in zip(g_ep, g_hat):
         assert rel_err(a, b) < 1e-2
+    g_x = jax.grad(_loss(quantization), argnums=2)(x, logits, w_in, w_out, ct)
+    assert rel_err(g_ep[1], g_hat[1]) < 0.25 * rel_err(g_ep[1], g_x)
+
+
+def _all_to_all_operands(text):
+    """(element type, last dimension) of every all_to_all operand of a lowered program."""
+    return re.findall(r"all_to_all.*\(tensor<(?:\d+x)*(\d+)x(\w+)>\)", text)
+
+
+@requires_8_devices
+@pytest.mark.parametrize("quantization", [None, "fp8_blockwise"])
+def test_expert_parallel_dispatch_sends_fp8_rows(rng, quantization):
+    """With FP8 products the forward's dispatch moves the tokens as FP8 bytes (u8, H per row)
+    and their scales (f32, H / 128 per row); only the results coming back are bf16 rows.
+    Without, the tokens travel as bf16 rows too."""
+    x, logits, w_in, w_out = _inputs(rng)
+    split, kw = _ep_layer(False)
+    placed = [jax.device_put(a, split) for a in (x, logits, w_in, w_out)]
+    text = jax.jit(lambda *a: moe_xla.moe(*a, top_k=K, quantization=quantization, **kw)).lower(*placed).as_text()
+    rows = sorted(t for n, t in _all_to_all_operands(text) if int(n) in (H, H // 128))
+    if quantization is None:
+        assert rows == ["bf16", "bf16"]
+    else:
+        assert rows == ["bf16", "f32", "ui8"]
 
 
 @pytest.mark.parametrize("h", [H, 129], ids=["even_H", "odd_H"])  # FP8 rows permuted as bf16 pairs / sorted rows

@@ -18,7 +18,9 @@ may run the dispatch of one chunk while the grouped GEMMs of another run):
             each row carries the local experts it asks for, lids [mult] (E_l = none,
             mult = min(k, E_l) with dedup, else 1) and, with dedup, their routing weights
   dispatch  the rows of destination d go to rank d (a transport, in rounds), packed
-            straight from the tokens into the send slabs (ep_expand: no [T*k, H] rows)
+            straight from the tokens into the send slabs (ep_expand: no [T*k, H] rows);
+            with FP8 expert products the tokens' FP8 rows and scales travel instead,
+            about half the bytes (fp8_dispatch.py)
   experts   on the receiving rank, the (row, local expert) pairs in expert order:
               _, group_sizes, slots = permute(zeros [N, 0], lids, E_l)   (the sort alone)
               x_exp[slots[q, j]] = rows[q];  y_exp = gmm(act(gmm(x_exp, w_in)), w_out)

@@ -12,6 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 from moe_xla.aux_losses import router_aux
 from moe_xla.ep.config import EpConfig, ep_config
+from moe_xla.ep.fp8_dispatch import quantized_tokens, sent_tokens
 from moe_xla.ep.placement import expert_slots
 from moe_xla.ep.replicas import with_replicas
 from moe_xla.ep.rounds import RoundFloats, RoundInts, add_later_rounds, round_starts
@@ -19,6 +20,7 @@ from moe_xla.ep.rows import rows_by_destination
 from moe_xla.ep.sizing import ExchangeSizes, exchange_sizes
 from moe_xla.ep.transports import link, link_arrays, pack
 from moe_xla.experts import expert_mlp, shared_mlp
+from moe_xla.grouped import is_fp8
 from moe_xla.primitives.ep_expand import expand_p
 from moe_xla.primitives.ep_gather_sum import gather_sum_p
 from moe_xla.primitives.permute import permute
@@ -92,7 +94,8 @@ def _chunk(cfg: EpConfig, x, weights, dest, lid, w_in, w_out) -> _ChunkOut:
         starts = round_starts(rows.counts, rows.pairs, sizes)
         arrays = link_arrays(cfg, starts)
     floats = RoundFloats(x, rows.w, w_in, w_out)
-    ints = RoundInts(rows.lids, rows.dest, rows.row, rows.source, arrays)
+    x_fp8 = quantized_tokens(x) if is_fp8(cfg.quantization) else None
+    ints = RoundInts(rows.lids, rows.dest, rows.row, rows.source, arrays, x_fp8)
     if sizes.rounds == 1 and cfg.dedup:
         # Every row has combine weight 1: y[t] is the sum of the token's rows (the
         # destinations' partial sums) in j order straight from the returned slabs, what
@@ -118,10 +121,14 @@ def _round(cfg: EpConfig, sizes: ExchangeSizes, r, floats: RoundFloats, ints: Ro
     with jax.named_scope("moe_xla/dispatch"):
         slots = chunk_link.slots(ints.dest, ints.row, r)
         row_slots, num_rows = slots.reshape(slots.size, 1), sizes.peers * sizes.rows
-        x_recv = chunk_link.send(pack(floats.x, slots, num_rows), 0, r)
+        send = lambda rows: chunk_link.send(pack(rows, slots, num_rows), 0, r)  # noqa: E731
+        if ints.x_fp8 is None:
+            x_recv, x_fp8 = send(floats.x), None
+        else:
+            x_recv, *x_fp8 = sent_tokens(send, floats.x, *ints.x_fp8)
         lids = chunk_link.send(pack(ints.lids, row_slots, num_rows, sizes.local_experts), sizes.local_experts, r)
         w = None if floats.w is None else chunk_link.send(pack(floats.w, row_slots, num_rows), 0, r)
-    y = _experts(x_recv, lids, w, floats.w_in, floats.w_out, sizes, cfg.activation, cfg.quantization)
+    y = _experts(x_recv, x_fp8, lids, w, floats.w_in, floats.w_out, sizes, cfg.activation, cfg.quantization)
     with jax.named_scope("moe_xla/combine"):
         return chunk_link.back(y, r), slots
 
@@ -135,14 +142,19 @@ def _round_rows(cfg: EpConfig, sizes: ExchangeSizes, r, floats: RoundFloats, int
         return gather_sum_p.bind(back, row_slots, jnp.ones(row_slots.shape, jnp.float32))
 
 
-def _experts(x_recv, lids, w, w_in, w_out, sizes: ExchangeSizes, activation, quantization):
-    """The receiving rank: rows [N, H] asking for lids [N, mult] -> back rows [N, H]."""
+def _experts(x_recv, x_fp8, lids, w, w_in, w_out, sizes: ExchangeSizes, activation, quantization):
+    """The receiving rank: rows [N, H] asking for lids [N, mult] -> back rows [N, H]. x_fp8:
+    their FP8 rows (q as uint8 bits, scales) where they travelled (fp8_dispatch), or None."""
     n = lids.shape[0]
     with jax.named_scope("moe_xla/dispatch"):
         _, group_sizes, slots = permute(jnp.zeros((n, 0), x_recv.dtype), lids, sizes.local_experts)
         slots = slots.reshape(lids.shape)
         ones = jnp.ones(lids.shape, jnp.float32)
         x_exp = expand_p.bind(x_recv, slots, ones, num_pairs=sizes.pairs)
-    y_exp = expert_mlp(x_exp, w_in, w_out, group_sizes, activation, quantization)
+        x_quantized = None
+        if x_fp8 is not None:
+            q, scales = (pack(a, slots, sizes.pairs) for a in x_fp8)
+            x_quantized = (jax.lax.bitcast_convert_type(q, jnp.float8_e4m3fn), scales)
+    y_exp = expert_mlp(x_exp, w_in, w_out, group_sizes, activation, quantization, x_quantized)
     with jax.named_scope("moe_xla/combine"):
         return gather_sum_p.bind(y_exp, slots, ones if w is None else w)

@@ -54,6 +54,7 @@ class RoundInts(NamedTuple):
     row: jax.Array         # [T, n] int32 their places among the rows grouped by destination
     source: jax.Array      # [T*k] int32 grouped row -> (t, c) flattened (T*n: none)
     link: LinkArrays       # the chunk's round starts (transports.link_arrays)
+    x_fp8: tuple | None    # FP8 expert products: the tokens' FP8 rows (fp8_dispatch.quantized_tokens), sent instead
 
 
 def round_starts(counts, pairs, sizes: ExchangeSizes):
