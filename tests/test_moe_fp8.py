@@ -99,21 +99,21 @@ def test_quantized_weights_are_used_and_the_arrays_get_the_gradients(rng):
         moe_xla.moe(x, logits, w_in, w_out, top_k=K, quantization="fp8_blockwise", quantized_weights=qw[0])
 
 
-def _ep_layer(dedup, capacity_factor=None):
+def _ep_layer(**options):
     mesh = Mesh(np.array(jax.devices()[:8]), ("ep",))
     split = NamedSharding(mesh, P("ep"))
-    kw = dict(mesh=mesh, expert_axis="ep", dedup=dedup, capacity_factor=capacity_factor)
-    return split, kw
+    return split, {"mesh": mesh, "expert_axis": "ep", "dedup": False, **options}
 
 
 @requires_8_devices
-@pytest.mark.parametrize("quantization,dedup,capacity_factor", [
-    ("fp8_blockwise", False, None), ("fp8_blockwise", True, None), ("fp8_blockwise", False, 0.25),
-    ("fp8_blockwise_fp8_wgrad", False, None), ("fp8_blockwise_fp8_wgrad", True, None)],
+@pytest.mark.parametrize("quantization,options", [
+    ("fp8_blockwise", {}), ("fp8_blockwise", {"dedup": True}), ("fp8_blockwise", {"capacity_factor": 0.25}),
+    ("fp8_blockwise", {"transport": "ragged", "chunks": 2}),
+    ("fp8_blockwise_fp8_wgrad", {}), ("fp8_blockwise_fp8_wgrad", {"dedup": True})],
     # Not the FP8 wgrad with rounds: each round's wgrad quantises its own rows of an expert
     # in 128-row tiles, other tiles than one device's, so it differs at FP8 accuracy.
-    ids=["plain", "dedup", "rounds", "fp8_wgrad", "fp8_wgrad-dedup"])
-def test_expert_parallel_fp8_equals_one_device(rng, quantization, dedup, capacity_factor):
+    ids=["plain", "dedup", "rounds", "ragged-chunks", "fp8_wgrad", "fp8_wgrad-dedup"])
+def test_expert_parallel_fp8_equals_one_device(rng, quantization, options):
     """The EP layer sends the tokens' FP8 rows (ep/fp8_dispatch.py). Its forward is the
     one-device layer's bitwise (each rank receives the FP8 rows that layer quantises; with
     dedup a token's results are summed in another order, so within rounding; with
@@ -124,7 +124,8 @@ def test_expert_parallel_fp8_equals_one_device(rng, quantization, dedup, capacit
     straight-through estimate. The weight gradient d w_in, x_hat^T d h, is nearer the
     x_hat layer's than the x layer's (x^T d h) by far: it multiplies the rows that travelled."""
     x, logits, w_in, w_out = _inputs(rng)
-    split, kw = _ep_layer(dedup, capacity_factor)
+    split, kw = _ep_layer(**options)
+    dedup = options.get("dedup", False)
     one = moe_xla.moe(x, logits, w_in, w_out, top_k=K, quantization=quantization)
     placed = [jax.device_put(a, split) for a in (x, logits, w_in, w_out)]
     ep = jax.jit(lambda *a: moe_xla.moe(*a, top_k=K, quantization=quantization, **kw))(*placed)
@@ -144,7 +145,7 @@ def test_expert_parallel_fp8_equals_one_device(rng, quantization, dedup, capacit
 
 
 def _all_to_all_operands(text):
-    """(element type, last dimension) of every all_to_all operand of a lowered program."""
+    """(last dimension, element type) of every all_to_all operand of a lowered program."""
     return re.findall(r"all_to_all.*\(tensor<(?:\d+x)*(\d+)x(\w+)>\)", text)
 
 
@@ -155,7 +156,7 @@ def test_expert_parallel_dispatch_sends_fp8_rows(rng, quantization):
     and their scales (f32, H / 128 per row); only the results coming back are bf16 rows.
     Without, the tokens travel as bf16 rows too."""
     x, logits, w_in, w_out = _inputs(rng)
-    split, kw = _ep_layer(False)
+    split, kw = _ep_layer()
     placed = [jax.device_put(a, split) for a in (x, logits, w_in, w_out)]
     text = jax.jit(lambda *a: moe_xla.moe(*a, top_k=K, quantization=quantization, **kw)).lower(*placed).as_text()
     rows = sorted(t for n, t in _all_to_all_operands(text) if int(n) in (H, H // 128))

@@ -36,20 +36,23 @@ def quantized_tokens(x):
     return jax.lax.bitcast_convert_type(q, jnp.uint8), scales
 
 
-def sent_tokens(send, x, q, scales):
+def sent_tokens(send, arrays, x, q, scales):
     """(x_hat, q, scales) at the receiving rank, from the sender's tokens x [T, H] and their
-    quantized_tokens (q, scales); `send` maps [T, ...] rows to the received [N, ...] rows
-    and is linear. See the module docstring."""
+    quantized_tokens (q, scales); send(rows, arrays) maps [T, ...] rows to the received
+    [N, ...] rows, linear in rows, with every array it reads in `arrays` (a pytree of
+    integer arrays: a custom_jvp must not close over traced values). See the module
+    docstring."""
 
     @jax.custom_jvp
-    def sent(x, q, scales):
-        q_recv, s_recv = send(q), send(scales)
+    def sent(x, q, scales, arrays):
+        q_recv, s_recv = send(q, arrays), send(scales, arrays)
         fp8 = jax.lax.bitcast_convert_type(q_recv, jnp.float8_e4m3fn)
         return dequantize_fp8_rows(fp8, s_recv, x.dtype), q_recv, s_recv
 
     @sent.defjvp
     def sent_jvp(primals, tangents):
         x_hat, q_recv, s_recv = out = sent(*primals)
-        return out, (send(tangents[0]), np.zeros(q_recv.shape, jax.dtypes.float0), jnp.zeros_like(s_recv))
+        dx = send(tangents[0], primals[3])
+        return out, (dx, np.zeros(q_recv.shape, jax.dtypes.float0), jnp.zeros_like(s_recv))
 
-    return sent(x, q, scales)
+    return sent(x, q, scales, arrays)
