@@ -22,8 +22,8 @@ from moe_xla.primitives.unpermute import unpermute
 from moe_xla.routing_bias import update_routing_bias
 
 __all__ = ["Fp8Weights", "MoeAux", "dequantize_fp8_rows", "gather_gmm", "gather_gmm_activate", "gather_tgmm", "gmm",
-           "gmm_fp8", "moe", "permute", "quantize_fp8_blocks", "quantize_fp8_group_cols", "quantize_fp8_rows", "quantize_fp8_weights",
-           "ragged_dot", "route", "tgmm", "tgmm_fp8", "unpermute", "update_routing_bias"]
+           "gmm_fp8", "moe", "permute", "quantize_fp8_blocks", "quantize_fp8_group_cols", "quantize_fp8_rows",
+           "quantize_fp8_weights", "ragged_dot", "route", "tgmm", "tgmm_fp8", "unpermute", "update_routing_bias"]
 
 
 def __getattr__(name):
