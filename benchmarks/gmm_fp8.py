@@ -24,7 +24,9 @@ wgrad (pair_fp8) or + the FP8 wgrad with x and dy quantised in group-column tile
 (pair_fp8_fp8); and the dgrads and wgrads alone (wgrad_fp8: tgmm_fp8 on pre-quantised
 operands; wgrad_fp8_quant: its quantisation included). TFLOP/s count 2 M K N per product. Each forward
 contender's output is checked against bf16 moe_xla's (<name>_rel_err), so a contender
-that computes something else shows.
+that computes something else shows. On an NVIDIA GPU each contender's mean SM clock over
+its turns is reported too (<name>_mhz, NVML samples every 10 ms): these products hold the
+GPU at its power cap, so TFLOP/s per MHz tells a kernel's efficiency from the clock it ran at.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import functools
 import statistics
 from pathlib import Path
 
+from _gpu_samples import start_sampler
 from _timing import alternating_times, environment, grouped_matmul_inputs, torch_grouped_mm, torch_sync, write_results
 
 import jax
@@ -150,6 +153,7 @@ def main():
                         help="also time tgmm_fp8 forced onto these kernels")
     args = parser.parse_args()
     rows = []
+    sampler = start_sampler() if jax.devices()[0].platform == "gpu" else None
     for case, kind, lhs, rhs, gs in grouped_matmul_inputs(args.cases, args.kinds, m_scale=args.m_scale):
         (m, k), n = lhs.shape, rhs.shape[2]
         flops = 2.0 * m * k * n
@@ -163,12 +167,14 @@ def main():
             out = np.asarray(out.float().cpu() if hasattr(out, "cpu") else out, np.float32)
             row[f"{name}_rel_err"] = float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
         for _, impls in sections:
-            times, _ = alternating_times(impls, args.turn_seconds, args.rounds)
+            times, spans = alternating_times(impls, args.turn_seconds, args.rounds)
             for name, ts in times.items():
                 t = statistics.median(ts)
                 products = 2 if name.startswith("pair") else 1
                 row[f"{name}_ms"] = t * 1e3
                 row[f"{name}_tflops"] = products * flops / t / 1e12
+                if sampler is not None:
+                    row[f"{name}_mhz"] = sampler.summary(spans[name])["sm_mhz"]
         row["fp8_vs_bf16"] = row["bf16_ms"] / row["fp8_ms"]
         row["fp8_quant_vs_bf16"] = row["bf16_ms"] / row["fp8_quant_ms"]
         if "torch_fp8_ms" in row:
@@ -181,10 +187,12 @@ def main():
             row["wgrad_fp8_quant_vs_bf16"] = row["wgrad_bf16_ms"] / row["wgrad_fp8_quant_ms"]
         rows.append(row)
         print(row, flush=True)
-    columns = ["case", "groups", "bf16_tflops", "fp8_tflops", "fp8_quant_tflops", "torch_bf16_tflops",
+    if sampler is not None:
+        sampler.stop()
+    columns = ["case", "groups", "bf16_tflops", "fp8_tflops", "bf16_mhz", "fp8_mhz", "fp8_quant_tflops", "torch_bf16_tflops",
                "torch_fp8_tflops", "fp8_rel_err", "torch_bf16_rel_err", "torch_fp8_rel_err", "fp8_vs_bf16", "fp8_quant_vs_bf16", "fp8_vs_torch_fp8", "dgrad_fp8_vs_bf16",
                "pair_fp8_vs_bf16", "pair_fp8_fp8_vs_bf16", "wgrad_bf16_tflops", "wgrad_fp8_tflops",
-               "wgrad_fp8_vs_bf16", "wgrad_fp8_quant_vs_bf16"] + [f"fp8@{path}_tflops" for path in args.paths] + \
+               "wgrad_fp8_vs_bf16", "wgrad_fp8_quant_vs_bf16"] + [f"fp8@{path}_{v}" for path in args.paths for v in ("tflops", "mhz")] + \
         [f"wgrad_fp8@{path}_tflops" for path in args.wgrad_paths]
     write_results(args.out, f"gmm_fp8_{jax.devices()[0].platform}", environment(), rows, columns)
 
