@@ -3,7 +3,7 @@ holds, on the moe_layer cases of cases.json: counted from the routing, nothing t
 
     python benchmarks/ep_exchange.py [--out benchmarks/results] [--cases NAME ...] [--peers 2 4 8]
                                      [--tokens-per-rank 4096] [--capacity-factor 1.25] [--no-memory]
-                                     [--redundant-experts S]
+                                     [--redundant-experts S] [--quantization none fp8_blockwise]
 
 Runs on any backend; on a machine without GPUs it makes max(--peers) CPU devices itself.
 ep_scaling.py imports the routings and the counts below.
@@ -17,7 +17,11 @@ Routings (ROUTINGS). Router logits ~ N(0, 1) (key 0) for P x tokens-per-rank tok
 ids = moe_xla.route(logits, the case's score / groups). Rank r holds tokens
 [r T_r, (r+1) T_r) and experts [r E_l, (r+1) E_l), E_l = E / P.
 
-Columns, per EP size P and routing (one step forward, one chunk, no capacity_factor):
+Columns, per EP size P, routing and quantization (one step forward, one chunk, no
+capacity_factor); with --quantization fp8_blockwise the layer's expert products are FP8
+and its dispatch sends each token's FP8 row (H bytes) with the float32 scales of its
+1 x 128 tiles (4 ceil(H / 128) bytes) instead of 2 H bytes of bf16 (moe_xla/ep/
+fp8_dispatch.py); the combine's rows stay bf16:
   imbalance   the largest rank's (token, expert) pairs / the mean pairs per rank.
   imbalance_redundant   (with --redundant-experts S) the same with min(S, E / P) replicas
               per rank (moe(redundant_experts=)): placed by moe_xla.ep.place_redundant_experts
@@ -29,10 +33,11 @@ Columns, per EP size P and routing (one step forward, one chunk, no capacity_fac
               d != r; dedup one per (token, d != r) with at least one of its experts on d.
   ideal_mib   the busiest rank's ideal bytes: rank r dispatches out_r dedup rows and
               receives in_r, and each row comes back to its sender in the combine, so r
-              sends (out_r + in_r) rows of 2 H bytes (bf16), nothing else; max over r.
+              sends out_r dispatched rows and in_r combined rows (2 H bytes each in bf16;
+              H + 4 ceil(H / 128) for a dispatched FP8 row), nothing else; max over r.
   {transport}_{dedup|no_dedup}_mib   the busiest rank's bytes (max over r) with that
               transport, metadata included (sent_bytes):
-                ragged  the routed rows alone: the dispatch's rows (2 H bytes) with their
+                ragged  the routed rows alone: the dispatch's rows (as above) with their
                         local expert ids (int32, mult per row; mult = min(k, E_l) with
                         dedup, else 1) and, with dedup, their routing weights (float32,
                         mult per row); the combine's rows (2 H bytes); the chunk's round
@@ -43,7 +48,8 @@ Columns, per EP size P and routing (one step forward, one chunk, no capacity_fac
   {transport}_{dedup|no_dedup}_ratio  max over ranks of sent_r / ideal_r (every rank sends
               at most this multiple of its own ideal).
 The backward pass runs the transposed exchange: it moves the rows and routing weights
-again, not the ids (Wire.data and Wire.meta). The layer's psums (tokens_per_expert, [E]
+again, not the ids (Wire.backward and Wire.meta), the dispatched rows' gradients in bf16
+also with FP8 products (the dispatch's derivative is the straight-through one). The layer's psums (tokens_per_expert, [E]
 int32, and the dispatched-row count) are not counted.
 
 Memory per rank (at the largest --peers): XLA's compile-time memory_analysis() (temp +
@@ -78,6 +84,7 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import moe_xla  # noqa: E402
+from moe_xla import grouped  # noqa: E402
 from moe_xla.ep import place_redundant_experts, sizing  # noqa: E402
 from moe_xla.ep.placement import expert_slots  # noqa: E402
 
@@ -142,23 +149,34 @@ def _out_in(between):
 
 
 class Wire(NamedTuple):
-    """Bytes each rank sends in one step forward, [P] each: `data` (rows and routing weights:
-    the backward pass sends them again) and `meta` (expert ids and round starts: once)."""
+    """Bytes each rank sends in one step, [P] each: `data` (rows and routing weights) and
+    `meta` (expert ids and round starts) forward, `backward` (rows and routing weights again;
+    the ids are not resent)."""
 
     data: np.ndarray
     meta: np.ndarray
+    backward: np.ndarray
 
     def forward(self):
         return self.data + self.meta
 
     def forward_backward(self):
-        return 2 * self.data + self.meta
+        return self.data + self.backward + self.meta
 
 
-def ideal_bytes(ids, peers: int, num_experts: int, hidden: int) -> np.ndarray:
+def row_bytes(hidden: int, quantization=None) -> tuple[int, int]:
+    """(dispatched, combined) bytes of one token row forward (module docstring), for moe()'s
+    `quantization` argument."""
+    grouped.check_quantization("ep_exchange", quantization)
+    combined = hidden * ACT_BYTES
+    return (hidden + 4 * -(-hidden // 128) if grouped.is_fp8(quantization) else combined), combined
+
+
+def ideal_bytes(ids, peers: int, num_experts: int, hidden: int, quantization=None) -> np.ndarray:
     """[P] ideal bytes each rank sends per step forward (module docstring)."""
     out, into = _out_in(rows_between(ids, peers, num_experts, dedup=True))
-    return (out + into) * hidden * ACT_BYTES
+    dispatched, combined = row_bytes(hidden, quantization)
+    return out * dispatched + into * combined
 
 
 def _chunk_tokens(tokens: int, chunks: int):
@@ -167,34 +185,39 @@ def _chunk_tokens(tokens: int, chunks: int):
     return [size + (c < extra) for c in range(chunks)]
 
 
-def _padded(ids, peers, num_experts, hidden, top_k, dedup, chunks) -> Wire:
+def _padded(ids, peers, num_experts, hidden, top_k, dedup, chunks, quantization) -> Wire:
     """One [rows] slab per chunk and peer, each way, whatever the routing."""
-    data = meta = 0
+    dispatched, combined = row_bytes(hidden, quantization)
+    data = meta = backward = 0
     for tokens in _chunk_tokens(ids.shape[0] // peers, chunks):
         sizes = sizing.exchange_sizes(tokens, top_k, num_experts, peers, dedup=dedup)
         slab = sizes.rows * (peers - 1)
-        data += slab * (2 * hidden * ACT_BYTES + (4 * sizes.mult if dedup else 0))
+        weights = 4 * sizes.mult if dedup else 0
+        data += slab * (dispatched + combined + weights)
+        backward += slab * (2 * combined + weights)
         meta += slab * 4 * sizes.mult
-    return Wire(np.full(peers, data), np.full(peers, meta))
+    return Wire(np.full(peers, data), np.full(peers, meta), np.full(peers, backward))
 
 
-def _ragged(ids, peers, num_experts, hidden, top_k, dedup, chunks) -> Wire:
+def _ragged(ids, peers, num_experts, hidden, top_k, dedup, chunks, quantization) -> Wire:
     """The routed rows alone, with their metadata, and each chunk's round starts."""
+    dispatched, combined = row_bytes(hidden, quantization)
     mult = min(top_k, num_experts // peers) if dedup else 1
     out, into = _out_in(rows_between(ids, peers, num_experts, dedup))
-    data = (out + into) * hidden * ACT_BYTES + (out * 4 * mult if dedup else 0)
-    return Wire(data, out * 4 * mult + chunks * 2 * 4 * (peers - 1))
+    weights = out * 4 * mult if dedup else 0
+    return Wire(out * dispatched + into * combined + weights, out * 4 * mult + chunks * 2 * 4 * (peers - 1),
+                (out + into) * combined + weights)
 
 
 TRANSPORT_BYTES = {"padded": _padded, "ragged": _ragged}
 
 
 def sent_bytes(transport: str, ids, peers: int, num_experts: int, hidden: int, top_k: int, *, dedup: bool = True,
-               chunks: int = 1) -> Wire | None:
+               chunks: int = 1, quantization=None) -> Wire | None:
     """Wire of one step of the layer's `transport` (module docstring) without capacity_factor,
     for ids [T, k] of all P ranks' tokens; None for a transport this script cannot count."""
     count = TRANSPORT_BYTES.get(transport)
-    return None if count is None else count(ids, peers, num_experts, hidden, top_k, dedup, chunks)
+    return None if count is None else count(ids, peers, num_experts, hidden, top_k, dedup, chunks, quantization)
 
 
 def _memory(case, mesh, tokens, dedup, capacity_factor):
@@ -207,14 +230,15 @@ def _memory(case, mesh, tokens, dedup, capacity_factor):
     return compiled_memory_bytes(jax.jit(layer).lower(*inputs).compile()), fwd_bwd_memory_bytes(layer, inputs, ct)
 
 
-def exchange_row(case, peers: int, per_rank: int, routing: str, redundant_slots: int = 0) -> dict:
-    """The wire columns of one case, EP size and routing (module docstring)."""
+def exchange_row(case, peers: int, per_rank: int, routing: str, redundant_slots: int = 0,
+                 quantization=None) -> dict:
+    """The wire columns of one case, EP size, routing and quantization (module docstring)."""
     experts, hidden, k = case["E"], case["H"], case["top_k"]
     logits = jax.random.normal(jax.random.key(0), (peers * per_rank, experts), jnp.float32)
     ids = route_ids(case, routing_logits(logits, routing))
-    ideal = ideal_bytes(ids, peers, experts, hidden)
-    row = {"case": case["name"], "peers": peers, "routing": routing, "tokens_per_rank": per_rank,
-           "imbalance": imbalance(ids, peers, experts), "ideal_mib": ideal.max() / MIB}
+    ideal = ideal_bytes(ids, peers, experts, hidden, quantization)
+    row = {"case": case["name"], "peers": peers, "routing": routing, "quantization": quantization or "none",
+           "tokens_per_rank": per_rank, "imbalance": imbalance(ids, peers, experts), "ideal_mib": ideal.max() / MIB}
     if redundant_slots:
         placement = redundant_placement(case, peers * per_rank, peers, routing, redundant_slots)
         row.update(redundant_slots=len(placement[0]), imbalance_redundant=imbalance(ids, peers, experts, placement))
@@ -223,7 +247,7 @@ def exchange_row(case, peers: int, per_rank: int, routing: str, redundant_slots:
         row[f"rows_{dd}"] = int(between.sum() - np.trace(between))
     for transport in TRANSPORT_BYTES:
         for dd, on in (("dedup", True), ("no_dedup", False)):
-            sent = sent_bytes(transport, ids, peers, experts, hidden, k, dedup=on).forward()
+            sent = sent_bytes(transport, ids, peers, experts, hidden, k, dedup=on, quantization=quantization).forward()
             row[f"{transport}_{dd}_mib"] = sent.max() / MIB
             row[f"{transport}_{dd}_ratio"] = float(np.max(sent / ideal)) if ideal.min() > 0 else None
     return row
@@ -239,6 +263,8 @@ def main():
     parser.add_argument("--no-memory", action="store_true", help="skip the compile-time memory figures")
     parser.add_argument("--redundant-experts", type=int, default=0, metavar="S",
                         help="replicas per rank (at most E / P) for the imbalance_redundant column; 0: none")
+    parser.add_argument("--quantization", nargs="+", default=["none"], choices=["none", "fp8_blockwise"],
+                        help="the expert products' quantization (moe()'s argument): what the dispatch sends")
     args = parser.parse_args()
     most = max(args.peers)
     if not args.no_memory and len(jax.devices()) < most:
@@ -251,8 +277,9 @@ def main():
             if case["E"] % peers:
                 print(f"ep_exchange: {case['name']}: {case['E']} experts do not split over {peers} ranks", flush=True)
                 continue
-            for routing in ROUTINGS:
-                rows.append(exchange_row(case, peers, args.tokens_per_rank, routing, args.redundant_experts))
+            for routing, quantization in itertools.product(ROUTINGS, args.quantization):
+                rows.append(exchange_row(case, peers, args.tokens_per_rank, routing, args.redundant_experts,
+                                         None if quantization == "none" else quantization))
                 print(rows[-1], flush=True)
         if not args.no_memory and case["E"] % most == 0:
             mesh = Mesh(np.array(jax.devices()[:most]), ("ep",))
@@ -264,7 +291,7 @@ def main():
                     row[f"mem_gib_fwdbwd_{name}_{cf_name}"] = gib(bwd)
             rows.append(row)
             print(row, flush=True)
-    columns = ["case", "peers", "routing", "imbalance", "redundant_slots", "imbalance_redundant", "rows_no_dedup",
+    columns = ["case", "peers", "routing", "quantization", "imbalance", "redundant_slots", "imbalance_redundant", "rows_no_dedup",
                "rows_dedup", "ideal_mib"]
     columns += [f"{t}_{dd}_{v}" for t in TRANSPORT_BYTES for dd in ("dedup", "no_dedup") for v in ("mib", "ratio")]
     columns += list(dict.fromkeys(c for r in rows for c in r if c.startswith("mem_gib")))

@@ -29,7 +29,7 @@ sys.path.insert(0, str(BENCHMARKS))
 import ep_exchange  # noqa: E402
 import ep_scaling  # noqa: E402
 
-_BYTES = {"bf16": 2, "f32": 4, "s32": 4, "pred": 1}
+_BYTES = {"bf16": 2, "f32": 4, "s32": 4, "u8": 1, "pred": 1}
 
 
 def _all_to_all_bytes(hlo: str) -> int:
@@ -45,7 +45,8 @@ def _all_to_all_bytes(hlo: str) -> int:
 @requires_8_devices
 @pytest.mark.parametrize("routing", ep_exchange.ROUTINGS)
 @pytest.mark.parametrize("dedup", [True, False])
-def test_padded_bytes_and_rows_are_the_layers(routing, dedup):
+@pytest.mark.parametrize("quantization", [None, "fp8_blockwise"])
+def test_padded_bytes_and_rows_are_the_layers(routing, dedup, quantization):
     peers, per_rank, hidden, ffn, experts, k = 4, 16, 16, 8, 8, 3
     case = {"name": "tiny", "E": experts, "top_k": k, "score": "softmax"}
     keys = jax.random.split(jax.random.key(1), 4)
@@ -57,18 +58,31 @@ def test_padded_bytes_and_rows_are_the_layers(routing, dedup):
     mesh = Mesh(np.array(jax.devices()[:peers]), ("ep",))
     args = jax.device_put((x, logits, w_in, w_out), NamedSharding(mesh, P("ep")))
     layer = jax.jit(lambda *a: moe_xla.moe(*a, top_k=k, mesh=mesh, expert_axis="ep", transport="padded",
-                                           dedup=dedup, return_aux=True))
+                                           dedup=dedup, quantization=quantization, return_aux=True))
     lowered = layer.lower(*args)
     ids = ep_exchange.route_ids(case, logits)
-    wire = ep_exchange.sent_bytes("padded", ids, peers, experts, hidden, k, dedup=dedup)
+    wire = ep_exchange.sent_bytes("padded", ids, peers, experts, hidden, k, dedup=dedup, quantization=quantization)
     # a tiled all_to_all keeps 1/P of its buffer on the own rank and sends the rest
     assert np.all(wire.forward() == _all_to_all_bytes(lowered.as_text(dialect="hlo")) * (peers - 1) // peers)
     between = ep_exchange.rows_between(ids, peers, experts, dedup)
     assert int(lowered.compile()(*args)[1].dispatched_rows) == between.sum()
-    ideal = ep_exchange.ideal_bytes(ids, peers, experts, hidden)
+    ideal = ep_exchange.ideal_bytes(ids, peers, experts, hidden, quantization)
     distinct = ep_exchange.rows_between(ids, peers, experts, dedup=True)
-    assert ideal.sum() == 2 * (distinct.sum() - np.trace(distinct)) * hidden * 2  # each row there and back
-    assert np.all(ep_exchange.sent_bytes("ragged", ids, peers, experts, hidden, k, dedup=dedup).data >= ideal)
+    dispatched = hidden * 2 if quantization is None else hidden + 4  # bf16, or FP8 and one scale
+    # each row there (dispatched) and back (bf16)
+    assert ideal.sum() == (distinct.sum() - np.trace(distinct)) * (dispatched + hidden * 2)
+    ragged = ep_exchange.sent_bytes("ragged", ids, peers, experts, hidden, k, dedup=dedup, quantization=quantization)
+    assert np.all(ragged.data >= ideal)
+    # forward and backward: the all-to-alls of a program that returns y and its vjp
+    ct = jax.random.normal(keys[0], (tokens, hidden)).astype(jnp.bfloat16)
+
+    def step(*a):
+        y, vjp = jax.vjp(lambda *b: moe_xla.moe(*b, top_k=k, mesh=mesh, expert_axis="ep", transport="padded",
+                                                dedup=dedup, quantization=quantization), *a)
+        return y, vjp(ct)
+
+    step_hlo = jax.jit(step).lower(*args).as_text(dialect="hlo")
+    assert np.all(wire.forward_backward() == _all_to_all_bytes(step_hlo) * (peers - 1) // peers)
 
 
 def test_imbalance_and_rows_between_by_hand():
