@@ -70,12 +70,11 @@ struct Fp8WgmmaTraits {
   static constexpr int kProducerThreads = 128;
   static constexpr int kConsumerThreads = 256;
   static constexpr int kThreads = kProducerThreads + kConsumerThreads;
-  // Registers per thread after the producer gives some up (setmaxnreg); together within
-  // the register file of one SM: 128 * 40 + 256 * 232 <= 65536.
+  // Registers per thread after the producer gives some up (setmaxnreg).
   static constexpr int kProducerRegisters = 40;
   static constexpr int kConsumerRegisters = 232;
-  static_assert(kProducerThreads * kProducerRegisters + kConsumerThreads * kConsumerRegisters <= 65536,
-                "the warp groups' registers fit one SM");
+  static_assert(register_split_fits(kProducerThreads, kProducerRegisters, kConsumerThreads, kConsumerRegisters),
+                "setmaxnreg within the launch's registers");
 
   // Both operands K-major (FP8 wgmma takes no other), 128-byte swizzle.
   using SmemLayoutA = decltype(cute::tile_to_shape(

@@ -97,10 +97,11 @@ struct GatherGemmTraits {
   static constexpr int kProducerThreads = 128;
   static constexpr int kConsumerThreads = 256;
   static constexpr int kThreads = kProducerThreads + kConsumerThreads;
-  // Registers per thread after the producer gives some up (setmaxnreg); together within
-  // the register file of one SM: 128 * 40 + 256 * 232 <= 65536.
+  // Registers per thread after the producer gives some up (setmaxnreg).
   static constexpr int kProducerRegisters = 40;
   static constexpr int kConsumerRegisters = 232;
+  static_assert(register_split_fits(kProducerThreads, kProducerRegisters, kConsumerThreads, kConsumerRegisters),
+                "setmaxnreg within the launch's registers");
 
   // The producer's A copy: 16-byte chunks (8 bf16), 8 per row of a K step; thread t
   // copies chunk t % 8 of rows t / 8 + 16 i, i < 8.

@@ -76,16 +76,14 @@ struct GatherTgmmTraits {
   static constexpr int kProducerThreads = 128;
   static constexpr int kConsumerThreads = 256;
   static constexpr int kThreads = kProducerThreads + kConsumerThreads;
-  // Registers per thread after the producer gives some up (setmaxnreg). The consumers'
-  // increase waits for registers the producer has freed, so both together must fit in what
-  // the CTA was launched with, 384 threads x 168 (the most __launch_bounds__(384, 1)
-  // allows): 128 * 72 + 256 * 216 = 64512 (more for the producer deadlocks at launch). The
-  // producer holds the addresses of its next step's copies; the consumers (128
-  // accumulators) compile without spills down to 208.
+  // Registers per thread after the producer gives some up (setmaxnreg): 128 * 72 + 256 * 216
+  // = 64512, all the launch has (register_split_fits). The producer holds the addresses of
+  // its next step's copies; the consumers (128 accumulators) compile without spills down
+  // to 208.
   static constexpr int kProducerRegisters = 72;
   static constexpr int kConsumerRegisters = 216;
-  static_assert(kProducerThreads * kProducerRegisters + kConsumerThreads * kConsumerRegisters <=
-                    kThreads * 168, "setmaxnreg within the launch's registers");
+  static_assert(register_split_fits(kProducerThreads, kProducerRegisters, kConsumerThreads, kConsumerRegisters),
+                "setmaxnreg within the launch's registers");
 
   // The producer's copies: 16-byte chunks (8 bf16) along a row. For an operand `cols`
   // columns wide, thread t copies chunk t % (cols / 8) of the step's rows

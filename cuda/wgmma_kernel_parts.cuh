@@ -38,6 +38,18 @@ struct OutElement<DType::kF32> {
   using type = float;
 };
 
+// Whether a producer / consumer register split (setmaxnreg) can take effect: the
+// consumers' increase waits for registers the producer has freed, so both together must fit
+// in what the CTA was launched with, all threads at the most __launch_bounds__(threads, 1)
+// allows (65536 / threads, a multiple of 8: 168 for 384 threads). A split that only fits
+// one SM's 65536 registers hangs at the consumers' increase.
+constexpr bool register_split_fits(int producer_threads, int producer_registers, int consumer_threads,
+                                   int consumer_registers) {
+  const int threads = producer_threads + consumer_threads;
+  return producer_threads * producer_registers + consumer_threads * consumer_registers <=
+         threads * (65536 / threads / 8 * 8);
+}
+
 // Shared memory of a kernel: all stages of A and B (1024-byte aligned, as the 128-byte
 // swizzle needs) and the pipeline's barriers.
 template <class Element, class SmemLayoutA, class SmemLayoutB, class Pipeline>
