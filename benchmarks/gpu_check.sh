@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU visit: kernel self-checks, the pytest suite on the GPU, then benchmarks.
 # Usage (on the H200 machine, from the repo root):
-#   benchmarks/gpu_check.sh [selftest|sanitize|pytest|pytest-memcheck|bench-cutlass|demo|demo-fp8|bench-fp8|bench-gather|bench-gmm|gmm-trace|gmm-sustained|kernel-resources|ncu-gmm|bench-moe|bench-stages]...
+#   benchmarks/gpu_check.sh [selftest|sanitize|pytest|pytest-memcheck|bench-cutlass|demo|demo-fp8|bench-fp8|bench-gather|bench-gmm|gmm-trace|gmm-sustained|kernel-resources|ncu-gmm|ncu-fp8|bench-moe|bench-stages]...
 # selftest, sanitize and bench-cutlass run the binaries in $GPU_BIN (default ./.gpu_bin),
 # which scripts/build_gpu_tests.sh builds on a machine with Bazel; the Python steps load
 # $MOE_XLA_LIBRARY (default: $GPU_BIN/libmoe_xla.so if present, else moe_xla/_native/).
@@ -71,6 +71,15 @@ for step in "$@"; do
           python3 benchmarks/gmm_ncu.py --case "${c%%:*}" --groups "${c##*:}" > "$OUT/ncu_${c%%:*}_${c##*:}.txt" 2>&1 || status=1
         grep -E "device_kernel|Duration|Registers Per|Dynamic Shared|Compute \(SM\) Throughput|Memory Throughput|Achieved Occupancy|Grid Size|Cluster Size" \
           "$OUT/ncu_${c%%:*}_${c##*:}.txt" | cut -c1-160
+      done ;;
+    ncu-fp8)  # Nsight Compute on gmm_fp8's kernels per path at ncu's base clock, same inputs (benchmarks/gmm_fp8_ncu.py)
+      for c in ${NCU_FP8_CASES:-deepseek-v3.ep8.gate_up:uniform}; do
+        f="$OUT/ncu_fp8_${c%%:*}_${c##*:}.txt"
+        ncu -k regex:"fp8_wgmma_kernel|device_kernel" -c 4 --section SpeedOfLight --section WarpStateStats \
+          --section MemoryWorkloadAnalysis python3 benchmarks/gmm_fp8_ncu.py --case "${c%%:*}" --groups "${c##*:}" \
+          --paths ${NCU_FP8_PATHS:-auto wgmma128x128} > "$f" 2>&1 || status=1
+        grep -E "fp8_wgmma_kernel|device_kernel|gmm_fp8_ncu|Duration|SM Frequency|Compute \(SM\) Throughput|DRAM Throughput|L2 Hit Rate" \
+          "$f" | cut -c1-160
       done ;;
     gmm-sustained)  # gmm vs torch._grouped_mm in turns of seconds, with NVML clock and power
       python3 benchmarks/gmm_sustained.py --out "$OUT" ${SUSTAIN_ARGS:-} > "$OUT/gmm_sustained.log" 2>&1 || status=1; tail -16 "$OUT/gmm_sustained.log" ;;
