@@ -49,8 +49,8 @@ fp8_dispatch.py); the combine's rows stay bf16:
               at most this multiple of its own ideal).
 The backward pass runs the transposed exchange: it moves the rows and routing weights
 again, not the ids (Wire.backward and Wire.meta), the dispatched rows' gradients in bf16
-also with FP8 products (the dispatch's derivative is the straight-through one). The layer's psums (tokens_per_expert, [E]
-int32, and the dispatched-row count) are not counted.
+also with FP8 products (the dispatch's derivative is the straight-through one). The
+layer's psums (tokens_per_expert, [E] int32, and the dispatched-row count) are not counted.
 
 Memory per rank (at the largest --peers): XLA's compile-time memory_analysis() (temp +
 arguments + outputs) of the EP layer's forward and forward+backward (jax.value_and_grad
@@ -291,8 +291,8 @@ def main():
                     row[f"mem_gib_fwdbwd_{name}_{cf_name}"] = gib(bwd)
             rows.append(row)
             print(row, flush=True)
-    columns = ["case", "peers", "routing", "quantization", "imbalance", "redundant_slots", "imbalance_redundant", "rows_no_dedup",
-               "rows_dedup", "ideal_mib"]
+    columns = ["case", "peers", "routing", "quantization", "imbalance", "redundant_slots", "imbalance_redundant",
+               "rows_no_dedup", "rows_dedup", "ideal_mib"]
     columns += [f"{t}_{dd}_{v}" for t in TRANSPORT_BYTES for dd in ("dedup", "no_dedup") for v in ("mib", "ratio")]
     columns += list(dict.fromkeys(c for r in rows for c in r if c.startswith("mem_gib")))
     write_results(args.out, f"ep_exchange_{jax.devices()[0].platform}", environment(), rows, columns)

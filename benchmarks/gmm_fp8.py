@@ -189,10 +189,12 @@ def main():
         print(row, flush=True)
     if sampler is not None:
         sampler.stop()
-    columns = ["case", "groups", "bf16_tflops", "fp8_tflops", "bf16_mhz", "fp8_mhz", "fp8_quant_tflops", "torch_bf16_tflops",
+    columns = ["case", "groups", "bf16_tflops", "fp8_tflops", "bf16_mhz", "fp8_mhz", "fp8_quant_tflops",
+               "torch_bf16_tflops",
                "torch_fp8_tflops", "fp8_rel_err", "torch_bf16_rel_err", "torch_fp8_rel_err", "fp8_vs_bf16", "fp8_quant_vs_bf16", "fp8_vs_torch_fp8", "dgrad_fp8_vs_bf16",
                "pair_fp8_vs_bf16", "pair_fp8_fp8_vs_bf16", "wgrad_bf16_tflops", "wgrad_fp8_tflops",
-               "wgrad_fp8_vs_bf16", "wgrad_fp8_quant_vs_bf16"] + [f"fp8@{path}_{v}" for path in args.paths for v in ("tflops", "mhz")] + \
+               "wgrad_fp8_vs_bf16", "wgrad_fp8_quant_vs_bf16"] + \
+        [f"fp8@{path}_{v}" for path in args.paths for v in ("tflops", "mhz")] + \
         [f"wgrad_fp8@{path}_tflops" for path in args.wgrad_paths]
     write_results(args.out, f"gmm_fp8_{jax.devices()[0].platform}", environment(), rows, columns)
 
