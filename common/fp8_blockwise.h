@@ -40,6 +40,7 @@
 #ifndef MOE_XLA_COMMON_FP8_BLOCKWISE_H_
 #define MOE_XLA_COMMON_FP8_BLOCKWISE_H_
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -136,6 +137,39 @@ MOE_XLA_HOST_DEVICE inline uint8_t quantize_element(float x, float scale) {
 #else
   return fp8_e4m3_from_float(x / scale);
 #endif
+}
+
+// The quotient of q(x) without a division per element (the GPU kernels): with
+// inverse = fl(1 / scale), one correctly rounded division per tile,
+//   q0 = fl(x * inverse),   r = x - scale * q0 (one fused multiply-add, exact),
+//   v  = fl(q0 + r * inverse) (another),
+// and x's sign or'ed into v. Markstein's theorem (inverse within half an ulp of 1 / scale,
+// q0 within one ulp of x / scale) gives v = fl(x / scale) wherever r is exact. r falls on
+// float32's grid (a multiple of ulp(scale) * ulp(q0) >= 2^-149) when scale >= kFastScaleMin
+// and |x / scale| >= 2^-23, which covers every quotient with an E4M3 code other than zero
+// (> 2^-10); smaller quotients, float32-subnormal x included, give a v far below 2^-10,
+// which rounds to the zero of x's sign like q(x). So e4m3(fast_quotient(x, ...)) == q(x)
+// for every finite x; tests/cc/cpu_fp8_quantize_test.cc checks it on every bf16 value
+// and random float32s over scales across the range. NaN and inf take quantize_element.
+constexpr float kFastScaleMin = 0x1p-80f;
+
+MOE_XLA_HOST_DEVICE inline float tile_inverse(float scale) {
+#if defined(__CUDA_ARCH__)
+  return __frcp_rn(scale);
+#else
+  return 1.0f / scale;
+#endif
+}
+
+MOE_XLA_HOST_DEVICE inline float fast_quotient(float x, float scale, float inverse) {
+#if defined(__CUDA_ARCH__)
+  const float q0 = __fmul_rn(x, inverse);
+  const float v = __fmaf_rn(__fmaf_rn(-scale, q0, x), inverse, q0);
+#else
+  const float q0 = x * inverse;
+  const float v = std::fma(std::fma(-scale, q0, x), inverse, q0);
+#endif
+  return bits_float(float_bits(v) | (float_bits(x) & 0x80000000u));
 }
 
 // The value of float8_e4m3fn bits (for tests and dequantisation): NaN for 0x7f / 0xff.

@@ -9,8 +9,9 @@
 // through warp shuffles and shared memory. A thread's 8 rows of one column are 8
 // consecutive bytes of a q_t row, so it stores them directly: the 4 threads of a warp
 // that share a column write 32 consecutive bytes (whole sectors). Scale and elements go
-// through common/fp8_blockwise.h like the CPU kernel; max is exact in any order, so the
-// results are bitwise those of the CPU.
+// through common/fp8_blockwise.h like the CPU kernel, the elements by its division-free
+// quotient where it gives the same codes (cuda/fp8_tile_codes.cuh); max is exact in any
+// order, so the results are bitwise those of the CPU.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -20,6 +21,7 @@
 #include "cuda/device.h"
 #include "cuda/fp8_lanes.cuh"
 #include "cuda/fp8_quantize.h"
+#include "cuda/fp8_tile_codes.cuh"
 #include "cuda/group_offsets.cuh"
 
 namespace moe_xla {
@@ -30,12 +32,14 @@ using detail::aligned;
 using detail::Elem;
 using detail::kLaneCols;
 using detail::Lane;
+using detail::TileCoder;
 
 constexpr int kThreads = 256;
 constexpr int kRowRuns = 8;                          // consecutive rows per thread
 constexpr int kColLanes = fp8::kTile / kLaneCols;    // 16 column lanes of 8 columns
 constexpr int kRowGroups = fp8::kTile / kRowRuns;    // 16 row groups of 8 rows
 static_assert(kColLanes * kRowGroups == kThreads, "a CTA covers one 128 x 128 block");
+static_assert(kRowRuns == kLaneCols, "a thread codes its 8 rows of a column as one lane");
 // A warp: 8 column lanes x 4 row groups (32 consecutive bytes per q_t row it writes);
 // warps 2w and 2w + 1 take the two halves of the columns.
 constexpr int kWarpColLanes = 8, kWarpRowGroups = 4;
@@ -55,7 +59,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas<D>)
   using Bits = typename Elem<D>::Bits;
   __shared__ int64_t tile_rows[2];  // first row, rows of this CTA's tile
   __shared__ float warp_amax[kWarps / 2][fp8::kTile];
-  __shared__ float col_scale[fp8::kTile];
+  __shared__ TileCoder col_coder[fp8::kTile];
 
   const int64_t tile = blockIdx.x;
   const int64_t width = fp8::kTile * static_cast<int64_t>(gridDim.x);  // 128 T
@@ -100,36 +104,41 @@ __global__ void __launch_bounds__(kThreads, kMinCtas<D>)
       }
     }
     // Column amax: over the thread's rows, the warp's row groups (lanes l, l + 8, l + 16,
-    // l + 24 share columns), then the warps of the same column half.
+    // l + 24 share columns), then the warps of the same column half. A block with an inf or
+    // NaN anywhere codes element by element (fp8_tile_codes.cuh).
+    bool nonfinite = false;
 #pragma unroll
     for (int j = 0; j < kLaneCols; ++j) {
       float amax = 0.0f;
 #pragma unroll
-      for (int i = 0; i < kRowRuns; ++i) amax = fmaxf(amax, fp8::tile_magnitude(Elem<D>::to_float(raw[i].get(j))));
+      for (int i = 0; i < kRowRuns; ++i) {
+        const float v = Elem<D>::to_float(raw[i].get(j));
+        amax = fmaxf(amax, fp8::tile_magnitude(v));
+        nonfinite |= !detail::finite_amax(fabsf(v));
+      }
       amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, kWarpColLanes));
       amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2 * kWarpColLanes));
       if (lane < kWarpColLanes) warp_amax[warp / 2][col + j] = amax;
     }
-    __syncthreads();
+    const bool any_nonfinite = __syncthreads_or(nonfinite);
     if (t < fp8::kTile) {
       float amax = 0.0f;
 #pragma unroll
       for (int w = 0; w < kWarps / 2; ++w) amax = fmaxf(amax, warp_amax[w][t]);
-      const float scale = fp8::scale_from_amax(amax, pow2);
-      col_scale[t] = scale;
-      if (cb * fp8::kTile + t < cols) scales[tile * cols + cb * fp8::kTile + t] = scale;
+      col_coder[t] = TileCoder::of(amax, pow2, !any_nonfinite);
+      if (cb * fp8::kTile + t < cols) scales[tile * cols + cb * fp8::kTile + t] = col_coder[t].scale;
     }
     __syncthreads();
 #pragma unroll
     for (int j = 0; j < kLaneCols; ++j) {
       if (j >= valid) break;
-      const float scale = col_scale[col + j];
-      Lane<uint8_t> out{};  // rows row .. row + 7 of column c + j
+      float v[kRowRuns];  // rows row .. row + 7 of column c + j
 #pragma unroll
-      for (int i = 0; i < kRowRuns; ++i) out.set(i, fp8::quantize_element(Elem<D>::to_float(raw[i].get(j)), scale));
+      for (int i = 0; i < kRowRuns; ++i) v[i] = Elem<D>::to_float(raw[i].get(j));
+      const Lane<uint8_t> out = col_coder[col + j].codes(v);
       *reinterpret_cast<Lane<uint8_t>*>(q_t + (c + j) * width + tile * fp8::kTile + row) = out;
     }
-    __syncthreads();  // warp_amax and col_scale are rewritten by the next block
+    __syncthreads();  // col_coder is rewritten by the next block
   }
 }
 

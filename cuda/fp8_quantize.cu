@@ -14,11 +14,16 @@
 // Elements stay in registers as loaded from the amax to the quantisation (x is read
 // once). The same kernel quantises the expert activation of h on the fly (Activated: the
 // fused activate_quantize_fp8), its backward (ActivationGrad: activate_grad_quantize_fp8)
-// and scaled rows gathered through an index (Gathered: gather_quantize_fp8_rows); a gated
-// backward with F % 128 == 0 has a kernel of its own (activate_grad_pairs) that computes
-// both halves of d h from one read of gate, up and da.
-// Scale and elements go through common/fp8_blockwise.h like the CPU kernel; max is exact
-// in any order, so the results are bitwise those of the CPU.
+// and scaled rows gathered through an index (Gathered: gather_quantize_fp8_rows). A
+// source's load() reads and computes; its keep() stores the rounded row (the fused
+// sources), called once all the thread's rows are loaded: a store between two loads keeps
+// the compiler from issuing the later load first (it cannot prove they do not alias), which
+// would serialise the gather's index-then-row loads row by row. A gated backward with
+// F % 128 == 0 has a kernel of its own (activate_grad_pairs) that computes both halves of
+// d h from one read of gate, up and da.
+// Scale and elements go through common/fp8_blockwise.h like the CPU kernel, the elements
+// by its division-free quotient where it gives the same codes (cuda/fp8_tile_codes.cuh);
+// max is exact in any order, so the results are bitwise those of the CPU.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -32,6 +37,7 @@
 #include "cuda/device.h"
 #include "cuda/fp8_lanes.cuh"
 #include "cuda/fp8_quantize.h"
+#include "cuda/fp8_tile_codes.cuh"
 
 namespace moe_xla {
 namespace cuda {
@@ -42,6 +48,13 @@ using detail::Elem;
 using detail::kLaneCols;
 using detail::Lane;
 using detail::store_lane;
+using detail::finite_amax;
+using detail::kFullWarp;
+using detail::lane_amax_exact;
+using detail::lane_amax_nan;
+using detail::max_nan;
+using detail::row_tile_coder;
+using detail::TileCoder;
 
 constexpr int kRowThreads = fp8::kTile / kLaneCols;  // 16 threads per row of a region
 
@@ -100,10 +113,11 @@ struct Stored {
     for (int j = 0; j < kLaneCols; ++j) out.set(j, j < valid ? src[j] : Bits{0});
     return out;
   }
+  __device__ __forceinline__ void keep(int64_t, int64_t, const Lane<Bits>&, int) const {}
 };
 
-// ... or the expert activation of h (common/expert_activation.h), rounded to D and stored
-// to a on the way (batch 1).
+// ... or the expert activation of h (common/expert_activation.h), rounded to D and kept
+// in a (batch 1).
 template <DType D, bool kVec>
 struct Activated {
   using Bits = typename Elem<D>::Bits;
@@ -132,13 +146,15 @@ struct Activated {
       const float v = activate(act, Elem<D>::to_float(g.get(j)), Elem<D>::to_float(u.get(j)));
       out.set(j, j < valid ? Elem<D>::from_float(v) : Bits{0});
     }
-    store_lane<kVector>(a + r * cols + c, out, valid);
     return out;
+  }
+  __device__ __forceinline__ void keep(int64_t r, int64_t c, const Lane<Bits>& row, int valid) const {
+    store_lane<kVector>(a + r * cols + c, row, valid);
   }
 };
 
 // ... or row src[r] of values times scale[r] (fp8::scaled_element), rounded to D and
-// stored to out on the way; a zero row where src[r] names no row of values (batch 1).
+// kept in out; a zero row where src[r] names no row of values (batch 1).
 template <DType D, bool kVec>
 struct Gathered {
   using Bits = typename Elem<D>::Bits;
@@ -149,21 +165,32 @@ struct Gathered {
   Bits* __restrict__ out;
   int64_t num_values, cols;
 
-  __device__ __forceinline__ Lane<Bits> load(int64_t, int64_t r, int64_t c, int valid) const {
+  // Where row r comes from: values' row s (-1: none) times k. Fetched for all of a
+  // thread's rows before any of them is loaded, so that their index loads overlap.
+  struct At {
+    int64_t s;
+    float k;
+  };
+  __device__ __forceinline__ At locate(int64_t r) const {
     const int64_t s = src[r];
+    return s >= 0 && s < num_values ? At{s, scale[r]} : At{-1, 0.0f};
+  }
+
+  __device__ __forceinline__ Lane<Bits> load(const At& at, int64_t c, int valid) const {
     Lane<Bits> row{};
-    if (s >= 0 && s < num_values) {
+    if (at.s >= 0) {
       const Stored<D, kVec> named{values, num_values, cols};
-      const Lane<Bits> x = named.load(0, s, c, valid);
-      const float k = scale[r];
+      const Lane<Bits> x = named.load(0, at.s, c, valid);
 #pragma unroll
       for (int j = 0; j < kLaneCols; ++j) {
-        const float v = fp8::scaled_element(k, Elem<D>::to_float(x.get(j)));
+        const float v = fp8::scaled_element(at.k, Elem<D>::to_float(x.get(j)));
         row.set(j, j < valid ? Elem<D>::from_float(v) : Bits{0});
       }
     }
-    store_lane<kVector>(out + r * cols + c, row, valid);
     return row;
+  }
+  __device__ __forceinline__ void keep(int64_t r, int64_t c, const Lane<Bits>& row, int valid) const {
+    store_lane<kVector>(out + r * cols + c, row, valid);
   }
 };
 
@@ -209,7 +236,7 @@ struct TransposedBlock {
 };
 
 // ... or the activation's backward from h and da (common/expert_activation.h), rounded to
-// D and stored to dh on the way (batch 1); cols are dh's (2F gated, else F). kVector also
+// D and kept in dh (batch 1); cols are dh's (2F gated, else F). kVector also
 // needs F % 8 == 0, so that no lane crosses the gate | up boundary.
 template <DType D, bool kVec>
 struct ActivationGrad {
@@ -238,7 +265,6 @@ struct ActivationGrad {
                                       Elem<D>::to_float(d.get(j)));
         out.set(j, Elem<D>::from_float(v));
       }
-      *reinterpret_cast<Lane<Bits>*>(dh + r * cols + c) = out;
     } else {
 #pragma unroll
       for (int j = 0; j < kLaneCols; ++j) {
@@ -248,12 +274,48 @@ struct ActivationGrad {
         const float gate = Elem<D>::to_float(h[r * cols + e]);
         const float up = gated ? Elem<D>::to_float(h[r * cols + f + e]) : 0.0f;
         out.set(j, Elem<D>::from_float(activate_grad(act, up_half, gate, up, Elem<D>::to_float(da[r * f + e]))));
-        dh[r * cols + c + j] = out.get(j);
       }
     }
     return out;
   }
+  __device__ __forceinline__ void keep(int64_t r, int64_t c, const Lane<Bits>& row, int valid) const {
+    store_lane<kVector>(dh + r * cols + c, row, valid);
+  }
 };
+
+// How the kernel reads a source's rows: locate() for each of a thread's rows, then load();
+// the direct sources locate nothing, the gathered rows locate their index and factor.
+template <class Source>
+struct Fetch {
+  struct At {};
+  __device__ __forceinline__ static At locate(const Source&, int64_t) { return {}; }
+  __device__ __forceinline__ static auto load(const Source& src, At, int64_t b, int64_t r, int64_t c, int valid) {
+    return src.load(b, r, c, valid);
+  }
+};
+template <DType D, bool kVec>
+struct Fetch<Gathered<D, kVec>> {
+  using Source = Gathered<D, kVec>;
+  using At = typename Source::At;
+  __device__ __forceinline__ static At locate(const Source& src, int64_t r) { return src.locate(r); }
+  __device__ __forceinline__ static auto load(const Source& src, const At& at, int64_t, int64_t, int64_t c,
+                                              int valid) {
+    return src.load(at, c, valid);
+  }
+};
+
+// The max of v over a CTA of kWarps warps (NaN-propagating where kNan), through slots.
+template <int kWarps, bool kNan>
+__device__ __forceinline__ float cta_max(float v, float* slots) {
+  auto op = [](float a, float b) { return kNan ? max_nan(a, b) : fmaxf(a, b); };
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) v = op(v, __shfl_xor_sync(kFullWarp, v, offset));
+  if (threadIdx.x % 32 == 0) slots[threadIdx.x / 32] = v;
+  __syncthreads();
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) v = op(v, slots[w]);
+  return v;
+}
 
 // kBlocks: one 128 x 128 block per region, else C::kRegionRows rows of 1 x 128 tiles. Source: Stored,
 // Activated, ActivationGrad or Gathered; kVector: cols % 8 == 0 and every pointer aligned for Lane accesses.
@@ -265,7 +327,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtas)
                      int64_t rows, int64_t cols, int64_t row_regions, int64_t col_tiles, bool pow2) {
   static_assert(kBlocks || !kTransposed, "only blocks are written transposed");
   using Bits = typename Elem<D>::Bits;
-  const int t = threadIdx.x, lane = t % 32, warp = t / 32;
+  const int t = threadIdx.x;
   constexpr int kRows = C::kPassRows, kPasses = C::kPasses;
   const Region reg = region_of(blockIdx.x, row_regions, col_tiles, C::kRegionRows);
   const int col = (t % kRowThreads) * kLaneCols;  // within the region
@@ -273,45 +335,47 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtas)
   const int valid = static_cast<int>(cols - c <= 0 ? 0 : (cols - c < kLaneCols ? cols - c : kLaneCols));
   const int first = t / kRowThreads;               // row within the region of pass 0
 
+  using F = Fetch<Source>;
+  typename F::At at[kPasses]{};
+#pragma unroll
+  for (int i = 0; i < kPasses; ++i) {
+    const int64_t r = reg.row0 + first + i * kRows;
+    if (r < rows && valid > 0) at[i] = F::locate(src, r);
+  }
   Lane<Bits> raw[kPasses];  // the elements to quantise; zero bits outside the matrix
 #pragma unroll
   for (int i = 0; i < kPasses; ++i) {
     const int64_t r = reg.row0 + first + i * kRows;
-    raw[i] = (r < rows && valid > 0) ? src.load(reg.b, r, c, valid) : Lane<Bits>{};
+    raw[i] = (r < rows && valid > 0) ? F::load(src, at[i], reg.b, r, c, valid) : Lane<Bits>{};
   }
 
-  float scale[kBlocks ? 1 : kPasses];
+  TileCoder coder[kBlocks ? 1 : kPasses];
   if constexpr (kBlocks) {
+    // The block's amax: each thread's, then the warp's, then the CTA's through shared memory.
+    constexpr int kWarps = C::kThreads / 32;
+    __shared__ float warp_amax[2][kWarps];
     float amax = 0.0f;
 #pragma unroll
-    for (int i = 0; i < kPasses; ++i) {
+    for (int i = 0; i < kPasses; ++i) amax = lane_amax_nan<D>(amax, raw[i]);
+    amax = cta_max<kWarps, true>(amax, warp_amax[0]);
+    if (finite_amax(amax)) {
+      coder[0] = TileCoder::of(amax, pow2, true);
+    } else {  // the same for the whole CTA
+      float m = 0.0f;
 #pragma unroll
-      for (int j = 0; j < kLaneCols; ++j) amax = fmaxf(amax, fp8::tile_magnitude(Elem<D>::to_float(raw[i].get(j))));
+      for (int i = 0; i < kPasses; ++i) m = lane_amax_exact<D>(m, raw[i]);
+      coder[0] = TileCoder::of(cta_max<kWarps, false>(m, warp_amax[1]), pow2, false);
     }
-#pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-    constexpr int kWarps = C::kThreads / 32;
-    __shared__ float warp_amax[kWarps];
-    if (lane == 0) warp_amax[warp] = amax;
-    __syncthreads();
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) amax = fmaxf(amax, warp_amax[w]);
-    scale[0] = fp8::scale_from_amax(amax, pow2);
-    if (t == 0) scales[blockIdx.x] = scale[0];  // regions are numbered as the scales
+    if (t == 0) scales[blockIdx.x] = coder[0].scale;  // regions are numbered as the scales
   } else {
 #pragma unroll
     for (int i = 0; i < kPasses; ++i) {
-      float amax = 0.0f;
-#pragma unroll
-      for (int j = 0; j < kLaneCols; ++j) amax = fmaxf(amax, fp8::tile_magnitude(Elem<D>::to_float(raw[i].get(j))));
-      // The 16 threads of a row are a half warp: offsets below 16 stay inside it.
-#pragma unroll
-      for (int offset = kRowThreads / 2; offset > 0; offset /= 2) {
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-      }
-      scale[i] = fp8::scale_from_amax(amax, pow2);
+      // The 16 threads of a row are a half warp.
+      coder[i] = row_tile_coder<D>(raw[i], pow2);
       const int64_t r = reg.row0 + first + i * kRows;
-      if (t % kRowThreads == 0 && r < rows) scales[(reg.b * rows + r) * col_tiles + reg.col0 / fp8::kTile] = scale[i];
+      if (t % kRowThreads == 0 && r < rows) {
+        scales[(reg.b * rows + r) * col_tiles + reg.col0 / fp8::kTile] = coder[i].scale;
+      }
     }
   }
 
@@ -323,13 +387,10 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtas)
 #pragma unroll
   for (int i = 0; i < kPasses; ++i) {
     const int64_t r = reg.row0 + first + i * kRows;
-    Lane<uint8_t> out{};
-#pragma unroll
-    for (int j = 0; j < kLaneCols; ++j) {
-      out.set(j, fp8::quantize_element(Elem<D>::to_float(raw[i].get(j)), scale[kBlocks ? 0 : i]));
-    }
+    const Lane<uint8_t> out = coder[kBlocks ? 0 : i].template codes<D>(raw[i]);
     if constexpr (kTransposed) block->put(first + i * kRows, col, out);
     if (r >= rows || valid == 0) continue;
+    src.keep(r, c, raw[i], valid);
     store_lane<kVector>(q + (reg.b * rows + r) * cols + c, out, valid);
   }
   if constexpr (kTransposed) {
@@ -449,26 +510,13 @@ __global__ void __launch_bounds__(kPairThreads, 3)
     }
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      float amax = 0.0f;
-#pragma unroll
-      for (int j = 0; j < kLaneCols; ++j) {
-        amax = fmaxf(amax, fp8::tile_magnitude(Elem<D>::to_float(halves[half].get(j))));
-      }
-#pragma unroll
-      for (int offset = kRowThreads / 2; offset > 0; offset /= 2) {
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-      }
-      const float scale = fp8::scale_from_amax(amax, pow2);
-      Lane<uint8_t> out;
-#pragma unroll
-      for (int j = 0; j < kLaneCols; ++j) {
-        out.set(j, fp8::quantize_element(Elem<D>::to_float(halves[half].get(j)), scale));
-      }
+      const TileCoder coder = row_tile_coder<D>(halves[half], pow2);
+      const Lane<uint8_t> out = coder.codes<D>(halves[half]);
       if (r >= rows) continue;
       const int64_t col = half * f + c;
       *reinterpret_cast<Lane<Bits>*>(dh + r * 2 * f + col) = halves[half];
       *reinterpret_cast<Lane<uint8_t>*>(q + r * 2 * f + col) = out;
-      if (t % kRowThreads == 0) scales[r * 2 * col_tiles + half * col_tiles + reg.col0 / fp8::kTile] = scale;
+      if (t % kRowThreads == 0) scales[r * 2 * col_tiles + half * col_tiles + reg.col0 / fp8::kTile] = coder.scale;
     }
   }
 }

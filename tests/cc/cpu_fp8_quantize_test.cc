@@ -114,6 +114,43 @@ void test_element() {
   check(fp8::quantize_element(NAN, scale) == 0x7f, "NaN", 0);
 }
 
+// fast_quotient (the GPU kernels' quotient) codes every finite x as q(x) does, on scales
+// of amax values across float32's range (both kinds of scale; the smallest scales it takes,
+// kFastScaleMin and just above), for every bf16 value and 4096 random float32s per scale
+// up to the scale's amax, subnormals and zeros of both signs included; and its quotient is
+// fl(x / scale) itself wherever |x / scale| >= 2^-23.
+void test_fast_quotient() {
+  uint64_t state = 0x9e3779b97f4a7c15ull;
+  auto next = [&state] {
+    state ^= state << 13, state ^= state >> 7, state ^= state << 17;
+    return state;
+  };
+  std::vector<float> scales = {fp8::kFastScaleMin, std::nextafter(fp8::kFastScaleMin, 1.0f), 1.0f, 3.0f / 448.0f};
+  for (int i = 0; i < 400; ++i) {
+    const float amax = from_bits(static_cast<uint32_t>((next() % (254u - 46u) + 46u) << 23 | (next() & 0x7fffffu)));
+    scales.push_back(fp8::scale_from_amax(amax, i % 4 == 0));
+  }
+  int checked = 0;
+  for (const float scale : scales) {
+    if (scale < fp8::kFastScaleMin) continue;
+    const float inverse = fp8::tile_inverse(scale);
+    auto one = [&](float x) {
+      if (!std::isfinite(x) || std::fabs(x) > 448.0f * scale * 1.001f) return;
+      const float v = fp8::fast_quotient(x, scale, inverse);
+      check(fp8::fp8_e4m3_from_float(v) == fp8::quantize_element(x, scale), "fast quotient codes as q(x)", x);
+      if (std::fabs(x / scale) >= std::ldexp(1.0f, -23)) check(v == x / scale, "fast quotient is fl(x / scale)", x);
+      ++checked;
+    };
+    for (uint32_t h = 0; h < 0x10000u; ++h) one(bf16_float(static_cast<uint16_t>(h)));
+    for (int i = 0; i < 4096; ++i) {
+      const float unit = from_bits(static_cast<uint32_t>(next() % 0x3f800000u));  // [0, 1), subnormals too
+      one((next() & 1 ? -1.0f : 1.0f) * unit * 448.0f * scale);
+      one(from_bits(static_cast<uint32_t>(next()) & 0x807fffffu));  // float32 subnormals and zeros
+    }
+  }
+  check(checked > 1000000, "fast quotient: enough finite values checked", checked);
+}
+
 // A [2, 130, 260] f32 array in 128 x 128 blocks (with q_t, q transposed) and, viewed as
 // [260, 260], in 1 x 128 rows: the scales' layout, the tails, and the tile rules (inf, NaN
 // ignored; zero tiles scale 1).
@@ -249,6 +286,7 @@ int main() {
   test_rounding(values);
   test_scale();
   test_element();
+  test_fast_quotient();
   test_kernel();
   test_group_cols();
   test_scaled_element();
