@@ -396,7 +396,8 @@ def test_tgmm_shards_along_k_and_n_without_collectives(rng):
 
 def test_lowers_to_the_versioned_targets(rng):
     platform = "cuda" if jax.default_backend() == "gpu" else "cpu"
-    ops = _operands(rng, 200, 8, 8, [100, 50])
+    # As host arrays: _operands' results live on the CPU device, which would pick the CPU lowering.
+    ops = [np.asarray(o) for o in _operands(rng, 200, 8, 8, [100, 50])]
     text = jax.jit(lambda x, gs, *o: (moe_xla.quantize_fp8_group_cols(x, gs), moe_xla.tgmm_fp8(*o, rows=200))).lower(
         jnp.zeros((200, 8)), ops[4], *ops).as_text()
     assert f"moe_xla_quantize_fp8_group_cols_{platform}_v1" in text
