@@ -1,9 +1,10 @@
 """Benchmark: device-to-host synchronisations of one forward+backward step of the MoE layer,
-counted in a profiler trace, for moe() and for the expert-parallel layer on a one-device
-mesh without and with capacity_factor.
+counted in a profiler trace, and the host's time per step, for moe() and for the
+expert-parallel layer on a one-device mesh without and with capacity_factor.
 
     python benchmarks/ep_host_syncs.py [--out benchmarks/results] [--case qwen3-30b-a3b]
                                        [--tokens 4096] [--steps 10] [--capacity-factors 1.25 0.25]
+                                       [--host-reps 7] [--graph-loops]
 
 What it counts, per step (events of `--steps` back-to-back steps / steps):
   while_loops  while instructions in the compiled step's HLO;
@@ -14,7 +15,14 @@ What it counts, per step (events of `--steps` back-to-back steps / steps):
                and kernel launches);
   d2d_copies   device-to-device copies outside kernels (e.g. loop carries);
   kernels      kernels run, for scale.
-The batch's final block_until_ready is outside the steps and not counted.
+The batch's final block_until_ready is outside the steps and not counted. And the host's
+time per step (host_ms: the median over --host-reps batches of the wall time to enqueue
+--steps back-to-back steps, divided by the steps; the device drained before each batch, so
+the host enqueues ahead of it and waits only on itself), with its ratio to moe()'s
+(host_vs_moe): a step that the host drives iteration by iteration, or that reads back a
+predicate, costs host time here even where the trace shows no copy. With --graph-loops every
+step is also built with while loops and conditionals in XLA:GPU's command buffers (column
+command_buffers), which runs a loop of known trip count without the host.
 
 With one peer, capacity_factor 1.25 sizes the exchange for the worst case (one round, no
 loop) and 0.25 makes the overflow rounds run: a loop of a trip count fixed by the shapes
@@ -28,7 +36,9 @@ row is the loops themselves, their loop-carry copies and the R - 1 rounds' kerne
 from __future__ import annotations
 
 import argparse
+import itertools
 import re
+import time
 from pathlib import Path
 
 from _timing import CASES, environment, fwd_bwd, host_syncs, moe_inputs, routing_options, trace_events, write_results
@@ -40,10 +50,30 @@ from jax.sharding import Mesh
 import moe_xla
 
 
+# XLA:GPU's command buffer kinds with while loops and conditionals added (CUDA graph
+# conditional nodes): a loop of known trip count then runs inside the step's graph instead of
+# being launched from the host iteration by iteration.
+GRAPH_LOOPS = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"
+
+
 def count_syncs(fn, args, steps: int) -> dict:
     """Per-step counts of the trace events described in the module docstring
     (_timing.host_syncs), and the names behind each count (for reading the trace by hand)."""
     return host_syncs(trace_events(fn, args, steps), steps)
+
+
+def host_ms(fn, args, steps: int, reps: int) -> float:
+    """Median wall milliseconds per step for the host to enqueue `steps` calls of fn
+    (returning before the device finishes), the device drained before each batch."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        for _ in range(steps):
+            out = fn(*args)  # earlier steps' outputs freed as they finish: the last one's wait covers all
+        times.append((time.perf_counter() - start) / steps * 1e3)
+        jax.block_until_ready(out)
+    return float(np.median(times))
 
 
 def main():
@@ -53,6 +83,9 @@ def main():
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--capacity-factors", type=float, nargs="*", default=[1.25, 0.25])
+    parser.add_argument("--host-reps", type=int, default=7)
+    parser.add_argument("--graph-loops", action="store_true",
+                        help="also compile every step with while loops and conditionals in XLA:GPU's command buffers")
     parser.add_argument("--name", default="ep_host_syncs")
     args = parser.parse_args()
     case = next(c for c in CASES["moe_layer"] if c["name"] == args.case)
@@ -62,20 +95,27 @@ def main():
     layers = {"moe()": dict(), "ep, no capacity_factor": dict(mesh=mesh, expert_axis="ep")}
     for cf in args.capacity_factors:
         layers[f"ep, capacity_factor {cf:g}"] = dict(mesh=mesh, expert_axis="ep", capacity_factor=cf)
+    builds = {"default": {}}
+    if args.graph_loops:
+        builds["+while,conditional"] = {"xla_gpu_enable_command_buffer": GRAPH_LOOPS}
     rows = []
-    for name, extra in layers.items():
+    for (name, extra), (build, options) in itertools.product(layers.items(), builds.items()):
         layer = lambda *a, extra=extra: moe_xla.moe(*a, **opts, **extra)  # noqa: E731
-        step = jax.jit(fwd_bwd(layer, 4))
-        hlo = step.lower(*inputs, ct).compile().as_text()
-        row = {"layer": name, "case": case["name"], "tokens": args.tokens,
+        step = jax.jit(fwd_bwd(layer, 4)).lower(*inputs, ct).compile(compiler_options=options)
+        hlo = step.as_text()
+        row = {"layer": name, "command_buffers": build, "case": case["name"], "tokens": args.tokens,
                "while_loops": len(re.findall(r"\swhile\(", hlo)),
-               **count_syncs(step, (*inputs, ct), args.steps)}
+               **count_syncs(step, (*inputs, ct), args.steps),
+               "host_ms": host_ms(step, (*inputs, ct), args.steps, args.host_reps)}
+        moe_row = next((r for r in rows if r["layer"] == "moe()" and r["command_buffers"] == build), row)
+        row["host_vs_moe"] = row["host_ms"] / moe_row["host_ms"]
         rows.append(row)
         print(row, flush=True)
     env = environment()
     env["steps"] = args.steps
     write_results(args.out, args.name, env, rows,
-                  ["layer", "tokens", "while_loops", "d2h_copies", "d2d_copies", "kernels"])
+                  ["layer", "command_buffers", "tokens", "while_loops", "d2h_copies", "d2d_copies", "kernels", "host_ms",
+                   "host_vs_moe"])
 
 
 if __name__ == "__main__":
