@@ -66,6 +66,26 @@ struct alignas(kLaneCols * sizeof(T)) Lane {
   }
 };
 
+// The Lane of 8 floats rounded to D (RNE): 16-bit types two to a conversion, the pair
+// instruction (one per word) instead of a conversion and a merge per element.
+template <DType D>
+__device__ __forceinline__ Lane<typename Elem<D>::Bits> round_lane(const float (&v)[kLaneCols]) {
+  Lane<typename Elem<D>::Bits> out;
+#pragma unroll
+  for (int i = 0; i < kLaneCols / Lane<typename Elem<D>::Bits>::kPerWord; ++i) {
+    if constexpr (D == DType::kF32) {
+      out.w[i] = __float_as_uint(v[i]);
+    } else if constexpr (D == DType::kBF16) {
+      const __nv_bfloat162 pair = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);  // .x the lower half
+      out.w[i] = *reinterpret_cast<const uint32_t*>(&pair);
+    } else {
+      const __half2 pair = __floats2half2_rn(v[2 * i], v[2 * i + 1]);
+      out.w[i] = *reinterpret_cast<const uint32_t*>(&pair);
+    }
+  }
+  return out;
+}
+
 // Whether p may be accessed in aligned units of `bytes` (a Lane's accesses need it).
 inline bool aligned(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 

@@ -47,6 +47,7 @@ using detail::aligned;
 using detail::Elem;
 using detail::kLaneCols;
 using detail::Lane;
+using detail::round_lane;
 using detail::store_lane;
 using detail::finite_amax;
 using detail::kFullWarp;
@@ -141,12 +142,12 @@ struct Activated {
         if (j < valid && gated) u.set(j, gate[cols + j]);
       }
     }
+    float v[kLaneCols];  // zeros past the row's end
 #pragma unroll
     for (int j = 0; j < kLaneCols; ++j) {
-      const float v = activate(act, Elem<D>::to_float(g.get(j)), Elem<D>::to_float(u.get(j)));
-      out.set(j, j < valid ? Elem<D>::from_float(v) : Bits{0});
+      v[j] = kVector || j < valid ? activate(act, Elem<D>::to_float(g.get(j)), Elem<D>::to_float(u.get(j))) : 0.0f;
     }
-    return out;
+    return round_lane<D>(v);
   }
   __device__ __forceinline__ void keep(int64_t r, int64_t c, const Lane<Bits>& row, int valid) const {
     store_lane<kVector>(a + r * cols + c, row, valid);
@@ -162,7 +163,7 @@ struct Activated {
 __device__ __forceinline__ float scaled_element_ftz(float k, float x) {
   float p;
   asm("mul.rn.ftz.f32 %0, %1, %2;" : "=f"(p) : "f"(k), "f"(x));
-  return fp8::float_bits(p) << 1 == fp8::kMinNormalBits << 1 ? fp8::bits_float(fp8::float_bits(p) & 0x80000000u) : p;
+  return fabsf(p) == 0x1p-126f ? fp8::bits_float(fp8::float_bits(p) & 0x80000000u) : p;
 }
 
 // ... or row src[r] of values times scale[r] (fp8::scaled_element), rounded to D and
@@ -189,17 +190,15 @@ struct Gathered {
   }
 
   __device__ __forceinline__ Lane<Bits> load(const At& at, int64_t c, int valid) const {
-    Lane<Bits> row{};
-    if (at.s >= 0) {
-      const Stored<D, kVec> named{values, num_values, cols};
-      const Lane<Bits> x = named.load(0, at.s, c, valid);
+    if (at.s < 0) return Lane<Bits>{};
+    const Stored<D, kVec> named{values, num_values, cols};
+    const Lane<Bits> x = named.load(0, at.s, c, valid);
+    float v[kLaneCols];  // zeros past the row's end
 #pragma unroll
-      for (int j = 0; j < kLaneCols; ++j) {
-        const float v = scaled_element_ftz(at.k, Elem<D>::to_float(x.get(j)));
-        row.set(j, j < valid ? Elem<D>::from_float(v) : Bits{0});
-      }
+    for (int j = 0; j < kLaneCols; ++j) {
+      v[j] = kVec || j < valid ? scaled_element_ftz(at.k, Elem<D>::to_float(x.get(j))) : 0.0f;
     }
-    return row;
+    return round_lane<D>(v);
   }
   __device__ __forceinline__ void keep(int64_t r, int64_t c, const Lane<Bits>& row, int valid) const {
     store_lane<kVector>(out + r * cols + c, row, valid);
@@ -263,7 +262,7 @@ struct ActivationGrad {
   __device__ __forceinline__ Lane<Bits> load(int64_t, int64_t r, int64_t c, int valid) const {
     const bool gated = is_gated(act);
     const int64_t f = gated ? cols / 2 : cols;
-    Lane<Bits> out{};
+    float v[kLaneCols] = {};  // zeros past the row's end
     if constexpr (kVector) {
       const bool up_half = gated && c >= f;
       const int64_t e = up_half ? c - f : c;
@@ -273,9 +272,8 @@ struct ActivationGrad {
       if (gated && !up_half) u = *reinterpret_cast<const Lane<Bits>*>(h + r * cols + f + e);
 #pragma unroll
       for (int j = 0; j < kLaneCols; ++j) {
-        const float v = activate_grad(act, up_half, Elem<D>::to_float(g.get(j)), Elem<D>::to_float(u.get(j)),
-                                      Elem<D>::to_float(d.get(j)));
-        out.set(j, Elem<D>::from_float(v));
+        v[j] = activate_grad(act, up_half, Elem<D>::to_float(g.get(j)), Elem<D>::to_float(u.get(j)),
+                             Elem<D>::to_float(d.get(j)));
       }
     } else {
 #pragma unroll
@@ -285,10 +283,10 @@ struct ActivationGrad {
         const int64_t e = up_half ? c + j - f : c + j;
         const float gate = Elem<D>::to_float(h[r * cols + e]);
         const float up = gated ? Elem<D>::to_float(h[r * cols + f + e]) : 0.0f;
-        out.set(j, Elem<D>::from_float(activate_grad(act, up_half, gate, up, Elem<D>::to_float(da[r * f + e]))));
+        v[j] = activate_grad(act, up_half, gate, up, Elem<D>::to_float(da[r * f + e]));
       }
     }
-    return out;
+    return round_lane<D>(v);
   }
   __device__ __forceinline__ void keep(int64_t r, int64_t c, const Lane<Bits>& row, int valid) const {
     store_lane<kVector>(dh + r * cols + c, row, valid);
@@ -511,15 +509,16 @@ __global__ void __launch_bounds__(kPairThreads, 3)
 #pragma unroll
   for (int i = 0; i < kPairRows; ++i) {
     const int64_t r = reg.row0 + first + i * (kPairThreads / kRowThreads);
-    Lane<Bits> halves[2];  // d gate, d up: rounded to D
+    float d_gate[kLaneCols], d_up[kLaneCols];
 #pragma unroll
     for (int j = 0; j < kLaneCols; ++j) {
       float gv, dg;
       const float x = Elem<D>::to_float(g[i].get(j)), a = Elem<D>::to_float(d[i].get(j));
       gated_value_and_grad(act, x, &gv, &dg);
-      halves[0].set(j, Elem<D>::from_float(a * Elem<D>::to_float(u[i].get(j)) * dg));
-      halves[1].set(j, Elem<D>::from_float(a * gv));
+      d_gate[j] = a * Elem<D>::to_float(u[i].get(j)) * dg;
+      d_up[j] = a * gv;
     }
+    const Lane<Bits> halves[2] = {round_lane<D>(d_gate), round_lane<D>(d_up)};  // rounded to D
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const TileCoder coder = row_tile_coder<D>(halves[half], pow2);
