@@ -107,7 +107,7 @@ def main():
                "while_loops": len(re.findall(r"\swhile\(", hlo)),
                **count_syncs(step, (*inputs, ct), args.steps),
                "host_ms": host_ms(step, (*inputs, ct), args.steps, args.host_reps)}
-        moe_row = next((r for r in rows if r["layer"] == "moe()" and r["command_buffers"] == build), row)
+        moe_row = next(r for r in rows + [row] if r["layer"] == "moe()" and r["command_buffers"] == build)
         row["host_vs_moe"] = row["host_ms"] / moe_row["host_ms"]
         rows.append(row)
         print(row, flush=True)

@@ -181,8 +181,8 @@ struct Gathered {
   // Where row r comes from: values' row s (-1: none) times k. Fetched for all of a
   // thread's rows before any of them is loaded, so that their index loads overlap.
   struct At {
-    int64_t s;
-    float k;
+    int64_t s = -1;
+    float k = 0.0f;
   };
   __device__ __forceinline__ At locate(int64_t r) const {
     const int64_t s = src[r];

@@ -65,7 +65,7 @@ struct TileCoder {
 
   // The codes of 8 elements of the tile: two cvt.rn.satfinite.e4m3x2 per 4 on the fast path.
   __device__ __forceinline__ Lane<uint8_t> codes(const float (&x)[kLaneCols]) const {
-    Lane<uint8_t> out;
+    Lane<uint8_t> out{};
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
     if (fast) {
 #pragma unroll
