@@ -76,14 +76,21 @@ def host_ms(fn, args, steps: int, reps: int) -> float:
     return float(np.median(times))
 
 
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     parser.add_argument("--case", default="qwen3-30b-a3b")
     parser.add_argument("--tokens", type=int, default=4096)
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=positive_int, default=10)
     parser.add_argument("--capacity-factors", type=float, nargs="*", default=[1.25, 0.25])
-    parser.add_argument("--host-reps", type=int, default=7)
+    parser.add_argument("--host-reps", type=positive_int, default=7)
     parser.add_argument("--graph-loops", action="store_true",
                         help="also compile every step with while loops and conditionals in XLA:GPU's command buffers")
     parser.add_argument("--name", default="ep_host_syncs")

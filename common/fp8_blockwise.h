@@ -141,16 +141,24 @@ MOE_XLA_HOST_DEVICE inline uint8_t quantize_element(float x, float scale) {
 
 // The quotient of q(x) without a division per element (the GPU kernels): with
 // inverse = fl(1 / scale), one correctly rounded division per tile,
-//   q0 = fl(x * inverse),   r = x - scale * q0 (one fused multiply-add, exact),
-//   v  = fl(q0 + r * inverse) (another),
-// and x's sign or'ed into v. Markstein's theorem (inverse within half an ulp of 1 / scale,
-// q0 within one ulp of x / scale) gives v = fl(x / scale) wherever r is exact. r falls on
-// float32's grid (a multiple of ulp(scale) * ulp(q0) >= 2^-149) when scale >= kFastScaleMin
-// and |x / scale| >= 2^-23, which covers every quotient with an E4M3 code other than zero
-// (> 2^-10); smaller quotients, float32-subnormal x included, give a v far below 2^-10,
-// which rounds to the zero of x's sign like q(x). So e4m3(fast_quotient(x, ...)) == q(x)
-// for every finite x; tests/cc/cpu_fp8_quantize_test.cc checks it on every bf16 value
-// and random float32s over scales across the range. NaN and inf take quantize_element.
+//   q0 = fl(x * inverse),   r = fl(x - scale * q0),   v = fl(q0 + r * inverse)
+// (r and v by fused multiply-adds) and x's sign or'ed into v. v == fl(x / scale) wherever
+// scale >= kFastScaleMin and |x / scale| >= 2^-22:
+//  - every step then scales exactly with the exponents of x and scale, so v depends on
+//    their significands only: 1 / scale (scale < 2^120: amax / 448), q0 and v are normal,
+//    and the exact x - scale * q0 is a multiple of ulp(scale) * ulp(q0) >= 2^-103 * 2^-46,
+//    so below 2^-126 it is a float32 subnormal (exact) and above it rounds as it would at
+//    any exponent;
+//  - Markstein's theorem (q0 within one ulp of x / scale, inverse within half an ulp of
+//    1 / scale: r exact and v correctly rounded) covers the pairs whose x significand is at
+//    least scale's, not all the others (q0 up to 1.5 ulps off and r inexact: x significand
+//    0x1.fffffa, scale's 0x1.fffffe): tests/cc/fast_quotient_selftest.cu --exhaustive compares v
+//    with the division for all 2^46 pairs of significands on a GPU, and
+//    tests/cc/cpu_fp8_quantize_test.cc every x significand against the scales' extremes.
+// Smaller quotients, float32-subnormal x included, give |v| < 2^-20 (each step's error is
+// far below that), which like q(x) codes as the zero of x's sign (E4M3's least step is
+// 2^-9). So e4m3(fast_quotient(x, ...)) == q(x) for every finite x. NaN and inf take
+// quantize_element.
 constexpr float kFastScaleMin = 0x1p-80f;
 
 MOE_XLA_HOST_DEVICE inline float tile_inverse(float scale) {

@@ -116,8 +116,8 @@ __global__ void __launch_bounds__(kThreads, kMinCtas<D>)
         amax = fmaxf(amax, fp8::tile_magnitude(v));
         nonfinite |= !detail::finite_amax(fabsf(v));
       }
-      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, kWarpColLanes));
-      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2 * kWarpColLanes));
+      amax = fmaxf(amax, __shfl_xor_sync(detail::kFullWarp, amax, kWarpColLanes));
+      amax = fmaxf(amax, __shfl_xor_sync(detail::kFullWarp, amax, 2 * kWarpColLanes));
       if (lane < kWarpColLanes) warp_amax[warp / 2][col + j] = amax;
     }
     const bool any_nonfinite = __syncthreads_or(nonfinite);

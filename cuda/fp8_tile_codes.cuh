@@ -1,13 +1,17 @@
 // A tile's scale and its elements' E4M3 codes on the GPU (common/fp8_blockwise.h), for
-// the quantisation kernels whose threads hold 8 consecutive elements of a row (Lane).
+// the quantisation kernels whose threads hold 8 consecutive elements of a row (Lane) or,
+// in the wgrad's column tiles (fp8_group_cols.cu), 8 consecutive elements of a column.
 //
-// The amax is a NaN-propagating max of |x| (one max.NaN per element, no classification):
-// finite exactly when every element of the tile is. Then it equals the contract's amax,
-// max m(x), except that a tile whose largest magnitude is a float32 subnormal has amax 0.
-// The elements of such a tile take fast_quotient where the scale allows it (>= 2^-80):
-// a multiply and two fused multiply-adds instead of a division each, the same codes. A
-// tile with an inf or NaN recomputes max m(x) and takes quantize_element, element by
-// element, as do the rare scales below 2^-80.
+// The row and block kernels take the amax as a NaN-propagating max of |x| (one max.NaN
+// per element, no classification): finite exactly when every element of the tile is.
+// Then it equals the contract's amax, max m(x), except where the largest magnitude is a
+// float32 subnormal: TileCoder::of makes that 0, as m(x) would. The elements of such a
+// tile take fast_quotient where the scale allows it (>= 2^-80): a multiply and two fused
+// multiply-adds instead of a division each, the same codes. A tile with an inf or NaN
+// recomputes max m(x) and takes quantize_element, element by element, as do the rare
+// scales below 2^-80. The column tiles compute max m(x) directly, with a flag that any
+// element of the CTA's 128 x 128 block is not finite (then every column of the block
+// codes element by element).
 #ifndef MOE_XLA_CUDA_FP8_TILE_CODES_CUH_
 #define MOE_XLA_CUDA_FP8_TILE_CODES_CUH_
 

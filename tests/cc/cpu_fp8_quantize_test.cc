@@ -138,7 +138,7 @@ void test_fast_quotient() {
       if (!std::isfinite(x) || std::fabs(x) > 448.0f * scale * 1.001f) return;
       const float v = fp8::fast_quotient(x, scale, inverse);
       check(fp8::fp8_e4m3_from_float(v) == fp8::quantize_element(x, scale), "fast quotient codes as q(x)", x);
-      if (std::fabs(x / scale) >= std::ldexp(1.0f, -23)) check(v == x / scale, "fast quotient is fl(x / scale)", x);
+      if (std::fabs(x / scale) >= std::ldexp(1.0f, -22)) check(v == x / scale, "fast quotient is fl(x / scale)", x);
       ++checked;
     };
     for (uint32_t h = 0; h < 0x10000u; ++h) one(bf16_float(static_cast<uint16_t>(h)));
@@ -149,6 +149,31 @@ void test_fast_quotient() {
     }
   }
   check(checked > 1000000, "fast quotient: enough finite values checked", checked);
+}
+
+// Every x significand against scale significands where the first product is furthest from
+// x / s (near 2: q0 up to 1.5 ulps off) and others, with x / s in (1/2, 1) and [1, 2) and
+// at 2^-22 times that (the least quotient the header promises exactly), at the exponent of
+// kFastScaleMin and at 1: fast_quotient == fl(x / s) bitwise. (All 2^46 pairs at one
+// exponent: tests/cc/fast_quotient_selftest.cu on a GPU.)
+void test_fast_quotient_significands() {
+  const uint32_t significands[] = {0x7fffff, 0x7ffffe, 0x7ffffd, 0x7fff00, 0x555555,
+                                   0x400000, 0x2aaaab, 0x012345, 0x000001, 0x000000};
+  int64_t wrong = 0;
+  for (const uint32_t sig : significands) {
+    for (const int s_exp : {-80, 0}) {
+      const float s = std::ldexp(from_bits(0x3f800000u | sig), s_exp);
+      const float inverse = fp8::tile_inverse(s);
+      for (const int q_exp : {-22, 0}) {
+        for (uint32_t m = 0; m < (1u << 23); ++m) {
+          const float x = std::ldexp(from_bits(0x3f800000u | m), s_exp + q_exp);
+          const float v = fp8::fast_quotient(x, s, inverse);
+          if (fp8::float_bits(v) != fp8::float_bits(x / s) && ++wrong <= 5) check(false, "fast quotient of significands", x);
+        }
+      }
+    }
+  }
+  check(wrong == 0, "fast quotient of significands: mismatches", static_cast<double>(wrong));
 }
 
 // A [2, 130, 260] f32 array in 128 x 128 blocks (with q_t, q transposed) and, viewed as
@@ -287,6 +312,7 @@ int main() {
   test_scale();
   test_element();
   test_fast_quotient();
+  test_fast_quotient_significands();
   test_kernel();
   test_group_cols();
   test_scaled_element();
