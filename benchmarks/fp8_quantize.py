@@ -1,6 +1,7 @@
 """Benchmark: the FP8 blockwise quantisation kernels (moe_xla.quantize_fp8_rows and
-quantize_fp8_blocks) in GB/s of compulsory traffic, against a copy-like elementwise op
-(y = -x, which reads and writes every element once) on the same bytes, in the same run.
+quantize_fp8_blocks) in GB/s of compulsory traffic, against a device-to-device copy of
+the same bytes in the same run (jnp.copy, which XLA:GPU runs as a memcpy; an elementwise
+y = -x, this benchmark's baseline until session 21, moves only about 0.8 of its GB/s).
 
 Ops: rows (quantize_fp8_rows), blocks (quantize_fp8_blocks), weights
 (quantize_fp8_weights: the blocks in both layouts, q and q transposed, from one kernel),
@@ -12,12 +13,14 @@ swiglu, then quantize_fp8_rows of it); their backward with da [M, N/2]: swiglu_g
 (activate_grad_quantize_fp8: d h and its row quantisation in one kernel, what the FP8
 expert MLP's backward runs) and swiglu_grad_then_rows (XLA's derivative of swiglu, then
 quantize_fp8_rows of d h); on the rows [M, K] of every case as the combine's backward
-makes them from M / 8 token rows (each token's 8 rows at random places, a weight each):
+makes them from M / 8 token rows (each token's 8 rows at random places, or as
+--gather-order says: gather_sources; a weight each):
 gather_rows (gather_quantize_fp8_rows: the weighted rows and their row quantisation in
 one kernel, what the FP8 layer's backward runs) and gather_then_rows (XLA's weighted
 gather, then quantize_fp8_rows).
 
     python benchmarks/fp8_quantize.py [--out benchmarks/results] [--name fp8_quantize] [--ops rows group_cols ...]
+                                       [--gather-order random|routed|tokens]
 
 Shapes: the activations of the grouped_matmul cases of cases.json (rows [M, K], bf16),
 their weights (blocks [G, K, N], bf16) and their products (swiglu [M, N], bf16). Bytes =
@@ -50,13 +53,34 @@ def _gbps(nbytes, seconds):
     return nbytes / seconds / 1e9
 
 
+GATHER_ORDERS = ("random", "routed", "tokens")
+
+
+def gather_sources(order: str, m: int, groups: int):
+    """The gathers' src [m] over m / 8 tokens, each named by 8 rows: "random", the 8 rows
+    of a token at random places (no two reads of a token row near in time: the worst case
+    for the L2); "routed", as moe() orders them: each token routed to 8 distinct random
+    experts of the case's groups, rows sorted by expert, tokens ascending within one;
+    "tokens", a token's 8 rows adjacent (each token row read 8 times at once: the gather
+    with the reuse of a read-once kernel)."""
+    tokens = m // 8
+    if order == "random":
+        return jax.random.permutation(jax.random.key(3), m) // 8
+    if order == "tokens":
+        return jnp.arange(m) // 8
+    experts = jnp.argsort(jax.random.uniform(jax.random.key(3), (tokens, groups)), axis=1)[:, :8]
+    return jnp.argsort(experts.reshape(-1), stable=True) // 8
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     parser.add_argument("--name", default="fp8_quantize")
     parser.add_argument("--ops", nargs="*", help="ops to measure (default: all)")
+    parser.add_argument("--gather-order", choices=GATHER_ORDERS, default="random",
+                        help="where the gathers' rows of a token lie (see gather_sources)")
     args = parser.parse_args()
-    negate = jax.jit(jnp.negative)
+    copy = jax.jit(jnp.copy)
     def swiglu_then_rows(h):
         a = activate(h, "swiglu")
         return (a, *moe_xla.quantize_fp8_rows(a))
@@ -98,7 +122,7 @@ def main():
                 nbytes = 2 * elems + 2 * (elems // 2) + 2 * elems + elems + elems // 128 * 4
             elif kind.startswith("gather"):  # token rows read, rows written with their q and scales
                 tokens = m // 8
-                src = jax.random.permutation(jax.random.key(3), m) // 8
+                src = gather_sources(args.gather_order, m, g)
                 args_of = (x[:tokens], src.astype(jnp.int32), jax.random.uniform(jax.random.key(4), (m,)))
                 nbytes = 2 * tokens * k + 2 * elems + elems + elems // 128 * 4
             elif swiglu:  # h read, a written, a's q and scales written
@@ -107,7 +131,7 @@ def main():
                 tiles = elems // 128 if activation else elems // (128 * 128)
                 nbytes = elems * 2 + elems * (1 if kind in ("rows", "blocks", "group_cols") else 2) + tiles * 4
             t = time_jax(jax.jit(ops_here[kind]), *args_of)
-            t_copy = time_jax(negate, x)
+            t_copy = time_jax(copy, x)
             row = {"case": case["name"], "op": kind, "shape": "x".join(map(str, shape)), "ms": t * 1e3,
                    "gbps": _gbps(nbytes, t), "copy_gbps": _gbps(4 * elems, t_copy)}
             row["fraction_of_copy"] = row["gbps"] / row["copy_gbps"]

@@ -22,6 +22,7 @@ using detail::aligned;
 using detail::Elem;
 using detail::kLaneCols;
 using detail::Lane;
+using detail::store_lane;
 
 constexpr int kThreads = 256;
 constexpr int kWarpSize = 32;
@@ -82,8 +83,8 @@ __global__ void __launch_bounds__(kThreads) activate_weighted_grad_rows(
         d_up.set(j, Elem<D>::from_float(d.d_up));
         dot += d.dot;
       }
-      *reinterpret_cast<Lane<Bits>*>(dh_row + e) = d_gate;
-      if (gated) *reinterpret_cast<Lane<Bits>*>(dh_row + f + e) = d_up;
+      store_lane<true>(dh_row + e, d_gate, kLaneCols);
+      if (gated) store_lane<true>(dh_row + f + e, d_up, kLaneCols);
     }
   } else {
     for (int64_t e = lane; e < f; e += kWarpSize) {

@@ -32,6 +32,7 @@ using detail::aligned;
 using detail::Elem;
 using detail::kLaneCols;
 using detail::Lane;
+using detail::store_lane;
 using detail::TileCoder;
 
 constexpr int kThreads = 256;
@@ -136,7 +137,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas<D>)
 #pragma unroll
       for (int i = 0; i < kRowRuns; ++i) v[i] = Elem<D>::to_float(raw[i].get(j));
       const Lane<uint8_t> out = col_coder[col + j].codes(v);
-      *reinterpret_cast<Lane<uint8_t>*>(q_t + (c + j) * width + tile * fp8::kTile + row) = out;
+      store_lane<true>(q_t + (c + j) * width + tile * fp8::kTile + row, out, kLaneCols);
     }
     __syncthreads();  // col_coder is rewritten by the next block
   }

@@ -89,12 +89,23 @@ __device__ __forceinline__ Lane<typename Elem<D>::Bits> round_lane(const float (
 // Whether p may be accessed in aligned units of `bytes` (a Lane's accesses need it).
 inline bool aligned(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
-// Writes the first `valid` elements of v to dst: one aligned access where kVector (all 8
-// inside the row, dst aligned for it), else element by element.
+// Writes the first `valid` elements of v to dst: aligned vector stores of 8 or 16 bytes
+// where kVector (all 8 inside the row, dst aligned for it), else element by element. The
+// stores are the intrinsics' (st.global.v2 / v4): a copy of the Lane, or of a uint4,
+// compiled to one 4-byte store per word where the words come from several branches, and
+// a warp's 16-byte-strided 4-byte stores move 4x the sectors.
 template <bool kVector, typename T>
 __device__ __forceinline__ void store_lane(T* dst, const Lane<T>& v, int valid) {
   if constexpr (kVector) {
-    *reinterpret_cast<Lane<T>*>(dst) = v;
+    constexpr int kWords = sizeof(Lane<T>) / sizeof(uint32_t);
+    if constexpr (kWords == 2) {
+      __stwb(reinterpret_cast<uint2*>(dst), make_uint2(v.w[0], v.w[1]));
+    } else {
+#pragma unroll
+      for (int i = 0; i < kWords; i += 4) {
+        __stwb(reinterpret_cast<uint4*>(dst) + i / 4, make_uint4(v.w[i], v.w[i + 1], v.w[i + 2], v.w[i + 3]));
+      }
+    }
   } else {
     for (int j = 0; j < valid; ++j) dst[j] = v.get(j);
   }

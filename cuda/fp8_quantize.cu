@@ -355,8 +355,8 @@ __global__ void __launch_bounds__(kPairThreads, 3)
       const Lane<uint8_t> out = coder.codes<D>(halves[half]);
       if (r >= rows) continue;
       const int64_t col = half * f + c;
-      *reinterpret_cast<Lane<Bits>*>(dh + r * 2 * f + col) = halves[half];
-      *reinterpret_cast<Lane<uint8_t>*>(q + r * 2 * f + col) = out;
+      store_lane<true>(dh + r * 2 * f + col, halves[half], kLaneCols);
+      store_lane<true>(q + r * 2 * f + col, out, kLaneCols);
       if (t % kRowThreads == 0) scales[r * 2 * col_tiles + half * col_tiles + reg.col0 / fp8::kTile] = coder.scale;
     }
   }
