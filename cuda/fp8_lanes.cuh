@@ -91,8 +91,8 @@ inline bool aligned(const void* p, size_t bytes) { return reinterpret_cast<uintp
 
 // Writes the first `valid` elements of v to dst: aligned vector stores of 8 or 16 bytes
 // where kVector (all 8 inside the row, dst aligned for it), else element by element. The
-// stores are the intrinsics' (st.global.v2 / v4): a copy of the Lane, or of a uint4,
-// compiled to one 4-byte store per word where the words come from several branches, and
+// stores are the intrinsics' (st.global.v2 / v4): in the fused quantisation kernels a copy
+// of the Lane, and even of a uint4, compiled to one 4-byte store per word (their PTX), and
 // a warp's 16-byte-strided 4-byte stores move 4x the sectors.
 template <bool kVector, typename T>
 __device__ __forceinline__ void store_lane(T* dst, const Lane<T>& v, int valid) {

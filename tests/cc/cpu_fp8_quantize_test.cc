@@ -153,8 +153,8 @@ void test_fast_quotient() {
 
 // Every x significand against scale significands where the first product is furthest from
 // x / s (near 2: q0 up to 1.5 ulps off) and others, with x / s in (1/2, 1) and [1, 2) and
-// at 2^-22 times that (the least quotient the header promises exactly), at the exponent of
-// kFastScaleMin and at 1: fast_quotient == fl(x / s) bitwise. (All 2^46 pairs at one
+// 2^-22 times those (down to 2^-23, below the 2^-22 the header promises), at the exponent
+// of kFastScaleMin and at 1: fast_quotient == fl(x / s) bitwise. (All 2^46 pairs at one
 // exponent: tests/cc/fast_quotient_selftest.cu on a GPU.)
 void test_fast_quotient_significands() {
   const uint32_t significands[] = {0x7fffff, 0x7ffffe, 0x7ffffd, 0x7fff00, 0x555555,
