@@ -48,7 +48,6 @@ using detail::Activated;
 using detail::ActivationGrad;
 using detail::aligned;
 using detail::Elem;
-using detail::Fetch;
 using detail::finite_amax;
 using detail::Gathered;
 using detail::kFullWarp;
@@ -85,8 +84,10 @@ template <DType D>
 using BlocksCta = std::conditional_t<D == DType::kF32, Cta<512, 4, 2>, Cta<256, 8, 4>>;
 template <DType D>
 using ActivatedCta = std::conditional_t<D == DType::kF32, Cta<256, 2, 4>, Cta<256, 2, 5>>;
-// The backward reads up to three inputs per element: 2 rows at 64 registers.
-using ActivationGradCta = Cta<256, 2, 4>;
+// The backward reads up to three inputs per element: 2 rows at 64 registers (f32 80: 3
+// CTAs per SM; at 64 its three lanes of two rows spilled).
+template <DType D>
+using ActivationGradCta = std::conditional_t<D == DType::kF32, Cta<256, 2, 3>, Cta<256, 2, 4>>;
 // The gathered rows read one input per element, as the row tiles, and store the rounded
 // row on the way, as the fused activation: the row tiles' shape.
 template <DType D>
@@ -175,18 +176,25 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtas)
   const int valid = static_cast<int>(cols - c <= 0 ? 0 : (cols - c < kLaneCols ? cols - c : kLaneCols));
   const int first = t / kRowThreads;               // row within the region of pass 0
 
-  using F = Fetch<Source>;
-  typename F::At at[kPasses]{};
+  // Every row's location, then every row's words, then the elements: all of a thread's
+  // loads are issued before any is used (cuda/fp8_row_sources.cuh).
+  typename Source::At at[kPasses]{};
 #pragma unroll
   for (int i = 0; i < kPasses; ++i) {
     const int64_t r = reg.row0 + first + i * kRows;
-    if (r < rows && valid > 0) at[i] = F::locate(src, r);
+    if (r < rows && valid > 0) at[i] = src.locate(r);
+  }
+  typename Source::Words words[kPasses]{};
+#pragma unroll
+  for (int i = 0; i < kPasses; ++i) {
+    const int64_t r = reg.row0 + first + i * kRows;
+    if (r < rows && valid > 0) words[i] = src.fetch(at[i], reg.b, r, c, valid);
   }
   Lane<Bits> raw[kPasses];  // the elements to quantise; zero bits outside the matrix
 #pragma unroll
   for (int i = 0; i < kPasses; ++i) {
     const int64_t r = reg.row0 + first + i * kRows;
-    raw[i] = (r < rows && valid > 0) ? F::load(src, at[i], reg.b, r, c, valid) : Lane<Bits>{};
+    raw[i] = (r < rows && valid > 0) ? src.value(words[i], at[i], c, valid) : Lane<Bits>{};
   }
 
   TileCoder coder[kBlocks ? 1 : kPasses];
@@ -380,7 +388,7 @@ cudaError_t activate_grad_quantize(const Fp8ActivateGradQuantizeParams& p, cudaS
     return cudaGetLastError();
   }
   auto run = [&](auto src) {
-    return launch<D, false, ActivationGradCta>(src, p.q, nullptr, p.scales, 1, p.rows, p.cols, p.pow2_scale, stream);
+    return launch<D, false, ActivationGradCta<D>>(src, p.q, nullptr, p.scales, 1, p.rows, p.cols, p.pow2_scale, stream);
   };
   return vector ? run(ActivationGrad<D, true>{h, da, dh, p.cols, p.activation})
                 : run(ActivationGrad<D, false>{h, da, dh, p.cols, p.activation});

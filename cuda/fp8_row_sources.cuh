@@ -1,8 +1,13 @@
 // The row sources of the CUDA quantisation kernel (cuda/fp8_quantize.cu): what it
 // quantises, as a thread's 8 elements of row r from column c (valid of them inside the
-// matrix, r inside it). load() reads and computes; keep() stores the rounded row of the
-// fused sources (a no-op for x itself), called by the kernel once all of a thread's rows
-// are loaded (fp8_quantize.cu says why). Fetch says how the kernel reads a source's rows.
+// matrix, r inside it). Each source reads in two steps so that the kernel can issue the
+// loads of all of a thread's rows before it computes with any of them: locate() reads
+// where row r comes from (the gathered rows' index and factor; nothing for the others),
+// fetch() loads the row's words from memory and nothing else, value() computes the 8
+// elements from them. A load and its use in one step compiled to each row's arithmetic
+// waiting for its own load before the next row's load was issued (one row in flight per
+// thread). keep() stores the rounded row of the fused sources (a no-op for x itself),
+// called by the kernel once all of a thread's rows are loaded (fp8_quantize.cu says why).
 #ifndef MOE_XLA_CUDA_FP8_ROW_SOURCES_CUH_
 #define MOE_XLA_CUDA_FP8_ROW_SOURCES_CUH_
 
@@ -27,6 +32,12 @@ struct Stored {
   const Bits* __restrict__ x;
   int64_t rows, cols;
 
+  struct At {};
+  struct Words {
+    Lane<Bits> x;
+  };
+  __device__ __forceinline__ At locate(int64_t) const { return {}; }
+  // x's 8 elements of row r of batch entry b; zeros past the row's end.
   __device__ __forceinline__ Lane<Bits> load(int64_t b, int64_t r, int64_t c, int valid) const {
     const Bits* src = x + (b * rows + r) * cols + c;
     if constexpr (kVec) return *reinterpret_cast<const Lane<Bits>*>(src);
@@ -35,6 +46,10 @@ struct Stored {
     for (int j = 0; j < kLaneCols; ++j) out.set(j, j < valid ? src[j] : Bits{0});
     return out;
   }
+  __device__ __forceinline__ Words fetch(At, int64_t b, int64_t r, int64_t c, int valid) const {
+    return {load(b, r, c, valid)};
+  }
+  __device__ __forceinline__ Lane<Bits> value(const Words& w, At, int64_t, int) const { return w.x; }
   __device__ __forceinline__ void keep(int64_t, int64_t, const Lane<Bits>&, int) const {}
 };
 
@@ -49,24 +64,32 @@ struct Activated {
   int64_t cols;
   Activation act;
 
-  __device__ __forceinline__ Lane<Bits> load(int64_t, int64_t r, int64_t c, int valid) const {
+  struct At {};
+  struct Words {
+    Lane<Bits> g, u;  // gate (or the plain input) and up; zeros past the row's end
+  };
+  __device__ __forceinline__ At locate(int64_t) const { return {}; }
+  __device__ __forceinline__ Words fetch(At, int64_t, int64_t r, int64_t c, int valid) const {
     const bool gated = is_gated(act);
     const Bits* gate = h + r * (gated ? 2 * cols : cols) + c;
-    Lane<Bits> g{}, u{}, out{};
+    Words w{};
     if constexpr (kVector) {
-      g = *reinterpret_cast<const Lane<Bits>*>(gate);
-      if (gated) u = *reinterpret_cast<const Lane<Bits>*>(gate + cols);
+      w.g = *reinterpret_cast<const Lane<Bits>*>(gate);
+      if (gated) w.u = *reinterpret_cast<const Lane<Bits>*>(gate + cols);
     } else {
 #pragma unroll
       for (int j = 0; j < kLaneCols; ++j) {
-        if (j < valid) g.set(j, gate[j]);
-        if (j < valid && gated) u.set(j, gate[cols + j]);
+        if (j < valid) w.g.set(j, gate[j]);
+        if (j < valid && gated) w.u.set(j, gate[cols + j]);
       }
     }
+    return w;
+  }
+  __device__ __forceinline__ Lane<Bits> value(const Words& w, At, int64_t, int valid) const {
     float v[kLaneCols];  // zeros past the row's end
 #pragma unroll
     for (int j = 0; j < kLaneCols; ++j) {
-      v[j] = kVector || j < valid ? activate(act, Elem<D>::to_float(g.get(j)), Elem<D>::to_float(u.get(j))) : 0.0f;
+      v[j] = kVector || j < valid ? activate(act, Elem<D>::to_float(w.g.get(j)), Elem<D>::to_float(w.u.get(j))) : 0.0f;
     }
     return round_lane<D>(v);
   }
@@ -99,25 +122,28 @@ struct Gathered {
   Bits* __restrict__ out;
   int64_t num_values, cols;
 
-  // Where row r comes from: values' row s (-1: none) times k. Fetched for all of a
-  // thread's rows before any of them is loaded, so that their index loads overlap.
+  // Where row r comes from: values' row s (-1: none) times k.
   struct At {
     int64_t s = -1;
     float k = 0.0f;
   };
+  struct Words {
+    Lane<Bits> x;  // zeros for no row and past the row's end
+  };
   __device__ __forceinline__ At locate(int64_t r) const {
     const int64_t s = src[r];
-    return s >= 0 && s < num_values ? At{s, scale[r]} : At{-1, 0.0f};
+    return s >= 0 && s < num_values ? At{s, scale[r]} : At{};
   }
-
-  __device__ __forceinline__ Lane<Bits> load(const At& at, int64_t c, int valid) const {
-    if (at.s < 0) return Lane<Bits>{};
-    const Stored<D, kVec> named{values, num_values, cols};
-    const Lane<Bits> x = named.load(0, at.s, c, valid);
+  __device__ __forceinline__ Words fetch(const At& at, int64_t, int64_t, int64_t c, int valid) const {
+    if (at.s < 0) return {};
+    return {Stored<D, kVec>{values, num_values, cols}.load(0, at.s, c, valid)};
+  }
+  // A zero row where at names none: its words and k are zeros.
+  __device__ __forceinline__ Lane<Bits> value(const Words& w, const At& at, int64_t, int valid) const {
     float v[kLaneCols];  // zeros past the row's end
 #pragma unroll
     for (int j = 0; j < kLaneCols; ++j) {
-      v[j] = kVec || j < valid ? scaled_element_ftz(at.k, Elem<D>::to_float(x.get(j))) : 0.0f;
+      v[j] = kVec || j < valid ? scaled_element_ftz(at.k, Elem<D>::to_float(w.x.get(j))) : 0.0f;
     }
     return round_lane<D>(v);
   }
@@ -139,58 +165,50 @@ struct ActivationGrad {
   int64_t cols;
   Activation act;
 
-  __device__ __forceinline__ Lane<Bits> load(int64_t, int64_t r, int64_t c, int valid) const {
+  struct At {};
+  struct Words {
+    Lane<Bits> g, u, d;  // the gate (or plain input), the up and da elements; zeros past the row's end
+  };
+  __device__ __forceinline__ At locate(int64_t) const { return {}; }
+  // Column c + j of d h is the gate half's element e = c + j (or the up half's e = c + j - F):
+  // it reads h's gate and up columns e and da's column e.
+  __device__ __forceinline__ Words fetch(At, int64_t, int64_t r, int64_t c, int valid) const {
     const bool gated = is_gated(act);
     const int64_t f = gated ? cols / 2 : cols;
-    float v[kLaneCols] = {};  // zeros past the row's end
+    Words w{};
     if constexpr (kVector) {
       const bool up_half = gated && c >= f;
       const int64_t e = up_half ? c - f : c;
-      const Lane<Bits> g = *reinterpret_cast<const Lane<Bits>*>(h + r * cols + e);
-      const Lane<Bits> d = *reinterpret_cast<const Lane<Bits>*>(da + r * f + e);
-      Lane<Bits> u{};
-      if (gated && !up_half) u = *reinterpret_cast<const Lane<Bits>*>(h + r * cols + f + e);
-#pragma unroll
-      for (int j = 0; j < kLaneCols; ++j) {
-        v[j] = activate_grad(act, up_half, Elem<D>::to_float(g.get(j)), Elem<D>::to_float(u.get(j)),
-                             Elem<D>::to_float(d.get(j)));
-      }
+      w.g = *reinterpret_cast<const Lane<Bits>*>(h + r * cols + e);
+      w.d = *reinterpret_cast<const Lane<Bits>*>(da + r * f + e);
+      if (gated && !up_half) w.u = *reinterpret_cast<const Lane<Bits>*>(h + r * cols + f + e);  // the up half needs none
     } else {
 #pragma unroll
       for (int j = 0; j < kLaneCols; ++j) {
         if (j >= valid) continue;
-        const bool up_half = gated && c + j >= f;
-        const int64_t e = up_half ? c + j - f : c + j;
-        const float gate = Elem<D>::to_float(h[r * cols + e]);
-        const float up = gated ? Elem<D>::to_float(h[r * cols + f + e]) : 0.0f;
-        v[j] = activate_grad(act, up_half, gate, up, Elem<D>::to_float(da[r * f + e]));
+        const int64_t e = gated && c + j >= f ? c + j - f : c + j;
+        w.g.set(j, h[r * cols + e]);
+        if (gated) w.u.set(j, h[r * cols + f + e]);
+        w.d.set(j, da[r * f + e]);
       }
+    }
+    return w;
+  }
+  __device__ __forceinline__ Lane<Bits> value(const Words& w, At, int64_t c, int valid) const {
+    const bool gated = is_gated(act);
+    const int64_t f = gated ? cols / 2 : cols;
+    float v[kLaneCols];  // zeros past the row's end
+#pragma unroll
+    for (int j = 0; j < kLaneCols; ++j) {
+      v[j] = kVector || j < valid
+                 ? activate_grad(act, gated && c + j >= f, Elem<D>::to_float(w.g.get(j)),
+                                 Elem<D>::to_float(w.u.get(j)), Elem<D>::to_float(w.d.get(j)))
+                 : 0.0f;
     }
     return round_lane<D>(v);
   }
   __device__ __forceinline__ void keep(int64_t r, int64_t c, const Lane<Bits>& row, int valid) const {
     store_lane<kVector>(dh + r * cols + c, row, valid);
-  }
-};
-
-// How the kernel reads a source's rows: locate() for each of a thread's rows, then load();
-// the direct sources locate nothing, the gathered rows locate their index and factor.
-template <class Source>
-struct Fetch {
-  struct At {};
-  __device__ __forceinline__ static At locate(const Source&, int64_t) { return {}; }
-  __device__ __forceinline__ static auto load(const Source& src, At, int64_t b, int64_t r, int64_t c, int valid) {
-    return src.load(b, r, c, valid);
-  }
-};
-template <DType D, bool kVec>
-struct Fetch<Gathered<D, kVec>> {
-  using Source = Gathered<D, kVec>;
-  using At = typename Source::At;
-  __device__ __forceinline__ static At locate(const Source& src, int64_t r) { return src.locate(r); }
-  __device__ __forceinline__ static auto load(const Source& src, const At& at, int64_t, int64_t, int64_t c,
-                                              int valid) {
-    return src.load(at, c, valid);
   }
 };
 
