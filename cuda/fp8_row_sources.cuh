@@ -4,10 +4,10 @@
 // loads of all of a thread's rows before it computes with any of them: locate() reads
 // where row r comes from (the gathered rows' index and factor; nothing for the others),
 // fetch() loads the row's words from memory and nothing else, value() computes the 8
-// elements from them. A load and its use in one step compiled to each row's arithmetic
-// waiting for its own load before the next row's load was issued (one row in flight per
-// thread). keep() stores the rounded row of the fused sources (a no-op for x itself),
-// called by the kernel once all of a thread's rows are loaded (fp8_quantize.cu says why).
+// elements from them (loaded and computed in one call, each row's arithmetic, which waits
+// for its load, came before the next row's load: one row in flight per thread). keep()
+// stores the rounded row of the fused sources (a no-op for x itself), called by the kernel
+// once all of a thread's rows are loaded (fp8_quantize.cu says why).
 #ifndef MOE_XLA_CUDA_FP8_ROW_SOURCES_CUH_
 #define MOE_XLA_CUDA_FP8_ROW_SOURCES_CUH_
 
@@ -181,7 +181,8 @@ struct ActivationGrad {
       const int64_t e = up_half ? c - f : c;
       w.g = *reinterpret_cast<const Lane<Bits>*>(h + r * cols + e);
       w.d = *reinterpret_cast<const Lane<Bits>*>(da + r * f + e);
-      if (gated && !up_half) w.u = *reinterpret_cast<const Lane<Bits>*>(h + r * cols + f + e);  // the up half needs none
+      // The up half's derivative reads no up element.
+      if (gated && !up_half) w.u = *reinterpret_cast<const Lane<Bits>*>(h + r * cols + f + e);
     } else {
 #pragma unroll
       for (int j = 0; j < kLaneCols; ++j) {
