@@ -14,22 +14,22 @@ swiglu, then quantize_fp8_rows of it); their backward with da [M, N/2]: swiglu_g
 expert MLP's backward runs) and swiglu_grad_then_rows (XLA's derivative of swiglu, then
 quantize_fp8_rows of d h); on the rows [M, K] of every case as the combine's backward
 makes them from M / 8 token rows (each token's 8 rows at random places, or as
---gather-order says: gather_sources; a weight each):
-gather_rows (gather_quantize_fp8_rows: the weighted rows and their row quantisation in
-one kernel, what the FP8 layer's backward runs) and gather_then_rows (XLA's weighted
-gather, then quantize_fp8_rows).
+--row-order says: row_slots; a weight each): expand_rows (expand_quantize_fp8_rows: each
+token row read once, its weighted rows and their row quantisation written, in one kernel,
+what the FP8 layer's backward runs) and expand_then_rows (XLA's weighted expansion,
+_rows.expand_rows, then quantize_fp8_rows).
 
     python benchmarks/fp8_quantize.py [--out benchmarks/results] [--name fp8_quantize] [--ops rows group_cols ...]
-                                       [--gather-order random|routed|tokens]
+                                       [--row-order random|routed|tokens]
 
 Shapes: the activations of the grouped_matmul cases of cases.json (rows [M, K], bf16),
 their weights (blocks [G, K, N], bf16) and their products (swiglu [M, N], bf16). Bytes =
 input read + q written (1 byte per element, 2 with a transposed copy) + scales written (4
 bytes per tile); for swiglu, h read (2 bytes per element) + a written (2 bytes per
 output element) + q and scales of a; for its backward, h and da read, d h written with its
-q and scales; for the gathers, the M / 8 token rows read once (2 bytes per element), the
-rows written with their q and scales. The copy moves 2 x the input's bytes (h's; the
-gathers: the rows' [M, K]).
+q and scales; for the expansions, the M / 8 token rows read once (2 bytes per element),
+the rows written with their q and scales. The copy moves 2 x the input's bytes (h's; the
+expansions: the rows' [M, K]).
 """
 
 from __future__ import annotations
@@ -46,30 +46,31 @@ import moe_xla
 from moe_xla.activations import activate
 from moe_xla.primitives.activate_grad_quantize_fp8 import activate_grad_quantize_fp8
 from moe_xla.primitives.activate_quantize_fp8 import activate_quantize_fp8
-from moe_xla.primitives.gather_quantize_fp8_rows import gather_quantize_fp8_rows
+import moe_xla._rows as _rows
+from moe_xla.primitives.expand_quantize_fp8_rows import expand_quantize_fp8_rows
 
 
 def _gbps(nbytes, seconds):
     return nbytes / seconds / 1e9
 
 
-GATHER_ORDERS = ("random", "routed", "tokens")
+ROW_ORDERS = ("random", "routed", "tokens")
 
 
-def gather_sources(order: str, m: int, groups: int):
-    """The gathers' src [m] over m / 8 tokens, each named by 8 rows: "random", the 8 rows
-    of a token at random places (no two reads of a token row near in time: the worst case
-    for the L2); "routed", as moe() orders them: each token routed to 8 distinct random
-    experts of the case's groups, rows sorted by expert, tokens ascending within one;
-    "tokens", a token's 8 rows adjacent (each token row read 8 times at once: the gather
-    with the reuse of a read-once kernel)."""
+def row_slots(order: str, m: int, groups: int):
+    """The expansions' slots [m / 8, 8]: the rows of each of m / 8 tokens. "random", a
+    token's 8 rows at random places; "routed", as moe() orders them: each token routed to 8
+    distinct random experts of the case's groups, rows sorted by expert, tokens ascending
+    within one; "tokens", a token's 8 rows adjacent."""
     tokens = m // 8
     if order == "random":
-        return jax.random.permutation(jax.random.key(3), m) // 8
-    if order == "tokens":
-        return jnp.arange(m) // 8
-    experts = jnp.argsort(jax.random.uniform(jax.random.key(3), (tokens, groups)), axis=1)[:, :8]
-    return jnp.argsort(experts.reshape(-1), stable=True) // 8
+        token_of_row = jax.random.permutation(jax.random.key(3), m) // 8
+    elif order == "tokens":
+        token_of_row = jnp.arange(m) // 8
+    else:
+        experts = jnp.argsort(jax.random.uniform(jax.random.key(3), (tokens, groups)), axis=1)[:, :8]
+        token_of_row = jnp.argsort(experts.reshape(-1), stable=True) // 8
+    return jnp.argsort(token_of_row, stable=True).reshape(tokens, 8).astype(jnp.int32)
 
 
 def main():
@@ -77,8 +78,8 @@ def main():
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     parser.add_argument("--name", default="fp8_quantize")
     parser.add_argument("--ops", nargs="*", help="ops to measure (default: all)")
-    parser.add_argument("--gather-order", choices=GATHER_ORDERS, default="random",
-                        help="where the gathers' rows of a token lie (see gather_sources)")
+    parser.add_argument("--row-order", choices=ROW_ORDERS, default="random",
+                        help="where the expansions' rows of a token lie (see row_slots)")
     args = parser.parse_args()
     copy = jax.jit(jnp.copy)
     def swiglu_then_rows(h):
@@ -89,16 +90,16 @@ def main():
         dh = jax.vjp(lambda v: activate(v, "swiglu"), h)[1](da)[0]
         return (dh, *moe_xla.quantize_fp8_rows(dh))
 
-    def gather_then_rows(values, src, factor):
-        rows = (factor[:, None] * values[src].astype(jnp.float32)).astype(values.dtype)
+    def expand_then_rows(values, slots, factor):
+        rows = _rows.expand_rows(values, slots, factor, num_pairs=slots.size)
         return (rows, *moe_xla.quantize_fp8_rows(rows))
 
     ops = {"rows": moe_xla.quantize_fp8_rows, "blocks": moe_xla.quantize_fp8_blocks,
            "weights": moe_xla.quantize_fp8_weights, "swiglu_rows": lambda h: activate_quantize_fp8(h, "swiglu"),
            "swiglu_then_rows": swiglu_then_rows,
            "swiglu_grad_rows": lambda h, da: activate_grad_quantize_fp8(h, da, "swiglu"),
-           "swiglu_grad_then_rows": swiglu_grad_then_rows, "gather_rows": gather_quantize_fp8_rows,
-           "gather_then_rows": gather_then_rows}
+           "swiglu_grad_then_rows": swiglu_grad_then_rows,
+           "expand_rows": lambda v, s, f: expand_quantize_fp8_rows(v, s, f, s.size), "expand_then_rows": expand_then_rows}
     if args.ops:
         ops = {name: fn for name, fn in ops.items() if name in args.ops}
     rows = []
@@ -112,7 +113,7 @@ def main():
             swiglu = kind.startswith("swiglu")
             if swiglu and not case["name"].endswith("gate_up"):
                 continue
-            activation = kind in ("rows", "group_cols", "gather_rows", "gather_then_rows")
+            activation = kind in ("rows", "group_cols", "expand_rows", "expand_then_rows")
             shape = (m, k) if activation else (m, n) if swiglu else (g, k, n)
             x = normal(jax.random.fold_in(jax.random.key(1), 3 * i + (kind != "rows") + swiglu), shape, jnp.bfloat16)
             elems = x.size
@@ -120,10 +121,9 @@ def main():
             if kind.startswith("swiglu_grad"):  # h and da read, d h written with its q and scales
                 args_of = (x, normal(jax.random.fold_in(jax.random.key(2), i), (m, n // 2), jnp.bfloat16))
                 nbytes = 2 * elems + 2 * (elems // 2) + 2 * elems + elems + elems // 128 * 4
-            elif kind.startswith("gather"):  # token rows read, rows written with their q and scales
+            elif kind.startswith("expand"):  # token rows read, rows written with their q and scales
                 tokens = m // 8
-                src = gather_sources(args.gather_order, m, g)
-                args_of = (x[:tokens], src.astype(jnp.int32), jax.random.uniform(jax.random.key(4), (m,)))
+                args_of = (x[:tokens], row_slots(args.row_order, m, g), jax.random.uniform(jax.random.key(4), (tokens, 8)))
                 nbytes = 2 * tokens * k + 2 * elems + elems + elems // 128 * 4
             elif swiglu:  # h read, a written, a's q and scales written
                 nbytes = 2 * elems + 2 * (elems // 2) + elems // 2 + elems // 2 // 128 * 4

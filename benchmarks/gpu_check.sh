@@ -17,7 +17,7 @@ export PYTHONUNBUFFERED=1 MOE_XLA_LIBRARY
 SELFTESTS="grouped_gemm_selftest routing_selftest fast_quotient_selftest gather_gemm_selftest gather_tgmm_selftest"
 status=0
 # The test files that run kernels on the GPU (the 8-device ones run on CPU devices in CI).
-GPU_TESTS="tests/test_gmm.py tests/test_gmm_autodiff.py tests/test_gmm_errors.py tests/test_gather_gmm.py tests/test_gather_gmm_activate.py tests/test_gather_tgmm.py tests/test_gmm_lowering.py tests/test_routing.py tests/test_moe.py tests/test_parallel_gpu.py tests/test_demo.py tests/test_fp8_quantize.py tests/test_unpermute_transpose.py tests/test_gmm_fp8.py tests/test_moe_fp8.py tests/test_fp8_wgrad.py tests/test_activate_quantize_fp8.py tests/test_activate_grad_quantize_fp8.py tests/test_gather_quantize_fp8_rows.py tests/test_gather_rows.py tests/test_product_combine.py tests/test_activate_weighted_grad.py tests/test_gmm_unpermute.py tests/test_fused_forward.py"
+GPU_TESTS="tests/test_gmm.py tests/test_gmm_autodiff.py tests/test_gmm_errors.py tests/test_gather_gmm.py tests/test_gather_gmm_activate.py tests/test_gather_tgmm.py tests/test_gmm_lowering.py tests/test_routing.py tests/test_moe.py tests/test_parallel_gpu.py tests/test_demo.py tests/test_fp8_quantize.py tests/test_unpermute_transpose.py tests/test_gmm_fp8.py tests/test_moe_fp8.py tests/test_fp8_wgrad.py tests/test_activate_quantize_fp8.py tests/test_activate_grad_quantize_fp8.py tests/test_expand_quantize_fp8_rows.py tests/test_gather_rows.py tests/test_product_combine.py tests/test_activate_weighted_grad.py tests/test_gmm_unpermute.py tests/test_fused_forward.py"
 DEMO_ARGS=(--steps 300 --batch 32 --seq 256 --hidden 512 --heads 8 --experts 32 --top-k 4 --layers 4 --dtype bfloat16)
 for step in "$@"; do
   echo "=== $step"

@@ -243,24 +243,29 @@ MOE_XLA_HOST_DEVICE inline int64_t group_col_tiles(int64_t rows, int64_t num_gro
   return fp8::tiles(rows) + num_groups;
 }
 
-// The gather of scaled rows fused with their 1 x 128 row quantisation: the FP8 dgrad's
-// operand in the MoE backward, where output row r is the cotangent of one (token, expert)
-// pair, weight_r * ct[token_r].
-//   values [num_values, cols] of dtype; src [rows] int32; scale [rows] float32
-//   out    [rows, cols] of dtype: out[r, c] = rnd(scaled_element(scale[r], values[src[r], c]))
-//          where 0 <= src[r] < num_values, +0 otherwise (any src: no other row is read);
-//          rnd is the one rounding of the float32 product to dtype (RNE)
+// The expansion of token rows into (token, expert) rows, scaled and fused with their
+// 1 x 128 row quantisation: the FP8 dgrad's operand in the MoE backward, where row
+// slots[t, j] is the cotangent of token t's j-th pair, factor[t, j] * ct[t]. Pair
+// p = t * top_k + j names row slots[t, j]; entries outside [0, rows) name none.
+//   values [num_values, cols] of dtype; slots, factor [num_values, top_k] int32 / float32
+//   owner(r) = the largest p naming row r (none: -1), so each row has one writer
+//   out    [rows, cols] of dtype: out[r, c] = rnd(scaled_element(factor[p], values[p / top_k, c]))
+//          for p = owner(r) >= 0, +0 otherwise; rnd is the one rounding of the float32
+//          product to dtype (RNE)
 //   q, scales  quantize_fp8_rows(out), bitwise: [rows, cols], [rows, ceil(cols / 128)]
-struct Fp8GatherQuantizeParams {
+// Each token row is read once however many rows it fills. Where slots name every row
+// once (permute's row map), out[slots[t, j]] = factor[t, j] * values[t].
+struct Fp8ExpandQuantizeParams {
   const void* values;
-  DType dtype;          // of values and out
-  const int32_t* src;   // device memory for CUDA kernels, as scale
-  const float* scale;
-  int64_t num_values;
+  DType dtype;           // of values and out
+  const int32_t* slots;  // device memory for CUDA kernels, as factor
+  const float* factor;
+  int64_t num_values;    // T
+  int64_t top_k;
   void* out;
   uint8_t* q;
   float* scales;
-  int64_t rows;
+  int64_t rows;          // R
   int64_t cols;
   bool pow2_scale;
 };
@@ -273,7 +278,7 @@ MOE_XLA_HOST_DEVICE inline float flush_subnormal(float x) {
   return (bits & 0x7fffffffu) < kMinNormalBits ? bits_float(bits & 0x80000000u) : x;
 }
 
-// The float32 product of Fp8GatherQuantizeParams: fl(s' * x'), s' and x' the operands with
+// The float32 product of Fp8ExpandQuantizeParams: fl(s' * x'), s' and x' the operands with
 // float32 subnormals flushed, and a product of magnitude at most 2^-126 replaced by a zero
 // of its sign. XLA's CPU runtime multiplies with denormals flushed (FTZ/DAZ), GPUs do not,
 // and the two disagree on products just below 2^-126 (x86 flushes one that gradual

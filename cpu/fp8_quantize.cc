@@ -1,7 +1,7 @@
 // CPU FP8 blockwise quantisation: per tile, amax over the tile, then the scale, then each
 // element through fp8::quantize_element, the function the CUDA kernel uses too (the blocks
 // also copied, code for code, to their transposed place in q_t when asked). The fused
-// forms write their rows (the expert activation, its backward, or each scaled row gathered:
+// forms write their rows (the expert activation, its backward, or the token rows expanded and scaled:
 // fp8::scaled_element, whose product is flush-mode proof too), rounded to the dtype, and
 // quantise them as stored through the row tiles; the group column
 // form takes its tiles from cpu/fp8_group_tiles.h and writes them transposed. The
@@ -80,9 +80,22 @@ void fp8_activate_quantize(const Fp8ActivateQuantizeParams& p) {
   quantize_stored_rows(p.a, p.dtype, p.rows, p.cols, p.q, p.scales, p.pow2_scale);
 }
 
-void fp8_gather_quantize(const Fp8GatherQuantizeParams& p) {
-  // The rows as gather_rows stores them (rounded to their dtype), then their row tiles.
-  gather_rows(GatherRowsParams{p.values, p.dtype, p.src, p.scale, p.num_values, p.out, p.rows, p.cols});
+void fp8_expand_quantize(const Fp8ExpandQuantizeParams& p) {
+  // Each row's owner (the largest pair naming it), then the rows as gather_rows stores
+  // them from the owners' tokens and factors (rounded to their dtype), then their row tiles.
+  std::vector<int64_t> owner(static_cast<size_t>(p.rows), -1);
+  for (int64_t pair = 0; pair < p.num_values * p.top_k; ++pair) {
+    const int64_t r = p.slots[pair];
+    if (r >= 0 && r < p.rows) owner[static_cast<size_t>(r)] = pair;  // pairs ascend: the last is the largest
+  }
+  std::vector<int32_t> src(owner.size(), -1);
+  std::vector<float> scale(owner.size(), 0.0f);
+  for (size_t r = 0; r < owner.size(); ++r) {
+    if (owner[r] < 0) continue;
+    src[r] = static_cast<int32_t>(owner[r] / p.top_k);
+    scale[r] = p.factor[owner[r]];
+  }
+  gather_rows(GatherRowsParams{p.values, p.dtype, src.data(), scale.data(), p.num_values, p.out, p.rows, p.cols});
   quantize_stored_rows(p.out, p.dtype, p.rows, p.cols, p.q, p.scales, p.pow2_scale);
 }
 

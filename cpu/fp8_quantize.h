@@ -17,10 +17,11 @@ void fp8_quantize(const Fp8QuantizeParams& p);
 // quantisation (common/expert_activation.h). Expects non-negative sizes.
 void fp8_activate_quantize(const Fp8ActivateQuantizeParams& p);
 
-// Fills p.out, p.q and p.scales (host memory, p.src and p.scale too): the scaled rows
-// gathered through p.src and their 1 x 128 row quantisation (Fp8GatherQuantizeParams in
-// common/fp8_blockwise.h). Expects non-negative sizes.
-void fp8_gather_quantize(const Fp8GatherQuantizeParams& p);
+// Fills p.out, p.q and p.scales (host memory, p.slots and p.factor too): the token rows
+// expanded into the rows p.slots names, scaled, and their 1 x 128 row quantisation
+// (Fp8ExpandQuantizeParams in common/fp8_blockwise.h). Expects non-negative sizes and
+// num_values < 2^31.
+void fp8_expand_quantize(const Fp8ExpandQuantizeParams& p);
 
 // Fills p.q_t and p.scales (host memory, p.group_sizes too): x in 128 x 1 column tiles that
 // restart at every group boundary, transposed; columns of no row 0, scales of no tile 1.

@@ -13,12 +13,11 @@
 // shape are in benchmarks/results/LOG.md).
 // Elements stay in registers as loaded from the amax to the quantisation (x is read
 // once). The same kernel quantises the expert activation of h on the fly (Activated: the
-// fused activate_quantize_fp8), its backward (ActivationGrad: activate_grad_quantize_fp8)
-// and scaled rows gathered through an index (Gathered: gather_quantize_fp8_rows), the row
-// sources of cuda/fp8_row_sources.cuh. A fused source's keep() stores its rounded row once
-// all the thread's rows are loaded: a store between two loads keeps the compiler from
-// issuing the later load first (it cannot prove they do not alias), which would serialise
-// the gather's index-then-row loads row by row. A gated backward with
+// fused activate_quantize_fp8) and its backward (ActivationGrad:
+// activate_grad_quantize_fp8), the row sources of cuda/fp8_row_sources.cuh. A fused
+// source's keep() stores its rounded row once all the thread's rows are loaded: a store
+// between two loads keeps the compiler from issuing the later load first (it cannot prove
+// they do not alias). A gated backward with
 // F % 128 == 0 has a kernel of its own (activate_grad_pairs) that computes both halves of
 // d h from one read of gate, up and da.
 // Scale and elements go through common/fp8_blockwise.h like the CPU kernel, the elements
@@ -49,7 +48,6 @@ using detail::ActivationGrad;
 using detail::aligned;
 using detail::Elem;
 using detail::finite_amax;
-using detail::Gathered;
 using detail::kFullWarp;
 using detail::kLaneCols;
 using detail::Lane;
@@ -88,10 +86,6 @@ using ActivatedCta = std::conditional_t<D == DType::kF32, Cta<256, 2, 4>, Cta<25
 // CTAs per SM; at 64 its three lanes of two rows spilled).
 template <DType D>
 using ActivationGradCta = std::conditional_t<D == DType::kF32, Cta<256, 2, 3>, Cta<256, 2, 4>>;
-// The gathered rows read one input per element, as the row tiles, and store the rounded
-// row on the way, as the fused activation: the row tiles' shape.
-template <DType D>
-using GatheredCta = RowsCta<D>;
 static_assert(BlocksCta<DType::kF32>::kRegionRows == fp8::kTile && BlocksCta<DType::kBF16>::kRegionRows == fp8::kTile,
               "a blocks region is one 128 x 128 block");
 
@@ -159,7 +153,7 @@ __device__ __forceinline__ float cta_max(float v, float* slots) {
 }
 
 // kBlocks: one 128 x 128 block per region, else C::kRegionRows rows of 1 x 128 tiles. Source: Stored,
-// Activated, ActivationGrad or Gathered; kVector: cols % 8 == 0 and every pointer aligned for Lane accesses.
+// Activated or ActivationGrad; kVector: cols % 8 == 0 and every pointer aligned for Lane accesses.
 // kTransposed (blocks): q_t [batch, cols, rows] gets the block transposed too, through
 // shared memory (TransposedBlock).
 template <DType D, bool kBlocks, bool kVector, class Source, class C, bool kTransposed = false>
@@ -176,25 +170,19 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtas)
   const int valid = static_cast<int>(cols - c <= 0 ? 0 : (cols - c < kLaneCols ? cols - c : kLaneCols));
   const int first = t / kRowThreads;               // row within the region of pass 0
 
-  // Every row's location, then every row's words, then the elements: all of a thread's
-  // loads are issued before any is used (cuda/fp8_row_sources.cuh).
-  typename Source::At at[kPasses]{};
-#pragma unroll
-  for (int i = 0; i < kPasses; ++i) {
-    const int64_t r = reg.row0 + first + i * kRows;
-    if (r < rows && valid > 0) at[i] = src.locate(r);
-  }
+  // Every row's words, then the elements: all of a thread's loads are issued before any
+  // is used (cuda/fp8_row_sources.cuh).
   typename Source::Words words[kPasses]{};
 #pragma unroll
   for (int i = 0; i < kPasses; ++i) {
     const int64_t r = reg.row0 + first + i * kRows;
-    if (r < rows && valid > 0) words[i] = src.fetch(at[i], reg.b, r, c, valid);
+    if (r < rows && valid > 0) words[i] = src.fetch(reg.b, r, c, valid);
   }
   Lane<Bits> raw[kPasses];  // the elements to quantise; zero bits outside the matrix
 #pragma unroll
   for (int i = 0; i < kPasses; ++i) {
     const int64_t r = reg.row0 + first + i * kRows;
-    raw[i] = (r < rows && valid > 0) ? src.value(words[i], at[i], c, valid) : Lane<Bits>{};
+    raw[i] = (r < rows && valid > 0) ? src.value(words[i], c, valid) : Lane<Bits>{};
   }
 
   TileCoder coder[kBlocks ? 1 : kPasses];
@@ -284,7 +272,7 @@ cudaError_t quantize(const Fp8QuantizeParams& p, cudaStream_t stream) {
 }
 
 // The 1 x 128 row tiles of a source that reads `in` and stores its rounded rows to `out`
-// (Activated, Gathered) for params p of rows x cols: make(std::bool_constant<kVector>)
+// (Activated) for params p of rows x cols: make(std::bool_constant<kVector>)
 // builds it, with vector accesses where the columns and every pointer allow them.
 template <DType D, class C, class Params, class Make>
 cudaError_t fused_rows(const Params& p, const void* in, const void* out, cudaStream_t stream, Make make) {
@@ -303,15 +291,6 @@ cudaError_t activate_quantize(const Fp8ActivateQuantizeParams& p, cudaStream_t s
   return fused_rows<D, ActivatedCta<D>>(p, p.h, p.a, stream, [&](auto vector) {
     return Activated<D, decltype(vector)::value>{static_cast<const Bits*>(p.h), static_cast<Bits*>(p.a), p.cols,
                                                  p.activation};
-  });
-}
-
-template <DType D>
-cudaError_t gather_quantize(const Fp8GatherQuantizeParams& p, cudaStream_t stream) {
-  using Bits = typename Elem<D>::Bits;
-  return fused_rows<D, GatheredCta<D>>(p, p.values, p.out, stream, [&](auto vector) {
-    return Gathered<D, decltype(vector)::value>{static_cast<const Bits*>(p.values), p.src, p.scale,
-                                                static_cast<Bits*>(p.out), p.num_values, p.cols};
   });
 }
 
@@ -423,13 +402,6 @@ struct ActivateGradQuantize {
   }
 };
 
-template <DType D>
-struct GatherQuantize {
-  static cudaError_t run(const Fp8GatherQuantizeParams& p, cudaStream_t stream) {
-    return gather_quantize<D>(p, stream);
-  }
-};
-
 }  // namespace
 
 Status fp8_quantize(const Fp8QuantizeParams& p, cudaStream_t stream) {
@@ -470,15 +442,6 @@ Status fp8_activate_grad_quantize(const Fp8ActivateGradQuantizeParams& p, cudaSt
   }
   if (p.rows * p.cols == 0) return Status();
   return by_dtype<ActivateGradQuantize>(p, stream, "fp8 activate grad quantize");
-}
-
-Status fp8_gather_quantize(const Fp8GatherQuantizeParams& p, cudaStream_t stream) {
-  MOE_XLA_RETURN_IF_ERROR(require_device(DeviceSupport::kSimt, "fp8 gather quantize"));
-  if (p.num_values < 0 || p.rows < 0 || p.cols < 0) {
-    return Status::InvalidArgument("fp8 gather quantize: negative dimension");
-  }
-  if (p.rows * p.cols == 0) return Status();
-  return by_dtype<GatherQuantize>(p, stream, "fp8 gather quantize");
 }
 
 }  // namespace cuda

@@ -1,5 +1,5 @@
 // CUDA FP8 blockwise quantisation in tiles of tile_rows x 128 (contract in
-// common/fp8_blockwise.h), alone or fused with the expert activation or a gather of rows.
+// common/fp8_blockwise.h), alone or fused with the expert activation or an expansion of rows.
 // Framework-free: no XLA, no Python.
 //
 // Only enqueues work on `stream` (no host copy, no synchronisation, no global state:
@@ -9,6 +9,9 @@
 #define MOE_XLA_CUDA_FP8_QUANTIZE_H_
 
 #include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
 
 #include "common/expert_activation.h"
 #include "common/fp8_blockwise.h"
@@ -24,11 +27,14 @@ Status fp8_quantize(const Fp8QuantizeParams& p, cudaStream_t stream);
 // 1 x 128 row quantisation in one pass (common/expert_activation.h).
 Status fp8_activate_quantize(const Fp8ActivateQuantizeParams& p, cudaStream_t stream);
 
-// Fills p.out, p.q and p.scales (device memory, p.src and p.scale too): the scaled rows
-// gathered through p.src and their 1 x 128 row quantisation in one pass
-// (Fp8GatherQuantizeParams in common/fp8_blockwise.h). Reads no row that p.src does not
-// name, whatever it holds.
-Status fp8_gather_quantize(const Fp8GatherQuantizeParams& p, cudaStream_t stream);
+// Fills p.out, p.q and p.scales (device memory, p.slots and p.factor too): the token rows
+// expanded into the rows p.slots names, scaled, and their 1 x 128 row quantisation, each
+// token row read once (Fp8ExpandQuantizeParams in common/fp8_blockwise.h). workspace
+// (device memory, fp8_expand_workspace_bytes) holds the row owners. No access outside the
+// buffers, whatever p.slots holds.
+Status fp8_expand_quantize(const Fp8ExpandQuantizeParams& p, void* workspace, cudaStream_t stream);
+size_t fp8_expand_workspace_bytes(int64_t rows, int64_t pairs);
+size_t fp8_expand_workspace_bytes(const Fp8ExpandQuantizeParams& p);
 
 // Fills p.q_t and p.scales (device memory): x quantised in 128 x 1 column tiles that
 // restart at every group boundary, transposed (common/fp8_blockwise.h,

@@ -1,11 +1,10 @@
 // The row sources of the CUDA quantisation kernel (cuda/fp8_quantize.cu): what it
 // quantises, as a thread's 8 elements of row r from column c (valid of them inside the
 // matrix, r inside it). Each source reads in two steps so that the kernel can issue the
-// loads of all of a thread's rows before it computes with any of them: locate() reads
-// where row r comes from (the gathered rows' index and factor; nothing for the others),
-// fetch() loads the row's words from memory and nothing else, value() computes the 8
-// elements from them (loaded and computed in one call, each row's arithmetic, which waits
-// for its load, came before the next row's load: one row in flight per thread). keep()
+// loads of all of a thread's rows before it computes with any of them: fetch() loads the
+// row's words from memory and nothing else, value() computes the 8 elements from them
+// (loaded and computed in one call, each row's arithmetic, which waits for its load, came
+// before the next row's load: one row in flight per thread). keep()
 // stores the rounded row of the fused sources (a no-op for x itself), called by the kernel
 // once all of a thread's rows are loaded (fp8_quantize.cu says why).
 #ifndef MOE_XLA_CUDA_FP8_ROW_SOURCES_CUH_
@@ -32,11 +31,9 @@ struct Stored {
   const Bits* __restrict__ x;
   int64_t rows, cols;
 
-  struct At {};
   struct Words {
     Lane<Bits> x;
   };
-  __device__ __forceinline__ At locate(int64_t) const { return {}; }
   // x's 8 elements of row r of batch entry b; zeros past the row's end.
   __device__ __forceinline__ Lane<Bits> load(int64_t b, int64_t r, int64_t c, int valid) const {
     const Bits* src = x + (b * rows + r) * cols + c;
@@ -46,10 +43,10 @@ struct Stored {
     for (int j = 0; j < kLaneCols; ++j) out.set(j, j < valid ? src[j] : Bits{0});
     return out;
   }
-  __device__ __forceinline__ Words fetch(At, int64_t b, int64_t r, int64_t c, int valid) const {
+  __device__ __forceinline__ Words fetch(int64_t b, int64_t r, int64_t c, int valid) const {
     return {load(b, r, c, valid)};
   }
-  __device__ __forceinline__ Lane<Bits> value(const Words& w, At, int64_t, int) const { return w.x; }
+  __device__ __forceinline__ Lane<Bits> value(const Words& w, int64_t, int) const { return w.x; }
   __device__ __forceinline__ void keep(int64_t, int64_t, const Lane<Bits>&, int) const {}
 };
 
@@ -64,12 +61,10 @@ struct Activated {
   int64_t cols;
   Activation act;
 
-  struct At {};
   struct Words {
     Lane<Bits> g, u;  // gate (or the plain input) and up; zeros past the row's end
   };
-  __device__ __forceinline__ At locate(int64_t) const { return {}; }
-  __device__ __forceinline__ Words fetch(At, int64_t, int64_t r, int64_t c, int valid) const {
+  __device__ __forceinline__ Words fetch(int64_t, int64_t r, int64_t c, int valid) const {
     const bool gated = is_gated(act);
     const Bits* gate = h + r * (gated ? 2 * cols : cols) + c;
     Words w{};
@@ -85,7 +80,7 @@ struct Activated {
     }
     return w;
   }
-  __device__ __forceinline__ Lane<Bits> value(const Words& w, At, int64_t, int valid) const {
+  __device__ __forceinline__ Lane<Bits> value(const Words& w, int64_t, int valid) const {
     float v[kLaneCols];  // zeros past the row's end
 #pragma unroll
     for (int j = 0; j < kLaneCols; ++j) {
@@ -95,60 +90,6 @@ struct Activated {
   }
   __device__ __forceinline__ void keep(int64_t r, int64_t c, const Lane<Bits>& row, int valid) const {
     store_lane<kVector>(a + r * cols + c, row, valid);
-  }
-};
-
-// fp8::scaled_element(k, x), bitwise, in fewer instructions: mul.ftz flushes float32
-// subnormal operands and results to zeros of their sign, and a result of magnitude exactly
-// 2^-126 is made one too. A product the contract zeroes (at most 2^-126 after rounding with
-// gradual underflow) is then zero whether the hardware flushes before or after rounding
-// (either way what it keeps is at least 2^-126, and rounds to 2^-126 where gradual underflow
-// does); every larger product rounds alike in both.
-__device__ __forceinline__ float scaled_element_ftz(float k, float x) {
-  float p;
-  asm("mul.rn.ftz.f32 %0, %1, %2;" : "=f"(p) : "f"(k), "f"(x));
-  return fabsf(p) == 0x1p-126f ? fp8::bits_float(fp8::float_bits(p) & 0x80000000u) : p;
-}
-
-// ... or row src[r] of values times scale[r] (fp8::scaled_element), rounded to D and
-// kept in out; a zero row where src[r] names no row of values (batch 1).
-template <DType D, bool kVec>
-struct Gathered {
-  using Bits = typename Elem<D>::Bits;
-  static constexpr bool kVector = kVec;
-  const Bits* __restrict__ values;
-  const int32_t* __restrict__ src;
-  const float* __restrict__ scale;
-  Bits* __restrict__ out;
-  int64_t num_values, cols;
-
-  // Where row r comes from: values' row s (-1: none) times k.
-  struct At {
-    int64_t s = -1;
-    float k = 0.0f;
-  };
-  struct Words {
-    Lane<Bits> x;  // zeros for no row and past the row's end
-  };
-  __device__ __forceinline__ At locate(int64_t r) const {
-    const int64_t s = src[r];
-    return s >= 0 && s < num_values ? At{s, scale[r]} : At{};
-  }
-  __device__ __forceinline__ Words fetch(const At& at, int64_t, int64_t, int64_t c, int valid) const {
-    if (at.s < 0) return {};
-    return {Stored<D, kVec>{values, num_values, cols}.load(0, at.s, c, valid)};
-  }
-  // A zero row where at names none: its words and k are zeros.
-  __device__ __forceinline__ Lane<Bits> value(const Words& w, const At& at, int64_t, int valid) const {
-    float v[kLaneCols];  // zeros past the row's end
-#pragma unroll
-    for (int j = 0; j < kLaneCols; ++j) {
-      v[j] = kVec || j < valid ? scaled_element_ftz(at.k, Elem<D>::to_float(w.x.get(j))) : 0.0f;
-    }
-    return round_lane<D>(v);
-  }
-  __device__ __forceinline__ void keep(int64_t r, int64_t c, const Lane<Bits>& row, int valid) const {
-    store_lane<kVector>(out + r * cols + c, row, valid);
   }
 };
 
@@ -165,14 +106,12 @@ struct ActivationGrad {
   int64_t cols;
   Activation act;
 
-  struct At {};
   struct Words {
     Lane<Bits> g, u, d;  // the gate (or plain input), the up and da elements; zeros past the row's end
   };
-  __device__ __forceinline__ At locate(int64_t) const { return {}; }
   // Column c + j of d h is the gate half's element e = c + j (or the up half's e = c + j - F):
   // it reads h's gate and up columns e and da's column e.
-  __device__ __forceinline__ Words fetch(At, int64_t, int64_t r, int64_t c, int valid) const {
+  __device__ __forceinline__ Words fetch(int64_t, int64_t r, int64_t c, int valid) const {
     const bool gated = is_gated(act);
     const int64_t f = gated ? cols / 2 : cols;
     Words w{};
@@ -195,7 +134,7 @@ struct ActivationGrad {
     }
     return w;
   }
-  __device__ __forceinline__ Lane<Bits> value(const Words& w, At, int64_t c, int valid) const {
+  __device__ __forceinline__ Lane<Bits> value(const Words& w, int64_t c, int valid) const {
     const bool gated = is_gated(act);
     const int64_t f = gated ? cols / 2 : cols;
     float v[kLaneCols];  // zeros past the row's end

@@ -3,7 +3,7 @@
 // Fp8QuantizeParams of common/fp8_blockwise.h, those of quantize_fp8_group_cols into its
 // Fp8GroupColsParams, those of activate_quantize_fp8 / activate_grad_quantize_fp8 into the
 // Fp8ActivateQuantizeParams / Fp8ActivateGradQuantizeParams of common/expert_activation.h,
-// and those of gather_quantize_fp8_rows into its Fp8GatherQuantizeParams, for both the
+// and those of expand_quantize_fp8_rows into its Fp8ExpandQuantizeParams, for both the
 // CPU and the CUDA handlers. Every error names the argument, what was expected and what
 // was passed.
 #ifndef MOE_XLA_FFI_FP8_QUANTIZE_ARGS_H_
@@ -185,32 +185,38 @@ inline ffi::ErrorOr<Fp8ActivateGradQuantizeParams> decode_fp8_activate_grad_quan
   return p;
 }
 
-// values [T, H] of f32 / bf16 / f16; src [R] int32; scale [R] f32; rows [R, H] of values'
-// dtype; q [R, H] float8_e4m3fn; scales [R, ceil(H/128)] f32.
-inline ffi::ErrorOr<Fp8GatherQuantizeParams> decode_fp8_gather_quantize(ffi::AnyBuffer values, ffi::AnyBuffer src,
-                                                                       ffi::AnyBuffer scale, ffi::AnyBuffer rows,
+// values [T, H] of f32 / bf16 / f16; slots [T, k] int32; factor [T, k] f32; rows [R, H] of
+// values' dtype; q [R, H] float8_e4m3fn; scales [R, ceil(H/128)] f32.
+inline ffi::ErrorOr<Fp8ExpandQuantizeParams> decode_fp8_expand_quantize(ffi::AnyBuffer values, ffi::AnyBuffer slots,
+                                                                       ffi::AnyBuffer factor, ffi::AnyBuffer rows,
                                                                        ffi::AnyBuffer q, ffi::Buffer<ffi::F32> scales,
                                                                        bool pow2_scale) {
   const auto dims = values.dimensions();
   if (dims.size() != 2) return invalid("values: expected rank 2 [T, H], got shape " + shape_string(dims));
-  if (src.dimensions().size() != 1) {
-    return invalid("src: expected rank 1 [R], got shape " + shape_string(src.dimensions()));
+  if (slots.dimensions().size() != 2) {
+    return invalid("slots: expected rank 2 [T, k], got shape " + shape_string(slots.dimensions()));
+  }
+  if (rows.dimensions().size() != 2) {
+    return invalid("rows: expected rank 2 [R, H], got shape " + shape_string(rows.dimensions()));
   }
   auto dtype = to_dtype(values.element_type(), "values");
   if (dtype.has_error()) return ffi::Unexpected<ffi::Error>(dtype.error());
-  for (auto [name, buffer, want] : {std::tuple{"src", src, ffi::DataType::S32},
-                                    std::tuple{"scale", scale, ffi::DataType::F32},
+  for (auto [name, buffer, want] : {std::tuple{"slots", slots, ffi::DataType::S32},
+                                    std::tuple{"factor", factor, ffi::DataType::F32},
                                     std::tuple{"rows", rows, values.element_type()}}) {
     if (buffer.element_type() != want) {
       return invalid(std::string(name) + ": expected dtype " + type_name(want) + ", got " +
                      type_name(buffer.element_type()));
     }
   }
-  Fp8GatherQuantizeParams p{};
+  Fp8ExpandQuantizeParams p{};
   p.num_values = dims[0];
-  p.rows = src.dimensions()[0];
+  p.top_k = slots.dimensions()[1];
+  p.rows = rows.dimensions()[0];
   p.cols = dims[1];
-  for (auto e : {expect_shape("scale", scale.dimensions(), {p.rows}), expect_fp8("q", q),
+  if (p.num_values > INT32_MAX) return invalid("values: expected fewer than 2^31 rows, got " + shape_string(dims));
+  for (auto e : {expect_shape("slots", slots.dimensions(), {p.num_values, p.top_k}),
+                 expect_shape("factor", factor.dimensions(), {p.num_values, p.top_k}), expect_fp8("q", q),
                  expect_shape("rows", rows.dimensions(), {p.rows, p.cols}),
                  expect_shape("q", q.dimensions(), {p.rows, p.cols}),
                  expect_shape("scales", scales.dimensions(), {p.rows, fp8::tiles(p.cols)})}) {
@@ -218,8 +224,8 @@ inline ffi::ErrorOr<Fp8GatherQuantizeParams> decode_fp8_gather_quantize(ffi::Any
   }
   p.values = values.untyped_data();
   p.dtype = *dtype;
-  p.src = static_cast<const int32_t*>(src.untyped_data());
-  p.scale = static_cast<const float*>(scale.untyped_data());
+  p.slots = static_cast<const int32_t*>(slots.untyped_data());
+  p.factor = static_cast<const float*>(factor.untyped_data());
   p.out = rows.untyped_data();
   p.q = static_cast<uint8_t*>(q.untyped_data());
   p.scales = scales.typed_data();
@@ -241,17 +247,16 @@ auto bind_fp8_activate_grad_quantize(Binding&& binding) {
       .template Attr<bool>("pow2_scale");
 }
 
-// The operands and attributes of the gather_quantize_fp8_rows handlers, appended to `binding`.
+// The operands and attributes of the expand_quantize_fp8_rows handlers, appended to `binding`.
 template <class Binding>
-auto bind_fp8_gather_quantize(Binding&& binding) {
+auto bind_fp8_expand_quantize(Binding&& binding) {
   return std::move(binding)
       .template Arg<ffi::AnyBuffer>()          // values [T, H]
-      .template Arg<ffi::AnyBuffer>()          // src [R], int32
-      .template Arg<ffi::AnyBuffer>()          // scale [R], float32
+      .template Arg<ffi::AnyBuffer>()          // slots [T, k], int32
+      .template Arg<ffi::AnyBuffer>()          // factor [T, k], float32
       .template Ret<ffi::AnyBuffer>()          // rows [R, H], dtype of values
       .template Ret<ffi::AnyBuffer>()          // q [R, H], float8_e4m3fn
-      .template Ret<ffi::Buffer<ffi::F32>>()   // scales [R, ceil(H/128)]
-      .template Attr<bool>("pow2_scale");
+      .template Ret<ffi::Buffer<ffi::F32>>();  // scales [R, ceil(H/128)]
 }
 
 // The operands and attributes of the activate_quantize_fp8 handlers, appended to `binding`.

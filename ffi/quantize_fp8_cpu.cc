@@ -3,8 +3,8 @@
 // transposed), quantize_fp8_group_cols (the wgrad's 128 x 1 column tiles per group,
 // transposed), activate_quantize_fp8 (the expert activation and its row quantisation),
 // activate_grad_quantize_fp8 (its backward and the row quantisation of d h) and
-// gather_quantize_fp8_rows (scaled rows gathered through an index and their row
-// quantisation) on the host platform. One quantisation function for rows, blocks and
+// expand_quantize_fp8_rows (token rows expanded into the rows of their pairs, scaled, and
+// their row quantisation) on the host platform. One quantisation function for rows, blocks and
 // weights, the tile height fixed per symbol.
 #include <cstdint>
 
@@ -60,12 +60,12 @@ ffi::Error activate_grad_quantize(ffi::AnyBuffer h, ffi::AnyBuffer da, ffi::Resu
   return ffi::Error::Success();
 }
 
-ffi::Error gather_quantize(ffi::AnyBuffer values, ffi::AnyBuffer src, ffi::AnyBuffer scale,
+ffi::Error expand_quantize(ffi::AnyBuffer values, ffi::AnyBuffer slots, ffi::AnyBuffer factor,
                            ffi::Result<ffi::AnyBuffer> rows, ffi::Result<ffi::AnyBuffer> q,
                            ffi::ResultBuffer<ffi::F32> scales, bool pow2_scale) {
-  auto p = ffi_args::decode_fp8_gather_quantize(values, src, scale, *rows, *q, *scales, pow2_scale);
+  auto p = ffi_args::decode_fp8_expand_quantize(values, slots, factor, *rows, *q, *scales, pow2_scale);
   if (p.has_error()) return p.error();
-  cpu::fp8_gather_quantize(*p);
+  cpu::fp8_expand_quantize(*p);
   return ffi::Error::Success();
 }
 
@@ -89,5 +89,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaQuantizeFp8GroupColsCpu, moe_xla::quantize_g
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaActivateGradQuantizeFp8Cpu, moe_xla::activate_grad_quantize,
                               moe_xla::ffi_args::bind_fp8_activate_grad_quantize(ffi::Ffi::Bind()));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaGatherQuantizeFp8RowsCpu, moe_xla::gather_quantize,
-                              moe_xla::ffi_args::bind_fp8_gather_quantize(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaExpandQuantizeFp8RowsCpu, moe_xla::expand_quantize,
+                              moe_xla::ffi_args::bind_fp8_expand_quantize(ffi::Ffi::Bind())
+                                  .Attr<bool>("pow2_scale"));

@@ -2,11 +2,12 @@
 // (128 x 128 blocks), quantize_fp8_weights (the blocks in both layouts, q and q
 // transposed, in one kernel), activate_quantize_fp8 (the expert activation and its row
 // quantisation), activate_grad_quantize_fp8 (its backward and the row quantisation of
-// d h) and gather_quantize_fp8_rows (scaled rows gathered through an index and their row
-// quantisation) on CUDA: decode, validate and enqueue cuda::fp8_quantize /
-// cuda::fp8_activate_quantize / cuda::fp8_activate_grad_quantize /
-// cuda::fp8_gather_quantize on XLA's stream (no host sync, no scratch; command-buffer
-// compatible). One quantisation function, the tile height fixed per symbol.
+// d h) and expand_quantize_fp8_rows (token rows expanded into the rows of their pairs,
+// scaled, and their row quantisation) on CUDA: decode, validate and enqueue
+// cuda::fp8_quantize / cuda::fp8_activate_quantize / cuda::fp8_activate_grad_quantize /
+// cuda::fp8_expand_quantize on XLA's stream (no host sync, no scratch: the expansion's
+// row owners live in a workspace result, ffi/workspace.h; command-buffer compatible).
+// One quantisation function, the tile height fixed per symbol.
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
@@ -15,6 +16,7 @@
 #include "cuda/fp8_quantize.h"
 #include "ffi/fp8_quantize_args.h"
 #include "ffi/status.h"
+#include "ffi/workspace.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -54,12 +56,16 @@ ffi::Error activate_grad_quantize(cudaStream_t stream, ffi::AnyBuffer h, ffi::An
   return ffi_args::to_error(cuda::fp8_activate_grad_quantize(*p, stream), "activate_grad_quantize_fp8");
 }
 
-ffi::Error gather_quantize(cudaStream_t stream, ffi::AnyBuffer values, ffi::AnyBuffer src, ffi::AnyBuffer scale,
+ffi::Error expand_quantize(cudaStream_t stream, ffi::AnyBuffer values, ffi::AnyBuffer slots, ffi::AnyBuffer factor,
                            ffi::Result<ffi::AnyBuffer> rows, ffi::Result<ffi::AnyBuffer> q,
-                           ffi::ResultBuffer<ffi::F32> scales, bool pow2_scale) {
-  auto p = ffi_args::decode_fp8_gather_quantize(values, src, scale, *rows, *q, *scales, pow2_scale);
+                           ffi::ResultBuffer<ffi::F32> scales, ffi::Result<ffi::AnyBuffer> workspace_buffer,
+                           bool pow2_scale) {
+  auto p = ffi_args::decode_fp8_expand_quantize(values, slots, factor, *rows, *q, *scales, pow2_scale);
   if (p.has_error()) return p.error();
-  return ffi_args::to_error(cuda::fp8_gather_quantize(*p, stream), "gather_quantize_fp8_rows");
+  const char* op = "expand_quantize_fp8_rows";
+  auto workspace = ffi_args::workspace(*workspace_buffer, cuda::fp8_expand_workspace_bytes(*p), op);
+  if (workspace.has_error()) return workspace.error();
+  return ffi_args::to_error(cuda::fp8_expand_quantize(*p, *workspace, stream), op);
 }
 
 }  // namespace
@@ -90,7 +96,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaActivateGradQuantizeFp8Cuda, moe_xla::activa
                                   ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaGatherQuantizeFp8RowsCuda, moe_xla::gather_quantize,
-                              moe_xla::ffi_args::bind_fp8_gather_quantize(
-                                  ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaExpandQuantizeFp8RowsCuda, moe_xla::expand_quantize,
+                              moe_xla::ffi_args::bind_fp8_expand_quantize(
+                                  ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>())
+                                  .Ret<ffi::AnyBuffer>()  // workspace u8[MoeXlaExpandQuantizeFp8RowsWorkspaceBytes(R, T*k)]
+                                  .Attr<bool>("pow2_scale"),
                               {ffi::Traits::kCmdBufferCompatible});
+
+// Workspace bytes of an expand_quantize_fp8_rows call of `rows` rows and `pairs` (T*k)
+// pairs, any width and dtype (called from Python through ctypes when lowering).
+extern "C" int64_t MoeXlaExpandQuantizeFp8RowsWorkspaceBytes(int64_t rows, int64_t pairs) {
+  return static_cast<int64_t>(moe_xla::cuda::fp8_expand_workspace_bytes(rows, pairs));
+}

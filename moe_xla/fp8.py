@@ -17,8 +17,8 @@
                           (activate_grad_quantize_fp8) for the product's dgrad.
     gmm_combine_fp8       the expert MLP's second product and the weighted combine:
                           y = unpermute(gmm_fp8_blockwise(a, w), row_map, weights), whose
-                          backward gathers d out = weight * d y[token] and its FP8 rows in one
-                          kernel (gather_quantize_fp8_rows) for the product's dgrad.
+                          backward expands d y into d out = weight * d y[token] and its FP8
+                          rows in one kernel (expand_quantize_fp8_rows) for the product's dgrad.
 
 Forward: out = gmm_fp8(Q_rows(lhs), Q_blocks(w)) (primitives/gmm_fp8.py states the sum).
 Backward, the straight-through estimate (quantisation's derivative taken as 1):
@@ -56,7 +56,7 @@ import moe_xla._rows as _rows
 from moe_xla.primitives import _fp8
 from moe_xla.primitives.activate_grad_quantize_fp8 import activate_grad_quantize_fp8
 from moe_xla.primitives.activate_quantize_fp8 import activate_quantize_fp8
-from moe_xla.primitives.gather_quantize_fp8_rows import gather_quantize_fp8_rows
+from moe_xla.primitives.expand_quantize_fp8_rows import expand_quantize_fp8_rows
 from moe_xla.primitives.gmm_fp8 import gmm_fp8
 from moe_xla.primitives.quantize_fp8_group_cols import quantize_fp8_group_cols
 from moe_xla.primitives.quantize_fp8_rows import quantize_fp8_rows
@@ -210,10 +210,11 @@ def _gmm_combine_bwd(wgrad_kind, saved, dy):
     t, k = route_weights.shape
     slots = row_map.reshape(t, k)
     with jax.named_scope(_COMBINE):
-        # unpermute's transpose in out (one gather, as its unique_rows rule) with the FP8
-        # rows of the result from the same pass; its transpose in the weights as unpermute's.
-        token, factor = _rows.expansion_sources(slots, route_weights, num_pairs=out.shape[0])
-        d_out, q, scales = gather_quantize_fp8_rows(dy.astype(out.dtype), token, factor.astype(jnp.float32))
+        # unpermute's transpose in out (each dy row read once, written to its k rows) with
+        # the FP8 rows of the result from the same pass; its transpose in the weights as
+        # unpermute's.
+        d_out, q, scales = expand_quantize_fp8_rows(dy.astype(out.dtype), slots, route_weights.astype(jnp.float32),
+                                                    out.shape[0])
         d_route = _rows.row_dots(dy, out, slots).astype(route_weights.dtype)
     with jax.named_scope(_PRODUCT_OUT):
         grads = _grads(d_out, (q, scales), residuals, wgrad_kind)
@@ -276,11 +277,12 @@ def gmm_combine_fp8(lhs, rhs, group_sizes, row_map, weights, *, lhs_quantized=No
     combine y[t] = sum_j weights[t, j] out[row_map[t*k + j]] ([T, N]; row_map is permute's,
     naming each row at most once). lhs, rhs, lhs_quantized, rhs_quantized and wgrad as
     gmm_fp8_blockwise's. Differentiable w.r.t. lhs, an array rhs and weights: the backward
-    gathers d out[r] = weights[t, j] dy[t] for r = row_map[t*k + j] (0 for rows no entry
-    names) and its FP8 rows in one kernel (gather_quantize_fp8_rows), bitwise what
-    unpermute's transpose (unique_rows: gather_rows) and quantize_fp8_rows give, both making
-    products of magnitude <= 2^-126 signed zeros (fp8::scaled_element), then the product's
-    rules with those rows; d weights is unpermute's. The
+    writes d out[r] = weights[t, j] dy[t] for r = row_map[t*k + j] (0 for rows no entry
+    names) and its FP8 rows in one kernel that reads each dy row once
+    (expand_quantize_fp8_rows), bitwise what unpermute's transpose (unique_rows:
+    gather_rows) and quantize_fp8_rows give, both making products of magnitude <= 2^-126
+    signed zeros (fp8::scaled_element), then the product's rules with those rows; d weights
+    is unpermute's. The
     product's output [T*k, N] is kept for d weights even when weights need no gradient."""
     _check_wgrad("gmm_combine_fp8", wgrad)
     if jnp.shape(lhs)[:1] != jnp.shape(row_map):

@@ -359,11 +359,22 @@ def fp8_scaled_element(scale, x):
     return to_signed_zero(to_signed_zero(scale, 0x00800000) * to_signed_zero(x, 0x00800000), 0x00800001)
 
 
-def gather_quantize_fp8_rows(values, src, scale, *, pow2_scale=False):
-    """values [T, H], src [R] int32, scale [R] float32 -> (rows [R, H] in values' dtype, q,
-    scales): rows = gather_rows(values, src, scale) (fp8_scaled_element(scale[r],
-    values[src[r]]) rounded once to values' dtype where 0 <= src[r] < T, else 0);
-    (q, scales) = quantize_fp8_rows(rows)."""
+def expand_quantize_fp8_rows(values, slots, factor, num_rows: int, *, pow2_scale=False):
+    """values [T, H], slots [T, k] int32, factor [T, k] float32 -> (rows [num_rows, H] in
+    values' dtype, q, scales): row r is owned by the last pair p = t * k + j (row-major)
+    with slots[t, j] = r, and rows[r] = gather_rows(values, src, scale)[r] with src[r] = t,
+    scale[r] = factor[t, j] (fp8_scaled_element(factor[t, j], values[t]) rounded once to
+    values' dtype); rows no pair names are 0; (q, scales) = quantize_fp8_rows(rows)."""
+    t, k = slots.shape
+    pair = jnp.arange(t * k, dtype=jnp.int32)
+    flat = slots.reshape(-1)
+    named = (flat >= 0) & (flat < num_rows)
+    owner = jnp.full((num_rows,), -1, jnp.int32).at[jnp.where(named, flat, num_rows)].max(pair, mode="drop")
+    src = jnp.where(owner >= 0, owner // max(k, 1), -1)
+    if t * k:
+        scale = jnp.where(owner >= 0, factor.reshape(-1)[jnp.maximum(owner, 0)], 0.0)
+    else:
+        scale = jnp.zeros((num_rows,), jnp.float32)
     rows = gather_rows(values, src, scale)
     return (rows, *quantize_fp8_rows(rows, pow2_scale=pow2_scale))
 

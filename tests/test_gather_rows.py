@@ -20,7 +20,7 @@ import pytest
 from conftest import ON_GPU, requires_gpu
 from jax.test_util import check_grads
 from test_fp8_quantize import _reference_on, tricky
-from test_gather_quantize_fp8_rows import _bits, assert_rows_bitwise
+from test_expand_quantize_fp8_rows import _bits, assert_rows_bitwise
 
 import moe_xla
 from moe_xla import reference

@@ -232,7 +232,7 @@ def test_the_layer_quantises_each_cotangent_in_the_pass_that_makes_it(rng):
     hlo = jax.jit(jax.grad(_loss("fp8_blockwise"), argnums=(0, 1, 2, 3))).lower(
         x, logits, w_in, w_out, ct).as_text()
     assert hlo.count("moe_xla_quantize_fp8_rows") == 1
-    assert hlo.count("moe_xla_gather_quantize_fp8_rows") == 1
+    assert hlo.count("moe_xla_expand_quantize_fp8_rows") == 1
     assert hlo.count("moe_xla_activate_grad_quantize_fp8") == 1
 
 

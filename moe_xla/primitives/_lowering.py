@@ -49,8 +49,8 @@ _REFERENCE = {
     "activate_weighted_grad": lambda h, g, omega, **params: list(reference.activate_weighted_grad(h, g, omega, **params)),
     "gather_rows": lambda values, src, *factor, has_factor, unique_sources: reference.gather_rows(
         values, src, *factor),
-    "gather_quantize_fp8_rows": lambda values, src, scale, **params: list(
-        reference.gather_quantize_fp8_rows(values, src, scale, **params)),
+    "expand_quantize_fp8_rows": lambda values, slots, factor, num_rows, **params: list(
+        reference.expand_quantize_fp8_rows(values, slots, factor, num_rows, **params)),
     "gmm_fp8": reference.gmm_fp8,
     "tgmm_fp8": reference.tgmm_fp8,
 }

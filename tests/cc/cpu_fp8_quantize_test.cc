@@ -1,6 +1,6 @@
 // The FP8 rules of common/fp8_blockwise.h against brute force, and the CPU kernels' tilings
 // (rows, blocks and their transposed copy, and the wgrad's group column tiles written transposed);
-// the gathered product and rows of the fused gather.
+// the scaled product and the rows of the fused expansion.
 //
 // e4m3: the 126 positive finite float8_e4m3fn values are written down from the format's
 // definition (ldexp, double precision); for every float32 in [2^-12, 480] (both signs) and
@@ -257,7 +257,7 @@ void test_group_cols() {
   check(q_t[1 * width + 128 * 2 + 1] == 0x7f, "NaN in group 3's tile", 131);
 }
 
-// The gathered product in this process, which multiplies with gradual underflow (XLA's CPU
+// The scaled product in this process, which multiplies with gradual underflow (XLA's CPU
 // threads flush denormals, which would hide a missing flush): subnormal operands count as
 // zeros, products of magnitude at most 2^-126 are zeros of their sign, including one whose
 // exact value, in 2^-126 [1 - 2^-24, 1 - 2^-25), gradual underflow rounds up to 2^-126.
@@ -276,30 +276,33 @@ void test_scaled_element() {
   check(fp8::scaled_element(3.0f, -0.5f) == -1.5f, "a product", 0);
 }
 
-// values [3, 130] bf16 gathered by src {2, -1, 3, 0, 2, 2147483647}: rows rnd(scale r x),
-// zero rows (q 0, scales 1) where src names no row, q and scales those of the rows as stored.
-void test_gather() {
-  const int64_t t = 3, r = 6, h = 130;
+// values [3, 130] bf16 expanded by slots {{2, -1}, {0, 2}, {7, 4}} into 5 rows: row 2 is
+// named by pairs 0 and 3 and takes pair 3's term (the last), row 0 pair 2's, row 4 pair
+// 5's; rows 1 and 3 (named by none; -1 and 7 name no row) are zero rows (q 0, scales 1);
+// q and scales those of the rows as stored.
+void test_expand() {
+  const int64_t t = 3, k = 2, r = 5, h = 130;
   std::vector<uint16_t> values(t * h), out(r * h, 0xAAAA);
   for (int64_t i = 0; i < t * h; ++i) values[i] = float_bf16((static_cast<float>((i * 37) % 101) - 50.0f) / 7.0f);
-  const int32_t src[] = {2, -1, 3, 0, 2, 2147483647};
-  const float scale[] = {0.3f, 1.0f, 2.0f, -1e-40f, 1e30f, 5.0f};
+  const int32_t slots[] = {2, -1, 0, 2, 7, 4};
+  const float factor[] = {0.3f, 1.0f, -1e-40f, 2.0f, 1e30f, 5.0f};
+  const int64_t owner[] = {2, -1, 3, -1, 5};
   std::vector<uint8_t> q(r * h, 0xAA), q_want(r * h);
   std::vector<float> scales(r * 2, -1.0f), scales_want(r * 2);
-  Fp8GatherQuantizeParams p{values.data(), DType::kBF16, src, scale, t, out.data(), q.data(), scales.data(),
+  Fp8ExpandQuantizeParams p{values.data(), DType::kBF16, slots, factor, t, k, out.data(), q.data(), scales.data(),
                             r, h, false};
-  cpu::fp8_gather_quantize(p);
+  cpu::fp8_expand_quantize(p);
   for (int64_t i = 0; i < r; ++i) {
-    const bool named = src[i] >= 0 && src[i] < t;
     for (int64_t c = 0; c < h; ++c) {
-      const uint16_t want =
-          named ? float_bf16(fp8::scaled_element(scale[i], bf16_float(values[src[i] * h + c]))) : uint16_t{0};
-      check(out[i * h + c] == want, "gathered element", static_cast<double>(i * h + c));
+      const uint16_t want = owner[i] < 0 ? uint16_t{0}
+                                         : float_bf16(fp8::scaled_element(factor[owner[i]],
+                                                                          bf16_float(values[owner[i] / k * h + c])));
+      check(out[i * h + c] == want, "expanded element", static_cast<double>(i * h + c));
     }
   }
   cpu::fp8_quantize({out.data(), DType::kBF16, q_want.data(), nullptr, scales_want.data(), 1, r, h, 1, false});
   check(q == q_want && scales == scales_want, "q and scales of the rows as stored", 0);
-  check(scales[2] == 1.0f && scales[3] == 1.0f && q[h] == 0, "a row of no value: scale 1, q 0", 0);
+  check(scales[2] == 1.0f && scales[6] == 1.0f && q[h] == 0 && q[3 * h] == 0, "a row of no pair: scale 1, q 0", 0);
 }
 
 }  // namespace
@@ -316,7 +319,7 @@ int main() {
   test_kernel();
   test_group_cols();
   test_scaled_element();
-  test_gather();
+  test_expand();
   std::printf("%s: %d failures\n", failures ? "FAIL" : "PASS", failures);
   return failures ? 1 : 0;
 }
