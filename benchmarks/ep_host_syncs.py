@@ -20,7 +20,8 @@ time per step (host_ms: the median over --host-reps batches of the wall time to 
 --steps back-to-back steps, divided by the steps; the device drained before each batch, so
 the host enqueues ahead of it and waits only on itself), with its ratio to moe()'s
 (host_vs_moe): a step that the host drives iteration by iteration, or that reads back a
-predicate, costs host time here even where the trace shows no copy. With --graph-loops every
+predicate, costs host time here even where the trace shows no copy. temp_mib: the compiled
+step's temporary buffers (XLA's memory analysis). With --graph-loops every
 step is also built with while loops and conditionals in XLA:GPU's command buffers (column
 command_buffers), which runs a loop of known trip count without the host.
 
@@ -113,7 +114,8 @@ def main():
         row = {"layer": name, "command_buffers": build, "case": case["name"], "tokens": args.tokens,
                "while_loops": len(re.findall(r"\swhile\(", hlo)),
                **count_syncs(step, (*inputs, ct), args.steps),
-               "host_ms": host_ms(step, (*inputs, ct), args.steps, args.host_reps)}
+               "host_ms": host_ms(step, (*inputs, ct), args.steps, args.host_reps),
+               "temp_mib": step.memory_analysis().temp_size_in_bytes / 2 ** 20}
         moe_row = next(r for r in rows + [row] if r["layer"] == "moe()" and r["command_buffers"] == build)
         row["host_vs_moe"] = row["host_ms"] / moe_row["host_ms"]
         rows.append(row)
@@ -122,7 +124,7 @@ def main():
     env["steps"] = args.steps
     write_results(args.out, args.name, env, rows,
                   ["layer", "command_buffers", "tokens", "while_loops", "d2h_copies", "d2d_copies", "kernels", "host_ms",
-                   "host_vs_moe"])
+                   "host_vs_moe", "temp_mib"])
 
 
 if __name__ == "__main__":

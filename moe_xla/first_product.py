@@ -9,8 +9,8 @@
 The gather path saves the write and the read of x_sorted (2 T k H elements) in the forward;
 its kernel pays for the gather in its own throughput, so it is chosen only where the saved
 copy is worth more (benchmarks/results/LOG.md): `choose` gathers on Hopper GPUs, in bf16
-without FP8 quantization (whose rows are quantised on their way through permute,
-moe._sorted_fp8_rows), for w_in of at most GATHER_MAX_N columns (N = 2F for gated experts).
+without FP8 quantization (whose sorted rows are written with their FP8 rows in one pass,
+moe._sorted_rows_fp8), for w_in of at most GATHER_MAX_N columns (N = 2F for gated experts).
 GatheredRows.gmm is a custom_jvp whose primal is gather_gmm. Its derivative rule is either
 gather_gmm's own (`derivative_gathers`): the weight gradient gather_tgmm reads the rows
 through src as well, and d x is d x_sorted summed back to the tokens through permute's

@@ -16,6 +16,8 @@ token, no host synchronisation. Each stage runs under jax.named_scope("moe_xla/<
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -26,7 +28,7 @@ from moe_xla.ep.layer import moe_ep
 from moe_xla.experts import expert_mlp, shared_mlp
 from moe_xla.fp8 import Fp8Weights
 from moe_xla.grouped import check_quantization, is_fp8
-from moe_xla.primitives.quantize_fp8_rows import quantize_fp8_rows
+from moe_xla.primitives.expand_quantize_fp8_rows import expand_quantize_fp8_rows
 from moe_xla.primitives import _checks
 from moe_xla.primitives.permute import permute
 from moe_xla.primitives.route import route
@@ -86,19 +88,33 @@ def _check_quantized_weights(w_in, w_out, quantized_weights, quantization):
     return tuple(quantized_weights)
 
 
-def _sorted_fp8_rows(x, x_sorted, ids, experts):
-    """quantize_fp8_rows(x_sorted), bitwise, from the T tokens instead of the T*k sorted
-    rows: x is quantised in token order (1 x 128 row tiles do not depend on the row order)
-    and its FP8 rows and scales are put in expert order by permute with the same ids (the
-    same stable sort as x_sorted's). k times less quantisation work. permute moves float
-    rows, so the E4M3 bytes travel in pairs as bf16 bits; an odd H quantises x_sorted."""
-    t, h = x.shape
-    if h % 2:
-        return quantize_fp8_rows(jax.lax.stop_gradient(x_sorted))
-    q, scales = quantize_fp8_rows(jax.lax.stop_gradient(x))
-    pairs = jax.lax.bitcast_convert_type(q.reshape(t, h // 2, 2), jnp.bfloat16)
-    q_sorted = jax.lax.bitcast_convert_type(permute(pairs, ids, experts)[0], q.dtype).reshape(-1, h)
-    return q_sorted, permute(scales, ids, experts)[0]
+def _sorted_rows_fp8(x, expert_ids, num_experts: int):
+    """permute(x, expert_ids, num_experts) with quantize_fp8_rows of its rows, in one pass
+    over the tokens: (x_sorted, group_sizes, row_map, (q, scales)). permute's sort alone
+    (zero-width rows) gives group_sizes and row_map; expand_quantize_fp8_rows with the row
+    map as slots and factor 1 reads each token row once and writes its k sorted rows, in
+    x's dtype and quantised (1 x 128 row tiles do not depend on the row order). The copy
+    equals permute's except that entries of magnitude below 2^-126 are zeros, as the
+    quantisation sees them; x_sorted is differentiated as permute's rows in x."""
+    t, k = expert_ids.shape
+    _, group_sizes, row_map = permute(jnp.zeros((t, 0), x.dtype), expert_ids, num_experts)
+    rows, q, scales = expand_quantize_fp8_rows(jax.lax.stop_gradient(x), row_map.reshape(t, k),
+                                               jnp.ones((t, k), jnp.float32), t * k)
+    return _permuted_rows(rows, x, expert_ids, num_experts), group_sizes, row_map, (q, scales)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(3,))
+def _permuted_rows(rows, x, expert_ids, num_experts):
+    """rows, which hold permute(x, expert_ids, num_experts)'s rows, with permute's tangent in x."""
+    return rows
+
+
+@_permuted_rows.defjvp
+def _permuted_rows_jvp(num_experts, primals, tangents):
+    rows, _, expert_ids = primals
+    # rows is computed from stop_gradient(x): its tangent is zero. Without a tangent of x
+    # JAX does not call this rule.
+    return rows, permute(tangents[1], expert_ids, num_experts)[0]
 
 
 def moe(x, router_logits, w_in, w_out, *, top_k, activation="swiglu", score="softmax", bias=None, n_groups=None,
@@ -159,11 +175,13 @@ def moe(x, router_logits, w_in, w_out, *, top_k, activation="swiglu", score="sof
         weights, ids = route(logits2, top_k, score=score, bias=bias, n_groups=n_groups, topk_groups=topk_groups,
                              renormalize=renormalize, scale=scale)
     with jax.named_scope("moe_xla/dispatch"):
-        if first_product.choose(x2, w_in, top_k, quantization) == "gather":
+        x_quantized = None
+        if is_fp8(quantization):
+            x_sorted, group_sizes, row_map, x_quantized = _sorted_rows_fp8(x2, ids, experts)
+        elif first_product.choose(x2, w_in, top_k, quantization) == "gather":
             x_sorted, group_sizes, row_map = first_product.sorted_rows(x2, ids, experts)  # no copy of x
         else:
             x_sorted, group_sizes, row_map = permute(x2, ids, experts)
-        x_quantized = _sorted_fp8_rows(x2, x_sorted, ids, experts) if is_fp8(quantization) else None
     y = expert_mlp(x_sorted, w_in, w_out, group_sizes, activation, quantization, x_quantized, quantized_weights,
                    combine=(row_map, weights))
     if shared_experts is not None:

@@ -166,10 +166,11 @@ def test_expert_parallel_dispatch_sends_fp8_rows(rng, quantization):
         assert rows == ["bf16", "f32", "ui8"]
 
 
-@pytest.mark.parametrize("h", [H, 129], ids=["even_H", "odd_H"])  # FP8 rows permuted as bf16 pairs / sorted rows
+@pytest.mark.parametrize("h", [H, 129], ids=["even_H", "odd_H"])
 def test_token_order_quantisation_equals_quantising_the_sorted_rows(rng, h):
-    """moe() quantises the T tokens and gathers their FP8 rows into expert order; the result
-    must be bitwise that of quantising the T*k sorted rows (forward and gradients)."""
+    """moe() writes the sorted rows and their FP8 rows in one pass over the tokens; the
+    result must be bitwise that of permuting, then quantising the T*k sorted rows (forward
+    and gradients)."""
     from moe_xla.experts import expert_mlp
 
     x, logits, w_in, w_out = _inputs(rng, h=h)
@@ -192,8 +193,35 @@ def test_token_order_quantisation_equals_quantising_the_sorted_rows(rng, h):
     for a, b in zip(g_moe, g_ref):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
     hlo = jax.jit(moe_layer).lower(x, logits, w_in, w_out).as_text()
-    assert hlo.count("moe_xla_quantize_fp8_rows") == 1, "x once in token order; not x_sorted"
+    assert hlo.count("moe_xla_expand_quantize_fp8_rows") == 1, "x read once for the sorted rows and their FP8 rows"
+    assert hlo.count("moe_xla_quantize_fp8_rows") == 0, "no second quantisation of x or x_sorted"
     assert hlo.count("moe_xla_activate_quantize_fp8") == 1, "act(h) and its rows in one kernel"
+
+
+def test_sorted_rows_in_one_pass_are_permute_and_its_quantisation(rng):
+    """moe._sorted_rows_fp8: permute's rows, group sizes and row map (entries below 2^-126
+    in magnitude as zeros), quantize_fp8_rows of those rows bitwise, and permute's
+    cotangent in x."""
+    from moe_xla.moe import _sorted_rows_fp8
+
+    x = normal(rng, (T, H), jnp.bfloat16)
+    tiny = jnp.asarray(np.ldexp(np.float32(1.5), -130), jnp.bfloat16)  # a bf16 subnormal of float32's range
+    x = x.at[3, 5].set(tiny).at[7, 200].set(-tiny)
+    _, ids = moe_xla.route(normal(rng, (T, E), jnp.float32), K)
+    x_sorted, group_sizes, row_map, (q, scales) = jax.jit(_sorted_rows_fp8, static_argnums=2)(x, ids, E)
+    flushed = np.asarray(x, np.float32)
+    flushed = np.where(np.abs(flushed) < np.ldexp(np.float32(1), -126), np.copysign(np.float32(0), flushed), flushed)
+    want_rows, want_sizes, want_map = moe_xla.permute(jnp.asarray(flushed, jnp.bfloat16), ids, E)
+    np.testing.assert_array_equal(np.asarray(group_sizes), np.asarray(want_sizes))
+    np.testing.assert_array_equal(np.asarray(row_map), np.asarray(want_map))
+    np.testing.assert_array_equal(np.asarray(x_sorted, np.float32), np.asarray(want_rows, np.float32))
+    want_q, want_scales = moe_xla.quantize_fp8_rows(want_rows)
+    np.testing.assert_array_equal(np.asarray(q).view(np.uint8), np.asarray(want_q).view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(scales), np.asarray(want_scales))
+    ct = normal(rng, x_sorted.shape, jnp.float32)
+    dx = jax.grad(lambda x: jnp.sum(_sorted_rows_fp8(x, ids, E)[0].astype(jnp.float32) * ct))(x)
+    dx_permute = jax.grad(lambda x: jnp.sum(moe_xla.permute(x, ids, E)[0].astype(jnp.float32) * ct))(x)
+    np.testing.assert_array_equal(np.asarray(dx, np.float32), np.asarray(dx_permute, np.float32))
 
 
 @pytest.mark.parametrize("wgrad", ["bf16", "fp8"])
@@ -225,14 +253,15 @@ def test_fused_combine_equals_the_product_then_unpermute(rng, wgrad):
 
 
 def test_the_layer_quantises_each_cotangent_in_the_pass_that_makes_it(rng):
-    """One forward+backward of the FP8 layer: x's rows quantised once (token order), d out
-    in the combine's gather, d h in the activation's backward: no other row quantisation."""
+    """One forward+backward of the FP8 layer: x's rows quantised as they are expanded into
+    expert order, d out as the combine's transpose expands it, d h in the activation's
+    backward: no other row quantisation."""
     x, logits, w_in, w_out = _inputs(rng)
     ct = normal(rng, (T, H), jnp.float32)
     hlo = jax.jit(jax.grad(_loss("fp8_blockwise"), argnums=(0, 1, 2, 3))).lower(
         x, logits, w_in, w_out, ct).as_text()
-    assert hlo.count("moe_xla_quantize_fp8_rows") == 1
-    assert hlo.count("moe_xla_expand_quantize_fp8_rows") == 1
+    assert hlo.count("moe_xla_quantize_fp8_rows") == 0
+    assert hlo.count("moe_xla_expand_quantize_fp8_rows") == 2
     assert hlo.count("moe_xla_activate_grad_quantize_fp8") == 1
 
 
