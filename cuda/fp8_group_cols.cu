@@ -47,13 +47,13 @@ constexpr int kWarpColLanes = 8, kWarpRowGroups = 4;
 constexpr int kWarps = kThreads / 32;
 constexpr int kBlocksPerCta = 4;  // column blocks per CTA (one scan each)
 
-// CTAs per SM the register cap keeps resident: 64 registers hold a thread's 8 x 8 16-bit
-// elements, float32 needs 128.
-template <DType D>
-constexpr int kMinCtas = D == DType::kF32 ? 2 : 3;
+// CTAs per SM: the register cap of 2 (128 registers) holds a thread's 8 x 8 elements and
+// the column amax's second, exact pass without spilling (at 3 CTAs, 80 registers, the
+// 16-bit kernels spilled and took 3% longer over the benchmark cases; LOG.md, session 24).
+constexpr int kMinCtas = 2;
 
 template <DType D, bool kVec>
-__global__ void __launch_bounds__(kThreads, kMinCtas<D>)
+__global__ void __launch_bounds__(kThreads, kMinCtas)
     quantize_group_cols_kernel(const typename Elem<D>::Bits* __restrict__ x, const int32_t* __restrict__ group_sizes,
                                int64_t num_groups, uint8_t* __restrict__ q_t, float* __restrict__ scales,
                                int64_t rows, int64_t cols, bool pow2) {
@@ -105,23 +105,32 @@ __global__ void __launch_bounds__(kThreads, kMinCtas<D>)
       }
     }
     // Column amax: over the thread's rows, the warp's row groups (lanes l, l + 8, l + 16,
-    // l + 24 share columns), then the warps of the same column half. A block with an inf or
-    // NaN anywhere codes element by element (fp8_tile_codes.cuh).
-    bool nonfinite = false;
+    // l + 24 share columns), then the warps of the same column half. First as the row
+    // tiles do it, max.NaN of |x| (one instruction per element): for finite elements it is
+    // the amax of their tile magnitudes once TileCoder::of reads a subnormal amax as 0.
+    // A block with an inf or NaN anywhere takes the amax of tile_magnitude instead, and
+    // codes element by element (fp8_tile_codes.cuh).
+    // Returns whether one of the thread's own partial maxima is not finite (with max.NaN:
+    // whether one of its elements is an inf or NaN).
+    auto column_amax = [&](auto magnitude, auto max2) {
+      bool nonfinite = false;
 #pragma unroll
-    for (int j = 0; j < kLaneCols; ++j) {
-      float amax = 0.0f;
+      for (int j = 0; j < kLaneCols; ++j) {
+        float amax = 0.0f;
 #pragma unroll
-      for (int i = 0; i < kRowRuns; ++i) {
-        const float v = Elem<D>::to_float(raw[i].get(j));
-        amax = fmaxf(amax, fp8::tile_magnitude(v));
-        nonfinite |= !detail::finite_amax(fabsf(v));
+        for (int i = 0; i < kRowRuns; ++i) amax = max2(amax, magnitude(Elem<D>::to_float(raw[i].get(j))));
+        nonfinite |= !detail::finite_amax(amax);
+        amax = max2(amax, __shfl_xor_sync(detail::kFullWarp, amax, kWarpColLanes));
+        amax = max2(amax, __shfl_xor_sync(detail::kFullWarp, amax, 2 * kWarpColLanes));
+        if (lane < kWarpColLanes) warp_amax[warp / 2][col + j] = amax;
       }
-      amax = fmaxf(amax, __shfl_xor_sync(detail::kFullWarp, amax, kWarpColLanes));
-      amax = fmaxf(amax, __shfl_xor_sync(detail::kFullWarp, amax, 2 * kWarpColLanes));
-      if (lane < kWarpColLanes) warp_amax[warp / 2][col + j] = amax;
+      return nonfinite;
+    };
+    const bool any_nonfinite = __syncthreads_or(column_amax([](float v) { return fabsf(v); }, detail::max_nan));
+    if (any_nonfinite) {  // the same for the whole CTA
+      column_amax(fp8::tile_magnitude, fmaxf);
+      __syncthreads();
     }
-    const bool any_nonfinite = __syncthreads_or(nonfinite);
     if (t < fp8::kTile) {
       float amax = 0.0f;
 #pragma unroll
