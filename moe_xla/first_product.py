@@ -60,11 +60,9 @@ def forced(mode: str):
     return _override.forced(mode)
 
 
-def choose(x, w_in, top_k: int, quantization) -> str:
-    """"gather" or "copy" for moe()'s first product of x [T, H] and w_in [E, H, N] (module
-    docstring), unless `forced`."""
-    if quantization is not None:
-        return "copy"
+def choose(x, w_in, top_k: int) -> str:
+    """"gather" or "copy" for moe()'s unquantised first product of x [T, H] and w_in
+    [E, H, N] (module docstring), unless `forced`."""
     if _override.mode != "auto":
         return _override.mode
     gathers = (jax.default_backend() == "gpu" and _lib.local_gpus_hopper() and jnp.dtype(x.dtype) == jnp.bfloat16

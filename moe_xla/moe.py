@@ -178,7 +178,7 @@ def moe(x, router_logits, w_in, w_out, *, top_k, activation="swiglu", score="sof
         x_quantized = None
         if is_fp8(quantization):
             x_sorted, group_sizes, row_map, x_quantized = _sorted_rows_fp8(x2, ids, experts)
-        elif first_product.choose(x2, w_in, top_k, quantization) == "gather":
+        elif first_product.choose(x2, w_in, top_k) == "gather":
             x_sorted, group_sizes, row_map = first_product.sorted_rows(x2, ids, experts)  # no copy of x
         else:
             x_sorted, group_sizes, row_map = permute(x2, ids, experts)

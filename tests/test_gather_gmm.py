@@ -395,22 +395,19 @@ def test_moe_gathers_on_the_gpu_by_default(rng):
 
 def test_choose(monkeypatch):
     x, w = jnp.zeros((64, 4096), jnp.bfloat16), jnp.zeros((8, 4096, 1024), jnp.bfloat16)
-    assert first_product.choose(x, w, 8, "fp8_blockwise") == "copy"
     monkeypatch.setattr(first_product.jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(first_product._lib, "local_gpus_hopper", lambda: True)
-    assert first_product.choose(x, w, 8, None) == "gather"
-    assert first_product.choose(x, jnp.zeros((8, 4096, 1032), jnp.bfloat16), 8, None) == "copy"
-    assert first_product.choose(x.astype(jnp.float32), w, 8, None) == "copy"
-    assert first_product.choose(x[:, :4092], w[:, :4092], 8, None) == "copy"  # K not a multiple of 8
+    assert first_product.choose(x, w, 8) == "gather"
+    assert first_product.choose(x, jnp.zeros((8, 4096, 1032), jnp.bfloat16), 8) == "copy"
+    assert first_product.choose(x.astype(jnp.float32), w, 8) == "copy"
+    assert first_product.choose(x[:, :4092], w[:, :4092], 8) == "copy"  # K not a multiple of 8
     with first_product.forced("copy"):
-        assert first_product.choose(x, w, 8, None) == "copy"
-    with first_product.forced("gather"):
-        assert first_product.choose(x, w, 8, "fp8_blockwise") == "copy"  # FP8 keeps its path
+        assert first_product.choose(x, w, 8) == "copy"
     monkeypatch.setattr(first_product._lib, "local_gpus_hopper", lambda: False)
-    assert first_product.choose(x, w, 8, None) == "copy"
+    assert first_product.choose(x, w, 8) == "copy"
     monkeypatch.setattr(first_product.jax, "default_backend", lambda: "cpu")
     monkeypatch.setattr(first_product._lib, "local_gpus_hopper", lambda: True)
-    assert first_product.choose(x, w, 8, None) == "copy"
+    assert first_product.choose(x, w, 8) == "copy"
     with pytest.raises(ValueError, match="expected a mode in"):
         with first_product.forced("fused"):
             pass

@@ -196,6 +196,9 @@ def test_token_order_quantisation_equals_quantising_the_sorted_rows(rng, h):
     assert hlo.count("moe_xla_expand_quantize_fp8_rows") == 1, "x read once for the sorted rows and their FP8 rows"
     assert hlo.count("moe_xla_quantize_fp8_rows") == 0, "no second quantisation of x or x_sorted"
     assert hlo.count("moe_xla_activate_quantize_fp8") == 1, "act(h) and its rows in one kernel"
+    with moe_xla.first_product.forced("gather"):  # FP8 keeps its path
+        forced = jax.jit(lambda *a: moe_layer(*a)).lower(x, logits, w_in, w_out).as_text()  # traced anew
+    assert forced == hlo
 
 
 def test_sorted_rows_in_one_pass_are_permute_and_its_quantisation(rng):
