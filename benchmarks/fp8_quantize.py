@@ -9,15 +9,16 @@ group_cols (quantize_fp8_group_cols of the activations with the case's G uniform
 the FP8 wgrad's 128-row column tiles, written transposed), and on the gate_up cases'
 products h [M, N] = gate | up: swiglu_rows (activate_quantize_fp8: swiglu and its row
 quantisation in one kernel, what the FP8 expert MLP runs) and swiglu_then_rows (XLA's
-swiglu, then quantize_fp8_rows of it); their backward with da [M, N/2]: swiglu_grad_rows
-(activate_grad_quantize_fp8: d h and its row quantisation in one kernel, what the FP8
-expert MLP's backward runs) and swiglu_grad_then_rows (XLA's derivative of swiglu, then
-quantize_fp8_rows of d h); on the rows [M, K] of every case as the combine's backward
+swiglu, then quantize_fp8_rows of it); their routing-weighted backward with g [M, N/2] and
+omega [M]: swiglu_grad_rows (activate_grad_quantize_fp8: d h, its row quantisation and
+d omega in one kernel, what the FP8 expert MLP's backward runs) and swiglu_grad_then_rows
+(XLA's derivative of omega * swiglu, then quantize_fp8_rows of d h); on the rows [M, K] of every case as the combine's backward
 makes them from M / 8 token rows (each token's 8 rows at random places, or as
 --row-order says: row_slots; a weight each): expand_rows (expand_quantize_fp8_rows: each
-token row read once, its weighted rows and their row quantisation written, in one kernel,
-what the FP8 layer's backward runs) and expand_then_rows (XLA's weighted expansion,
-_rows.expand_rows, then quantize_fp8_rows).
+token row read once, its weighted rows and the row quantisation of its unweighted ones
+written, in one kernel, what the FP8 layer's backward runs) and expand_then_rows (XLA's
+weighted and unweighted expansions, _rows.expand_rows, then quantize_fp8_rows of the
+unweighted).
 
     python benchmarks/fp8_quantize.py [--out benchmarks/results] [--name fp8_quantize] [--ops rows group_cols ...]
                                        [--row-order random|routed|tokens]
@@ -26,7 +27,7 @@ Shapes: the activations of the grouped_matmul cases of cases.json (rows [M, K], 
 their weights (blocks [G, K, N], bf16) and their products (swiglu [M, N], bf16). Bytes =
 input read + q written (1 byte per element, 2 with a transposed copy) + scales written (4
 bytes per tile); for swiglu, h read (2 bytes per element) + a written (2 bytes per
-output element) + q and scales of a; for its backward, h and da read, d h written with its
+output element) + q and scales of a; for its backward, h, g and omega read, d h written with its
 q and scales; for the expansions, the M / 8 token rows read once (2 bytes per element),
 the rows written with their q and scales. The copy moves 2 x the input's bytes (h's; the
 expansions: the rows' [M, K]).
@@ -86,18 +87,19 @@ def main():
         a = activate(h, "swiglu")
         return (a, *moe_xla.quantize_fp8_rows(a))
 
-    def swiglu_grad_then_rows(h, da):
-        dh = jax.vjp(lambda v: activate(v, "swiglu"), h)[1](da)[0]
-        return (dh, *moe_xla.quantize_fp8_rows(dh))
+    def swiglu_grad_then_rows(h, g, omega):
+        dh, d_omega = jax.vjp(lambda v, w: w[:, None] * activate(v, "swiglu"), h, omega)[1](g)
+        return (dh, *moe_xla.quantize_fp8_rows(dh), d_omega)
 
     def expand_then_rows(values, slots, factor):
         rows = _rows.expand_rows(values, slots, factor, num_pairs=slots.size)
-        return (rows, *moe_xla.quantize_fp8_rows(rows))
+        unweighted = _rows.expand_rows(values, slots, jnp.ones_like(factor), num_pairs=slots.size)
+        return (rows, *moe_xla.quantize_fp8_rows(unweighted))
 
     ops = {"rows": moe_xla.quantize_fp8_rows, "blocks": moe_xla.quantize_fp8_blocks,
            "weights": moe_xla.quantize_fp8_weights, "swiglu_rows": lambda h: activate_quantize_fp8(h, "swiglu"),
            "swiglu_then_rows": swiglu_then_rows,
-           "swiglu_grad_rows": lambda h, da: activate_grad_quantize_fp8(h, da, "swiglu"),
+           "swiglu_grad_rows": lambda h, g, omega: activate_grad_quantize_fp8(h, g, omega, "swiglu"),
            "swiglu_grad_then_rows": swiglu_grad_then_rows,
            "expand_rows": lambda v, s, f: expand_quantize_fp8_rows(v, s, f, s.size), "expand_then_rows": expand_then_rows}
     if args.ops:
@@ -118,9 +120,10 @@ def main():
             x = normal(jax.random.fold_in(jax.random.key(1), 3 * i + (kind != "rows") + swiglu), shape, jnp.bfloat16)
             elems = x.size
             args_of = (x,)
-            if kind.startswith("swiglu_grad"):  # h and da read, d h written with its q and scales
-                args_of = (x, normal(jax.random.fold_in(jax.random.key(2), i), (m, n // 2), jnp.bfloat16))
-                nbytes = 2 * elems + 2 * (elems // 2) + 2 * elems + elems + elems // 128 * 4
+            if kind.startswith("swiglu_grad"):  # h, g and omega read, d h written with its q and scales
+                args_of = (x, normal(jax.random.fold_in(jax.random.key(2), i), (m, n // 2), jnp.bfloat16),
+                           jax.random.uniform(jax.random.key(3), (m,)))
+                nbytes = 2 * elems + 2 * (elems // 2) + 4 * m + 2 * elems + elems + elems // 128 * 4
             elif kind.startswith("expand"):  # token rows read, rows written with their q and scales
                 tokens = m // 8
                 args_of = (x[:tokens], row_slots(args.row_order, m, g), jax.random.uniform(jax.random.key(4), (tokens, 8)))

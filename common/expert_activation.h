@@ -114,19 +114,26 @@ struct Fp8ActivateQuantizeParams {
   bool pow2_scale;
 };
 
-// Its backward fused with the 1 x 128 row quantisation of d h (what the FP8 dgrad of the
-// first product reads):
-//   h      [rows, 2F] (gated) or [rows, F], of dtype; da [rows, F] of dtype
-//   dh     [rows, cols] of dtype, cols = 2F or F: activate_grad in float32, rounded (RNE)
+// Its backward, routing-weighted, fused with the 1 x 128 row quantisation of d h (what the
+// FP8 dgrad of the first product reads): with g the cotangent of omega[r] * act(h[r]),
+//   h      [rows, 2F] (gated) or [rows, F], of dtype; g [rows, F] of dtype; omega [rows] float32
+//   dh     [rows, cols] of dtype, cols = 2F or F: activate_grad with da = omega[r] * g[r]
+//          formed in float32 (not rounded), rounded (RNE)
 //   q, scales  quantize_fp8_rows(dh): [rows, cols], [rows, ceil(cols / 128)] (tiles run
 //              across the gate | up boundary when F is not a multiple of 128)
+//   d_omega_tiles [rows, ceil(F / 128)] float32: tile t holds sum_f g[r, f] * a[r, f] over
+//          f in [128 t, 128 t + 128) and below F, a = activate(h) rounded to dtype (the a
+//          the forward multiplied); products and sums in float32, order unspecified. Their
+//          sum over t is d/d omega[r] of sum_r omega[r] <act(h[r]), g[r]>.
 struct Fp8ActivateGradQuantizeParams {
   const void* h;
-  const void* da;
-  DType dtype;  // of h, da and dh
+  const void* g;
+  const float* omega;
+  DType dtype;  // of h, g and dh
   void* dh;
   uint8_t* q;
   float* scales;
+  float* d_omega_tiles;
   int64_t rows;
   int64_t cols;  // of dh and h
   Activation activation;

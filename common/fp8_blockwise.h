@@ -243,16 +243,21 @@ MOE_XLA_HOST_DEVICE inline int64_t group_col_tiles(int64_t rows, int64_t num_gro
   return fp8::tiles(rows) + num_groups;
 }
 
-// The expansion of token rows into (token, expert) rows, scaled and fused with their
-// 1 x 128 row quantisation: the FP8 dgrad's operand in the MoE backward, where row
-// slots[t, j] is the cotangent of token t's j-th pair, factor[t, j] * ct[t]. Pair
-// p = t * top_k + j names row slots[t, j]; entries outside [0, rows) name none.
+// The expansion of token rows into (token, expert) rows, scaled, fused with the 1 x 128 row
+// quantisation of the unscaled rows: in the MoE backward row slots[t, j] of out is the
+// cotangent of token t's j-th pair weighted, factor[t, j] * ct[t] (the bf16 wgrad's
+// operand), and of q the unweighted ct[t] (the FP8 dgrad's: the routing weight enters later,
+// in the activation's backward). Pair p = t * top_k + j names row slots[t, j]; entries
+// outside [0, rows) name none.
 //   values [num_values, cols] of dtype; slots, factor [num_values, top_k] int32 / float32
 //   owner(r) = the largest p naming row r (none: -1), so each row has one writer
 //   out    [rows, cols] of dtype: out[r, c] = rnd(scaled_element(factor[p], values[p / top_k, c]))
 //          for p = owner(r) >= 0, +0 otherwise; rnd is the one rounding of the float32
 //          product to dtype (RNE)
-//   q, scales  quantize_fp8_rows(out), bitwise: [rows, cols], [rows, ceil(cols / 128)]
+//   q, scales  quantize_fp8_rows(u), bitwise: [rows, cols], [rows, ceil(cols / 128)], of
+//          the unscaled rows u[r, c] = rnd(scaled_element(1, values[p / top_k, c])) for
+//          p = owner(r) >= 0 (values with magnitudes at most 2^-126 as zeros of their sign),
+//          +0 otherwise: out's quantisation where the factors are 1
 // Each token row is read once however many rows it fills. Where slots name every row
 // once (permute's row map), out[slots[t, j]] = factor[t, j] * values[t].
 struct Fp8ExpandQuantizeParams {

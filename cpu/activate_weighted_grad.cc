@@ -8,19 +8,6 @@
 
 namespace moe_xla::cpu {
 
-namespace {
-
-float rounded(float v, DType t) {
-  switch (t) {
-    case DType::kF32: return v;
-    case DType::kBF16: return bf16_to_float(float_to_bf16(v));
-    case DType::kF16: return f16_to_float(float_to_f16(v));
-  }
-  return v;
-}
-
-}  // namespace
-
 void activate_weighted_grad(const ActivateWeightedGradParams& p) {
   const bool gated = is_gated(p.activation);
   const int64_t f = gated ? p.cols / 2 : p.cols;
@@ -34,7 +21,7 @@ void activate_weighted_grad(const ActivateWeightedGradParams& p) {
       const float da = omega * g;
       store_from_float(p.dh, r * p.cols + e, p.dtype, activate_grad(p.activation, false, gate, up, da));
       if (gated) store_from_float(p.dh, r * p.cols + f + e, p.dtype, activate_grad(p.activation, true, gate, up, da));
-      d_omega += g * rounded(activate(p.activation, gate, up), p.dtype);
+      d_omega += g * round_to(activate(p.activation, gate, up), p.dtype);
     }
     p.d_omega[r] = d_omega;
   }

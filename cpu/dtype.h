@@ -77,6 +77,16 @@ inline void store_from_float(void* base, int64_t i, DType t, float v) {
   }
 }
 
+// v rounded to t (RNE) and back to float32.
+inline float round_to(float v, DType t) {
+  switch (t) {
+    case DType::kF32: return v;
+    case DType::kBF16: return bf16_to_float(float_to_bf16(v));
+    case DType::kF16: return f16_to_float(float_to_f16(v));
+  }
+  return v;
+}
+
 }  // namespace moe_xla::cpu
 
 #endif  // MOE_XLA_CPU_DTYPE_H_

@@ -3,7 +3,8 @@
 // also copied, code for code, to their transposed place in q_t when asked). The fused
 // forms write their rows (the expert activation, its backward, or the token rows expanded and scaled:
 // fp8::scaled_element, whose product is flush-mode proof too), rounded to the dtype, and
-// quantise them as stored through the row tiles; the group column
+// quantise them as stored through the row tiles (the expansion quantises its rows with
+// factor 1, then writes them scaled); the group column
 // form takes its tiles from cpu/fp8_group_tiles.h and writes them transposed. The
 // operations are integer ones and single float32 divisions of normal numbers
 // (common/fp8_blockwise.h), so XLA's flush-to-zero mode on its CPU threads changes nothing.
@@ -81,8 +82,9 @@ void fp8_activate_quantize(const Fp8ActivateQuantizeParams& p) {
 }
 
 void fp8_expand_quantize(const Fp8ExpandQuantizeParams& p) {
-  // Each row's owner (the largest pair naming it), then the rows as gather_rows stores
-  // them from the owners' tokens and factors (rounded to their dtype), then their row tiles.
+  // Each row's owner (the largest pair naming it); the row tiles of the rows as gather_rows
+  // stores them from the owners' tokens with factor 1 (the unscaled rows, rounded to their
+  // dtype); then the rows from the owners' tokens and factors.
   std::vector<int64_t> owner(static_cast<size_t>(p.rows), -1);
   for (int64_t pair = 0; pair < p.num_values * p.top_k; ++pair) {
     const int64_t r = p.slots[pair];
@@ -93,10 +95,14 @@ void fp8_expand_quantize(const Fp8ExpandQuantizeParams& p) {
   for (size_t r = 0; r < owner.size(); ++r) {
     if (owner[r] < 0) continue;
     src[r] = static_cast<int32_t>(owner[r] / p.top_k);
-    scale[r] = p.factor[owner[r]];
+    scale[r] = 1.0f;
   }
   gather_rows(GatherRowsParams{p.values, p.dtype, src.data(), scale.data(), p.num_values, p.out, p.rows, p.cols});
   quantize_stored_rows(p.out, p.dtype, p.rows, p.cols, p.q, p.scales, p.pow2_scale);
+  for (size_t r = 0; r < owner.size(); ++r) {
+    if (owner[r] >= 0) scale[r] = p.factor[owner[r]];
+  }
+  gather_rows(GatherRowsParams{p.values, p.dtype, src.data(), scale.data(), p.num_values, p.out, p.rows, p.cols});
 }
 
 void fp8_quantize_group_cols(const Fp8GroupColsParams& p) {
@@ -129,14 +135,19 @@ void fp8_quantize_group_cols(const Fp8GroupColsParams& p) {
 void fp8_activate_grad_quantize(const Fp8ActivateGradQuantizeParams& p) {
   const bool gated = is_gated(p.activation);
   const int64_t f = gated ? p.cols / 2 : p.cols;
+  std::fill(p.d_omega_tiles, p.d_omega_tiles + p.rows * fp8::tiles(f), 0.0f);
   for (int64_t r = 0; r < p.rows; ++r) {
+    const float omega = p.omega[r];
     for (int64_t c = 0; c < p.cols; ++c) {
       const bool up_half = gated && c >= f;
       const int64_t e = up_half ? c - f : c;  // the gate (or h) column of this element
       const float gate = load_as_float(p.h, r * p.cols + e, p.dtype);
       const float up = gated ? load_as_float(p.h, r * p.cols + f + e, p.dtype) : 0.0f;
-      const float da = load_as_float(p.da, r * f + e, p.dtype);
-      store_from_float(p.dh, r * p.cols + c, p.dtype, activate_grad(p.activation, up_half, gate, up, da));
+      const float g = load_as_float(p.g, r * f + e, p.dtype);
+      store_from_float(p.dh, r * p.cols + c, p.dtype, activate_grad(p.activation, up_half, gate, up, omega * g));
+      if (!up_half) {
+        p.d_omega_tiles[r * fp8::tiles(f) + e / fp8::kTile] += g * round_to(activate(p.activation, gate, up), p.dtype);
+      }
     }
   }
   quantize_stored_rows(p.dh, p.dtype, p.rows, p.cols, p.q, p.scales, p.pow2_scale);

@@ -1,6 +1,6 @@
 // CUDA expand_quantize_fp8_rows (Fp8ExpandQuantizeParams in common/fp8_blockwise.h): the
-// token rows expanded into the rows of their (token, expert) pairs, scaled, and their
-// 1 x 128 row quantisation, each token row read once.
+// token rows expanded into the rows of their (token, expert) pairs, scaled, and the
+// 1 x 128 row quantisation of the unscaled token rows, each token row read and quantised once.
 //
 // Three steps on the stream, with the row owners and each pair's destination in the
 // workspace:
@@ -9,11 +9,12 @@
 //   settle: dest[p] = slots[p] where pair p owns its row, else -1; rows no pair names
 //           become zero rows (q 0, the scale of a zero tile), one thread per row;
 //   expand: a CTA covers kRegionTokens token rows x 128 columns; a thread loads 8 columns
-//           of kTokens token rows once, then for each j < k computes the scaled row of
-//           pair (t, j), rounds it to the dtype, quantises it as a 1 x 128 tile (the 16
-//           threads of the row are a half warp, as in fp8_quantize.cu) and stores it,
-//           its codes and scale at dest. The next j's destinations and factors are loaded
-//           before this j's stores.
+//           of kTokens token rows once and quantises each token row's unscaled tile,
+//           rnd(scaled_element(1, x)), once (the 16 threads of the row are a half warp, as
+//           in fp8_quantize.cu): the factor does not enter q, so the k rows of a token
+//           share its codes and scale. Then for each j < k it computes the scaled row of
+//           pair (t, j), rounds it to the dtype and stores it, the token's codes and scale
+//           at dest. The next j's destinations and factors are loaded before this j's stores.
 // Every row has one writer whatever slots hold, so the result is deterministic, and no
 // access leaves values, out, q or scales. The products, rounding and codes are those of
 // the CPU kernel (fp8::scaled_element, row_tile_coder), so the results are bitwise equal.
@@ -121,6 +122,22 @@ __global__ void __launch_bounds__(kThreads, kMinCtas)
     }
   }
 
+  // Each token row's 1 x 128 tile quantised once, unscaled: the row rnd(scaled_element(1, x))
+  // (rounding back to the dtype is exact), whose codes and scale every row of the token takes.
+  // Every thread of the warp takes part in row_tile_coder, whatever its token and columns.
+  Lane<uint8_t> codes[kTokens];
+  float scale[kTokens];
+#pragma unroll
+  for (int i = 0; i < kTokens; ++i) {
+    float v[kLaneCols];
+#pragma unroll
+    for (int e = 0; e < kLaneCols; ++e) v[e] = scaled_element_ftz(1.0f, Elem<D>::to_float(x[i].get(e)));
+    const Lane<Bits> row = round_lane<D>(v);
+    const TileCoder coder = row_tile_coder<D>(row, pow2);
+    codes[i] = coder.template codes<D>(row);
+    scale[i] = coder.scale;
+  }
+
   int32_t next_dest[kTokens];
   float next_factor[kTokens];
   auto load_pairs = [&](int64_t j) {
@@ -143,13 +160,10 @@ __global__ void __launch_bounds__(kThreads, kMinCtas)
       float v[kLaneCols];  // zeros past the row's end, whatever the factor
 #pragma unroll
       for (int e = 0; e < kLaneCols; ++e) v[e] = e < valid ? scaled_element_ftz(k[i], Elem<D>::to_float(x[i].get(e))) : 0.0f;
-      const Lane<Bits> row = round_lane<D>(v);
-      const TileCoder coder = row_tile_coder<D>(row, pow2);  // every thread of the warp takes part
-      const Lane<uint8_t> codes = coder.template codes<D>(row);
       if (r[i] < 0 || valid == 0) continue;
-      store_lane<kVector>(out + r[i] * cols + c, row, valid);
-      store_lane<kVector>(q + r[i] * cols + c, codes, valid);
-      if (t % kRowThreads == 0) scales[r[i] * col_tiles + tile] = coder.scale;
+      store_lane<kVector>(out + r[i] * cols + c, round_lane<D>(v), valid);
+      store_lane<kVector>(q + r[i] * cols + c, codes[i], valid);
+      if (t % kRowThreads == 0) scales[r[i] * col_tiles + tile] = scale[i];
     }
   }
 }

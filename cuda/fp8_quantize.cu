@@ -19,7 +19,7 @@
 // between two loads keeps the compiler from issuing the later load first (it cannot prove
 // they do not alias). A gated backward with
 // F % 128 == 0 has a kernel of its own (activate_grad_pairs) that computes both halves of
-// d h from one read of gate, up and da.
+// d h and its d omega tile from one read of gate, up and g.
 // Scale and elements go through common/fp8_blockwise.h like the CPU kernel, the elements
 // by its division-free quotient where it gives the same codes (cuda/fp8_tile_codes.cuh);
 // max is exact in any order, so the results are bitwise those of the CPU.
@@ -83,7 +83,8 @@ using BlocksCta = std::conditional_t<D == DType::kF32, Cta<512, 4, 2>, Cta<256, 
 template <DType D>
 using ActivatedCta = std::conditional_t<D == DType::kF32, Cta<256, 2, 4>, Cta<256, 2, 5>>;
 // The backward reads up to three inputs per element: 2 rows at 64 registers (f32 80: 3
-// CTAs per SM; at 64 its three lanes of two rows spilled).
+// CTAs per SM; at 64 its three lanes of two rows spilled; its element-wise form, F % 8 != 0,
+// spills 16 bytes).
 template <DType D>
 using ActivationGradCta = std::conditional_t<D == DType::kF32, Cta<256, 2, 3>, Cta<256, 2, 4>>;
 static_assert(BlocksCta<DType::kF32>::kRegionRows == fp8::kTile && BlocksCta<DType::kBF16>::kRegionRows == fp8::kTile,
@@ -179,10 +180,23 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtas)
     if (r < rows && valid > 0) words[i] = src.fetch(reg.b, r, c, valid);
   }
   Lane<Bits> raw[kPasses];  // the elements to quantise; zero bits outside the matrix
+  [[maybe_unused]] float dots[kPasses];
 #pragma unroll
   for (int i = 0; i < kPasses; ++i) {
     const int64_t r = reg.row0 + first + i * kRows;
-    raw[i] = (r < rows && valid > 0) ? src.value(words[i], c, valid) : Lane<Bits>{};
+    const bool inside = r < rows && valid > 0;
+    raw[i] = inside ? src.value(words[i], c, valid) : Lane<Bits>{};
+    if constexpr (Source::kRowDots) dots[i] = inside ? src.dot(words[i], c, valid) : 0.0f;
+  }
+  if constexpr (Source::kRowDots) {
+#pragma unroll
+    for (int i = 0; i < kPasses; ++i) {
+      // The 16 threads of a row are a half warp.
+#pragma unroll
+      for (int offset = kRowThreads / 2; offset > 0; offset /= 2) dots[i] += __shfl_xor_sync(kFullWarp, dots[i], offset);
+      const int64_t r = reg.row0 + first + i * kRows;
+      if (t % kRowThreads == 0 && r < rows) src.keep_dot(r, reg.col0 / fp8::kTile, dots[i]);
+    }
   }
 
   TileCoder coder[kBlocks ? 1 : kPasses];
@@ -295,7 +309,7 @@ cudaError_t activate_quantize(const Fp8ActivateQuantizeParams& p, cudaStream_t s
 }
 
 // The gated backward when F % 128 == 0 (every tile inside one half): a thread owns 8 gate
-// columns of kPairRows rows and the same 8 up columns; it reads gate, up and da once,
+// columns of kPairRows rows and the same 8 up columns; it reads gate, up and g once,
 // computes g and g' of the gate once (gated_value_and_grad) and writes both halves of d h,
 // whose two 1 x 128 tiles per row are each the 16 threads of a half warp. Regions of
 // 16 * kPairRows rows x 128 gate columns.
@@ -305,8 +319,9 @@ constexpr int kPairRegionRows = kPairThreads / kRowThreads * kPairRows;
 
 template <DType D>
 __global__ void __launch_bounds__(kPairThreads, 3)
-    activate_grad_pairs(const typename Elem<D>::Bits* __restrict__ h, const typename Elem<D>::Bits* __restrict__ da,
-                        typename Elem<D>::Bits* __restrict__ dh, uint8_t* __restrict__ q, float* __restrict__ scales,
+    activate_grad_pairs(const typename Elem<D>::Bits* __restrict__ h, const typename Elem<D>::Bits* __restrict__ g_in,
+                        const float* __restrict__ omega, typename Elem<D>::Bits* __restrict__ dh,
+                        uint8_t* __restrict__ q, float* __restrict__ scales, float* __restrict__ d_omega_tiles,
                         int64_t rows, int64_t f, int64_t row_regions, Activation act, bool pow2) {
   using Bits = typename Elem<D>::Bits;
   const int t = threadIdx.x;
@@ -315,26 +330,33 @@ __global__ void __launch_bounds__(kPairThreads, 3)
   const int64_t c = reg.col0 + (t % kRowThreads) * kLaneCols;
   const int first = t / kRowThreads;
   Lane<Bits> g[kPairRows]{}, u[kPairRows]{}, d[kPairRows]{};  // zeros past the last row
+  float w[kPairRows]{};
 #pragma unroll
   for (int i = 0; i < kPairRows; ++i) {
     const int64_t r = reg.row0 + first + i * (kPairThreads / kRowThreads);
     if (r >= rows) continue;
     g[i] = *reinterpret_cast<const Lane<Bits>*>(h + r * 2 * f + c);
     u[i] = *reinterpret_cast<const Lane<Bits>*>(h + r * 2 * f + f + c);
-    d[i] = *reinterpret_cast<const Lane<Bits>*>(da + r * f + c);
+    d[i] = *reinterpret_cast<const Lane<Bits>*>(g_in + r * f + c);
+    w[i] = __ldg(omega + r);
   }
 #pragma unroll
   for (int i = 0; i < kPairRows; ++i) {
     const int64_t r = reg.row0 + first + i * (kPairThreads / kRowThreads);
-    float d_gate[kLaneCols], d_up[kLaneCols];
+    float d_gate[kLaneCols], d_up[kLaneCols], dot = 0.0f;
 #pragma unroll
     for (int j = 0; j < kLaneCols; ++j) {
       float gv, dg;
-      const float x = Elem<D>::to_float(g[i].get(j)), a = Elem<D>::to_float(d[i].get(j));
+      const float x = Elem<D>::to_float(g[i].get(j)), up = Elem<D>::to_float(u[i].get(j));
+      const float gc = Elem<D>::to_float(d[i].get(j)), a = w[i] * gc;
       gated_value_and_grad(act, x, &gv, &dg);
-      d_gate[j] = a * Elem<D>::to_float(u[i].get(j)) * dg;
+      d_gate[j] = a * up * dg;
       d_up[j] = a * gv;
+      dot += gc * Elem<D>::to_float(Elem<D>::from_float(gv * up));
     }
+#pragma unroll
+    for (int offset = kRowThreads / 2; offset > 0; offset /= 2) dot += __shfl_xor_sync(kFullWarp, dot, offset);
+    if (t % kRowThreads == 0 && r < rows) d_omega_tiles[r * col_tiles + reg.col0 / fp8::kTile] = dot;
     const Lane<Bits> halves[2] = {round_lane<D>(d_gate), round_lane<D>(d_up)};  // rounded to D
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
@@ -353,24 +375,24 @@ template <DType D>
 cudaError_t activate_grad_quantize(const Fp8ActivateGradQuantizeParams& p, cudaStream_t stream) {
   using Bits = typename Elem<D>::Bits;
   const int64_t f = is_gated(p.activation) ? p.cols / 2 : p.cols;
-  const bool vector = f % kLaneCols == 0 && aligned(p.h, sizeof(Lane<Bits>)) && aligned(p.da, sizeof(Lane<Bits>)) &&
+  const bool vector = f % kLaneCols == 0 && aligned(p.h, sizeof(Lane<Bits>)) && aligned(p.g, sizeof(Lane<Bits>)) &&
                       aligned(p.dh, sizeof(Lane<Bits>)) && aligned(p.q, kLaneCols);
   const auto* h = static_cast<const Bits*>(p.h);
-  const auto* da = static_cast<const Bits*>(p.da);
+  const auto* g = static_cast<const Bits*>(p.g);
   auto* dh = static_cast<Bits*>(p.dh);
   if (vector && is_gated(p.activation) && f % fp8::kTile == 0) {
     const int64_t row_regions = (p.rows + kPairRegionRows - 1) / kPairRegionRows;
     const int64_t regions = row_regions * (f / fp8::kTile);
     if (regions > 0x7fffffff) return cudaErrorInvalidConfiguration;
     activate_grad_pairs<D><<<static_cast<unsigned>(regions), kPairThreads, 0, stream>>>(
-        h, da, dh, p.q, p.scales, p.rows, f, row_regions, p.activation, p.pow2_scale);
+        h, g, p.omega, dh, p.q, p.scales, p.d_omega_tiles, p.rows, f, row_regions, p.activation, p.pow2_scale);
     return cudaGetLastError();
   }
   auto run = [&](auto src) {
     return launch<D, false, ActivationGradCta<D>>(src, p.q, nullptr, p.scales, 1, p.rows, p.cols, p.pow2_scale, stream);
   };
-  return vector ? run(ActivationGrad<D, true>{h, da, dh, p.cols, p.activation})
-                : run(ActivationGrad<D, false>{h, da, dh, p.cols, p.activation});
+  return vector ? run(ActivationGrad<D, true>{h, g, p.omega, dh, p.d_omega_tiles, p.cols, p.activation})
+                : run(ActivationGrad<D, false>{h, g, p.omega, dh, p.d_omega_tiles, p.cols, p.activation});
 }
 
 template <template <DType> class Body, class Params>

@@ -27,7 +27,7 @@ namespace detail {
 template <DType D, bool kVec>
 struct Stored {
   using Bits = typename Elem<D>::Bits;
-  static constexpr bool kVector = kVec;
+  static constexpr bool kVector = kVec, kRowDots = false;
   const Bits* __restrict__ x;
   int64_t rows, cols;
 
@@ -55,7 +55,7 @@ struct Stored {
 template <DType D, bool kVec>
 struct Activated {
   using Bits = typename Elem<D>::Bits;
-  static constexpr bool kVector = kVec;
+  static constexpr bool kVector = kVec, kRowDots = false;
   const Bits* __restrict__ h;
   Bits* __restrict__ a;
   int64_t cols;
@@ -93,62 +93,86 @@ struct Activated {
   }
 };
 
-// ... or the activation's backward from h and da (common/expert_activation.h), rounded to
-// D and kept in dh (batch 1); cols are dh's (2F gated, else F). kVector also
-// needs F % 8 == 0, so that no lane crosses the gate | up boundary.
+// ... or the routing-weighted activation's backward from h, g and omega
+// (Fp8ActivateGradQuantizeParams in common/expert_activation.h), rounded to D and kept in
+// dh (batch 1); cols are dh's (2F gated, else F). kVector also needs F % 8 == 0, so that
+// no lane crosses the gate | up boundary. kRowDots: dot() is a thread's part of the row's
+// d omega term sum g * a over its gate (or plain) columns, keep_dot() stores a tile's sum.
 template <DType D, bool kVec>
 struct ActivationGrad {
   using Bits = typename Elem<D>::Bits;
-  static constexpr bool kVector = kVec;
+  static constexpr bool kVector = kVec, kRowDots = true;
   const Bits* __restrict__ h;
-  const Bits* __restrict__ da;
+  const Bits* __restrict__ g;
+  const float* __restrict__ omega;
   Bits* __restrict__ dh;
+  float* __restrict__ d_omega_tiles;
   int64_t cols;
   Activation act;
 
   struct Words {
-    Lane<Bits> g, u, d;  // the gate (or plain input), the up and da elements; zeros past the row's end
+    Lane<Bits> x, u, d;  // the gate (or plain input), the up and g elements; zeros past the row's end
+    float w;             // omega of the row
   };
+  __device__ __forceinline__ int64_t f() const { return is_gated(act) ? cols / 2 : cols; }
   // Column c + j of d h is the gate half's element e = c + j (or the up half's e = c + j - F):
-  // it reads h's gate and up columns e and da's column e.
+  // it reads h's gate and up columns e and g's column e.
   __device__ __forceinline__ Words fetch(int64_t, int64_t r, int64_t c, int valid) const {
     const bool gated = is_gated(act);
-    const int64_t f = gated ? cols / 2 : cols;
+    const int64_t f = this->f();
     Words w{};
+    w.w = __ldg(omega + r);
     if constexpr (kVector) {
       const bool up_half = gated && c >= f;
       const int64_t e = up_half ? c - f : c;
-      w.g = *reinterpret_cast<const Lane<Bits>*>(h + r * cols + e);
-      w.d = *reinterpret_cast<const Lane<Bits>*>(da + r * f + e);
-      // The up half's derivative reads no up element.
+      w.x = *reinterpret_cast<const Lane<Bits>*>(h + r * cols + e);
+      w.d = *reinterpret_cast<const Lane<Bits>*>(g + r * f + e);
+      // The up half's derivative (and d omega) read no up element.
       if (gated && !up_half) w.u = *reinterpret_cast<const Lane<Bits>*>(h + r * cols + f + e);
     } else {
 #pragma unroll
       for (int j = 0; j < kLaneCols; ++j) {
         if (j >= valid) continue;
         const int64_t e = gated && c + j >= f ? c + j - f : c + j;
-        w.g.set(j, h[r * cols + e]);
+        w.x.set(j, h[r * cols + e]);
         if (gated) w.u.set(j, h[r * cols + f + e]);
-        w.d.set(j, da[r * f + e]);
+        w.d.set(j, g[r * f + e]);
       }
     }
     return w;
   }
   __device__ __forceinline__ Lane<Bits> value(const Words& w, int64_t c, int valid) const {
     const bool gated = is_gated(act);
-    const int64_t f = gated ? cols / 2 : cols;
+    const int64_t f = this->f();
     float v[kLaneCols];  // zeros past the row's end
 #pragma unroll
     for (int j = 0; j < kLaneCols; ++j) {
       v[j] = kVector || j < valid
-                 ? activate_grad(act, gated && c + j >= f, Elem<D>::to_float(w.g.get(j)),
-                                 Elem<D>::to_float(w.u.get(j)), Elem<D>::to_float(w.d.get(j)))
+                 ? activate_grad(act, gated && c + j >= f, Elem<D>::to_float(w.x.get(j)),
+                                 Elem<D>::to_float(w.u.get(j)), w.w * Elem<D>::to_float(w.d.get(j)))
                  : 0.0f;
     }
     return round_lane<D>(v);
   }
+  __device__ __forceinline__ float dot(const Words& w, int64_t c, int valid) const {
+    const int64_t f = this->f();
+    float sum = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kLaneCols; ++j) {
+      if ((kVector || j < valid) && c + j < f) {
+        const float a = activate(act, Elem<D>::to_float(w.x.get(j)), Elem<D>::to_float(w.u.get(j)));
+        sum += Elem<D>::to_float(w.d.get(j)) * Elem<D>::to_float(Elem<D>::from_float(a));
+      }
+    }
+    return sum;
+  }
   __device__ __forceinline__ void keep(int64_t r, int64_t c, const Lane<Bits>& row, int valid) const {
     store_lane<kVector>(dh + r * cols + c, row, valid);
+  }
+  // Tile `tile` of dh holds the gate (or plain) columns of d omega's tile `tile` when there is one.
+  __device__ __forceinline__ void keep_dot(int64_t r, int64_t tile, float sum) const {
+    const int64_t tiles = fp8::tiles(f());
+    if (tile < tiles) d_omega_tiles[r * tiles + tile] = sum;
   }
 };
 

@@ -152,11 +152,12 @@ inline ffi::ErrorOr<Fp8ActivateQuantizeParams> decode_fp8_activate_quantize(ffi:
   return p;
 }
 
-// h [M, 2F] (gated) or [M, F]; da [M, F] and dh [M, C] (C: h's last dim) of h's dtype;
-// q [M, C] float8_e4m3fn; scales [M, ceil(C/128)] f32.
+// h [M, 2F] (gated) or [M, F]; g [M, F] and dh [M, C] (C: h's last dim) of h's dtype;
+// omega [M] f32; q [M, C] float8_e4m3fn; scales [M, ceil(C/128)] f32; d_omega_tiles
+// [M, ceil(F/128)] f32.
 inline ffi::ErrorOr<Fp8ActivateGradQuantizeParams> decode_fp8_activate_grad_quantize(
-    ffi::AnyBuffer h, ffi::AnyBuffer da, ffi::AnyBuffer dh, ffi::AnyBuffer q, ffi::Buffer<ffi::F32> scales,
-    int32_t activation, bool pow2_scale) {
+    ffi::AnyBuffer h, ffi::AnyBuffer g, ffi::Buffer<ffi::F32> omega, ffi::AnyBuffer dh, ffi::AnyBuffer q,
+    ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::F32> d_omega_tiles, int32_t activation, bool pow2_scale) {
   auto in = decode_activation_input(h, activation);
   if (in.has_error()) return ffi::Unexpected<ffi::Error>(in.error());
   Fp8ActivateGradQuantizeParams p{};
@@ -164,23 +165,27 @@ inline ffi::ErrorOr<Fp8ActivateGradQuantizeParams> decode_fp8_activate_grad_quan
   p.rows = in->rows;
   p.cols = in->h_cols;
   const int64_t f = is_gated(p.activation) ? p.cols / 2 : p.cols;
-  if (auto e = expect_dtype_of_h(h, {{"da", da}, {"dh", dh}}); e.failure()) {
+  if (auto e = expect_dtype_of_h(h, {{"g", g}, {"dh", dh}}); e.failure()) {
     return ffi::Unexpected<ffi::Error>(std::move(e));
   }
   if (auto e = expect_fp8("q", q); e.failure()) return ffi::Unexpected<ffi::Error>(std::move(e));
-  for (auto [name, got, want] : {std::tuple{"da", da.dimensions(), f}, std::tuple{"dh", dh.dimensions(), p.cols},
-                                 std::tuple{"q", q.dimensions(), p.cols}}) {
+  for (auto [name, got, want] : {std::tuple{"g", g.dimensions(), f}, std::tuple{"dh", dh.dimensions(), p.cols},
+                                 std::tuple{"q", q.dimensions(), p.cols},
+                                 std::tuple{"scales", scales.dimensions(), fp8::tiles(p.cols)},
+                                 std::tuple{"d_omega_tiles", d_omega_tiles.dimensions(), fp8::tiles(f)}}) {
     if (auto e = expect_shape(name, got, {p.rows, want}); e.failure()) return ffi::Unexpected<ffi::Error>(std::move(e));
   }
-  if (auto e = expect_shape("scales", scales.dimensions(), {p.rows, fp8::tiles(p.cols)}); e.failure()) {
+  if (auto e = expect_shape("omega", omega.dimensions(), {p.rows}); e.failure()) {
     return ffi::Unexpected<ffi::Error>(std::move(e));
   }
   p.h = h.untyped_data();
-  p.da = da.untyped_data();
+  p.g = g.untyped_data();
+  p.omega = omega.typed_data();
   p.dtype = in->dtype;
   p.dh = dh.untyped_data();
   p.q = static_cast<uint8_t*>(q.untyped_data());
   p.scales = scales.typed_data();
+  p.d_omega_tiles = d_omega_tiles.typed_data();
   p.pow2_scale = pow2_scale;
   return p;
 }
@@ -239,10 +244,12 @@ template <class Binding>
 auto bind_fp8_activate_grad_quantize(Binding&& binding) {
   return std::move(binding)
       .template Arg<ffi::AnyBuffer>()          // h [M, 2F] or [M, F]
-      .template Arg<ffi::AnyBuffer>()          // da [M, F], dtype of h
+      .template Arg<ffi::AnyBuffer>()          // g [M, F], dtype of h
+      .template Arg<ffi::Buffer<ffi::F32>>()   // omega [M]
       .template Ret<ffi::AnyBuffer>()          // dh, shape and dtype of h
       .template Ret<ffi::AnyBuffer>()          // q, shape of h, float8_e4m3fn
       .template Ret<ffi::Buffer<ffi::F32>>()   // scales [M, ceil(C/128)]
+      .template Ret<ffi::Buffer<ffi::F32>>()   // d_omega_tiles [M, ceil(F/128)]
       .template Attr<int32_t>("activation")
       .template Attr<bool>("pow2_scale");
 }

@@ -51,10 +51,12 @@ ffi::Error activate_quantize(ffi::AnyBuffer h, ffi::Result<ffi::AnyBuffer> a, ff
   return ffi::Error::Success();
 }
 
-ffi::Error activate_grad_quantize(ffi::AnyBuffer h, ffi::AnyBuffer da, ffi::Result<ffi::AnyBuffer> dh,
-                                  ffi::Result<ffi::AnyBuffer> q, ffi::ResultBuffer<ffi::F32> scales, int32_t activation,
-                                  bool pow2_scale) {
-  auto p = ffi_args::decode_fp8_activate_grad_quantize(h, da, *dh, *q, *scales, activation, pow2_scale);
+ffi::Error activate_grad_quantize(ffi::AnyBuffer h, ffi::AnyBuffer g, ffi::Buffer<ffi::F32> omega,
+                                  ffi::Result<ffi::AnyBuffer> dh, ffi::Result<ffi::AnyBuffer> q,
+                                  ffi::ResultBuffer<ffi::F32> scales, ffi::ResultBuffer<ffi::F32> d_omega_tiles,
+                                  int32_t activation, bool pow2_scale) {
+  auto p = ffi_args::decode_fp8_activate_grad_quantize(h, g, omega, *dh, *q, *scales, *d_omega_tiles, activation,
+                                                       pow2_scale);
   if (p.has_error()) return p.error();
   cpu::fp8_activate_grad_quantize(*p);
   return ffi::Error::Success();

@@ -48,10 +48,12 @@ ffi::Error activate_quantize(cudaStream_t stream, ffi::AnyBuffer h, ffi::Result<
   return ffi_args::to_error(cuda::fp8_activate_quantize(*p, stream), "activate_quantize_fp8");
 }
 
-ffi::Error activate_grad_quantize(cudaStream_t stream, ffi::AnyBuffer h, ffi::AnyBuffer da,
-                                  ffi::Result<ffi::AnyBuffer> dh, ffi::Result<ffi::AnyBuffer> q,
-                                  ffi::ResultBuffer<ffi::F32> scales, int32_t activation, bool pow2_scale) {
-  auto p = ffi_args::decode_fp8_activate_grad_quantize(h, da, *dh, *q, *scales, activation, pow2_scale);
+ffi::Error activate_grad_quantize(cudaStream_t stream, ffi::AnyBuffer h, ffi::AnyBuffer g,
+                                  ffi::Buffer<ffi::F32> omega, ffi::Result<ffi::AnyBuffer> dh,
+                                  ffi::Result<ffi::AnyBuffer> q, ffi::ResultBuffer<ffi::F32> scales,
+                                  ffi::ResultBuffer<ffi::F32> d_omega_tiles, int32_t activation, bool pow2_scale) {
+  auto p = ffi_args::decode_fp8_activate_grad_quantize(h, g, omega, *dh, *q, *scales, *d_omega_tiles, activation,
+                                                       pow2_scale);
   if (p.has_error()) return p.error();
   return ffi_args::to_error(cuda::fp8_activate_grad_quantize(*p, stream), "activate_grad_quantize_fp8");
 }

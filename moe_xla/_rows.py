@@ -22,6 +22,15 @@ def names_row(idx, num_rows: int):
     return (idx >= 0) & (idx < num_rows)
 
 
+def row_weights(row_map, weights, num_rows: int):
+    """omega [num_rows]: omega[row_map[t*k + j]] = weights[t, j], 0 for rows no entry names
+    (row_map names each row at most once). A scatter of distinct places (entries naming no
+    row are dropped), so that its transpose, the weights' cotangent, is a gather: no
+    scatter-add."""
+    place = jnp.where(names_row(row_map, num_rows), row_map, num_rows)
+    return jnp.zeros((num_rows,), weights.dtype).at[place].set(weights.reshape(-1), mode="drop", unique_indices=True)
+
+
 def take_rows(values, idx, dtype):
     """values[idx] ([..., H] rows of values [R, H]) as dtype, 0 where idx is outside [0, R)."""
     n = values.shape[0]

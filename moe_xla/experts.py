@@ -40,22 +40,22 @@ def expert_mlp(x_sorted, w_in, w_out, group_sizes, activation: str, quantization
     weights) [T, H] instead of out, through product_combine.activate_gmm_combine (whose
     derivative needs neither out nor a weighted copy of the cotangent); with GatheredRows
     (of the same permute) the forward runs the activation in the first product's epilogue
-    where `fused_activation` says (_fused_forward_mlp); with "fp8_blockwise" the
-    second product and the combine are one custom_vjp whose backward quantises d out as it
-    gathers it (fp8.gmm_combine_fp8)."""
+    where `fused_activation` says (_fused_forward_mlp); with "fp8_blockwise" the MLP and
+    the combine are one custom_vjp with the same derivative's form (fp8.mlp_combine_fp8)."""
     if is_fp8(quantization):
         q_in, q_out = quantized_weights
         wgrad = fp8.QUANTIZATION_WGRAD[quantization]
+        if combine is not None:
+            return fp8.mlp_combine_fp8(x_sorted, w_in, w_out, group_sizes, *combine, activation,
+                                       x_quantized=x_quantized, quantized_weights=(q_in, q_out), wgrad=wgrad)
         # One custom_vjp for the first product and the activation (under their scopes): one
         # pass over h writes a (for the wgrad) and its FP8 rows (for the second product), one
         # pass over h and d a writes d h and its FP8 rows (for the first product's dgrad).
         a, *a_quantized = fp8.gmm_activate_fp8(x_sorted, w_in, group_sizes, activation, lhs_quantized=x_quantized,
                                                rhs_quantized=q_in, wgrad=wgrad)
-        second = dict(lhs_quantized=tuple(a_quantized), rhs_quantized=q_out, wgrad=wgrad)
-        if combine is not None:
-            return fp8.gmm_combine_fp8(a, w_out, group_sizes, *combine, **second)
         with jax.named_scope("moe_xla/gmm_out"):
-            return fp8.gmm_fp8_blockwise(a, w_out, group_sizes, **second)
+            return fp8.gmm_fp8_blockwise(a, w_out, group_sizes, lhs_quantized=tuple(a_quantized), rhs_quantized=q_out,
+                                         wgrad=wgrad)
     if isinstance(x_sorted, GatheredRows) and combine is not None:
         # combine's row_map is the one x_sorted's rows come from (both permute's).
         rows, (row_map, weights) = x_sorted, combine

@@ -15,10 +15,11 @@
                           (a, q_a, s_a) = activate_quantize_fp8(gmm_fp8_blockwise(x, w)), whose
                           backward computes d h and its FP8 rows in one kernel
                           (activate_grad_quantize_fp8) for the product's dgrad.
-    gmm_combine_fp8       the expert MLP's second product and the weighted combine:
-                          y = unpermute(gmm_fp8_blockwise(a, w), row_map, weights), whose
-                          backward expands d y into d out = weight * d y[token] and its FP8
-                          rows in one kernel (expand_quantize_fp8_rows) for the product's dgrad.
+    mlp_combine_fp8       the whole expert MLP and the weighted combine, y = unpermute(
+                          gmm_fp8_blockwise(a, w_out), row_map, weights), whose backward
+                          quantises the unweighted cotangent as it expands it
+                          (expand_quantize_fp8_rows) and applies the routing weights in the
+                          activation's backward, which also gives their gradient.
 
 Forward: out = gmm_fp8(Q_rows(lhs), Q_blocks(w)) (primitives/gmm_fp8.py states the sum).
 Backward, the straight-through estimate (quantisation's derivative taken as 1):
@@ -138,21 +139,21 @@ def _gmm_fwd(lhs, lhs_q, w, weights, group_sizes, out_dtype, wgrad):
     # Residuals are arrays: dtypes ride along as empty arrays; lhs is kept for the wgrad only.
     lhs_dtype = jnp.zeros((0,), lhs.dtype)
     wgrad = None if w is None else (lhs, jnp.zeros((0,), w.dtype))
-    return out, (weights, group_sizes, lhs_dtype, wgrad, lhs_q)
+    return out, (weights, group_sizes, lhs_dtype, wgrad)
 
 
 def _grads(dy, dy_quantized, residuals, wgrad_kind):
     """The backward of a product given dy and its FP8 rows (q, scales) (or None: quantised
-    here): d lhs in FP8 through the weights' blocks transposed, d w as _wgrad says."""
-    weights, group_sizes, lhs_dtype, wgrad, lhs_q = residuals
+    here): d lhs in FP8 through the weights' blocks transposed, d w as _wgrad says. The
+    quantised operands get no cotangent (None: zeros, nothing kept for them)."""
+    weights, group_sizes, lhs_dtype, wgrad = residuals
     d_lhs = _product(dy if dy_quantized is None else dy_quantized, weights.data, jnp.swapaxes(weights.scales, 1, 2),
                      group_sizes, lhs_dtype.dtype)
     d_w = None
     if wgrad is not None:
         lhs, w_dtype = wgrad
         d_w = _wgrad(lhs, dy, group_sizes, w_dtype.dtype, wgrad_kind)
-    zeros = functools.partial(jax.tree.map, jnp.zeros_like)
-    return d_lhs, zeros(lhs_q), d_w, zeros(weights), None
+    return d_lhs, None, d_w, None, None
 
 
 def _gmm_bwd(out_dtype, wgrad_kind, residuals, dy):
@@ -163,8 +164,8 @@ _gmm.defvjp(_gmm_fwd, _gmm_bwd)
 
 
 # The expert MLP's scopes (moe_layer_stages.py attributes kernels by them), set here since
-# one custom_vjp spans the first product and the activation, another the second product
-# and the combine.
+# one custom_vjp spans the first product and the activation (gmm_activate_fp8), another
+# the whole MLP and the combine (mlp_combine_fp8).
 _PRODUCT, _ACT, _PRODUCT_OUT, _COMBINE = "moe_xla/gmm_in", "moe_xla/act", "moe_xla/gmm_out", "moe_xla/combine"
 
 
@@ -184,7 +185,8 @@ def _gmm_act_fwd(lhs, lhs_q, w, weights, group_sizes, activation, wgrad):
 def _gmm_act_bwd(activation, wgrad_kind, saved, cotangents):
     h, residuals = saved
     with jax.named_scope(_ACT):
-        dh, q, scales = activate_grad_quantize_fp8(h, cotangents[0].astype(h.dtype), activation)
+        ones = jnp.ones(h.shape[:1], jnp.float32)
+        dh, q, scales, _ = activate_grad_quantize_fp8(h, cotangents[0].astype(h.dtype), ones, activation)
     with jax.named_scope(_PRODUCT):
         return _grads(dh, (q, scales), residuals, wgrad_kind)
 
@@ -192,36 +194,44 @@ def _gmm_act_bwd(activation, wgrad_kind, saved, cotangents):
 _gmm_act.defvjp(_gmm_act_fwd, _gmm_act_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
-def _gmm_combine(lhs, lhs_q, w, weights, group_sizes, row_map, route_weights, wgrad):
-    return _gmm_combine_fwd(lhs, lhs_q, w, weights, group_sizes, row_map, route_weights, wgrad)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10))
+def _mlp_combine(x, x_q, w_in, q_in, w_out, q_out, group_sizes, row_map, route_weights, activation, wgrad):
+    return _mlp_combine_fwd(x, x_q, w_in, q_in, w_out, q_out, group_sizes, row_map, route_weights, activation,
+                            wgrad)[0]
 
 
-def _gmm_combine_fwd(lhs, lhs_q, w, weights, group_sizes, row_map, route_weights, wgrad):
+def _mlp_combine_fwd(x, x_q, w_in, q_in, w_out, q_out, group_sizes, row_map, route_weights, activation, wgrad):
+    (a, q_a, s_a), (h, res_in) = _gmm_act_fwd(x, x_q, w_in, q_in, group_sizes, activation, wgrad)
     with jax.named_scope(_PRODUCT_OUT):
-        out, residuals = _gmm_fwd(lhs, lhs_q, w, weights, group_sizes, lhs.dtype, wgrad)
+        out, res_out = _gmm_fwd(a, (q_a, s_a), w_out, q_out, group_sizes, x.dtype, wgrad)
     with jax.named_scope(_COMBINE):
         y = unpermute(out, row_map, route_weights, unique_rows=True)
-    return y, (residuals, out, row_map, route_weights)
+    return y, (h, res_in, res_out, row_map, route_weights)
 
 
-def _gmm_combine_bwd(wgrad_kind, saved, dy):
-    residuals, out, row_map, route_weights = saved
-    t, k = route_weights.shape
-    slots = row_map.reshape(t, k)
+def _mlp_combine_bwd(activation, wgrad_kind, saved, dy):
+    h, res_in, res_out, row_map, route_weights = saved
+    (t, k), m = route_weights.shape, h.shape[0]
     with jax.named_scope(_COMBINE):
-        # unpermute's transpose in out (each dy row read once, written to its k rows) with
-        # the FP8 rows of the result from the same pass; its transpose in the weights as
-        # unpermute's.
-        d_out, q, scales = expand_quantize_fp8_rows(dy.astype(out.dtype), slots, route_weights.astype(jnp.float32),
-                                                    out.shape[0])
-        d_route = _rows.row_dots(dy, out, slots).astype(route_weights.dtype)
+        # d out[r] = omega[r] dy[t] (unpermute's transpose), each dy row read once; the FP8
+        # rows are those of dy[t] itself, c[r] (the weight enters after the product).
+        d_out, q, scales = expand_quantize_fp8_rows(dy.astype(h.dtype), row_map.reshape(t, k),
+                                                    route_weights.astype(jnp.float32), m)
+        omega = _rows.row_weights(row_map, route_weights.astype(jnp.float32), m)
     with jax.named_scope(_PRODUCT_OUT):
-        grads = _grads(d_out, (q, scales), residuals, wgrad_kind)
-    return (*grads, None, d_route)
+        g, _, d_w_out, d_q_out, _ = _grads(d_out, (q, scales), res_out, wgrad_kind)
+    with jax.named_scope(_ACT):
+        dh, q_h, s_h, d_omega = activate_grad_quantize_fp8(h, g.astype(h.dtype), omega, activation)
+    with jax.named_scope(_PRODUCT):
+        d_x, d_x_q, d_w_in, d_q_in, _ = _grads(dh, (q_h, s_h), res_in, wgrad_kind)
+    with jax.named_scope(_COMBINE):
+        # omega's transpose: d weights[t, j] = d omega[row_map[t*k + j]], a gather.
+        (d_route,) = jax.linear_transpose(lambda w: _rows.row_weights(row_map, w, m),
+                                          route_weights.astype(jnp.float32))(d_omega)
+    return d_x, d_x_q, d_w_in, d_q_in, d_w_out, d_q_out, None, None, d_route.astype(route_weights.dtype)
 
 
-_gmm_combine.defvjp(_gmm_combine_fwd, _gmm_combine_bwd)
+_mlp_combine.defvjp(_mlp_combine_fwd, _mlp_combine_bwd)
 
 
 def _weights(op, rhs, rhs_quantized, transpose_rhs=False):
@@ -270,27 +280,38 @@ def gmm_activate_fp8(lhs, rhs, group_sizes, activation: str, *, lhs_quantized=No
     return _gmm_act(lhs, _stopped(lhs_quantized), w, weights, group_sizes, activation, wgrad)
 
 
-def gmm_combine_fp8(lhs, rhs, group_sizes, row_map, weights, *, lhs_quantized=None, rhs_quantized=None,
-                    wgrad="bf16"):
-    """y = unpermute(gmm_fp8_blockwise(lhs, rhs, group_sizes), row_map, weights, unique_rows=True):
-    the FP8 expert MLP's second product out [T*k, N] (in lhs's dtype) and the weighted
-    combine y[t] = sum_j weights[t, j] out[row_map[t*k + j]] ([T, N]; row_map is permute's,
-    naming each row at most once). lhs, rhs, lhs_quantized, rhs_quantized and wgrad as
-    gmm_fp8_blockwise's. Differentiable w.r.t. lhs, an array rhs and weights: the backward
-    writes d out[r] = weights[t, j] dy[t] for r = row_map[t*k + j] (0 for rows no entry
-    names) and its FP8 rows in one kernel that reads each dy row once
-    (expand_quantize_fp8_rows), bitwise what unpermute's transpose (unique_rows:
-    gather_rows) and quantize_fp8_rows give, both making products of magnitude <= 2^-126
-    signed zeros (fp8::scaled_element), then the product's rules with those rows; d weights
-    is unpermute's. The
-    product's output [T*k, N] is kept for d weights even when weights need no gradient."""
-    _check_wgrad("gmm_combine_fp8", wgrad)
-    if jnp.shape(lhs)[:1] != jnp.shape(row_map):
-        raise ValueError(f"gmm_combine_fp8: expected lhs of {jnp.shape(row_map)[0]} rows (T*k, row_map's length), "
-                         f"got shape {jnp.shape(lhs)}")
+def mlp_combine_fp8(x, w_in, w_out, group_sizes, row_map, weights, activation: str, *, x_quantized=None,
+                    quantized_weights=(None, None), wgrad="bf16"):
+    """y[t] = sum_j weights[t, j] out[row_map[t*k + j]] with out = gmm_fp8_blockwise(a, w_out)
+    and (a, ...) = gmm_activate_fp8(x, w_in, group_sizes, activation): the FP8 expert MLP on
+    rows x [T*k, H] grouped by expert and its weighted combine into [T, N] (row_map is
+    permute's, naming each row at most once; weights [T, k]). x_quantized and
+    quantized_weights = (Fp8Weights of w_in or None, of w_out or None) as lhs_quantized and
+    rhs_quantized of gmm_fp8_blockwise; wgrad likewise. Differentiable w.r.t. x, array
+    weights w_in / w_out and weights, by the rule of product_combine's derivative with the
+    routing weight omega[r] (of the pair naming row r) moved in front of the second
+    product: with c[r] = dy[t] (r = row_map[t*k + j]),
+        g = gmm_fp8(Q_rows(c), Q_blocks(w_out)^T)      (the dgrad of the unweighted cotangent)
+        d h, Q_rows(d h), d omega = act'(h)^T (omega g), <g, act(h)>   (one kernel:
+                                                        activate_grad_quantize_fp8)
+        d w_out = a^T (omega c)                         (bf16 or FP8 wgrad, as gmm_fp8_blockwise's)
+        d weights[t, j] = d omega[row_map[t*k + j]]
+    One pass over dy writes omega c (for the wgrad) and the FP8 rows of c
+    (expand_quantize_fp8_rows). Neither the product's output nor a weighted copy of g is
+    kept or written: a step saves h, a and the weights' layouts. The FP8 dgrad multiplies
+    Q_rows(c), not Q_rows(omega c) as the unfused rule would (the same up to the
+    quantisation's rounding)."""
+    _check_wgrad("mlp_combine_fp8", wgrad)
+    if jnp.shape(x)[:1] != jnp.shape(row_map):
+        raise ValueError(f"mlp_combine_fp8: expected x of {jnp.shape(row_map)[0]} rows (T*k, row_map's length), "
+                         f"got shape {jnp.shape(x)}")
+    q_in, q_out = quantized_weights
+    with jax.named_scope(_PRODUCT):
+        w_in, q_in = _weights("mlp_combine_fp8", w_in, q_in)
     with jax.named_scope(_PRODUCT_OUT):
-        w, quantized = _weights("gmm_combine_fp8", rhs, rhs_quantized)
-    return _gmm_combine(lhs, _stopped(lhs_quantized), w, quantized, group_sizes, row_map, weights, wgrad)
+        w_out, q_out = _weights("mlp_combine_fp8", w_out, q_out)
+    return _mlp_combine(x, _stopped(x_quantized), w_in, q_in, w_out, q_out, group_sizes, row_map, weights,
+                        activation, wgrad)
 
 
 def gmm_fp8_blockwise(lhs, rhs, group_sizes, *, transpose_rhs=False, preferred_element_type=None,

@@ -81,14 +81,6 @@ def backward_gathers(h, w_out, num_tokens: int) -> bool:
             and gather_tgmm_supports((num_tokens, hidden), (m, f), e, dtype, dtype))
 
 
-def _row_weights(row_map, weights, num_rows: int):
-    """omega [num_rows]: omega[row_map[t*k + j]] = weights[t, j], 0 for rows no entry names.
-    A scatter of distinct places (entries naming no row are dropped), so that its transpose,
-    the weights' cotangent, is a gather: no scatter-add."""
-    place = jnp.where(_rows.names_row(row_map, num_rows), row_map, num_rows)
-    return jnp.zeros((num_rows,), weights.dtype).at[place].set(weights.reshape(-1), mode="drop", unique_indices=True)
-
-
 @functools.partial(jax.custom_jvp, nondiff_argnums=(5, 6))
 def activate_gmm_combine(h, w_out, group_sizes, row_map, weights, activation: str, gathered_backward: bool):
     """unpermute(gmm(activate(h, activation), w_out, group_sizes), row_map, weights,
@@ -118,8 +110,8 @@ def _activate_gmm_combine_jvp(activation, gathered_backward, primals, tangents):
     d_h, d_w_out, _, _, d_weights = tangents
     y = activate_gmm_combine(h, w_out, group_sizes, row_map, weights, activation, gathered_backward)
     with jax.named_scope("moe_xla/combine"):
-        omega = _row_weights(row_map, weights, h.shape[0])
-        d_omega = _row_weights(row_map, d_weights, h.shape[0])
+        omega = _rows.row_weights(row_map, weights, h.shape[0])
+        d_omega = _rows.row_weights(row_map, d_weights, h.shape[0])
     with jax.named_scope("moe_xla/act"):
         d_rows = activate_weighted_tangent(h, omega, d_h, d_omega, activation)
         weighted = (omega[:, None] * activate(h, activation).astype(jnp.float32)).astype(h.dtype)

@@ -323,15 +323,25 @@ def _activation_grad(h32, da32, activation: str):
     return vjp(da32)[0]
 
 
-def activate_grad_quantize_fp8(h, da, *, activation: str, pow2_scale=False):
-    """h [M, 2F] (gated) or [M, F], da [M, F] -> (dh [M, C] in h's dtype, q, scales): dh =
-    d/dh of sum(expert_activation(h) * da) in float32, rounded to h's dtype,
-    (q, scales) = quantize_fp8_rows(dh). The kernels state the derivative as formulas
-    (common/expert_activation.h) with their platform's exp / tanh, so their dh may differ
-    from this one by a few ulps before rounding; their q and scales are bitwise
+def activate_grad_quantize_fp8(h, g, omega, *, activation: str, pow2_scale=False):
+    """h [M, 2F] (gated) or [M, F], g [M, F], omega [M] float32 -> (dh [M, C] in h's dtype,
+    q, scales, d_omega_tiles [M, ceil(F/128)] float32): dh = d/dh of
+    sum_r omega[r] <expert_activation(h[r]), g[r]>, i.e. the derivative at da = omega * g
+    (float32, not rounded), rounded to h's dtype; (q, scales) = quantize_fp8_rows(dh);
+    d_omega_tiles[r, t] = sum of g[r, f] a[r, f] over f in [128 t, 128 t + 128), a =
+    expert_activation(h) rounded to h's dtype (their sum over t is d/d omega[r]). The
+    kernels state the derivative as formulas (common/expert_activation.h) with their
+    platform's exp / tanh, so their dh may differ from this one by a few ulps before
+    rounding, and their sums by their order; their q and scales are bitwise
     quantize_fp8_rows of their dh."""
-    dh = _activation_grad(h.astype(jnp.float32), da.astype(jnp.float32), activation).astype(h.dtype)
-    return (dh, *quantize_fp8_rows(dh, pow2_scale=pow2_scale))
+    h32, g32 = h.astype(jnp.float32), g.astype(jnp.float32)
+    dh = _activation_grad(h32, omega[:, None] * g32, activation).astype(h.dtype)
+    a = expert_activation(h32, activation).astype(h.dtype).astype(jnp.float32)
+    m, f = g.shape
+    tiles = -(-f // FP8_TILE)
+    products = jnp.pad(g32 * a, ((0, 0), (0, tiles * FP8_TILE - f)))
+    d_omega_tiles = jnp.sum(products.reshape(m, tiles, FP8_TILE), axis=2)
+    return (dh, *quantize_fp8_rows(dh, pow2_scale=pow2_scale), d_omega_tiles)
 
 
 def activate_weighted_grad(h, g, omega, *, activation: str):
@@ -364,7 +374,10 @@ def expand_quantize_fp8_rows(values, slots, factor, num_rows: int, *, pow2_scale
     values' dtype, q, scales): row r is owned by the last pair p = t * k + j (row-major)
     with slots[t, j] = r, and rows[r] = gather_rows(values, src, scale)[r] with src[r] = t,
     scale[r] = factor[t, j] (fp8_scaled_element(factor[t, j], values[t]) rounded once to
-    values' dtype); rows no pair names are 0; (q, scales) = quantize_fp8_rows(rows)."""
+    values' dtype); rows no pair names are 0; (q, scales) = quantize_fp8_rows of the
+    unscaled rows, gather_rows(values, src, 1 where a pair names the row, else 0): the
+    factor does not enter them (the FP8 dgrad takes the unweighted cotangent, the bf16
+    wgrad the weighted rows)."""
     t, k = slots.shape
     pair = jnp.arange(t * k, dtype=jnp.int32)
     flat = slots.reshape(-1)
@@ -375,8 +388,8 @@ def expand_quantize_fp8_rows(values, slots, factor, num_rows: int, *, pow2_scale
         scale = jnp.where(owner >= 0, factor.reshape(-1)[jnp.maximum(owner, 0)], 0.0)
     else:
         scale = jnp.zeros((num_rows,), jnp.float32)
-    rows = gather_rows(values, src, scale)
-    return (rows, *quantize_fp8_rows(rows, pow2_scale=pow2_scale))
+    unscaled = gather_rows(values, src, jnp.where(owner >= 0, 1.0, 0.0).astype(jnp.float32))
+    return (gather_rows(values, src, scale), *quantize_fp8_rows(unscaled, pow2_scale=pow2_scale))
 
 
 def _group_col_segments(group_sizes, m: int):

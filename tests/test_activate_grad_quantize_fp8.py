@@ -1,11 +1,11 @@
-"""activate_grad_quantize_fp8: the expert activation's backward fused with the FP8 row
-quantisation of d h, and the FP8 expert MLP (fp8.gmm_activate_fp8) that runs it.
+"""activate_grad_quantize_fp8: the routing-weighted expert activation's backward fused with
+the FP8 row quantisation of d h, and the FP8 expert MLP (fp8.gmm_activate_fp8) that runs it.
 
 The kernels (CPU everywhere, CUDA where there is a GPU) against jax.vjp of the jnp
-activation (moe_xla.activations.activate, independent of the kernels' formulas): d h
-within a few ulps; q and scales bitwise quantize_fp8_rows of the returned d h (evaluated on
-the CPU); gradients of gmm_activate_fp8 against the unfused FP8 path; shapes, vmap,
-sharding and errors.
+activation (moe_xla.activations.activate, independent of the kernels' formulas) at
+da = omega * g: d h within a few ulps; d omega against <g, act(h)> in float64; q and
+scales bitwise quantize_fp8_rows of the returned d h (evaluated on the CPU); gradients of
+gmm_activate_fp8 against the unfused FP8 path; shapes, vmap, sharding and errors.
 """
 
 from __future__ import annotations
@@ -31,6 +31,17 @@ def _da(rng, m, f, dtype):
     return jnp.asarray(rng.standard_normal((m, f)) * 2.0, dtype)
 
 
+def _omega(rng, m):
+    """Routing weights in (0, 1], a zero and a one among them."""
+    omega = rng.uniform(0.0, 1.0, m).astype(np.float32)
+    omega[: min(m, 2)] = [0.0, 1.0][: min(m, 2)]
+    return jnp.asarray(omega)
+
+
+def _ones(m):
+    return jnp.ones((m,), jnp.float32)
+
+
 def _vjp_f32(h, da, activation):
     """d h of the jnp activation (XLA:CPU, float32) on the inputs' values."""
     h32, da32 = jnp.asarray(h, jnp.float32), jnp.asarray(da, jnp.float32)
@@ -46,12 +57,14 @@ def _vjp_f32(h, da, activation):
 @pytest.mark.parametrize("shape", SHAPES)
 def test_kernel_against_the_jnp_derivative(rng, shape, activation, dtype, pow2, platform):
     m, f = shape
-    h, da = _h(rng, m, f, activation, dtype), _da(rng, m, f, dtype)
+    h, g, omega = _h(rng, m, f, activation, dtype), _da(rng, m, f, dtype), _omega(rng, m)
     device = jax.devices(platform)[0]
     fused = functools.partial(activate_grad_quantize_fp8, activation=activation, pow2_scale=pow2)
-    dh, q, scales = jax.jit(fused)(jax.device_put(h, device), jax.device_put(da, device))
+    dh, q, scales, d_omega = jax.jit(fused)(*(jax.device_put(v, device) for v in (h, g, omega)))
     c = h.shape[1]
     assert dh.dtype == h.dtype and dh.shape == (m, c) and q.shape == (m, c) and scales.shape == (m, -(-c // 128))
+    assert d_omega.shape == (m,) and d_omega.dtype == jnp.float32
+    da = np.asarray(omega)[:, None] * np.asarray(g, np.float32)  # float32, as the kernels form it
     with np.errstate(invalid="ignore", over="ignore"):
         want = _vjp_f32(h, da, activation)
     got = np.asarray(dh, np.float64)
@@ -62,8 +75,9 @@ def test_kernel_against_the_jnp_derivative(rng, shape, activation, dtype, pow2, 
         finite &= np.tile(np.isfinite(np.asarray(h, np.float64)).reshape(m, 2, f).all(axis=1), 2)
     h64 = np.abs(np.asarray(h, np.float64))
     size = np.abs(np.asarray(da, np.float64))
-    size = np.tile(size, 2) * (np.tile(h64[:, f:] + 1.0, 2) if activation in GATED else 1.0) if activation in GATED \
-        else size * (h64 + 1.0)
+    with np.errstate(invalid="ignore"):  # 0 * inf on rows left out
+        size = np.tile(size, 2) * (np.tile(h64[:, f:] + 1.0, 2) if activation in GATED else 1.0) \
+            if activation in GATED else size * (h64 + 1.0)
     # Relative to d h, up to two roundings to the dtype (one step of its subnormals at
     # least); absolute, a few float32 ulps of the terms' magnitude (gelu' and silu' cancel).
     err = np.abs(got[finite] - want[finite])
@@ -72,18 +86,33 @@ def test_kernel_against_the_jnp_derivative(rng, shape, activation, dtype, pow2, 
     assert np.all(err <= bound), (err - bound).max(initial=0)
     assert_bitwise((q, scales), _reference_on("cpu", reference.quantize_fp8_rows, jax.device_get(dh), pow2_scale=pow2),
                    "quantize_fp8_rows of the returned d h")
+    # d omega = <g, a>, a = act(h) rounded to the dtype (an ulp of it apart between the
+    # platforms' exp / tanh), on rows with a finite h.
+    with jax.default_device(jax.devices("cpu")[0]), np.errstate(invalid="ignore", over="ignore"):
+        a = np.asarray(activate(jnp.asarray(h), activation), np.float64)
+        products = np.asarray(g, np.float64) * a
+        rows = np.isfinite(np.asarray(h, np.float64)).all(axis=1) & np.isfinite(products).all(axis=1)
+        want_dot = products.sum(axis=1)
+        bound_dot = (2 * ULP[dtype] + 2.0 ** -20) * np.abs(products).sum(axis=1) + 1e-30
+    assert np.all(np.abs(np.asarray(d_omega, np.float64)[rows] - want_dot[rows]) <= bound_dot[rows])
 
 
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 def test_reference_is_the_jnp_derivative(rng, activation):
-    h, da = _h(rng, 9, 136, activation, jnp.float32), _da(rng, 9, 136, jnp.float32)
+    h, g, omega = _h(rng, 9, 300, activation, jnp.float32), _da(rng, 9, 300, jnp.float32), _omega(rng, 9)
     h = jnp.where(jnp.isfinite(h), h, 1.0)
-    dh, q, s = reference.activate_grad_quantize_fp8(h, da, activation=activation)
-    _, vjp = jax.vjp(lambda v: activate(v, activation), h)
+    dh, q, s, d_omega_tiles = reference.activate_grad_quantize_fp8(h, g, omega, activation=activation)
+    # The weighted activation's vjp in (h, omega), independent of the reference's formula.
+    _, vjp = jax.vjp(lambda v, w: w[:, None] * activate(v, activation), h, omega)
+    want_dh, want_omega = vjp(g)
     # The two gelu formulas' derivatives cancel near gelu's minimum: an absolute margin of a
     # few float32 ulps of |da| (up to 4) times |up| (up to 12).
-    np.testing.assert_allclose(np.asarray(dh), np.asarray(vjp(da)[0]), rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(dh), np.asarray(want_dh), rtol=1e-5, atol=1e-4)
     assert_bitwise((q, s), reference.quantize_fp8_rows(dh))
+    assert d_omega_tiles.shape == (9, 3)  # tiles of F = 300: 128, 128, 44
+    np.testing.assert_allclose(np.asarray(d_omega_tiles).sum(axis=1), np.asarray(want_omega), rtol=1e-5, atol=1e-4)
+    tail = np.sum(np.asarray(g)[:, 256:] * np.asarray(activate(h, activation))[:, 256:], axis=1)
+    np.testing.assert_allclose(np.asarray(d_omega_tiles)[:, 2], tail, rtol=1e-5, atol=1e-5)
 
 
 def _unfused_activation(h, activation):
@@ -151,24 +180,33 @@ def test_the_layer_runs_the_fused_backward():
 
 def test_leading_dims_and_vmap(rng):
     h = tricky(rng, (3, 5, 2 * 200), jnp.bfloat16)
-    da = jnp.asarray(rng.standard_normal((3, 5, 200)), jnp.bfloat16)
-    dh, q, s = activate_grad_quantize_fp8(h, da, "swiglu")
-    assert dh.shape == (3, 5, 400) and q.shape == (3, 5, 400) and s.shape == (3, 5, 4)
-    vdh, vq, vs = jax.vmap(lambda a, b: activate_grad_quantize_fp8(a, b, "swiglu"), in_axes=1, out_axes=1)(h, da)
-    assert_bitwise((vq, vs), (q, s))
-    np.testing.assert_array_equal(np.asarray(vdh, np.float32), np.asarray(dh, np.float32))
-    one = jax.vmap(lambda a: activate_grad_quantize_fp8(a, da[0], "swiglu"))(h)  # da not batched
-    assert_bitwise(one[1:], activate_grad_quantize_fp8(h, jnp.broadcast_to(da[0], da.shape), "swiglu")[1:])
+    g = jnp.asarray(rng.standard_normal((3, 5, 200)), jnp.bfloat16)
+    omega = jnp.asarray(rng.uniform(size=(3, 5)), jnp.float32)
+    dh, q, s, d_omega = activate_grad_quantize_fp8(h, g, omega, "swiglu")
+    assert dh.shape == (3, 5, 400) and q.shape == (3, 5, 400) and s.shape == (3, 5, 4) and d_omega.shape == (3, 5)
+    out = jax.vmap(lambda a, b, w: activate_grad_quantize_fp8(a, b, w, "swiglu"), in_axes=1, out_axes=1)(h, g, omega)
+    assert_bitwise(out[1:3], (q, s))
+    for got, want in ((out[0], dh), (out[3], d_omega)):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    one = jax.vmap(lambda a, w: activate_grad_quantize_fp8(a, g[0], w, "swiglu"))(h, omega)  # g not batched
+    assert_bitwise(one[1:3], activate_grad_quantize_fp8(h, jnp.broadcast_to(g[0], g.shape), omega, "swiglu")[1:3])
 
 
 @pytest.mark.parametrize("call, message", [
-    (lambda: activate_grad_quantize_fp8(jnp.zeros((4, 8)), jnp.zeros((4, 4)), "tanh"), "expected activation in"),
-    (lambda: activate_grad_quantize_fp8(jnp.zeros((4, 7)), jnp.zeros((4, 3)), "swiglu"), "odd last dim 7"),
-    (lambda: activate_grad_quantize_fp8(jnp.zeros((4, 8)), jnp.zeros((4, 8)), "swiglu"),
-     r"expected da of shape \(4, 4\)"),
-    (lambda: activate_grad_quantize_fp8(jnp.zeros((4, 8)), jnp.zeros((3, 8)), "relu"), "expected da of leading shape"),
-    (lambda: activate_grad_quantize_fp8(jnp.zeros((4, 8)), jnp.zeros((4, 8), jnp.bfloat16), "relu"), "da"),
-    (lambda: activate_grad_quantize_fp8(jnp.zeros((8,)), jnp.zeros((8,)), "relu"), "expected h of rank >= 2"),
+    (lambda: activate_grad_quantize_fp8(jnp.zeros((4, 8)), jnp.zeros((4, 4)), _ones(4), "tanh"),
+     "expected activation in"),
+    (lambda: activate_grad_quantize_fp8(jnp.zeros((4, 7)), jnp.zeros((4, 3)), _ones(4), "swiglu"), "odd last dim 7"),
+    (lambda: activate_grad_quantize_fp8(jnp.zeros((4, 8)), jnp.zeros((4, 8)), _ones(4), "swiglu"),
+     r"expected g of shape \(4, 4\)"),
+    (lambda: activate_grad_quantize_fp8(jnp.zeros((4, 8)), jnp.zeros((3, 8)), _ones(4), "relu"),
+     "expected g of leading shape"),
+    (lambda: activate_grad_quantize_fp8(jnp.zeros((4, 8)), jnp.zeros((4, 8), jnp.bfloat16), _ones(4), "relu"), "g"),
+    (lambda: activate_grad_quantize_fp8(jnp.zeros((4, 8)), jnp.zeros((4, 8)), _ones(3), "relu"),
+     r"expected omega of shape \(4,\)"),
+    (lambda: activate_grad_quantize_fp8(jnp.zeros((4, 8)), jnp.zeros((4, 8)), jnp.ones(4, jnp.bfloat16), "relu"),
+     "expected float32 omega"),
+    (lambda: activate_grad_quantize_fp8(jnp.zeros((8,)), jnp.zeros((8,)), _ones(1), "relu"),
+     "expected h of rank >= 2"),
 ])
 def test_bad_inputs_raise_at_trace_time(call, message):
     with pytest.raises((TypeError, ValueError), match=message):
@@ -178,23 +216,25 @@ def test_bad_inputs_raise_at_trace_time(call, message):
 def test_not_differentiable(rng):
     h = jnp.asarray(rng.standard_normal((4, 256)), jnp.float32)
     with pytest.raises(TypeError, match="activate_grad_quantize_fp8 is not differentiable"):
-        jax.grad(lambda v: jnp.sum(activate_grad_quantize_fp8(v, v[:, :128], "swiglu")[0]))(h)
+        jax.grad(lambda v: jnp.sum(activate_grad_quantize_fp8(v, v[:, :128], _ones(4), "swiglu")[0]))(h)
 
 
-@pytest.mark.parametrize("da, activation, message", [
-    (((4, 8), jnp.float16), 0, "da: expected the dtype of h"),
-    (((4, 8), jnp.float32), 7, r"activation: expected 0 \.\. 4, got 7"),
-    (((4, 9), jnp.float32), 0, r"da: expected shape \[4, 8\]"),
+@pytest.mark.parametrize("g, omega, activation, message", [
+    (((4, 8), jnp.float16), 4, 0, "g: expected the dtype of h"),
+    (((4, 8), jnp.float32), 4, 7, r"activation: expected 0 \.\. 4, got 7"),
+    (((4, 9), jnp.float32), 4, 0, r"g: expected shape \[4, 8\]"),
+    (((4, 8), jnp.float32), 5, 0, r"omega: expected shape \[4\]"),
 ])
-def test_handler_rejects_inconsistent_buffers(da, activation, message):
+def test_handler_rejects_inconsistent_buffers(g, omega, activation, message):
     from moe_xla import _lib
 
     results = [jax.ShapeDtypeStruct((4, 16), jnp.float32), jax.ShapeDtypeStruct((4, 16), jnp.float8_e4m3fn),
-               jax.ShapeDtypeStruct((4, 1), jnp.float32)]
+               jax.ShapeDtypeStruct((4, 1), jnp.float32), jax.ShapeDtypeStruct((4, 1), jnp.float32)]
     call = jax.ffi.ffi_call(_lib.require_kernel("activate_grad_quantize_fp8", "cpu"), results)
     with jax.default_device(jax.devices("cpu")[0]), pytest.raises(Exception, match=message):
-        jax.block_until_ready(jax.jit(lambda h, d: call(h, d, activation=np.int32(activation), pow2_scale=False))(
-            jnp.zeros((4, 16)), jnp.zeros(*da)))
+        jax.block_until_ready(jax.jit(lambda h, d, w: call(h, d, w, activation=np.int32(activation),
+                                                            pow2_scale=False))(
+            jnp.zeros((4, 16)), jnp.zeros(*g), jnp.ones((omega,), jnp.float32)))
 
 
 def test_shards_along_rows_without_gathering(rng):
@@ -203,22 +243,24 @@ def test_shards_along_rows_without_gathering(rng):
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("d",))
     rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d"))
     h = jax.device_put(tricky(rng, (64, 2 * 300), jnp.float32), rows)
-    da = jax.device_put(jnp.asarray(rng.standard_normal((64, 300)), jnp.float32), rows)
-    f = jax.jit(lambda a, b: activate_grad_quantize_fp8(a, b, "swiglu"))
-    hlo = f.lower(h, da).compile().as_text()
+    g = jax.device_put(jnp.asarray(rng.standard_normal((64, 300)), jnp.float32), rows)
+    omega = jax.device_put(_omega(rng, 64), rows)
+    f = jax.jit(lambda a, b, w: activate_grad_quantize_fp8(a, b, w, "swiglu"))
+    hlo = f.lower(h, g, omega).compile().as_text()
     assert "all-gather" not in hlo and "all-to-all" not in hlo and "collective-permute" not in hlo
-    out = f(h, da)
+    out = f(h, g, omega)
     assert all(o.sharding.spec[0] == "d" for o in out)
-    one = f(jax.device_get(h), jax.device_get(da))
-    assert_bitwise(out[1:], one[1:])
+    one = f(*(jax.device_get(v) for v in (h, g, omega)))
+    assert_bitwise(out[1:3], one[1:3])
+    np.testing.assert_array_equal(np.asarray(out[3]), np.asarray(one[3]))
 
 
 @requires_gpu
 def test_gpu_memcheck_shapes_run(rng):
     """Tails in both dimensions and F % 8 != 0 (the element-wise path) on the GPU."""
-    for m, f in ((3, 13), (130, 260)):
-        h, da = _h(rng, m, f, "swiglu", jnp.bfloat16), _da(rng, m, f, jnp.bfloat16)
-        dh, q, s = jax.jit(lambda a, b: activate_grad_quantize_fp8(a, b, "swiglu"))(
-            jax.device_put(h, jax.devices("gpu")[0]), jax.device_put(da, jax.devices("gpu")[0]))
-        cpu = jax.jit(lambda a, b: activate_grad_quantize_fp8(a, b, "swiglu"))(h, da)
-        np.testing.assert_allclose(np.asarray(dh, np.float32), np.asarray(cpu[0], np.float32), rtol=2 ** -6, atol=1e-6)
+    for m, f in ((3, 13), (130, 260), (70, 256)):
+        args = (_h(rng, m, f, "swiglu", jnp.bfloat16), _da(rng, m, f, jnp.bfloat16), _omega(rng, m))
+        fused = jax.jit(lambda a, b, w: activate_grad_quantize_fp8(a, b, w, "swiglu"))
+        gpu = fused(*(jax.device_put(v, jax.devices("gpu")[0]) for v in args))
+        cpu = fused(*(jax.device_put(v, jax.devices("cpu")[0]) for v in args))
+        np.testing.assert_allclose(np.asarray(gpu[0], np.float32), np.asarray(cpu[0], np.float32), rtol=2 ** -6, atol=1e-6)

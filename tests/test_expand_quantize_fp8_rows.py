@@ -3,12 +3,14 @@ fused with the FP8 row quantisation.
 
 The kernels (CPU everywhere, CUDA where there is a GPU) against the reference evaluated on
 the CPU: rows bitwise (NaN where the reference is NaN: a NaN's sign and payload are the
-platform's), q and scales bitwise. Data: every special case of the quantisation (tricky),
+platform's), q and scales bitwise, and those the quantisation of the unscaled rows (factor
+1), not of the scaled rows returned. Data: every special case of the quantisation (tricky),
 widths with tails and odd, no tokens, k of 1 and 0, no rows; slots a permutation of the
 rows, or with rows named twice and three times, rows named by none and entries outside
 [0, R) (negative, R, huge); factors of 0, -0, negative, huge, subnormal, inf and NaN, and
 products at and just below 2^-126, where XLA's CPU (denormals flushed) and gradual
-underflow round apart. The reference against numpy (the owner of a row written out as a
+underflow round apart; token rows holding +-2^-126, which the unscaled rows make zeros.
+The reference against numpy (the owner of a row written out as a
 loop); vmap (the batch folded into T and R, invalid slots kept invalid), jit, eager, the
 reference lowering, sharded operands, errors.
 """
@@ -72,6 +74,11 @@ def _case(rng, t, k, r, h, dtype, *, permutation=False):
         for m, (f, v) in enumerate(_tiny_products(rng, dtype)[:k]):
             values[0, m] = v
             factor[m] = f
+    if t > 5 and h >= 2:
+        # A tile whose only nonzero entries are +-2^-126: its unscaled row is a zero tile
+        # (scale 1), where quantising the token row itself would give the scale 2^-126.
+        values[5, :128] = 0.0
+        values[5, :2] = [MIN_NORMAL, -MIN_NORMAL]
     return (jnp.asarray(values), jnp.asarray(slots.reshape(t, k), jnp.int32),
             jnp.asarray(factor.reshape(t, k)))
 
@@ -117,6 +124,30 @@ def _owners(slots, num_rows):
     return owner
 
 
+def _flushed(v, limit):
+    """v with entries of magnitude at most limit replaced by zeros of their sign."""
+    return np.where(np.abs(v) <= limit, np.copysign(np.float32(0), v), v).astype(np.float32)
+
+
+def _unscaled_rows(values, slots, num_rows):
+    """The rows q and scales quantise, in numpy: each named row its owner's token row with
+    factor 1 (entries of magnitude at most 2^-126 as zeros of their sign; rounding back to
+    the dtype is exact), zero rows where no pair names the row."""
+    t, h = values.shape
+    owner = _owners(slots, num_rows)
+    named = owner >= 0
+    x = np.zeros((num_rows, h), np.float32)
+    if t:
+        x = np.asarray(values, np.float32)[np.maximum(owner, 0) // max(slots.shape[1], 1)]
+    with np.errstate(invalid="ignore"):
+        x = _flushed(x, np.float32(MIN_NORMAL))
+    return np.where(named[:, None], x, np.float32(0)).astype(values.dtype)
+
+
+def _quantized(rows, pow2=False):
+    return _reference_on("cpu", reference.quantize_fp8_rows, rows, pow2_scale=pow2)
+
+
 @pytest.mark.parametrize("platform", PLATFORMS)
 @pytest.mark.parametrize("pow2", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -134,12 +165,12 @@ def test_kernel_is_the_reference_bitwise(rng, permutation, shape, dtype, pow2, p
     want = _reference_on_cpu(values, slots, factor, r, pow2)
     assert_outputs_bitwise(out, want, "the reference on the CPU")
     # The contract's own claims: rows no pair names are zero rows, q and scales those of
-    # the rows returned.
+    # the unscaled rows (numpy's).
     named = _owners(slots, r) >= 0
     assert np.all(_bits(out[0])[~named] == 0) and np.all(_bits(out[1])[~named] == 0)
     assert np.all(np.asarray(out[2])[~named] == 1.0)
-    assert_bitwise(out[1:], _reference_on("cpu", reference.quantize_fp8_rows, jax.device_get(out[0]),
-                                          pow2_scale=pow2), "quantize_fp8_rows of the returned rows")
+    assert_bitwise(out[1:], _quantized(_unscaled_rows(values, slots, r), pow2),
+                   "quantize_fp8_rows of the unscaled rows")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -147,8 +178,8 @@ def test_reference_is_the_contract_in_numpy(rng, dtype):
     """reference.expand_quantize_fp8_rows against the rule written out in numpy: each row's
     owner by a loop (the last pair naming it), the float32 product underflowing gradually
     with operands' float32 subnormals as zeros and products of magnitude at most 2^-126 as
-    zeros of their sign, one rounding to the dtype; on the CPU, whose flushing would hide a
-    reference that left it to the FPU."""
+    zeros of their sign, one rounding to the dtype; q and scales of the same rows with
+    factor 1; on the CPU, whose flushing would hide a reference that left it to the FPU."""
     t, k, r, h = 7, 6, 40, 130
     values, slots, factor = _case(rng, t, k, r, h, dtype)
     owner = _owners(slots, r)
@@ -157,16 +188,35 @@ def test_reference_is_the_contract_in_numpy(rng, dtype):
     x = np.asarray(values, np.float32)[pair // k]
     s = np.asarray(factor).reshape(-1)[pair][:, None]
 
-    def flushed(v, limit):
-        return np.where(np.abs(v) <= limit, np.copysign(np.float32(0), v), v).astype(np.float32)
-
     with np.errstate(invalid="ignore", over="ignore", under="ignore"):
         tiny = np.nextafter(np.float32(MIN_NORMAL), np.float32(0))
-        product = flushed(flushed(s, tiny) * flushed(x, tiny), np.float32(MIN_NORMAL))
+        product = _flushed(_flushed(s, tiny) * _flushed(x, tiny), np.float32(MIN_NORMAL))
         rows = np.where(named[:, None], product, np.float32(0)).astype(jnp.dtype(dtype))
     got = _reference_on_cpu(values, slots, factor, r)
     assert_rows_bitwise(got[0], rows, "numpy")
-    assert_bitwise(got[1:], _reference_on("cpu", reference.quantize_fp8_rows, rows), "quantize_fp8_rows of numpy's")
+    assert_bitwise(got[1:], _quantized(_unscaled_rows(values, slots, r)), "quantize_fp8_rows of numpy's unscaled rows")
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_q_is_the_unscaled_rows_whatever_the_factors(rng, dtype, pow2, platform):
+    """Factors 0.37 and 3.0: the rows are scaled, q and scales bitwise those of the rows with
+    factor 1 (the op's own with factors 1, and numpy's), which differ from the scaled rows'."""
+    t, k, h = 16, 2, 300
+    values = tricky(rng, (t, h), dtype)
+    slots = jnp.asarray(rng.permutation(t * k).reshape(t, k), jnp.int32)
+    factor = jnp.asarray(np.tile(np.float32([0.37, 3.0]), (t, 1)))
+    f = jax.jit(lambda *a: expand_quantize_fp8_rows(*a, t * k, pow2_scale=pow2))
+    out = f(*_on(platform, values, slots, factor))
+    ones = f(*_on(platform, values, slots, jnp.ones_like(factor)))
+    unscaled = _unscaled_rows(values, slots, t * k)
+    assert_rows_bitwise(ones[0], unscaled, "numpy's unscaled rows")
+    assert_bitwise(out[1:], _quantized(unscaled, pow2), "quantize_fp8_rows of the unscaled rows")
+    assert_bitwise(out[1:], ones[1:], "the op with factors 1")
+    assert_rows_bitwise(out[0], _reference_on_cpu(values, slots, factor, t * k)[0], "the reference")
+    scaled = _quantized(jax.device_get(out[0]), pow2)
+    assert np.any(_bits(out[1]) != _bits(scaled[0])) and np.any(np.asarray(out[2]) != np.asarray(scaled[1]))
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)
@@ -201,14 +251,16 @@ def test_slots_naming_no_row_read_nothing_and_give_zero_rows(rng, platform):
 
 @pytest.mark.parametrize("platform", PLATFORMS)
 def test_a_row_named_twice_is_its_last_pair(platform):
-    """Rows named by several pairs take the last pair's term, the same on every call."""
+    """Rows named by several pairs take the last pair's term (its token for q and scales),
+    the same on every call."""
     values = jnp.asarray(np.arange(1, 4, dtype=np.float32)[:, None] * np.ones((3, 136), np.float32))
     slots = jnp.asarray([[1, 0], [1, 2], [0, 1]], jnp.int32)  # row 1: pairs 0, 2, 5; row 0: pairs 1, 4
     factor = jnp.asarray([[10.0, 20.0], [30.0, 40.0], [50.0, 60.0]], jnp.float32)
     f = jax.jit(lambda *a: expand_quantize_fp8_rows(*a, 3))
     for _ in range(3):
-        rows = np.asarray(f(*_on(platform, values, slots, factor))[0])
-        np.testing.assert_array_equal(rows[:, 0], [50.0 * 3, 60.0 * 3, 40.0 * 2])
+        rows, _, scales = f(*_on(platform, values, slots, factor))
+        np.testing.assert_array_equal(np.asarray(rows)[:, 0], [50.0 * 3, 60.0 * 3, 40.0 * 2])
+        np.testing.assert_array_equal(np.asarray(scales)[:, 0], np.float32([3, 3, 2]) / np.float32(448))
 
 
 def _per_batch(values, slots, factor, num_rows, pow2=False):

@@ -45,7 +45,8 @@ _REFERENCE = {
     "quantize_fp8_group_cols": lambda x, group_sizes, *, pow2_scale: list(
         reference.quantize_fp8_group_cols(x, group_sizes, pow2_scale=pow2_scale)),
     "activate_quantize_fp8": lambda h, **params: list(reference.activate_quantize_fp8(h, **params)),
-    "activate_grad_quantize_fp8": lambda h, da, **params: list(reference.activate_grad_quantize_fp8(h, da, **params)),
+    "activate_grad_quantize_fp8": lambda h, g, omega, **params: list(
+        reference.activate_grad_quantize_fp8(h, g, omega, **params)),
     "activate_weighted_grad": lambda h, g, omega, **params: list(reference.activate_weighted_grad(h, g, omega, **params)),
     "gather_rows": lambda values, src, *factor, has_factor, unique_sources: reference.gather_rows(
         values, src, *factor),

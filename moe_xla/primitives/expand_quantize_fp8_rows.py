@@ -1,8 +1,9 @@
 """expand_quantize_fp8_rows: token rows expanded into the rows of their (token, expert)
-pairs, each scaled, fused with their FP8 row quantisation: the operand of the FP8 dgrad in
-the MoE backward, where sorted row slots[t, j] of the expert outputs' cotangent is
-weight[t, j] * ct[t] (the transpose of the weighted combine; contract in
-common/fp8_blockwise.h, Fp8ExpandQuantizeParams).
+pairs, each scaled, fused with the FP8 row quantisation of the unscaled rows. In the MoE
+backward sorted row slots[t, j] of the expert outputs' cotangent is weight[t, j] * ct[t]
+(the transpose of the weighted combine): the rows, which feed the bf16 weight gradient; the
+FP8 dgrad takes ct[t] unweighted (q, scales), the routing weight entering later, in the
+activation's backward (contract in common/fp8_blockwise.h, Fp8ExpandQuantizeParams).
 
     values [T, H] float32 / bfloat16 / float16, slots [T, k] int32, factor [T, k] float32,
     num_rows R
@@ -13,13 +14,17 @@ common/fp8_blockwise.h, Fp8ExpandQuantizeParams).
          the product in float32, rounded once to the dtype (float32 subnormal operands
          count as zeros, products of magnitude at most 2^-126 as zeros of their sign:
          reference.fp8_scaled_element)
-      -> q [R, H] float8_e4m3fn, scales [R, ceil(H/128)] float32 = quantize_fp8_rows(rows),
-         bitwise, of the rows returned
+      -> q [R, H] float8_e4m3fn, scales [R, ceil(H/128)] float32 = quantize_fp8_rows(u),
+         bitwise, of the unscaled rows: u[r] = rnd(1 * values[t]) for the owner (t, j) of
+         row r (entries of magnitude at most 2^-126 as zeros of their sign, as in the
+         product above), 0 where none names r; the factor does not enter them (with
+         factors 1 they are the quantisation of the rows returned)
 
 With permute's row map as slots (each row named once) rows[slots[t, j]] = factor[t, j] *
-values[t]. Each token row is read once however many rows it fills, where a gather of the
-rows through their tokens reads it k times. Whatever slots hold, every row has one writer,
-and no access leaves the arrays. Bitwise the same on the CPU and CUDA kernels and in
+values[t] and (q, scales)[slots[t, j]] = quantize_fp8_rows(values)[t] where no entry is
++-2^-126. Each token row is read and quantised once however many rows it fills, where a
+gather of the rows through their tokens reads it k times. Whatever slots hold, every row
+has one writer, and no access leaves the arrays. Bitwise the same on the CPU and CUDA kernels and in
 reference.expand_quantize_fp8_rows (NaN rows are NaN, of the platform's sign and payload).
 Handlers MoeXlaExpandQuantizeFp8Rows{Cpu,Cuda} in ffi/quantize_fp8_{cpu,cuda}.cc (the CUDA
 one keeps the row owners in a workspace result); kernels cpu/fp8_quantize.cc
@@ -50,7 +55,8 @@ expand_quantize_fp8_rows_p.multiple_results = True
 def expand_quantize_fp8_rows(values, slots, factor, num_rows: int, *, pow2_scale=False):
     """(rows, q, scales) of values [T, H], slots [T, k] int32 and factor [T, k] float32:
     rows[slots[t, j]] = factor[t, j] * values[t] in values' dtype ([num_rows, H]; rows no
-    slot names are 0) and its 1 x 128 row quantisation. See the module docstring."""
+    slot names are 0) and the 1 x 128 row quantisation of the rows with factor 1. See the
+    module docstring."""
     pow2_scale = _checks.static_bool(OP, "pow2_scale", pow2_scale)
     if not isinstance(num_rows, int) or isinstance(num_rows, bool) or not 0 <= num_rows < INT32_LIMIT:
         raise ValueError(f"{OP}: expected num_rows to be an int in [0, 2^31), got {num_rows!r}")

@@ -279,10 +279,10 @@ void test_scaled_element() {
 // values [3, 130] bf16 expanded by slots {{2, -1}, {0, 2}, {7, 4}} into 5 rows: row 2 is
 // named by pairs 0 and 3 and takes pair 3's term (the last), row 0 pair 2's, row 4 pair
 // 5's; rows 1 and 3 (named by none; -1 and 7 name no row) are zero rows (q 0, scales 1);
-// q and scales those of the rows as stored.
+// q and scales those of the unscaled rows (factor 1), not of the rows as stored.
 void test_expand() {
   const int64_t t = 3, k = 2, r = 5, h = 130;
-  std::vector<uint16_t> values(t * h), out(r * h, 0xAAAA);
+  std::vector<uint16_t> values(t * h), out(r * h, 0xAAAA), unscaled(r * h, 0);
   for (int64_t i = 0; i < t * h; ++i) values[i] = float_bf16((static_cast<float>((i * 37) % 101) - 50.0f) / 7.0f);
   const int32_t slots[] = {2, -1, 0, 2, 7, 4};
   const float factor[] = {0.3f, 1.0f, -1e-40f, 2.0f, 1e30f, 5.0f};
@@ -298,10 +298,15 @@ void test_expand() {
                                          : float_bf16(fp8::scaled_element(factor[owner[i]],
                                                                           bf16_float(values[owner[i] / k * h + c])));
       check(out[i * h + c] == want, "expanded element", static_cast<double>(i * h + c));
+      if (owner[i] >= 0) {
+        unscaled[i * h + c] = float_bf16(fp8::scaled_element(1.0f, bf16_float(values[owner[i] / k * h + c])));
+      }
     }
   }
+  cpu::fp8_quantize({unscaled.data(), DType::kBF16, q_want.data(), nullptr, scales_want.data(), 1, r, h, 1, false});
+  check(q == q_want && scales == scales_want, "q and scales of the unscaled rows", 0);
   cpu::fp8_quantize({out.data(), DType::kBF16, q_want.data(), nullptr, scales_want.data(), 1, r, h, 1, false});
-  check(q == q_want && scales == scales_want, "q and scales of the rows as stored", 0);
+  check(q != q_want && scales != scales_want, "not those of the rows as stored", 0);
   check(scales[2] == 1.0f && scales[6] == 1.0f && q[h] == 0 && q[3 * h] == 0, "a row of no pair: scale 1, q 0", 0);
 }
 
