@@ -212,12 +212,12 @@ def _mlp_combine_fwd(x, x_q, w_in, q_in, w_out, q_out, group_sizes, row_map, rou
 def _mlp_combine_bwd(activation, wgrad_kind, saved, dy):
     h, res_in, res_out, row_map, route_weights = saved
     (t, k), m = route_weights.shape, h.shape[0]
+    weights32 = route_weights.astype(jnp.float32)
     with jax.named_scope(_COMBINE):
         # d out[r] = omega[r] dy[t] (unpermute's transpose), each dy row read once; the FP8
         # rows are those of dy[t] itself, c[r] (the weight enters after the product).
-        d_out, q, scales = expand_quantize_fp8_rows(dy.astype(h.dtype), row_map.reshape(t, k),
-                                                    route_weights.astype(jnp.float32), m)
-        omega = _rows.row_weights(row_map, route_weights.astype(jnp.float32), m)
+        d_out, q, scales = expand_quantize_fp8_rows(dy.astype(h.dtype), row_map.reshape(t, k), weights32, m)
+        omega = _rows.row_weights(row_map, weights32, m)
     with jax.named_scope(_PRODUCT_OUT):
         g, _, d_w_out, d_q_out, _ = _grads(d_out, (q, scales), res_out, wgrad_kind)
     with jax.named_scope(_ACT):
@@ -226,8 +226,7 @@ def _mlp_combine_bwd(activation, wgrad_kind, saved, dy):
         d_x, d_x_q, d_w_in, d_q_in, _ = _grads(dh, (q_h, s_h), res_in, wgrad_kind)
     with jax.named_scope(_COMBINE):
         # omega's transpose: d weights[t, j] = d omega[row_map[t*k + j]], a gather.
-        (d_route,) = jax.linear_transpose(lambda w: _rows.row_weights(row_map, w, m),
-                                          route_weights.astype(jnp.float32))(d_omega)
+        (d_route,) = jax.linear_transpose(lambda w: _rows.row_weights(row_map, w, m), weights32)(d_omega)
     return d_x, d_x_q, d_w_in, d_q_in, d_w_out, d_q_out, None, None, d_route.astype(route_weights.dtype)
 
 
