@@ -5,8 +5,9 @@ taking turns on the device in the same run (alternating_times).
 Ops: gather_rows (the primitive, a copy of each row), gather_rows_factor (the primitive
 with a float32 factor per row), xla_gather (values[src], XLA's gather), xla_gather_factor
 (factor[:, None] * values[src] in float32, rounded to the dtype), permute (moe_xla.permute
-of the T tokens to their k experts: the sort, row_map and the same row gather), copy (an
-[R, H] array copied on the device).
+of the T tokens to their k experts: the sort, row_map, and the rows written in expert
+order, each token row read once for its k rows), copy (an [R, H] array copied on the
+device).
 
     python benchmarks/gather_rows.py [--out benchmarks/results] [--name gather_rows] [--ops gather_rows copy ...]
 

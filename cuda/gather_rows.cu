@@ -27,7 +27,7 @@ __device__ __forceinline__ int64_t named_row(const int32_t* src, int64_t r, int6
 struct Indexed {
   const int32_t* src;
   int64_t num_values;
-  __device__ __forceinline__ row_gather::Copy row(int64_t r, bool) const { return {named_row(src, r, num_values)}; }
+  __device__ __forceinline__ row_gather::Copy row(int64_t r) const { return {named_row(src, r, num_values)}; }
 };
 
 // A row of values row `index` times `factor`, each element rounded once to D.
@@ -55,7 +55,7 @@ struct ScaledIndexed {
   const int32_t* src;
   const float* factor;
   int64_t num_values;
-  __device__ __forceinline__ Scaled<D> row(int64_t r, bool) const {
+  __device__ __forceinline__ Scaled<D> row(int64_t r) const {
     const int64_t s = named_row(src, r, num_values);
     return {s, s < 0 ? 0.0f : __ldg(factor + r)};
   }

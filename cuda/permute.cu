@@ -7,10 +7,11 @@
 //      is exactly slot(i) of common/routing.h.
 //   3. group_sizes: one thread per expert, two binary searches on the sorted keys
 //      (upper minus lower bound). No atomics, no memset.
-//   4. the row gather of cuda/row_gather.cuh: slot s reads i = sorted_value[s], one thread
-//      of its team writes row_map[i] = s, and the team copies row x[i / k] into
-//      x_sorted[s] with the widest copy unit (16, 8, 4, 2 or 1 bytes) that the row size
-//      and both pointers allow, several independent loads in flight per thread.
+//   4. row_map[sorted_value[s]] = s, one thread per slot (the sorted values are a
+//      permutation of [0, T*k), so every entry is written once);
+//   5. the row expansion of cuda/row_gather.cuh: token t's row is read once and stored
+//      into its k slots x_sorted[row_map[t * k + j]], with the widest copy unit (16, 8, 4,
+//      2 or 1 bytes) that the row size and both pointers allow.
 // The workspace holds the two key and two value buffers of the sort plus CUB's temporary
 // storage; its size comes from CUB's host-only size query.
 #include <cuda_runtime.h>
@@ -107,18 +108,13 @@ __global__ void count_groups(const uint32_t* __restrict__ sorted, int n, int exp
   group_sizes[e] = lower_bound(sorted, n, e + 1u) - lower_bound(sorted, n, static_cast<uint32_t>(e));
 }
 
-// Row s of x_sorted is row order[s] / k of x; one thread of its team writes row_map[order[s]] = s.
-struct SortedRows {
-  const int32_t* order;
-  int32_t* row_map;
-  int64_t n, k;
-  __device__ __forceinline__ row_gather::Copy row(int64_t s, bool leader) const {
-    const int64_t i = order[s];
-    if (i < 0 || i >= n) return {-1};  // unreachable: the sorted values are a permutation of [0, n)
-    if (leader) row_map[i] = static_cast<int32_t>(s);
-    return {i / k};
+__global__ void invert(const int32_t* __restrict__ order, int n, int32_t* __restrict__ row_map) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t s = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; s < n; s += stride) {
+    const int32_t i = order[s];
+    if (i >= 0 && i < n) row_map[i] = static_cast<int32_t>(s);  // always: the sort's values are a permutation
   }
-};
+}
 
 }  // namespace
 
@@ -168,9 +164,12 @@ Status permute(const PermuteParams& p, void* workspace, size_t workspace_bytes, 
     MOE_XLA_RETURN_IF_CUDA_ERROR(cudaGetLastError());  // launch of count_groups
   }
 
+  invert<<<key_blocks, kThreads, 0, stream>>>(values.Current(), n, p.row_map);
+  MOE_XLA_RETURN_IF_CUDA_ERROR(cudaGetLastError());  // launch of invert
+
   const int64_t row_bytes = p.hidden * static_cast<int64_t>(dtype_bytes(p.dtype));
-  MOE_XLA_RETURN_IF_CUDA_ERROR(row_gather::launch<1>(p.x, p.x_sorted, n, row_bytes,
-                                                     SortedRows{values.Current(), p.row_map, n, p.top_k}, stream));
+  MOE_XLA_RETURN_IF_CUDA_ERROR(row_gather::launch_expand(p.x, p.x_sorted, p.tokens, static_cast<int>(p.top_k), n,
+                                                         row_bytes, p.row_map, stream));
   return Status();
 }
 
