@@ -49,6 +49,18 @@ struct Copy {
   }
 };
 
+// v[u] = src[base + u * team] for the units of the row (c < row_vectors), all loads
+// issued before any is used.
+template <typename V>
+__device__ __forceinline__ void load_units(const V* src, int64_t base, int team, int64_t row_vectors,
+                                           V (&v)[kUnroll]) {
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    const int64_t c = base + int64_t{u} * team;
+    if (c < row_vectors) v[u] = __ldg(src + c);
+  }
+}
+
 template <typename V, class Rows>
 __global__ void __launch_bounds__(kThreads)
     gather(const V* __restrict__ values, V* __restrict__ out, int64_t num_rows, int64_t row_vectors, int team_log2,
@@ -67,11 +79,7 @@ __global__ void __launch_bounds__(kThreads)
     const V* src = values + source.index * row_vectors;
     for (int64_t base = lane; base < row_vectors; base += int64_t{team} * kUnroll) {
       V v[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int64_t c = base + int64_t{u} * team;
-        if (c < row_vectors) v[u] = __ldg(src + c);
-      }
+      load_units(src, base, team, row_vectors, v);
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int64_t c = base + int64_t{u} * team;
@@ -94,11 +102,7 @@ __global__ void __launch_bounds__(kThreads)
     const int32_t* row_slots = slots + t * k;
     for (int64_t base = lane; base < row_vectors; base += int64_t{team} * kUnroll) {
       V v[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int64_t c = base + int64_t{u} * team;
-        if (c < row_vectors) v[u] = __ldg(src + c);
-      }
+      load_units(src, base, team, row_vectors, v);
       for (int j = 0; j < k; ++j) {
         const int64_t s = __ldg(row_slots + j);
         if (s < 0 || s >= num_rows) continue;
