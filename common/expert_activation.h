@@ -65,24 +65,31 @@ MOE_XLA_HOST_DEVICE inline float gelu_tanh_grad(float x) {
   return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * kSqrt2OverPi * (1.0f + 3.0f * 0.044715f * x * x);
 }
 
-// g(x) and g'(x) of a gated activation together, sharing their exp or tanh (the paired
-// CUDA backward; g within an ulp of silu / gelu_tanh: x * s rounds twice where silu
-// divides once).
-MOE_XLA_HOST_DEVICE inline void gated_value_and_grad(Activation act, float x, float* g, float* dg) {
+// Both halves of d h at one column of a gated activation, g and g' of the gate computed
+// together, sharing their exp or tanh (the paired CUDA backwards): d gate = da * up *
+// g'(gate), d up = da * g(gate); and a = g(gate) * up, the forward's activation before
+// rounding (their d omega term). g is within an ulp of silu / gelu_tanh: gate * s rounds
+// twice where silu divides once.
+struct GatedGrad {
+  float d_gate, d_up, a;
+};
+MOE_XLA_HOST_DEVICE inline GatedGrad gated_grad(Activation act, float gate, float up, float da) {
+  float g, dg;
   if (act == Activation::kSwiglu) {
 #if defined(__CUDA_ARCH__)
-    const float s = __frcp_rn(1.0f + expf(-x));  // the correctly rounded 1 / (1 + e^-x)
+    const float s = __frcp_rn(1.0f + expf(-gate));  // the correctly rounded 1 / (1 + e^-x)
 #else
-    const float s = 1.0f / (1.0f + expf(-x));
+    const float s = 1.0f / (1.0f + expf(-gate));
 #endif
-    *g = x * s;
-    *dg = s * (1.0f + x * (1.0f - s));
-    return;
+    g = gate * s;
+    dg = s * (1.0f + gate * (1.0f - s));
+  } else {
+    constexpr float kSqrt2OverPi = 0.7978845608028654f;
+    const float t = tanhf(kSqrt2OverPi * (gate + 0.044715f * gate * gate * gate));
+    g = 0.5f * gate * (1.0f + t);
+    dg = 0.5f * (1.0f + t) + 0.5f * gate * (1.0f - t * t) * kSqrt2OverPi * (1.0f + 3.0f * 0.044715f * gate * gate);
   }
-  constexpr float kSqrt2OverPi = 0.7978845608028654f;
-  const float t = tanhf(kSqrt2OverPi * (x + 0.044715f * x * x * x));
-  *g = 0.5f * x * (1.0f + t);
-  *dg = 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * kSqrt2OverPi * (1.0f + 3.0f * 0.044715f * x * x);
+  return {da * up * dg, da * g, g * up};
 }
 
 // d h for one element: of the up half (gated only) or else of the gate / h element, with

@@ -37,18 +37,14 @@ struct ElementGrad {
 template <DType D>
 __device__ __forceinline__ ElementGrad element_grad(Activation act, float gate, float up, float g, float omega) {
   const float da = omega * g;
-  float value, d_gate, d_up = 0.0f;
+  GatedGrad d{0.0f, 0.0f, 0.0f};
   if (is_gated(act)) {
-    float dg;
-    gated_value_and_grad(act, gate, &value, &dg);
-    d_gate = da * up * dg;
-    d_up = da * value;
-    value *= up;
+    d = gated_grad(act, gate, up, da);
   } else {
-    value = activate(act, gate, 0.0f);
-    d_gate = activate_grad(act, false, gate, 0.0f, da);
+    d.a = activate(act, gate, 0.0f);
+    d.d_gate = activate_grad(act, false, gate, 0.0f, da);
   }
-  return {d_gate, d_up, g * Elem<D>::to_float(Elem<D>::from_float(value))};
+  return {d.d_gate, d.d_up, g * Elem<D>::to_float(Elem<D>::from_float(d.a))};
 }
 
 // kVector: F % 8 == 0 and h, g and dh aligned for Lane accesses.

@@ -310,7 +310,7 @@ cudaError_t activate_quantize(const Fp8ActivateQuantizeParams& p, cudaStream_t s
 
 // The gated backward when F % 128 == 0 (every tile inside one half): a thread owns 8 gate
 // columns of kPairRows rows and the same 8 up columns; it reads gate, up and g once,
-// computes g and g' of the gate once (gated_value_and_grad) and writes both halves of d h,
+// computes g and g' of the gate once (gated_grad) and writes both halves of d h,
 // whose two 1 x 128 tiles per row are each the 16 threads of a half warp. Regions of
 // 16 * kPairRows rows x 128 gate columns.
 constexpr int kPairRows = 2;
@@ -346,13 +346,11 @@ __global__ void __launch_bounds__(kPairThreads, 3)
     float d_gate[kLaneCols], d_up[kLaneCols], dot = 0.0f;
 #pragma unroll
     for (int j = 0; j < kLaneCols; ++j) {
-      float gv, dg;
-      const float x = Elem<D>::to_float(g[i].get(j)), up = Elem<D>::to_float(u[i].get(j));
-      const float gc = Elem<D>::to_float(d[i].get(j)), a = w[i] * gc;
-      gated_value_and_grad(act, x, &gv, &dg);
-      d_gate[j] = a * up * dg;
-      d_up[j] = a * gv;
-      dot += gc * Elem<D>::to_float(Elem<D>::from_float(gv * up));
+      const float gc = Elem<D>::to_float(d[i].get(j));
+      const GatedGrad e = gated_grad(act, Elem<D>::to_float(g[i].get(j)), Elem<D>::to_float(u[i].get(j)), w[i] * gc);
+      d_gate[j] = e.d_gate;
+      d_up[j] = e.d_up;
+      dot += gc * Elem<D>::to_float(Elem<D>::from_float(e.a));
     }
 #pragma unroll
     for (int offset = kRowThreads / 2; offset > 0; offset /= 2) dot += __shfl_xor_sync(kFullWarp, dot, offset);
