@@ -9,8 +9,8 @@
 //      topk_groups rounds of a warp-wide argmax over the group scores, each marking its
 //      winner with NaN (NaN never wins); experts of unmarked groups get select = -inf.
 //   3. Top-k: each lane keeps the best (score, index) among its own experts; k rounds of a
-//      warp-wide argmax (xor butterfly on (score, index): higher score, then lower index,
-//      a strict total order, so every lane agrees) pick the experts in order. The winner's
+//      warp-wide argmax (higher score, then lower index: a strict total order, found by
+//      two warp reductions, so every lane agrees) pick the experts in order. The winner's
 //      owner marks it with NaN and rescans only its own experts.
 //   4. The weight sum runs over j in order on every lane (identical on all lanes), then
 //      lane j % 32 renormalizes and scales the weights it wrote.
@@ -59,17 +59,21 @@ __device__ __forceinline__ void lane_best(const float* v, int n, int lane, float
   }
 }
 
-// Warp-wide best (score, index); every lane gets the same result.
-__device__ __forceinline__ void warp_best(float& bv, int& bi) {
-#pragma unroll
-  for (int offset = kWarp / 2; offset > 0; offset /= 2) {
-    const float ov = __shfl_xor_sync(kFullMask, bv, offset);
-    const int oi = __shfl_xor_sync(kFullMask, bi, offset);
-    if (ahead(ov, oi, bv, bi)) {
-      bv = ov;
-      bi = oi;
-    }
-  }
+// A 32-bit key of a non-NaN float that orders as the floats do: a > b exactly when
+// key(a) > key(b). -0 takes +0's key (they compare equal).
+__device__ __forceinline__ unsigned order_key(float v) {
+  unsigned bits = __float_as_uint(v);
+  if (bits == 0x80000000u) bits = 0u;
+  return bits & 0x80000000u ? ~bits : bits | 0x80000000u;
+}
+
+// Index of the warp-wide best (score, index) in the order of ahead(); every lane gets the
+// same result. Two warp reductions (sm_80's redux.sync): the highest key, then the lowest
+// index among the lanes that hold it.
+__device__ __forceinline__ int warp_best(float bv, int bi) {
+  const unsigned key = order_key(bv);
+  const unsigned best = __reduce_max_sync(kFullMask, key);
+  return static_cast<int>(__reduce_min_sync(kFullMask, key == best ? static_cast<unsigned>(bi) : UINT_MAX));
 }
 
 __device__ __forceinline__ float warp_max(float v) {
@@ -155,7 +159,7 @@ __global__ void __launch_bounds__(kWarp* kMaxWarpsPerBlock) route_kernel(RouteAr
       float bv;
       int bi;
       lane_best(group_score, a.groups, lane, bv, bi);
-      warp_best(bv, bi);
+      bi = warp_best(bv, bi);
       __syncwarp();
       if (lane == 0 && bi < a.groups) group_score[bi] = NAN;  // kept
       __syncwarp();
@@ -175,9 +179,7 @@ __global__ void __launch_bounds__(kWarp* kMaxWarpsPerBlock) route_kernel(RouteAr
   lane_best(select, E, lane, own_v, own_i);
   float sum = 0.0f;
   for (int j = 0; j < k; ++j) {
-    float bv = own_v;
-    int bi = own_i;
-    warp_best(bv, bi);
+    int bi = warp_best(own_v, own_i);
     if (bi >= E) bi = E - 1;  // unreachable for k <= E (an untaken expert is never NaN)
     const float w = source[bi];
     sum += w;

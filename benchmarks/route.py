@@ -1,0 +1,81 @@
+"""Benchmark: the route kernel (top-k expert selection and its weights) in ms, against the
+jnp reference of the same selection (moe_xla.reference.route, XLA's sort-based top_k) and
+a plain device copy of the same bytes, taking turns on the device in the same run
+(alternating_times).
+
+    python benchmarks/route.py [--out benchmarks/results] [--name route] [--ops route xla copy]
+
+Shapes (T tokens, E experts, k, score, groups, logits dtype): the router outputs of the
+benchmark layers (benchmarks/cases.json: SonicMoE's three 30B configurations, qwen3,
+deepseek-v3 with its sigmoid score, selection bias and group limit) and one bf16-logits
+case. Bytes = the logits read + weights and ids written (T E b + 8 T k), for every op, the
+copy included (it copies an array of that many bytes); fraction_of_copy = the copy's time /
+the op's time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from pathlib import Path
+
+from _timing import alternating_times, environment, normal, write_results
+
+import jax
+import jax.numpy as jnp
+
+import moe_xla
+from moe_xla import reference
+
+# (name, T, E, k, score, n_groups, topk_groups, logits dtype)
+SHAPES = [("sonicmoe_n256", 32768, 256, 16, "softmax", 1, 1, jnp.float32),
+          ("sonicmoe_n512", 32768, 128, 8, "softmax", 1, 1, jnp.float32),
+          ("sonicmoe_n1024", 32768, 64, 4, "softmax", 1, 1, jnp.float32),
+          ("qwen3", 16384, 128, 8, "softmax", 1, 1, jnp.float32),
+          ("deepseek_v3", 8192, 256, 8, "sigmoid", 8, 4, jnp.float32),
+          ("bf16_n256", 32768, 256, 16, "softmax", 1, 1, jnp.bfloat16)]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--name", default="route")
+    parser.add_argument("--ops", nargs="*", help="ops to measure (default: all)")
+    parser.add_argument("--seconds", type=float, default=0.3, help="seconds per turn")
+    parser.add_argument("--rounds", type=int, default=4)
+    args = parser.parse_args()
+    rows = []
+    for name, t, e, k, score, n_groups, topk_groups, dtype in SHAPES:
+        keys = jax.random.split(jax.random.key(0), 2)
+        logits = normal(keys[0], (t, e), dtype)
+        bias = 0.1 * jax.random.normal(keys[1], (e,), jnp.float32) if score == "sigmoid" else None
+        options = dict(score=score, bias=bias)
+        if n_groups > 1:
+            options.update(n_groups=n_groups, topk_groups=topk_groups)
+        nbytes = t * e * jnp.dtype(dtype).itemsize + 8 * t * k
+        copied = jnp.zeros((nbytes // 4,), jnp.float32)
+        ops = {
+            "route": lambda x: moe_xla.route(x, k, **options),
+            "xla": lambda x: reference.route(x, top_k=k, **options),
+            "copy": lambda x: copied.copy(),
+        }
+        if args.ops:
+            ops = {op: fn for op, fn in ops.items() if op in args.ops}
+        impls = {}
+        for op, fn in ops.items():
+            jitted = jax.jit(fn)
+            impls[op] = (lambda jitted=jitted: jitted(logits), jax.block_until_ready)
+        times, _ = alternating_times(impls, args.seconds, args.rounds)
+        seconds = {op: statistics.median(ts) for op, ts in times.items()}
+        for op, s in seconds.items():
+            row = {"case": name, "op": op, "shape": f"T{t} E{e} k{k} {score} g{n_groups} {jnp.dtype(dtype).name}",
+                   "ms": s * 1e3, "gbps": nbytes / s / 1e9,
+                   "fraction_of_copy": seconds["copy"] / s if "copy" in seconds else None}
+            rows.append(row)
+            print(row, flush=True)
+        del logits, copied, impls
+    write_results(args.out, args.name, environment(), rows, ["case", "op", "shape", "ms", "gbps", "fraction_of_copy"])
+
+
+if __name__ == "__main__":
+    main()
