@@ -8,9 +8,9 @@ a plain device copy of the same bytes, taking turns on the device in the same ru
 Shapes (T tokens, E experts, k, score, groups, logits dtype): the router outputs of the
 benchmark layers (benchmarks/cases.json: SonicMoE's three 30B configurations, qwen3,
 deepseek-v3 with its sigmoid score, selection bias and group limit) and one bf16-logits
-case. Bytes = the logits read + weights and ids written (T E b + 8 T k), for every op, the
-copy included (it copies an array of that many bytes); fraction_of_copy = the copy's time /
-the op's time.
+case. Bytes = the logits read + weights and ids written (T E b + 8 T k), for every op; the copy
+reads and writes an array of half that many bytes, so it moves the same bytes;
+fraction_of_copy = the copy's time / the op's time.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def main():
         if n_groups > 1:
             options.update(n_groups=n_groups, topk_groups=topk_groups)
         nbytes = t * e * jnp.dtype(dtype).itemsize + 8 * t * k
-        copied = jnp.zeros((nbytes // 4,), jnp.float32)
+        copied = jnp.zeros((nbytes // 8,), jnp.float32)  # nbytes / 2 read + nbytes / 2 written
         ops = {
             "route": lambda x: moe_xla.route(x, k, **options),
             "xla": lambda x: reference.route(x, top_k=k, **options),

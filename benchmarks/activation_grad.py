@@ -1,0 +1,75 @@
+"""Benchmark: the routing-weighted expert activation's backward (activate_weighted_grad:
+d h and d omega from h, g and omega, the bf16 layer's act bwd stage) in GB/s, against its
+jnp formula under XLA and a plain device copy of the same bytes, taking turns on the
+device in the same run (alternating_times).
+
+    python benchmarks/activation_grad.py [--out benchmarks/results] [--name activation_grad] [--ops kernel xla copy]
+
+Shapes (M routed rows = T k, F, bf16, swiglu): the benchmark layers' expert rows
+(benchmarks/cases.json: SonicMoE's three 30B configurations, qwen3, deepseek-v3, mixtral).
+Bytes = h read (2F per row) + g read (F) + d h written (2F), 5 M F x 2 bytes (omega and
+d omega, 8 M, left out), for every op; the copy reads and writes an array of half that
+many bytes, so it moves the same bytes; fraction_of_copy = the copy's time / the op's
+time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from pathlib import Path
+
+from _timing import alternating_times, environment, normal, write_results
+
+import jax
+import jax.numpy as jnp
+
+from moe_xla.primitives.activate_weighted_grad import activate_weighted_grad, formula
+
+# (name, M, F)
+SHAPES = [("sonicmoe_n256", 32768 * 16, 256), ("sonicmoe_n512", 32768 * 8, 512),
+          ("sonicmoe_n1024", 32768 * 4, 1024), ("qwen3", 16384 * 8, 768), ("deepseek_v3", 8192 * 8, 2048),
+          ("mixtral", 16384 * 2, 14336)]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--name", default="activation_grad")
+    parser.add_argument("--ops", nargs="*", help="ops to measure (default: all)")
+    parser.add_argument("--seconds", type=float, default=0.3, help="seconds per turn")
+    parser.add_argument("--rounds", type=int, default=4)
+    args = parser.parse_args()
+    rows = []
+    for name, m, f in SHAPES:
+        keys = jax.random.split(jax.random.key(0), 3)
+        h = normal(keys[0], (m, 2 * f), jnp.bfloat16)
+        g = normal(keys[1], (m, f), jnp.bfloat16)
+        omega = jax.random.uniform(keys[2], (m,), jnp.float32)
+        nbytes = 5 * m * f * 2
+        copied = jnp.zeros((nbytes // 8,), jnp.float32)  # nbytes / 2 read + nbytes / 2 written
+        operands = (h, g, omega, copied)
+        ops = {
+            "kernel": lambda h, g, omega, c: activate_weighted_grad(h, g, omega, "swiglu"),
+            "xla": lambda h, g, omega, c: formula(h, g, omega, "swiglu"),
+            "copy": lambda h, g, omega, c: c.copy(),
+        }
+        if args.ops:
+            ops = {op: fn for op, fn in ops.items() if op in args.ops}
+        impls = {}
+        for op, fn in ops.items():
+            jitted = jax.jit(fn)
+            impls[op] = (lambda jitted=jitted: jitted(*operands), jax.block_until_ready)
+        times, _ = alternating_times(impls, args.seconds, args.rounds)
+        seconds = {op: statistics.median(ts) for op, ts in times.items()}
+        for op, s in seconds.items():
+            row = {"case": name, "op": op, "shape": f"M{m} F{f} bf16 swiglu", "ms": s * 1e3, "gbps": nbytes / s / 1e9,
+                   "fraction_of_copy": seconds["copy"] / s if "copy" in seconds else None}
+            rows.append(row)
+            print(row, flush=True)
+        del h, g, omega, copied, operands, impls
+    write_results(args.out, args.name, environment(), rows, ["case", "op", "shape", "ms", "gbps", "fraction_of_copy"])
+
+
+if __name__ == "__main__":
+    main()
