@@ -3,6 +3,7 @@ batch timing on the device, turns that alternate implementations, trace parsing,
 
 from __future__ import annotations
 
+import argparse
 import collections
 import datetime
 import functools
@@ -163,6 +164,42 @@ def alternating_times(impls: dict, seconds: float, rounds: int, inner: int = 20)
             times[name] += batch_times(call, sync, inner, reps=3, seconds=seconds)[1:]
             spans[name].append((start, time.perf_counter()))
     return times, spans
+
+
+OP_COLUMNS = ["case", "op", "shape", "ms", "gbps", "fraction_of_copy"]
+
+
+def op_parser(doc: str, name: str) -> argparse.ArgumentParser:
+    """The command line of the benchmarks that time device ops in turns with a copy of the
+    same bytes (op_rows): --out, --name, --ops, --seconds, --rounds."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--name", default=name)
+    parser.add_argument("--ops", nargs="*", help="ops to measure (default: all)")
+    parser.add_argument("--seconds", type=float, default=0.3, help="seconds per turn")
+    parser.add_argument("--rounds", type=int, default=4)
+    return parser
+
+
+def op_rows(args, case: str, shape: str, ops: dict, operands: tuple, nbytes: int) -> list[dict]:
+    """The ops {name: fn(*operands)} named by args.ops (all when none is), each jitted, timed
+    in alternating turns (args.seconds, args.rounds); a row per op (OP_COLUMNS): median ms,
+    GB/s of nbytes, and fraction_of_copy = the "copy" op's time / the op's time."""
+    impls = {}
+    for op, fn in ops.items():
+        if args.ops and op not in args.ops:
+            continue
+        jitted = jax.jit(fn)
+        impls[op] = (lambda jitted=jitted: jitted(*operands), jax.block_until_ready)
+    times, _ = alternating_times(impls, args.seconds, args.rounds)
+    seconds = {op: statistics.median(ts) for op, ts in times.items()}
+    rows = []
+    for op, t in seconds.items():
+        row = {"case": case, "op": op, "shape": shape, "ms": t * 1e3, "gbps": nbytes / t / 1e9,
+               "fraction_of_copy": seconds["copy"] / t if "copy" in seconds else None}
+        print(row, flush=True)
+        rows.append(row)
+    return rows
 
 
 def time_jax(fn, *args, reps: int = 20, inner: int = 5) -> float:

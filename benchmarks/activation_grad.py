@@ -15,11 +15,7 @@ time.
 
 from __future__ import annotations
 
-import argparse
-import statistics
-from pathlib import Path
-
-from _timing import alternating_times, environment, normal, write_results
+from _timing import OP_COLUMNS, environment, normal, op_parser, op_rows, write_results
 
 import jax
 import jax.numpy as jnp
@@ -33,13 +29,12 @@ SHAPES = [("sonicmoe_n256", 32768 * 16, 256), ("sonicmoe_n512", 32768 * 8, 512),
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
-    parser.add_argument("--name", default="activation_grad")
-    parser.add_argument("--ops", nargs="*", help="ops to measure (default: all)")
-    parser.add_argument("--seconds", type=float, default=0.3, help="seconds per turn")
-    parser.add_argument("--rounds", type=int, default=4)
-    args = parser.parse_args()
+    args = op_parser(__doc__, "activation_grad").parse_args()
+    ops = {
+        "kernel": lambda h, g, omega, c: activate_weighted_grad(h, g, omega, "swiglu"),
+        "xla": lambda h, g, omega, c: formula(h, g, omega, "swiglu"),
+        "copy": lambda h, g, omega, c: c.copy(),
+    }
     rows = []
     for name, m, f in SHAPES:
         keys = jax.random.split(jax.random.key(0), 3)
@@ -48,27 +43,9 @@ def main():
         omega = jax.random.uniform(keys[2], (m,), jnp.float32)
         nbytes = 5 * m * f * 2
         copied = jnp.zeros((nbytes // 8,), jnp.float32)  # nbytes / 2 read + nbytes / 2 written
-        operands = (h, g, omega, copied)
-        ops = {
-            "kernel": lambda h, g, omega, c: activate_weighted_grad(h, g, omega, "swiglu"),
-            "xla": lambda h, g, omega, c: formula(h, g, omega, "swiglu"),
-            "copy": lambda h, g, omega, c: c.copy(),
-        }
-        if args.ops:
-            ops = {op: fn for op, fn in ops.items() if op in args.ops}
-        impls = {}
-        for op, fn in ops.items():
-            jitted = jax.jit(fn)
-            impls[op] = (lambda jitted=jitted: jitted(*operands), jax.block_until_ready)
-        times, _ = alternating_times(impls, args.seconds, args.rounds)
-        seconds = {op: statistics.median(ts) for op, ts in times.items()}
-        for op, s in seconds.items():
-            row = {"case": name, "op": op, "shape": f"M{m} F{f} bf16 swiglu", "ms": s * 1e3, "gbps": nbytes / s / 1e9,
-                   "fraction_of_copy": seconds["copy"] / s if "copy" in seconds else None}
-            rows.append(row)
-            print(row, flush=True)
-        del h, g, omega, copied, operands, impls
-    write_results(args.out, args.name, environment(), rows, ["case", "op", "shape", "ms", "gbps", "fraction_of_copy"])
+        rows += op_rows(args, name, f"M{m} F{f} bf16 swiglu", ops, (h, g, omega, copied), nbytes)
+        del h, g, omega, copied
+    write_results(args.out, args.name, environment(), rows, OP_COLUMNS)
 
 
 if __name__ == "__main__":

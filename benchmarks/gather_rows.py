@@ -19,11 +19,7 @@ for every op, the copy included; fraction_of_copy = GB/s / the copy's GB/s.
 
 from __future__ import annotations
 
-import argparse
-import statistics
-from pathlib import Path
-
-from _timing import alternating_times, environment, normal, write_results
+from _timing import OP_COLUMNS, environment, normal, op_parser, op_rows, write_results
 
 import jax
 import jax.numpy as jnp
@@ -48,13 +44,7 @@ def _inputs(t, k, h, dtype):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
-    parser.add_argument("--name", default="gather_rows")
-    parser.add_argument("--ops", nargs="*", help="ops to measure (default: all)")
-    parser.add_argument("--seconds", type=float, default=0.3, help="seconds per turn")
-    parser.add_argument("--rounds", type=int, default=4)
-    args = parser.parse_args()
+    args = op_parser(__doc__, "gather_rows").parse_args()
     ops = {
         "gather_rows": lambda v, s, f, e, c: gather_rows(v, s),
         "gather_rows_factor": lambda v, s, f, e, c: gather_rows(v, s, f),
@@ -63,30 +53,16 @@ def main():
         "permute": lambda v, s, f, e, c: moe_xla.permute(v, e, 64)[0],
         "copy": lambda v, s, f, e, c: c.copy(),
     }
-    if args.ops:
-        ops = {name: fn for name, fn in ops.items() if name in args.ops}
     rows = []
     for name, t, k, h, dtype in SHAPES:
         values, src, factor, experts = _inputs(t, k, h, dtype)
         r = t * k
         copied = normal(jax.random.key(5), (r, h), dtype)
         operands = (values, src, factor, experts, copied)
-        impls = {}
-        for op, fn in ops.items():
-            jitted = jax.jit(fn)
-            impls[op] = (lambda jitted=jitted: jitted(*operands), jax.block_until_ready)
-        times, _ = alternating_times(impls, args.seconds, args.rounds)
-        nbytes = 2 * r * h * jnp.dtype(dtype).itemsize
-        seconds = {op: statistics.median(ts) for op, ts in times.items()}
-        copy_gbps = nbytes / seconds["copy"] / 1e9 if "copy" in seconds else None
-        for op, s in seconds.items():
-            row = {"case": name, "op": op, "shape": f"T{t} k{k} H{h} {jnp.dtype(dtype).name}", "ms": s * 1e3,
-                   "gbps": nbytes / s / 1e9}
-            row["fraction_of_copy"] = row["gbps"] / copy_gbps if copy_gbps else None
-            rows.append(row)
-            print(row, flush=True)
-        del values, src, factor, experts, copied, operands, impls
-    write_results(args.out, args.name, environment(), rows, ["case", "op", "shape", "ms", "gbps", "fraction_of_copy"])
+        rows += op_rows(args, name, f"T{t} k{k} H{h} {jnp.dtype(dtype).name}", ops, operands,
+                        2 * r * h * jnp.dtype(dtype).itemsize)
+        del values, src, factor, experts, copied, operands
+    write_results(args.out, args.name, environment(), rows, OP_COLUMNS)
 
 
 if __name__ == "__main__":

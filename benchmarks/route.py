@@ -15,11 +15,7 @@ fraction_of_copy = the copy's time / the op's time.
 
 from __future__ import annotations
 
-import argparse
-import statistics
-from pathlib import Path
-
-from _timing import alternating_times, environment, normal, write_results
+from _timing import OP_COLUMNS, environment, normal, op_parser, op_rows, write_results
 
 import jax
 import jax.numpy as jnp
@@ -37,13 +33,7 @@ SHAPES = [("sonicmoe_n256", 32768, 256, 16, "softmax", 1, 1, jnp.float32),
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
-    parser.add_argument("--name", default="route")
-    parser.add_argument("--ops", nargs="*", help="ops to measure (default: all)")
-    parser.add_argument("--seconds", type=float, default=0.3, help="seconds per turn")
-    parser.add_argument("--rounds", type=int, default=4)
-    args = parser.parse_args()
+    args = op_parser(__doc__, "route").parse_args()
     rows = []
     for name, t, e, k, score, n_groups, topk_groups, dtype in SHAPES:
         keys = jax.random.split(jax.random.key(0), 2)
@@ -55,26 +45,14 @@ def main():
         nbytes = t * e * jnp.dtype(dtype).itemsize + 8 * t * k
         copied = jnp.zeros((nbytes // 8,), jnp.float32)  # nbytes / 2 read + nbytes / 2 written
         ops = {
-            "route": lambda x: moe_xla.route(x, k, **options),
-            "xla": lambda x: reference.route(x, top_k=k, **options),
-            "copy": lambda x: copied.copy(),
+            "route": lambda x, c: moe_xla.route(x, k, **options),
+            "xla": lambda x, c: reference.route(x, top_k=k, **options),
+            "copy": lambda x, c: c.copy(),
         }
-        if args.ops:
-            ops = {op: fn for op, fn in ops.items() if op in args.ops}
-        impls = {}
-        for op, fn in ops.items():
-            jitted = jax.jit(fn)
-            impls[op] = (lambda jitted=jitted: jitted(logits), jax.block_until_ready)
-        times, _ = alternating_times(impls, args.seconds, args.rounds)
-        seconds = {op: statistics.median(ts) for op, ts in times.items()}
-        for op, s in seconds.items():
-            row = {"case": name, "op": op, "shape": f"T{t} E{e} k{k} {score} g{n_groups} {jnp.dtype(dtype).name}",
-                   "ms": s * 1e3, "gbps": nbytes / s / 1e9,
-                   "fraction_of_copy": seconds["copy"] / s if "copy" in seconds else None}
-            rows.append(row)
-            print(row, flush=True)
-        del logits, copied, impls
-    write_results(args.out, args.name, environment(), rows, ["case", "op", "shape", "ms", "gbps", "fraction_of_copy"])
+        shape = f"T{t} E{e} k{k} {score} g{n_groups} {jnp.dtype(dtype).name}"
+        rows += op_rows(args, name, shape, ops, (logits, copied), nbytes)
+        del logits, copied
+    write_results(args.out, args.name, environment(), rows, OP_COLUMNS)
 
 
 if __name__ == "__main__":
