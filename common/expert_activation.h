@@ -66,10 +66,10 @@ MOE_XLA_HOST_DEVICE inline float gelu_tanh_grad(float x) {
 }
 
 // Both halves of d h at one column of a gated activation, g and g' of the gate computed
-// together, sharing their exp or tanh (the paired CUDA backwards): d gate = da * up *
-// g'(gate), d up = da * g(gate); and a = g(gate) * up, the forward's activation before
-// rounding (their d omega term). g is within an ulp of silu / gelu_tanh: gate * s rounds
-// twice where silu divides once.
+// together, sharing their exp or tanh (the CUDA backwards that write both halves from one
+// read of gate and up): d gate = da * up * g'(gate), d up = da * g(gate); and a = g(gate) *
+// up, the forward's activation before rounding (their d omega term). g is within an ulp of
+// silu / gelu_tanh: gate * s rounds twice where silu divides once.
 struct GatedGrad {
   float d_gate, d_up, a;
 };
@@ -77,7 +77,7 @@ MOE_XLA_HOST_DEVICE inline GatedGrad gated_grad(Activation act, float gate, floa
   float g, dg;
   if (act == Activation::kSwiglu) {
 #if defined(__CUDA_ARCH__)
-    const float s = __frcp_rn(1.0f + expf(-gate));  // the correctly rounded 1 / (1 + e^-x)
+    const float s = __frcp_rn(1.0f + expf(-gate));  // the correctly rounded 1 / (1 + e^-gate)
 #else
     const float s = 1.0f / (1.0f + expf(-gate));
 #endif
