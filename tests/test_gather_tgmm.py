@@ -18,6 +18,8 @@ from jax.test_util import check_grads
 import moe_xla
 import moe_xla._lib as _lib
 from moe_xla import reference
+from moe_xla.primitives import _sharding
+from moe_xla.primitives.gather_tgmm import gather_tgmm_p
 from conftest import assert_close, normal, requires_8_devices
 from gather_inputs import cases, cuda_targets, group_sizes, src_with_bad_rows
 
@@ -167,6 +169,26 @@ def test_follows_k_and_n_on_a_mesh(rng):
     out = jax.jit(moe_xla.gather_tgmm)(put(x, P(None, "k")), put(src, P()), put(dy, P(None, "n")), put(gs, P()))
     assert out.sharding.is_equivalent_to(NamedSharding(mesh, P(None, "k", "n")), 3)
     assert_close(out, _ref(x, src, dy, gs), jnp.float32)
+
+
+@requires_8_devices
+def test_sharding_rule_splits_the_blocks_without_communication(rng):
+    # The rule the kernel's lowering is partitioned with (on CPU the primitive lowers to its
+    # decomposition, whose parts have rules of their own), run here through the
+    # custom_partitioning function itself: blocks split along K and N as x and dy are, each
+    # device's shard computed from its local operands, no collective.
+    x, dy = normal(rng, (40, 16), jnp.float32), normal(rng, (50, 32), jnp.float32)
+    src, gs = _src(rng, 40, 50), jnp.array([20, 0, 25], jnp.int32)
+    mesh = jax.make_mesh((2, 4), ("k", "n"))
+    args = [jax.device_put(a, NamedSharding(mesh, spec))
+            for a, spec in ((x, P(None, "k")), (src, P()), (dy, P(None, "n")), (gs, P()))]
+    params = (("preferred_element_type", jnp.dtype(jnp.float32)),)
+    fn = jax.jit(_sharding.partitioned(gather_tgmm_p, _sharding.GATHER_TGMM, params))
+    out = fn(*args)
+    assert out.sharding.is_equivalent_to(NamedSharding(mesh, P(None, "k", "n")), 3)
+    assert_close(out, _ref(x, src, dy, gs), jnp.float32)
+    hlo = fn.lower(*args).compile().as_text()
+    assert not re.search(r"all-gather|all-reduce|all-to-all|collective-permute", hlo)
 
 
 # ---------------------------------------------------------------------------- lowering and errors
