@@ -15,11 +15,11 @@ namespace moe_xla {
 namespace cuda {
 namespace detail {
 
-// Output block of one work unit: kGatherTgmmTileK rows of out[g] (columns of x) by
-// kGatherTgmmTileN columns (columns of dy), summed over the group's rows
-// kGatherTgmmStepRows at a time.
-constexpr int kGatherTgmmTileK = 128;
-constexpr int kGatherTgmmTileN = 256;
+// Output block of one work unit: kGatherTgmmTileRows rows of out[g] (columns of x, or of
+// dy for the transposed block) by kGatherTgmmTileCols columns (columns of dy, or of x),
+// summed over the group's rows kGatherTgmmStepRows at a time.
+constexpr int kGatherTgmmTileRows = 128;
+constexpr int kGatherTgmmTileCols = 256;
 constexpr int kGatherTgmmStepRows = 64;
 
 // Rows [start, end) of a group after the clamp of common/gather_tgmm.h. The prep kernel

@@ -1,14 +1,17 @@
 // The Hopper kernel of the gather weight gradient (common/gather_tgmm.h):
-//   out[g] = sum over the rows r of group g of x_r^T (outer) dy[r]
-// as a GEMM per group: C [K, N] = A [K, rows] @ B [rows, N] with A[k, r] = x_r[k] (the
-// gathered rows, transposed) and B = the group's rows of dy, contracted over the rows.
+//   out[g] = sum over the rows r of group g of x_r^T (outer) dy[r]        [K, N]
+// or, with transpose_out, its transpose dy[r]^T (outer) x_r               [N, K]
+// as a GEMM per group: C [M, N] = A [M, rows] @ B [rows, N], contracted over the group's
+// rows, with A the gathered rows of x (A[k, r] = x_r[k]) and B the rows of dy, or, for
+// the transposed block, A the rows of dy and B the gathered rows of x. The kernel writes
+// C in place, row-major: the transposed output costs nothing over the plain one.
 //
-// Work unit = (group, tile of 128 columns of x, tile of 256 columns of dy): one 128 x 256
+// Work unit = (group, tile of 128 rows of C, tile of 256 columns of C): one 128 x 256
 // block of out[g], summed over the group's rows 64 at a time, so each output element is
 // accumulated by one CTA in row order (deterministic, no atomics, no split over CTAs).
 // All units of a group run the same number of steps; the dispatcher's prep kernel lists
 // the groups larger first (by size class), and unit u is group order[u / U], with the
-// U = k_tiles * n_tiles units of a group in column-tile order (dy tiles fastest, so the
+// U = row_tiles * col_tiles units of a group in tile order (column tiles fastest, so the
 // CTAs running at the same time share the group's gathered x rows and dy rows in L2).
 // One persistent CTA per SM walks the units u = blockIdx.x, + gridDim.x, ... : with the
 // groups in decreasing size, every CTA's k-th unit is at least as long as the next CTA's,
@@ -17,25 +20,27 @@
 // Both operands are MN-major in shared memory (the contiguous dimension of x rows and dy
 // rows is the GEMM's M resp. N; bf16 wgmma takes transposed operands from shared memory),
 // 128-byte swizzled, in a 4-stage pipeline between three warp groups:
-//   - warp group 0, the producer: per step of 64 rows, its 128 threads copy the A tile
-//     x[src[r], k0:k0+128] (each thread one 16-byte chunk of 8 rows, their src read one
-//     step ahead) with cp.async, and the B tile dy[r, n0:n0+256]: for a step of 64 rows inside
-//     the group, thread 0 loads it with four TMA boxes of 64 rows x 64 columns (dy's rows
-//     are contiguous: only x needs a gather); for the group's last, partial step every
-//     thread copies its chunks of 16 rows with cp.async. Chunks are zero-filled, reading
-//     nothing, for rows at or past the group's end (for both operands: a zero row of A
-//     alone would turn an inf or NaN in the next group's dy row into NaN, 0 * inf; TMA
-//     cannot stop at a group's end, hence the cp.async tail), for A rows whose src lies
-//     outside [0, T) (the zero row of the contract, times the row of dy as the contract
-//     says) and for columns past K or N (TMA zero-fills those itself).
+//   - warp group 0, the producer: per step of 64 rows, its 128 threads copy the gathered
+//     operand's tile x[src[r], c0:c0+w] (w = 128 or 256 columns: each thread one 16-byte
+//     chunk of 64 / (128 / (w / 8)) rows, their src entries read one step ahead) with
+//     cp.async, and the dy tile
+//     dy[r, c0:c0+w']: for a step of 64 rows inside the group, thread 0 loads it with
+//     w' / 64 TMA boxes of 64 rows x 64 columns (dy's rows are contiguous: only x needs a
+//     gather); for the group's last, partial step every thread copies its chunks with
+//     cp.async. Chunks are zero-filled, reading nothing, for rows at or past the group's
+//     end (for both operands: a zero row of x alone would turn an inf or NaN in the next
+//     group's dy row into NaN, 0 * inf; TMA cannot stop at a group's end, hence the
+//     cp.async tail), for x rows whose src lies outside [0, T) (the zero row of the
+//     contract, times the row of dy as the contract says) and for columns past K or N
+//     (TMA zero-fills those itself).
 //     A stage is full once every producer thread's copies into it have landed
 //     (cp.async.mbarrier.arrive.noinc: 128 arrivals), thread 0 has arrived, and the TMA
 //     bytes it announced for the stage, if any, have landed.
-//   - warp groups 1 and 2, the consumers: each multiplies its 64 rows of the block (64
-//     columns of x) by the B tile with wgmma (m64n256k16, f32 accumulators in registers),
-//     keeping one batch in flight (wgmma_stages), then stores its rows of the block
-//     straight from the accumulators (rows past K and columns past N are left alone). A
-//     unit of an empty group runs no step and stores zeros.
+//   - warp groups 1 and 2, the consumers: each multiplies its 64 rows of the block by the
+//     B tile with wgmma (m64n256k16, f32 accumulators in registers), keeping one batch in
+//     flight (wgmma_stages), then stores its rows of the block straight from the
+//     accumulators (rows and columns past the block's bounds are left alone). A unit of
+//     an empty group runs no step and stores zeros.
 // The producer keeps loading the next unit's stages while the consumers store a block.
 #ifndef MOE_XLA_CUDA_GATHER_TGMM_KERNEL_CUH_
 #define MOE_XLA_CUDA_GATHER_TGMM_KERNEL_CUH_
@@ -65,10 +70,25 @@ namespace moe_xla {
 namespace cuda {
 namespace detail {
 
+// The copies of one operand's tile, `kCols` columns of kGatherTgmmStepRows rows: 16-byte
+// chunks (8 bf16) along a row; producer thread t copies chunk t % kChunks of the step's
+// rows t / kChunks + i * kRowsPerPass, i < kPasses.
+template <int kCols>
+struct GatherTgmmChunks {
+  static constexpr int kProducerThreads = 128;
+  static constexpr int kChunkElems = 8;
+  static constexpr int kChunks = kCols / kChunkElems;
+  static constexpr int kRowsPerPass = kProducerThreads / kChunks;
+  static constexpr int kPasses = kGatherTgmmStepRows / kRowsPerPass;
+  static_assert(kProducerThreads % kChunks == 0 && kGatherTgmmStepRows % kRowsPerPass == 0, "whole passes");
+};
+
+// kTransposed: the block is dy^T x[src] (A = dy, B = gathered x), else x[src]^T dy.
+template <bool kTransposed>
 struct GatherTgmmTraits {
   using Element = cutlass::bfloat16_t;
-  static constexpr int kTileM = kGatherTgmmTileK;     // GEMM M: columns of x
-  static constexpr int kTileN = kGatherTgmmTileN;     // GEMM N: columns of dy
+  static constexpr int kTileM = kGatherTgmmTileRows;  // GEMM M: rows of the output block
+  static constexpr int kTileN = kGatherTgmmTileCols;  // GEMM N: columns of the output block
   static constexpr int kTileK = kGatherTgmmStepRows;  // GEMM K: rows of the group per step
   static constexpr int kStages = 4;
   static constexpr int kElementBytes = sizeof(Element);
@@ -77,26 +97,19 @@ struct GatherTgmmTraits {
   static constexpr int kConsumerThreads = 256;
   static constexpr int kThreads = kProducerThreads + kConsumerThreads;
   // Registers per thread after the producer gives some up (setmaxnreg): 128 * 72 + 256 * 216
-  // = 64512, all the launch has (register_split_fits). The producer holds the addresses of
-  // its next step's copies; the consumers (128 accumulators) compile without spills down
-  // to 208.
-  static constexpr int kProducerRegisters = 72;
-  static constexpr int kConsumerRegisters = 216;
+  // or 128 * 88 + 256 * 208 = 64512, all the launch has (register_split_fits). The producer
+  // holds the src entries of two steps (8 or, for the 256-column x tile of the transposed
+  // block, 16 each); the consumers (128 accumulators) compile without spills down to 208.
+  static constexpr int kProducerRegisters = kTransposed ? 88 : 72;
+  static constexpr int kConsumerRegisters = kTransposed ? 208 : 216;
   static_assert(register_split_fits(kProducerThreads, kProducerRegisters, kConsumerThreads, kConsumerRegisters),
                 "setmaxnreg within the launch's registers");
 
-  // The producer's copies: 16-byte chunks (8 bf16) along a row. For an operand `cols`
-  // columns wide, thread t copies chunk t % (cols / 8) of the step's rows
-  // t / (cols / 8) + i * (128 / (cols / 8)), i < passes.
-  static constexpr int kChunkElems = 8;
-  static constexpr int kChunksA = kTileM / kChunkElems;             // 16 per x row
-  static constexpr int kRowsPerPassA = kProducerThreads / kChunksA;  // 8
-  static constexpr int kPassesA = kTileK / kRowsPerPassA;            // 8
-  static constexpr int kChunksB = kTileN / kChunkElems;             // 32 per dy row
-  static constexpr int kRowsPerPassB = kProducerThreads / kChunksB;  // 4
-  static constexpr int kPassesB = kTileK / kRowsPerPassB;            // 16
-  static_assert(kProducerThreads % kChunksA == 0 && kTileK % kRowsPerPassA == 0, "whole passes of A");
-  static_assert(kProducerThreads % kChunksB == 0 && kTileK % kRowsPerPassB == 0, "whole passes of B");
+  // Columns of x (the gathered operand) and of dy per tile.
+  static constexpr int kColsX = kTransposed ? kTileN : kTileM;
+  static constexpr int kColsDy = kTransposed ? kTileM : kTileN;
+  using ChunksX = GatherTgmmChunks<kColsX>;
+  using ChunksDy = GatherTgmmChunks<kColsDy>;
 
   // Both operands MN-major with the 128-byte swizzle: atoms of 64 contiguous columns by 8
   // rows, tiled along the rows first (as CUTLASS tiles MN-major operands).
@@ -110,6 +123,8 @@ struct GatherTgmmTraits {
       cute::Step<cute::_2, cute::_1, cute::_3>{}));
   static constexpr uint32_t kStageBytesA = kTileM * kTileK * kElementBytes;
   static constexpr uint32_t kStageBytesB = kTileN * kTileK * kElementBytes;
+  static constexpr uint32_t kStageBytesX = kTransposed ? kStageBytesB : kStageBytesA;
+  static constexpr uint32_t kStageBytesDy = kTransposed ? kStageBytesA : kStageBytesB;
   // Byte offset, within one stage of either layout above, of 16-byte chunk c (columns
   // 8c .. 8c + 7) of row r: each 64-column atom column holds all kTileK rows of 128 bytes,
   // and the chunk index within the 128 bytes is XORed with r mod 8 (checked against
@@ -119,21 +134,21 @@ struct GatherTgmmTraits {
            (static_cast<uint32_t>((c % 8) ^ (r % 8)) << 4);
   }
 
-  // Two consumer warp groups along M (64 columns of x each), each 64 x 256.
+  // Two consumer warp groups along M (64 rows of the block each), each 64 x 256.
   using TiledMma = decltype(cute::make_tiled_mma(
       cute::SM90_64x256x16_F32BF16BF16_SS<cute::GMMA::Major::MN, cute::GMMA::Major::MN>{},
       cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>{}));
   static_assert(cute::size(TiledMma{}) == kConsumerThreads, "two consumer warp groups");
 
-  // One TMA box of B: 64 columns of dy (one swizzle atom wide) by the step's rows, which
-  // is one contiguous 8 KiB slice of a stage of SmemLayoutB; kTileN / 64 boxes per stage.
+  // One TMA box of dy: 64 columns (one swizzle atom wide) by the step's rows, which is one
+  // contiguous 8 KiB slice of a stage of either layout; kColsDy / 64 boxes per stage.
   static constexpr int kBoxCols = 64;
-  static constexpr int kBoxesB = kTileN / kBoxCols;
-  static constexpr uint32_t kBoxBytesB = kBoxCols * kTileK * kElementBytes;
-  using SmemLayoutBoxB = decltype(cute::tile_to_shape(
+  static constexpr int kBoxesDy = kColsDy / kBoxCols;
+  static constexpr uint32_t kBoxBytes = kBoxCols * kTileK * kElementBytes;
+  using SmemLayoutBox = decltype(cute::tile_to_shape(
       cute::GMMA::Layout_MN_SW128_Atom<Element>{},
       cute::make_shape(cute::Int<kBoxCols>{}, cute::Int<kTileK>{})));
-  static_assert(kTileN % kBoxCols == 0 && kBoxBytesB * kBoxesB == kStageBytesB, "whole boxes");
+  static_assert(kColsDy % kBoxCols == 0 && kBoxBytes * kBoxesDy == kStageBytesDy, "whole boxes");
 
   // Transaction bytes are announced per stage (only full steps load by TMA).
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
@@ -142,13 +157,13 @@ struct GatherTgmmTraits {
   using SharedStorage = WgmmaSharedStorage<Element, SmemLayoutA, SmemLayoutB, Pipeline>;
 };
 
-// The TMA load of B boxes from dy viewed as (N, M): N contiguous; a box is kBoxCols
-// columns by kTileK rows, coordinates (column, row).
-inline auto make_gather_tgmm_tma_dy(const GatherTgmmTraits::Element* dy, int32_t n, int32_t m) {
-  using T = GatherTgmmTraits;
+// The TMA load of boxes from dy viewed as (N, M): N contiguous; a box is kBoxCols columns
+// by kTileK rows, coordinates (column, row). The same for both block layouts.
+inline auto make_gather_tgmm_tma_dy(const cutlass::bfloat16_t* dy, int32_t n, int32_t m) {
+  using T = GatherTgmmTraits<false>;
   auto tensor = cute::make_tensor(cute::make_gmem_ptr(dy), cute::make_shape(n, m),
                                   cute::make_stride(cute::_1{}, int64_t{n}));
-  return cute::make_tma_copy(cute::SM90_TMA_LOAD{}, tensor, T::SmemLayoutBoxB{},
+  return cute::make_tma_copy(cute::SM90_TMA_LOAD{}, tensor, T::SmemLayoutBox{},
                              cute::make_shape(cute::Int<T::kBoxCols>{}, cute::Int<T::kTileK>{}),
                              cute::Int<1>{});
 }
@@ -162,32 +177,31 @@ struct GatherTgmmKernelParams {
   const int32_t* src;
   const GatherTgmmGroupRows* groups;
   const int32_t* order;
-  Out* out;  // [num_groups, k, n]
+  Out* out;  // [num_groups, k, n], or [num_groups, n, k] for the transposed blocks
   int32_t tokens, k, n;
-  int32_t k_tiles, n_tiles;
-  int64_t units;  // num_groups * k_tiles * n_tiles
+  int32_t row_tiles, col_tiles;  // of an output block
+  int64_t units;                 // num_groups * row_tiles * col_tiles
 };
 
-// What a work unit computes: block (k_tile, n_tile) of out[group], summed over the
+// What a work unit computes: block (row_tile, col_tile) of out[group], summed over the
 // group's rows [start, end) in `steps` steps of kTileK rows.
 struct GatherTgmmUnit {
-  int32_t group, start, end, k_tile, n_tile;
+  int32_t group, start, end, row_tile, col_tile;
   int64_t steps;
 };
 
 template <class Out>
 __device__ __forceinline__ GatherTgmmUnit gather_tgmm_unit(const GatherTgmmKernelParams<Out>& p, int64_t unit) {
-  using T = GatherTgmmTraits;
-  const int64_t per_group = static_cast<int64_t>(p.k_tiles) * p.n_tiles;
+  const int64_t per_group = static_cast<int64_t>(p.row_tiles) * p.col_tiles;
   const int64_t inner = unit % per_group;
   GatherTgmmUnit u;
   u.group = __ldg(p.order + unit / per_group);
   const GatherTgmmGroupRows rows = p.groups[u.group];
   u.start = rows.start;
   u.end = rows.end;
-  u.k_tile = static_cast<int32_t>(inner / p.n_tiles);
-  u.n_tile = static_cast<int32_t>(inner % p.n_tiles);
-  u.steps = (static_cast<int64_t>(rows.end) - rows.start + T::kTileK - 1) / T::kTileK;
+  u.row_tile = static_cast<int32_t>(inner / p.col_tiles);
+  u.col_tile = static_cast<int32_t>(inner % p.col_tiles);
+  u.steps = (static_cast<int64_t>(rows.end) - rows.start + kGatherTgmmStepRows - 1) / kGatherTgmmStepRows;
   return u;
 }
 
@@ -223,18 +237,16 @@ __device__ __forceinline__ GatherTgmmPosition gather_tgmm_next(const GatherTgmmK
   return gather_tgmm_seek(p, pos.unit + gridDim.x);
 }
 
-// The src entries of a producer thread's A rows at `pos` (rows first_row + 8 i of the
-// step), -1 for rows past the group's end. Nothing here uses the loaded values: the loads
-// stay in flight until the step is issued (a use would wait for them at once).
-template <class Out>
+// The src entries of a producer thread's x rows at `pos` (rows first_row + i *
+// kRowsPerPass of the step), -1 past the group's end. Loads stay in flight until issued.
+template <class Chunks, class Out>
 __device__ __forceinline__ void gather_tgmm_src(const GatherTgmmKernelParams<Out>& p,
                                                 const GatherTgmmPosition& pos, int first_row,
-                                                int32_t (&src)[GatherTgmmTraits::kPassesA]) {
-  using T = GatherTgmmTraits;
-  const int32_t row0 = pos.u.start + static_cast<int32_t>(pos.step) * T::kTileK;
+                                                int32_t (&src)[Chunks::kPasses]) {
+  const int32_t row0 = pos.u.start + static_cast<int32_t>(pos.step) * kGatherTgmmStepRows + first_row;
   CUTLASS_PRAGMA_UNROLL
-  for (int i = 0; i < T::kPassesA; ++i) {
-    const int32_t row = row0 + first_row + i * T::kRowsPerPassA;
+  for (int i = 0; i < Chunks::kPasses; ++i) {
+    const int32_t row = row0 + i * Chunks::kRowsPerPass;
     src[i] = row < pos.u.end ? __ldg(p.src + row) : -1;
   }
 }
@@ -242,86 +254,96 @@ __device__ __forceinline__ void gather_tgmm_src(const GatherTgmmKernelParams<Out
 // Warp group 0 (see the header comment). The src entries of a step are read one step
 // ahead, so that their latency passes while the step before is issued and its stage
 // awaited, instead of stalling the producer every step.
-template <class Out>
+template <bool kTransposed, class Out>
 __device__ __forceinline__ void gather_tgmm_produce(const GatherTgmmKernelParams<Out>& p,
-                                                    typename GatherTgmmTraits::SharedStorage& smem,
-                                                    typename GatherTgmmTraits::Pipeline& pipeline) {
-  using T = GatherTgmmTraits;
+                                                    typename GatherTgmmTraits<kTransposed>::SharedStorage& smem,
+                                                    typename GatherTgmmTraits<kTransposed>::Pipeline& pipeline) {
+  using T = GatherTgmmTraits<kTransposed>;
+  using ChunksX = typename T::ChunksX;
+  using ChunksDy = typename T::ChunksDy;
   const int thread = threadIdx.x;  // 0 .. kProducerThreads - 1
-  const int chunk_a = thread % T::kChunksA, first_row_a = thread / T::kChunksA;
-  const int chunk_b = thread % T::kChunksB, first_row_b = thread / T::kChunksB;
-  // The rows of a thread's A chunks are 8 apart: the same swizzle, 8 rows of 128 bytes on.
-  static_assert(T::kRowsPerPassA % 8 == 0, "one swizzle phase per thread");
-  const uint32_t offset_a = cute::cast_smem_ptr_to_uint(smem.a.data()) + T::chunk_offset(chunk_a, first_row_a);
+  const int chunk_x = thread % ChunksX::kChunks, first_row_x = thread / ChunksX::kChunks;
+  const int chunk_dy = thread % ChunksDy::kChunks, first_row_dy = thread / ChunksDy::kChunks;
+  const uint32_t smem_a = cute::cast_smem_ptr_to_uint(smem.a.data());
   const uint32_t smem_b = cute::cast_smem_ptr_to_uint(smem.b.data());
+  const uint32_t smem_x = kTransposed ? smem_b : smem_a;
+  const uint32_t smem_dy = kTransposed ? smem_a : smem_b;
+  // Chunk offsets of this thread's x rows in passes 0 and 1: two passes on, the rows are
+  // 2 kRowsPerPass (a multiple of 8) further, in the same swizzle phase.
+  static_assert(2 * ChunksX::kRowsPerPass % 8 == 0, "the swizzle repeats every two passes");
+  const uint32_t offset_x[2] = {smem_x + T::chunk_offset(chunk_x, first_row_x),
+                                smem_x + T::chunk_offset(chunk_x, first_row_x + ChunksX::kRowsPerPass)};
+  cutlass::bfloat16_t* const smem_dy_ptr = kTransposed ? smem.a.data() : smem.b.data();
 
   const bool tma_leader = thread == 0;
   const void* tma_dy = p.tma_dy.get_tma_descriptor();
   if (tma_leader) cute::prefetch_tma_descriptor(p.tma_dy.get_tma_descriptor());
 
   typename T::PipelineState write = cutlass::make_producer_start_state<typename T::Pipeline>();
-  // Issues the copies of step `at` into the next stage, with its src entries `src`.
-  auto issue = [&](const GatherTgmmPosition& at, const int32_t (&src)[T::kPassesA]) {
+  // Issues the copies of step `at` into the next stage, with this lane's src entry `src`.
+  auto issue = [&](const GatherTgmmPosition& at, const int32_t (&src)[ChunksX::kPasses]) {
     const GatherTgmmUnit& u = at.u;
     const int32_t row0 = u.start + static_cast<int32_t>(at.step) * T::kTileK;  // < end <= m
+    const int32_t dy_col0 = (kTransposed ? u.row_tile : u.col_tile) * T::kColsDy;
+    const int32_t x_col0 = (kTransposed ? u.col_tile : u.row_tile) * T::kColsX;
     pipeline.producer_acquire(write);  // thread 0 arrives, announcing no bytes yet
     const int stage = write.index();
     if (row0 + T::kTileK <= u.end) {
       if (tma_leader) {
         // Announced before thread 0's cp.async arrival below, which the stage also waits
         // for: the phase cannot complete before it knows these bytes.
-        pipeline.producer_expect_transaction(write, T::kStageBytesB);
+        pipeline.producer_expect_transaction(write, T::kStageBytesDy);
         uint64_t* barrier = pipeline.producer_get_barrier(write);
         CUTLASS_PRAGMA_UNROLL
-        for (int box = 0; box < T::kBoxesB; ++box) {
+        for (int box = 0; box < T::kBoxesDy; ++box) {
           cute::SM90_TMA_LOAD_2D::copy(
               tma_dy, barrier, static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_NORMAL),
-              smem.b.data() + stage * (T::kStageBytesB / T::kElementBytes) +
-                  box * (T::kBoxBytesB / T::kElementBytes),
-              u.n_tile * T::kTileN + box * T::kBoxCols, row0);
+              smem_dy_ptr + stage * (T::kStageBytesDy / T::kElementBytes) + box * (T::kBoxBytes / T::kElementBytes),
+              dy_col0 + box * T::kBoxCols, row0);
         }
       }
     } else {
       // n % 8 == 0: a chunk is wholly inside or outside its row.
-      const int32_t col_b = u.n_tile * T::kTileN + chunk_b * T::kChunkElems;
-      const uint32_t stage_b = smem_b + stage * T::kStageBytesB;
+      const int32_t col = dy_col0 + chunk_dy * ChunksDy::kChunkElems;
+      const uint32_t stage_dy = smem_dy + stage * T::kStageBytesDy;
       CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < T::kPassesB; ++i) {
-        const int r = first_row_b + i * T::kRowsPerPassB;
-        const bool in = col_b < p.n && row0 + r < u.end;
-        const char* from_b =
-            in ? p.dy + (static_cast<int64_t>(row0 + r) * p.n + col_b) * T::kElementBytes : p.dy;
-        cp_async_16_zfill(stage_b + T::chunk_offset(chunk_b, r), from_b, in ? 16u : 0u);
+      for (int i = 0; i < ChunksDy::kPasses; ++i) {
+        const int r = first_row_dy + i * ChunksDy::kRowsPerPass;
+        const bool in = col < p.n && row0 + r < u.end;
+        const char* from = in ? p.dy + (static_cast<int64_t>(row0 + r) * p.n + col) * T::kElementBytes : p.dy;
+        cp_async_16_zfill(stage_dy + T::chunk_offset(chunk_dy, r), from, in ? 16u : 0u);
       }
     }
     // Chunks read nothing for rows past the group's end, src outside [0, T) and columns
     // past K (k % 8 == 0: a chunk is wholly inside or outside its row).
-    const int32_t col_a = u.k_tile * T::kTileM + chunk_a * T::kChunkElems;
-    const bool col_a_in = col_a < p.k;
-    const uint32_t stage_a = offset_a + stage * T::kStageBytesA;
+    const int32_t col = x_col0 + chunk_x * ChunksX::kChunkElems;
+    const bool col_in = col < p.k;
+    const uint32_t stage_x = stage * T::kStageBytesX;
     CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < T::kPassesA; ++i) {
-      const bool in = col_a_in && src[i] >= 0 && src[i] < p.tokens;
-      const char* from = in ? p.x + (static_cast<int64_t>(src[i]) * p.k + col_a) * T::kElementBytes : p.x;
-      cp_async_16_zfill(stage_a + i * (T::kRowsPerPassA * 128), from, in ? 16u : 0u);
+    for (int i = 0; i < ChunksX::kPasses; ++i) {
+      const int32_t s = src[i];
+      const bool in = col_in && s >= 0 && s < p.tokens;
+      const char* from = in ? p.x + (static_cast<int64_t>(s) * p.k + col) * T::kElementBytes : p.x;
+      cp_async_16_zfill(offset_x[i % 2] + stage_x + (i / 2) * (2 * ChunksX::kRowsPerPass * 128), from,
+                        in ? 16u : 0u);
     }
     cutlass::arch::cpasync_barrier_arrive_noinc(pipeline.producer_get_barrier(write));
     ++write;
   };
 
-  // Two sets of src registers used in turn: a set loaded for the next step is not touched
-  // (not even copied) until that step is issued.
-  int32_t src_a[T::kPassesA], src_b[T::kPassesA];
+  // Two src registers used in turn: one loaded for the next step is not touched (not even
+  // copied) until that step is issued.
+  int32_t src_a[ChunksX::kPasses], src_b[ChunksX::kPasses];
   GatherTgmmPosition pos = gather_tgmm_seek(p, blockIdx.x);
-  if (pos.unit < p.units) gather_tgmm_src(p, pos, first_row_a, src_a);
+  if (pos.unit < p.units) gather_tgmm_src<ChunksX>(p, pos, first_row_x, src_a);
   while (pos.unit < p.units) {
     GatherTgmmPosition next = gather_tgmm_next(p, pos);
-    if (next.unit < p.units) gather_tgmm_src(p, next, first_row_a, src_b);
+    if (next.unit < p.units) gather_tgmm_src<ChunksX>(p, next, first_row_x, src_b);
     issue(pos, src_a);
     pos = next;
     if (pos.unit >= p.units) break;
     next = gather_tgmm_next(p, pos);
-    if (next.unit < p.units) gather_tgmm_src(p, next, first_row_a, src_a);
+    if (next.unit < p.units) gather_tgmm_src<ChunksX>(p, next, first_row_x, src_a);
     issue(pos, src_b);
     pos = next;
   }
@@ -331,15 +353,17 @@ __device__ __forceinline__ void gather_tgmm_produce(const GatherTgmmKernelParams
 }
 
 // Warp groups 1 and 2 (see the header comment).
-template <class Out>
+template <bool kTransposed, class Out>
 __device__ __forceinline__ void gather_tgmm_consume(const GatherTgmmKernelParams<Out>& p,
-                                                    typename GatherTgmmTraits::SharedStorage& smem,
-                                                    typename GatherTgmmTraits::Pipeline& pipeline) {
+                                                    typename GatherTgmmTraits<kTransposed>::SharedStorage& smem,
+                                                    typename GatherTgmmTraits<kTransposed>::Pipeline& pipeline) {
   using namespace cute;
-  using T = GatherTgmmTraits;
+  using T = GatherTgmmTraits<kTransposed>;
   const int thread = threadIdx.x - T::kProducerThreads;  // 0 .. kConsumerThreads - 1
   typename T::TiledMma mma;
   auto [tCrA, tCrB, accum, coord] = consumer_tensors<T>(mma, thread, smem);
+  // The output block: rows x columns, row-major.
+  const int32_t rows = kTransposed ? p.n : p.k, cols = kTransposed ? p.k : p.n;
 
   typename T::PipelineState read;
   for (int64_t unit = blockIdx.x; unit < p.units; unit += gridDim.x) {
@@ -349,17 +373,16 @@ __device__ __forceinline__ void gather_tgmm_consume(const GatherTgmmKernelParams
     } else {
       clear(accum);  // an empty group's block is exactly zero
     }
-    const int32_t row0 = u.k_tile * T::kTileM, col0 = u.n_tile * T::kTileN;
-    store_accumulators(p.out + static_cast<int64_t>(u.group) * p.k * p.n, p.n, row0, p.k, col0,
-                       accum, coord);
+    store_accumulators(p.out + static_cast<int64_t>(u.group) * p.k * p.n, cols, u.row_tile * T::kTileM, rows,
+                       u.col_tile * T::kTileN, accum, coord);
   }
 }
 
-template <class Out>
-__global__ void __launch_bounds__(GatherTgmmTraits::kThreads, 1)
+template <bool kTransposed, class Out>
+__global__ void __launch_bounds__(GatherTgmmTraits<kTransposed>::kThreads, 1)
     gather_tgmm_kernel(const __grid_constant__ GatherTgmmKernelParams<Out> p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using T = GatherTgmmTraits;
+  using T = GatherTgmmTraits<kTransposed>;
   extern __shared__ __align__(1024) char smem_raw[];  // the 128-byte swizzle needs 1024
   auto& smem = *reinterpret_cast<typename T::SharedStorage*>(smem_raw);
   const bool producer = cutlass::canonical_warp_group_idx() == 0;
@@ -376,24 +399,23 @@ __global__ void __launch_bounds__(GatherTgmmTraits::kThreads, 1)
 
   if (producer) {
     cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegisters>();
-    gather_tgmm_produce(p, smem, pipeline);
+    gather_tgmm_produce<kTransposed>(p, smem, pipeline);
   } else {
     cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegisters>();
-    gather_tgmm_consume(p, smem, pipeline);
+    gather_tgmm_consume<kTransposed>(p, smem, pipeline);
   }
 #endif
 }
 
-template <DType kOut>
-Status gather_tgmm_kernel_run(const GatherTgmmLaunch& launch) {
-  using T = GatherTgmmTraits;
-  using Out = typename OutElement<kOut>::type;
+template <bool kTransposed, class Out>
+Status gather_tgmm_launch(const GatherTgmmLaunch& launch) {
+  using T = GatherTgmmTraits<kTransposed>;
   const GatherTgmmParams& p = *launch.params;
   GatherTgmmKernelParams<Out> kp;
-  kp.tma_dy = make_gather_tgmm_tma_dy(static_cast<const T::Element*>(p.dy),
+  kp.tma_dy = make_gather_tgmm_tma_dy(static_cast<const cutlass::bfloat16_t*>(p.dy),
                                       static_cast<int32_t>(p.n), static_cast<int32_t>(p.m));
   // A zero-filled copy reads nothing but still names an address: x's base, or dy's when
-  // there are no tokens (x may then be null, and every A row is zero).
+  // there are no tokens (x may then be null, and every x row is zero).
   kp.x = static_cast<const char*>(p.tokens > 0 ? p.x : p.dy);
   kp.dy = static_cast<const char*>(p.dy);
   kp.src = p.src;
@@ -403,12 +425,20 @@ Status gather_tgmm_kernel_run(const GatherTgmmLaunch& launch) {
   kp.tokens = static_cast<int32_t>(p.tokens);
   kp.k = static_cast<int32_t>(p.k);
   kp.n = static_cast<int32_t>(p.n);
-  kp.k_tiles = static_cast<int32_t>((p.k + T::kTileM - 1) / T::kTileM);
-  kp.n_tiles = static_cast<int32_t>((p.n + T::kTileN - 1) / T::kTileN);
-  kp.units = p.num_groups * kp.k_tiles * kp.n_tiles;
+  const int64_t rows = kTransposed ? p.n : p.k, cols = kTransposed ? p.k : p.n;
+  kp.row_tiles = static_cast<int32_t>((rows + T::kTileM - 1) / T::kTileM);
+  kp.col_tiles = static_cast<int32_t>((cols + T::kTileN - 1) / T::kTileN);
+  kp.units = p.num_groups * kp.row_tiles * kp.col_tiles;
 
-  return launch_persistent<T>(gather_tgmm_kernel<Out>, kp, kp.units, launch.sm_count,
+  return launch_persistent<T>(gather_tgmm_kernel<kTransposed, Out>, kp, kp.units, launch.sm_count,
                               launch.stream);
+}
+
+template <DType kOut>
+Status gather_tgmm_kernel_run(const GatherTgmmLaunch& launch) {
+  using Out = typename OutElement<kOut>::type;
+  return launch.params->transpose_out ? gather_tgmm_launch<true, Out>(launch)
+                                      : gather_tgmm_launch<false, Out>(launch);
 }
 
 }  // namespace detail

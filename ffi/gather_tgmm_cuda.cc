@@ -1,7 +1,8 @@
 // XLA FFI handler of gather_tgmm on CUDA (contract in common/gather_tgmm.h):
 //
-//   out[g] = sum over the rows r of group g of x[src[r]]^T (outer) dy[r]
-//   (src outside [0, T): a zero row of x), empty groups 0.
+//   out[g] = sum over the rows r of group g of x[src[r]]^T (outer) dy[r]      [G, K, N]
+//   (src outside [0, T): a zero row of x), empty groups 0; with the attribute
+//   transpose_out each block transposed, out [G, N, K].
 //
 // It decodes and validates the buffers into GatherTgmmParams, uses the workspace result
 // (ffi/workspace.h, sized by MoeXlaGatherTgmmWorkspaceBytes) and enqueues
@@ -31,9 +32,9 @@ namespace {
 constexpr char kOp[] = "gather_tgmm";
 
 // Fills GatherTgmmParams from the call's buffers:
-//   x [T, K], src [M], dy [M, N], group_sizes [G], out [G, K, N].
+//   x [T, K], src [M], dy [M, N], group_sizes [G], out [G, K, N] ([G, N, K] if transpose_out).
 ffi::ErrorOr<GatherTgmmParams> decode(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> src, ffi::AnyBuffer dy,
-                                      ffi::Buffer<ffi::S32> group_sizes, ffi::AnyBuffer out) {
+                                      ffi::Buffer<ffi::S32> group_sizes, ffi::AnyBuffer out, bool transpose_out) {
   using ffi_args::invalid;
   using ffi_args::shape_string;
   GatherTgmmParams p{};
@@ -45,7 +46,9 @@ ffi::ErrorOr<GatherTgmmParams> decode(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> sr
     return invalid("dy: expected shape [" + std::to_string(p.m) + ", N], got " + shape_string(dy_dims));
   }
   p.n = dy_dims[1];
-  if (auto e = ffi_args::decode_gather_out(p, x, src, group_sizes, out, {p.num_groups, p.k, p.n}); e.failure()) {
+  p.transpose_out = transpose_out;
+  const int64_t rows = transpose_out ? p.n : p.k, cols = transpose_out ? p.k : p.n;
+  if (auto e = ffi_args::decode_gather_out(p, x, src, group_sizes, out, {p.num_groups, rows, cols}); e.failure()) {
     return ffi::Unexpected<ffi::Error>(e);
   }
   p.dy = dy.untyped_data();
@@ -54,8 +57,8 @@ ffi::ErrorOr<GatherTgmmParams> decode(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> sr
 
 ffi::Error gather_tgmm_cuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> src, ffi::AnyBuffer dy,
                             ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> out,
-                            ffi::Result<ffi::AnyBuffer> workspace_buffer) {
-  return ffi_args::enqueue_gather<GatherTgmmParams>(kOp, decode(x, src, dy, group_sizes, *out),
+                            ffi::Result<ffi::AnyBuffer> workspace_buffer, bool transpose_out) {
+  return ffi_args::enqueue_gather<GatherTgmmParams>(kOp, decode(x, src, dy, group_sizes, *out, transpose_out),
                                              &cuda::gather_tgmm_workspace_bytes, &cuda::gather_tgmm,
                                              stream, *workspace_buffer);
 }
@@ -63,15 +66,17 @@ ffi::Error gather_tgmm_cuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<f
 }  // namespace
 }  // namespace moe_xla
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaGatherTgmmCuda, moe_xla::gather_tgmm_cuda,
+// V2: the attribute transpose_out (moe_xla/_lib.py's versions).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaGatherTgmmCudaV2, moe_xla::gather_tgmm_cuda,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
                                   .Arg<ffi::AnyBuffer>()                     // x [T, K]
                                   .Arg<ffi::Buffer<ffi::S32>>()              // src [M]
                                   .Arg<ffi::AnyBuffer>()                     // dy [M, N]
                                   .Arg<ffi::Buffer<ffi::S32>>()              // group_sizes [G]
-                                  .Ret<ffi::AnyBuffer>()                     // out [G, K, N]
-                                  .Ret<ffi::AnyBuffer>(),  // workspace u8[MoeXlaGatherTgmmWorkspaceBytes(G)]
+                                  .Ret<ffi::AnyBuffer>()                     // out [G, K, N] or [G, N, K]
+                                  .Ret<ffi::AnyBuffer>()  // workspace u8[MoeXlaGatherTgmmWorkspaceBytes(G)]
+                                  .Attr<bool>("transpose_out"),  // out [G, N, K]
                               {ffi::Traits::kCmdBufferCompatible});
 
 // Workspace bytes of a gather_tgmm call with `num_groups` groups, any T, M, K, N and dtypes

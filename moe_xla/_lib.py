@@ -48,18 +48,20 @@ _SYMBOLS.update({
 
 # gather_gmm and gather_tgmm have a CUDA kernel only (other platforms lower their
 # decompositions).
-# gather_gmm v2 takes the `transpose_rhs` attribute; its symbol carries the version, so that
-# a library built before it registers no target under the new name.
+# gather_gmm v2 takes the `transpose_rhs` attribute, gather_tgmm v2 `transpose_out`; their
+# symbols carry the version, so that a library built before a version registers no target
+# under its name.
 _SYMBOLS[("gather_gmm", "cuda")] = "MoeXlaGatherGmmCudaV2"
-_SYMBOLS[("gather_tgmm", "cuda")] = "MoeXlaGatherTgmmCuda"
+_SYMBOLS[("gather_tgmm", "cuda")] = "MoeXlaGatherTgmmCudaV2"
 # gather_gmm_activate (gather_gmm with the expert activation in its epilogue) has a CUDA
 # kernel only; its symbol carries its version from the start.
 _SYMBOLS[("gather_gmm_activate", "cuda")] = "MoeXlaGatherGmmActivateCudaV1"
 
 # An op's version rises with each change of its handler's operands or attributes, so that
 # an HLO module written for the old signature fails by name, not by an attribute mismatch.
-# gmm_fp8 v2 takes the `path` attribute, gather_gmm v2 `transpose_rhs`.
-_VERSIONS = {"gmm_fp8": 2, "gather_gmm": 2}
+# gmm_fp8 v2 takes the `path` attribute, gather_gmm v2 `transpose_rhs`, gather_tgmm v2
+# `transpose_out`.
+_VERSIONS = {"gmm_fp8": 2, "gather_gmm": 2, "gather_tgmm": 2}
 
 
 def target_name(op: str, platform: str) -> str:

@@ -22,7 +22,8 @@ transpose with weights 1: one gather_rows pass), is
 With `backward_gathers`, c is never written: the tangent's product and combine are one
 bilinear primitive (primitives/gmm_unpermute.py) whose transposes read dy through the row
 map, g = gather_gmm(dy, src, w_out, transpose_rhs=True) and d w_out = gather_tgmm(dy, src,
-b)^T (src[r] the token of row r); otherwise c is gathered once and read by gmm and tgmm.
+b, transpose_out=True) (b_e^T c_e written as [E, F, H]; src[r] the token of row r);
+otherwise c is gathered once and read by gmm and tgmm.
 The usual rule (unpermute's transpose, then gmm's, then the activation's) keeps out
 [T*k, H] for d weights and reads it, and writes the weighted cotangent. Roundings: the
 tangent rounds b and d b to h's dtype, g is rounded to it, and omega g is not (d h is

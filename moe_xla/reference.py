@@ -84,11 +84,13 @@ def gather_gmm(x, src, w, group_sizes, *, transpose_rhs=False, preferred_element
                preferred_element_type=preferred_element_type or x.dtype)
 
 
-def gather_tgmm(x, src, dy, group_sizes, *, preferred_element_type=None):
-    """out[g] = sum_{r in rows of g} x_r^T (outer) dy[r] with x_r = x[src[r]], a zero row where
+def gather_tgmm(x, src, dy, group_sizes, *, transpose_out=False, preferred_element_type=None):
+    """out[g] = sum_{r in rows of g} x_r (outer) dy[r] with x_r = x[src[r]], a zero row where
     src[r] is outside [0, T): tgmm of the gathered rows (gather_gmm's gradient in w).
-    x [T, K], src [M], dy [M, N], group_sizes [G] -> [G, K, N]."""
-    return tgmm(gather_rows(x, src), dy, group_sizes, preferred_element_type=preferred_element_type or x.dtype)
+    x [T, K], src [M], dy [M, N], group_sizes [G] -> [G, K, N]; with transpose_out each
+    block's transpose, sum_r dy[r] (outer) x_r -> [G, N, K]."""
+    out = tgmm(gather_rows(x, src), dy, group_sizes, preferred_element_type=preferred_element_type or x.dtype)
+    return jnp.swapaxes(out, 1, 2) if transpose_out else out
 
 
 def route_source(logits, score: str):

@@ -362,7 +362,7 @@ def test_moe_forward_gathers_without_a_permuted_copy_and_so_does_its_step(rng):
     # A step under "gather" differentiates gather_gmm itself: its weight gradient is a
     # gather_tgmm and no permute copies x; under "copy" it copies.
     gathered, copied = lowered("gather", step), lowered("copy", step)
-    assert "moe_xla_gather_gmm_cuda_v2" in gathered and "moe_xla_gather_tgmm_cuda_v1" in gathered
+    assert "moe_xla_gather_gmm_cuda_v2" in gathered and "moe_xla_gather_tgmm_cuda_v2" in gathered
     assert set(_permute_width(gathered)) == {0}
     assert "moe_xla_gather_gmm_cuda_v2" not in copied and 16 in _permute_width(copied)
 

@@ -184,13 +184,15 @@ def test_the_gradient_has_no_scatter_add_and_gathers_the_cotangent_once(rng, com
 
 def test_a_gathering_backward_writes_no_gathered_cotangent(rng):
     """With the backward gathering, the step's only gathers of rows are inside the products:
-    gather_gmm for d a and gather_tgmm for d w_out, no gather_rows of the cotangent."""
+    gather_gmm for d a and gather_tgmm for d w_out (written as [E, F, H]: transpose_out), no
+    gather_rows of the cotangent."""
     step = jax.grad(lambda *x: jnp.sum(moe_xla.moe(*x, top_k=2)), argnums=(0, 1, 2, 3))
     with product_combine.forced("gather"):
         text = str(jax.make_jaxpr(step)(*_layer_inputs(rng)))
     assert text.count("moe_xla_gather_rows[") == 0
     assert text.count("moe_xla_gather_gmm[") == 1
     assert text.count("moe_xla_gather_tgmm[") == 1
+    assert re.search(r"moe_xla_gather_tgmm\[[^\]]*transpose_out=True", text)
 
 
 def test_the_choice_follows_forced_and_copies_on_the_cpu(rng):

@@ -246,16 +246,17 @@ TGMM = Rule(sharding_rule=lambda **_: "m k, m n, g -> g k n", specs=_tgmm_specs,
             need_replication=("m", "g"))
 
 
-def _gather_tgmm_specs(arg_axes, **_):
+def _gather_tgmm_specs(arg_axes, *, transpose_out, **_):
     x, _src, dy, gs = arg_axes
-    (x_in, dy_in, gs_in), out, sums = _tgmm_specs([x, dy, gs])
-    return [x_in, ((),), dy_in, gs_in], out, sums
+    (x_in, dy_in, gs_in), [(g, k, n)], sums = _tgmm_specs([x, dy, gs])
+    return [x_in, ((),), dy_in, gs_in], [(g, n, k) if transpose_out else (g, k, n)], sums
 
 
 # As tgmm with x in lhs's place: K of x and N of dy split the weight gradient's blocks
-# with no communication; tokens, rows and groups stay whole.
-GATHER_TGMM = Rule(sharding_rule=lambda **_: "t k, m, m n, g -> g k n", specs=_gather_tgmm_specs,
-                   need_replication=("t", "m", "g"))
+# ([G, N, K] with transpose_out) with no communication; tokens, rows and groups stay whole.
+GATHER_TGMM = Rule(
+    sharding_rule=lambda transpose_out, **_: "t k, m, m n, g -> " + ("g n k" if transpose_out else "g k n"),
+    specs=_gather_tgmm_specs, need_replication=("t", "m", "g"))
 
 
 def _route_specs(arg_axes, **_):

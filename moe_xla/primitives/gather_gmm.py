@@ -19,7 +19,8 @@ the gmm primitive (with transpose_rhs), so every platform computes the same cont
 
 gather_gmm is bilinear in (x, w):
     d w = gather_tgmm(x, src, ct, group_sizes)   (= tgmm(gather_rows(x, src), ct)), [G, K, N];
-          with transpose_rhs its transpose: d w[g] = (x[src]_g^T ct_g)^T, [G, N, K]
+          with transpose_rhs its transpose: d w[g] = ct_g^T x[src]_g, [G, N, K], which
+          gather_tgmm(..., transpose_out=True) writes in that layout
     d x = the rows of d x_sorted = gmm(ct, w, transpose_rhs = not transpose_rhs) summed
           back to tokens: d x[t] = sum_{r: src[r] = t} d x_sorted[r]
 The sum is deterministic either way. With token_slots [T, k] int32, a promise that
@@ -131,23 +132,27 @@ def _transpose(ct, x, src, w, group_sizes, *token_slots, transpose_rhs, preferre
     w_aval = w.aval
     if type(ct) is ad.Zero:
         return None, None, ad.Zero(w_aval), *none[2:]
-    # [G, K, N]: x[src]_g^T ct_g; with transpose_rhs w is [G, N, K], so its transpose.
-    d_w = gather_tgmm_p.bind(x, src, ct.astype(x.dtype), group_sizes, preferred_element_type=jnp.dtype(w_aval.dtype))
-    return None, None, jnp.swapaxes(d_w, 1, 2) if transpose_rhs else d_w, *none[2:]
+    # [G, K, N]: x[src]_g^T ct_g; with transpose_rhs w is [G, N, K]: ct_g^T x[src]_g.
+    d_w = gather_tgmm_p.bind(x, src, ct.astype(x.dtype), group_sizes, transpose_out=transpose_rhs,
+                             preferred_element_type=jnp.dtype(w_aval.dtype))
+    return None, None, d_w, *none[2:]
 
 
-def _gather_tgmm_transpose(ct, x, src, dy, group_sizes, *, preferred_element_type):
+def _gather_tgmm_transpose(ct, x, src, dy, group_sizes, *, transpose_out, preferred_element_type):
+    # ct [G, K, N], or [G, N, K] with transpose_out: the products' transpose_rhs reads either
+    # layout as stored (gather_tgmm.py's module docstring).
     if ad.is_undefined_primal(src) or ad.is_undefined_primal(group_sizes):
         raise ValueError("gather_tgmm: src and group_sizes are integers and cannot be differentiated")
     if ad.is_undefined_primal(x):
         if type(ct) is ad.Zero:
             return ad.Zero(x.aval), None, None, None
         x_dtype = jnp.dtype(x.aval.dtype)
-        d_sorted = gmm_p.bind(dy, ct.astype(dy.dtype), group_sizes, transpose_rhs=True, preferred_element_type=x_dtype)
+        d_sorted = gmm_p.bind(dy, ct.astype(dy.dtype), group_sizes, transpose_rhs=not transpose_out,
+                              preferred_element_type=x_dtype)
         return _sum_to_tokens(d_sorted, src, (), x.aval.shape[0]).astype(x_dtype), None, None, None
     if type(ct) is ad.Zero:
         return None, None, ad.Zero(dy.aval), None
-    d_dy = gather_gmm_p.bind(x, src, ct.astype(x.dtype), group_sizes, transpose_rhs=False,
+    d_dy = gather_gmm_p.bind(x, src, ct.astype(x.dtype), group_sizes, transpose_rhs=transpose_out,
                              preferred_element_type=jnp.dtype(dy.aval.dtype), has_token_slots=False)
     return None, None, d_dy, None
 

@@ -10,7 +10,7 @@ a primitive whose transposes read the cotangent through the row map.
 
 Bilinear in (a, w). Its transposes at a cotangent ct [T, H] gather ct's rows themselves:
     d a = gather_gmm(ct, src, w, transpose_rhs=True)    d a[r] = ct[src[r]] @ w[g]^T
-    d w = gather_tgmm(ct, src, a)^T                      d w[g] = a_g^T ct[src]_g
+    d w = gather_tgmm(ct, src, a, transpose_out=True)   d w[g] = a_g^T ct[src]_g
 so reverse mode never writes the gathered cotangent c[r] = ct[src[r]] ([M, H]), which
 transposing unpermute and then gmm would (one pass to write c, two to read it). Rows past
 sum(group_sizes) and rows no slot names get a zero d a, as through unpermute and gmm.
@@ -81,8 +81,9 @@ def _transpose(ct, a, w, group_sizes, token_slots, src):
         return (d_a, None, *none)
     if type(ct) is ad.Zero:
         return (None, ad.Zero(w.aval), *none)
-    d_w = gather_tgmm(ct.astype(a.dtype), src, a, group_sizes, preferred_element_type=jnp.dtype(w.aval.dtype))
-    return (None, jnp.swapaxes(d_w, 1, 2), *none)
+    d_w = gather_tgmm(ct.astype(a.dtype), src, a, group_sizes, transpose_out=True,
+                      preferred_element_type=jnp.dtype(w.aval.dtype))
+    return (None, d_w, *none)
 
 
 def _batch(args, dims):

@@ -4,8 +4,8 @@
 // one group, a giant group of many row steps, negative and INT32-extreme sizes, sums below
 // and above M, G up to 512; src with entries -1, T, INT32_MIN and INT32_MAX; K and N that
 // are not multiples of the tiles; no tokens (x null), no rows; rows of dy past the groups
-// holding NaN and inf; a NaN and an inf inside one group's rows) and both output dtypes
-// (bf16, f32) it:
+// holding NaN and inf; a NaN and an inf inside one group's rows), both output dtypes
+// (bf16, f32) and both block layouts (out [G, K, N], and [G, N, K] with transpose_out) it:
 //   1. poisons the output with NaN and surrounds it with canaries,
 //   2. runs gather_tgmm with exactly gather_tgmm_workspace_bytes of (misaligned) scratch,
 //   3. compares with a reference kernel that computes every output element on its own,
@@ -171,7 +171,8 @@ std::vector<__nv_bfloat16> make_dy(const Case& cs, std::mt19937& rng) {
 struct Runner : gather_selftest::RunnerBase {
   // Compares out (NaN-poisoned before the call, guarded by canaries) with the reference of
   // (src, sizes) already in d.src / d.sizes; "" when it passes.
-  std::string compare(const Case& cs, const Device& d, DType out_dtype, const std::vector<int32_t>& sizes) {
+  std::string compare(const Case& cs, const Device& d, DType out_dtype, bool transposed,
+                      const std::vector<int32_t>& sizes) {
     const int64_t groups = static_cast<int64_t>(sizes.size());
     const int64_t count = groups * cs.k * cs.n;
     std::vector<int64_t> starts, ends;
@@ -199,14 +200,15 @@ struct Runner : gather_selftest::RunnerBase {
     }
     const double tol = (out_dtype == DType::kF32 ? 1e-4 : 1e-2) * std::max(max_ref, 1e-30);
     for (int64_t i = 0; i < count; ++i) {
-      const float o = gather_selftest::out_element(out, i, out_dtype);
-      const int64_t g = i / (cs.k * cs.n);
+      // ref is [G, K, N]; the transposed output holds element (g, row, c) at (g, c, row).
+      const int64_t g = i / (cs.k * cs.n), row = i / cs.n % cs.k, c = i % cs.n;
+      const float o =
+          gather_selftest::out_element(out, transposed ? (g * cs.n + c) * cs.k + row : i, out_dtype);
       const double r = ref[static_cast<size_t>(i)];
       const bool empty = starts[static_cast<size_t>(g)] == ends[static_cast<size_t>(g)];
       char where[192];
       std::snprintf(where, sizeof(where), " at group %lld row %lld col %lld: out %g ref %g",
-                    static_cast<long long>(g), static_cast<long long>(i / cs.n % cs.k),
-                    static_cast<long long>(i % cs.n), o, r);
+                    static_cast<long long>(g), static_cast<long long>(row), static_cast<long long>(c), o, r);
       if (!std::isfinite(r)) {
         if (std::isfinite(o)) return std::string("finite where the group's own rows are not") + where;
         continue;
@@ -224,13 +226,17 @@ struct Runner : gather_selftest::RunnerBase {
   }
 
   void run_case(const Case& cs, DType out_dtype, std::mt19937& rng) {
+    for (bool transposed : {false, true}) run_layout(cs, out_dtype, transposed, rng);
+  }
+
+  void run_layout(const Case& cs, DType out_dtype, bool transposed, std::mt19937& rng) {
     ++checks;
     const int64_t groups = static_cast<int64_t>(cs.sizes.size());
     const int64_t count = groups * cs.k * cs.n;
-    std::printf("%-26s T %5lld M %5lld K %5lld N %5lld G %4lld out %-4s", cs.name.c_str(),
+    std::printf("%-26s T %5lld M %5lld K %5lld N %5lld G %4lld out %-4s%s", cs.name.c_str(),
                 static_cast<long long>(cs.tokens), static_cast<long long>(cs.m),
                 static_cast<long long>(cs.k), static_cast<long long>(cs.n), static_cast<long long>(groups),
-                dtype_name(out_dtype));
+                dtype_name(out_dtype), transposed ? " transposed" : "");
     Device d;
     d.x = device_copy(random_bf16(cs.tokens * cs.k, 1.0f, rng));
     d.dy = device_copy(make_dy(cs, rng));
@@ -255,6 +261,7 @@ struct Runner : gather_selftest::RunnerBase {
     p.k = cs.k;
     p.n = cs.n;
     p.num_groups = groups;
+    p.transpose_out = transposed;
     const size_t ws_bytes = moe_xla::cuda::gather_tgmm_workspace_bytes(p);
     CHECK_CUDA(cudaMalloc(&d.workspace, ws_bytes + 8));
     void* workspace = d.workspace + 8;  // not 256-byte aligned on purpose
@@ -266,7 +273,7 @@ struct Runner : gather_selftest::RunnerBase {
       error = "gather_tgmm: " + status.message();
     } else {
       CHECK_CUDA(cudaStreamSynchronize(stream));
-      error = compare(cs, d, out_dtype, cs.sizes);
+      error = compare(cs, d, out_dtype, transposed, cs.sizes);
     }
 
     // The same call captured into a graph, replayed after the sizes and src changed.
@@ -282,7 +289,7 @@ struct Runner : gather_selftest::RunnerBase {
             if (!sizes.empty()) CHECK_CUDA(cudaMemcpy(d.sizes, sizes.data(), sizes.size() * 4, cudaMemcpyHostToDevice));
             if (!src.empty()) CHECK_CUDA(cudaMemcpy(d.src, src.data(), src.size() * 4, cudaMemcpyHostToDevice));
           },
-          [&] { return compare(cs, d, out_dtype, sizes); });
+          [&] { return compare(cs, d, out_dtype, transposed, sizes); });
     }
     std::printf(" %s\n", error.empty() ? "ok" : "FAIL");
     if (!error.empty()) fail(cs.name + ": " + error);
