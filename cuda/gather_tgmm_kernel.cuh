@@ -280,7 +280,7 @@ __device__ __forceinline__ void gather_tgmm_produce(const GatherTgmmKernelParams
   if (tma_leader) cute::prefetch_tma_descriptor(p.tma_dy.get_tma_descriptor());
 
   typename T::PipelineState write = cutlass::make_producer_start_state<typename T::Pipeline>();
-  // Issues the copies of step `at` into the next stage, with this lane's src entry `src`.
+  // Issues the copies of step `at` into the next stage, with this thread's src entries `src`.
   auto issue = [&](const GatherTgmmPosition& at, const int32_t (&src)[ChunksX::kPasses]) {
     const GatherTgmmUnit& u = at.u;
     const int32_t row0 = u.start + static_cast<int32_t>(at.step) * T::kTileK;  // < end <= m
@@ -331,7 +331,7 @@ __device__ __forceinline__ void gather_tgmm_produce(const GatherTgmmKernelParams
     ++write;
   };
 
-  // Two src registers used in turn: one loaded for the next step is not touched (not even
+  // Two sets of src registers used in turn: a set loaded for the next step is not touched (not even
   // copied) until that step is issued.
   int32_t src_a[ChunksX::kPasses], src_b[ChunksX::kPasses];
   GatherTgmmPosition pos = gather_tgmm_seek(p, blockIdx.x);
