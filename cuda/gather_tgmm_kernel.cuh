@@ -331,8 +331,8 @@ __device__ __forceinline__ void gather_tgmm_produce(const GatherTgmmKernelParams
     ++write;
   };
 
-  // Two sets of src registers used in turn: a set loaded for the next step is not touched (not even
-  // copied) until that step is issued.
+  // Two sets of src registers used in turn: a set loaded for the next step is not touched
+  // (not even copied) until that step is issued.
   int32_t src_a[ChunksX::kPasses], src_b[ChunksX::kPasses];
   GatherTgmmPosition pos = gather_tgmm_seek(p, blockIdx.x);
   if (pos.unit < p.units) gather_tgmm_src<ChunksX>(p, pos, first_row_x, src_a);
