@@ -186,19 +186,29 @@ def test_vmap(rng, in_axes, transpose_out):
         assert_close(o, r, jnp.float32)
 
 
-@requires_8_devices
-@pytest.mark.parametrize("transpose_out", [False, True])
-def test_follows_k_and_n_on_a_mesh(rng, transpose_out):
-    # x split along K and dy along N: the blocks come back split the same way ([G, N, K]
-    # blocks along N and K with transpose_out), equal to one device's.
+def _mesh_case(rng):
+    """(x, src, dy, gs, the mesh, the four operands on it): x split along K, dy along N."""
     x, dy = normal(rng, (40, 16), jnp.float32), normal(rng, (50, 32), jnp.float32)
     src, gs = _src(rng, 40, 50), jnp.array([20, 0, 25], jnp.int32)
     mesh = jax.make_mesh((2, 4), ("k", "n"))
-    put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
-    out = _ours(transpose_out)(put(x, P(None, "k")), put(src, P()), put(dy, P(None, "n")), put(gs, P()))
+    args = [jax.device_put(a, NamedSharding(mesh, spec))
+            for a, spec in ((x, P(None, "k")), (src, P()), (dy, P(None, "n")), (gs, P()))]
+    return x, src, dy, gs, mesh, args
+
+
+def _assert_split_blocks(out, mesh, x, src, dy, gs, transpose_out):
+    """out is split along K and N as the operands are ([G, N, K] blocks with transpose_out)
+    and equals one device's result."""
     want = P(None, "n", "k") if transpose_out else P(None, "k", "n")
     assert out.sharding.is_equivalent_to(NamedSharding(mesh, want), 3)
     assert_close(out, _ref(x, src, dy, gs, transpose_out=transpose_out), jnp.float32)
+
+
+@requires_8_devices
+@pytest.mark.parametrize("transpose_out", [False, True])
+def test_follows_k_and_n_on_a_mesh(rng, transpose_out):
+    x, src, dy, gs, mesh, args = _mesh_case(rng)
+    _assert_split_blocks(_ours(transpose_out)(*args), mesh, x, src, dy, gs, transpose_out)
 
 
 @requires_8_devices
@@ -206,19 +216,12 @@ def test_follows_k_and_n_on_a_mesh(rng, transpose_out):
 def test_sharding_rule_splits_the_blocks_without_communication(rng, transpose_out):
     # The rule the kernel's lowering is partitioned with (on CPU the primitive lowers to its
     # decomposition, whose parts have rules of their own), run here through the
-    # custom_partitioning function itself: blocks split along K and N as x and dy are, each
-    # device's shard computed from its local operands, no collective.
-    x, dy = normal(rng, (40, 16), jnp.float32), normal(rng, (50, 32), jnp.float32)
-    src, gs = _src(rng, 40, 50), jnp.array([20, 0, 25], jnp.int32)
-    mesh = jax.make_mesh((2, 4), ("k", "n"))
-    args = [jax.device_put(a, NamedSharding(mesh, spec))
-            for a, spec in ((x, P(None, "k")), (src, P()), (dy, P(None, "n")), (gs, P()))]
+    # custom_partitioning function itself: each device's shard computed from its local
+    # operands, no collective.
+    x, src, dy, gs, mesh, args = _mesh_case(rng)
     params = dict(transpose_out=transpose_out, preferred_element_type=jnp.dtype(jnp.float32))
     fn = jax.jit(_sharding.partitioned(gather_tgmm_p, _sharding.GATHER_TGMM, tuple(sorted(params.items()))))
-    out = fn(*args)
-    want = P(None, "n", "k") if transpose_out else P(None, "k", "n")
-    assert out.sharding.is_equivalent_to(NamedSharding(mesh, want), 3)
-    assert_close(out, _ref(x, src, dy, gs, transpose_out=transpose_out), jnp.float32)
+    _assert_split_blocks(fn(*args), mesh, x, src, dy, gs, transpose_out)
     hlo = fn.lower(*args).compile().as_text()
     assert not re.search(r"all-gather|all-reduce|all-to-all|collective-permute", hlo)
 
