@@ -7,6 +7,7 @@
                                           [--first-product auto gather copy]
                                           [--combine-backward auto gather copy]
                                           [--fused-activation auto fused unfused]
+                                          [--layer moe ep1]
 
 Cases: every "moe_layer" and "sonicmoe" case of cases.json (bf16, swiglu experts w_in
 [E, d, 2n], w_out [E, n, d], the case's routing). Notation: T tokens, d hidden (H), n
@@ -85,6 +86,10 @@ gathered once into expert order, under combine bwd), column cotangent_rows.
 --fused-activation likewise measures each mode of moe_xla.experts.fused_activation (whether
 a gathered forward runs the activation in the first product's epilogue, gather_gmm_activate:
 act fwd then falls under gmm_in fwd), column fused_activation.
+--layer likewise measures moe() itself ("moe") and the EP layer on a one-device mesh
+("ep1": moe(..., mesh=Mesh([device], ("ep",)), expert_axis="ep"), its default padded
+transport and dedup; the exchange machinery with no link, which issue 16 holds to 5% over
+moe()), column layer; the EP layer runs its dispatch and combine under the same scopes.
 Output: moe_layer_stages_<platform>.json / .md under --out (_timing.write_results).
 """
 
@@ -102,6 +107,8 @@ from _timing import (CASES, compiled_memory_bytes, environment, fwd_bwd, gib, gp
 from moe_layer import moe_xla_layer
 
 import jax
+import numpy as np
+from jax.sharding import Mesh
 
 import moe_xla
 from moe_xla import experts, first_product, product_combine
@@ -116,6 +123,7 @@ PROGRAM_ORDER = [(s, "fwd") for s in STAGES] + [(s, "bwd") for s in reversed(STA
 CASE_LISTS = ("moe_layer", "sonicmoe")
 # FP8 with the weights quantised outside the step (moe's quantized_weights).
 PREQUANTIZED = "fp8_blockwise_prequantized"
+LAYERS = ("moe", "ep1")
 # Trace args that may carry an annotation's op names (newer XLA: "name", "op_name").
 OP_NAME_ARGS = ("name", "op_name", "long_name", "tf_op")
 _SCOPE = re.compile(r"moe_xla/(\w+)")
@@ -264,10 +272,10 @@ def default_cases() -> list:
     return [case for name in CASE_LISTS for case in CASES[name]]
 
 
-def prequantized_layer(case: dict):
-    """The case's FP8 layer with its weights' Fp8Weights as two more inputs (after x,
-    logits, w_in and w_out): moe(..., quantized_weights=(q_in, q_out))."""
-    base = moe_xla_layer(case)
+def prequantized_layer(case: dict, layer: str = "moe"):
+    """The case's FP8 layer (case_layer) with its weights' Fp8Weights as two more inputs
+    (after x, logits, w_in and w_out): moe(..., quantized_weights=(q_in, q_out))."""
+    base = case_layer(case, layer)
 
     def layer(x, logits, w_in, w_out, q_in, q_out):
         return base(x, logits, w_in, w_out, quantization="fp8_blockwise", quantized_weights=(q_in, q_out))
@@ -275,20 +283,31 @@ def prequantized_layer(case: dict):
     return layer
 
 
+def case_layer(case: dict, layer: str):
+    """The case's moe() (layer "moe") or its EP layer on a one-device mesh ("ep1")."""
+    base = moe_xla_layer(case)
+    if layer == "moe":
+        return base
+    return functools.partial(base, mesh=Mesh(np.array(jax.devices()[:1]), ("ep",)), expert_axis="ep")
+
+
 def measure_case(case: dict, t_scale: float, reps: int, inner: int, trace_steps: int, key,
                  quantization=None, first_product_mode="auto", combine_backward_mode="auto",
-                 fused_activation_mode="auto") -> dict:
+                 fused_activation_mode="auto", layer="moe") -> dict:
     """One row: the case's timings, TFLOP/s and stage columns (module docstring), moe()'s
     first product traced as first_product_mode, its combine's backward as
-    combine_backward_mode, its activation's fusion as fused_activation_mode."""
+    combine_backward_mode, its activation's fusion as fused_activation_mode, the layer
+    as `layer` (LAYERS)."""
     with (first_product.forced(first_product_mode), product_combine.forced(combine_backward_mode),
           experts.fused_activation(fused_activation_mode)):
-        row = _measure_case(case, t_scale, reps, inner, trace_steps, key, quantization)
-    return {"case": row.pop("case"), "quantization": row.pop("quantization"), "first_product": first_product_mode,
-            "cotangent_rows": combine_backward_mode, "fused_activation": fused_activation_mode, **row}
+        row = _measure_case(case, t_scale, reps, inner, trace_steps, key, quantization, layer)
+    return {"case": row.pop("case"), "layer": layer, "quantization": row.pop("quantization"),
+            "first_product": first_product_mode, "cotangent_rows": combine_backward_mode,
+            "fused_activation": fused_activation_mode, **row}
 
 
-def _measure_case(case: dict, t_scale: float, reps: int, inner: int, trace_steps: int, key, quantization) -> dict:
+def _measure_case(case: dict, t_scale: float, reps: int, inner: int, trace_steps: int, key, quantization,
+                  layer_kind: str) -> dict:
     t = max(1, int(case["T"] * t_scale))
     d, n, e, k = case["H"], case["F"], case["E"], case["top_k"]
     inputs, ct = moe_inputs(key, t, d, n, e)
@@ -299,10 +318,10 @@ def _measure_case(case: dict, t_scale: float, reps: int, inner: int, trace_steps
         quantize = jax.jit(lambda w_in, w_out: (moe_xla.quantize_fp8_weights(w_in),
                                                 moe_xla.quantize_fp8_weights(w_out))).lower(*inputs[2:]).compile()
         weights_quant_ms = time_jax(quantize, *inputs[2:], reps=reps, inner=inner) * 1e3
-        layer = prequantized_layer(case)
+        layer = prequantized_layer(case, layer_kind)
         n_diff, inputs = len(inputs), inputs + quantize(*inputs[2:])
     else:
-        layer = functools.partial(moe_xla_layer(case), quantization=quantization)
+        layer = functools.partial(case_layer(case, layer_kind), quantization=quantization)
         n_diff = len(inputs)
     fwd = jax.jit(layer).lower(*inputs).compile()
     step = jax.jit(fwd_bwd(layer, n_diff)).lower(*inputs, ct).compile()
@@ -332,7 +351,7 @@ def _measure_case(case: dict, t_scale: float, reps: int, inner: int, trace_steps
     return row
 
 
-COLUMNS = (["case", "quantization", "first_product", "cotangent_rows", "fused_activation", "T", "fwd_ms", "fwd_bwd_ms", "fwd_tflops", "bwd_tflops", "fwd_vs_sonicmoe",
+COLUMNS = (["case", "layer", "quantization", "first_product", "cotangent_rows", "fused_activation", "T", "fwd_ms", "fwd_bwd_ms", "fwd_tflops", "bwd_tflops", "fwd_vs_sonicmoe",
             "bwd_vs_sonicmoe", "weights_quant_ms",
             "fwd_bwd_mem_gib", "kernels_ms", "other_ms"]
            + [f"{s}_{d}_ms" for s in STAGES for d in DIRECTIONS]
@@ -340,22 +359,22 @@ COLUMNS = (["case", "quantization", "first_product", "cotangent_rows", "fused_ac
 
 
 def run(cases, out: Path, t_scale: float, reps: int, inner: int, trace_steps: int, quantizations=(None,),
-        first_products=("auto",), combine_backwards=("auto",), fused_activations=("auto",)) -> list:
+        first_products=("auto",), combine_backwards=("auto",), fused_activations=("auto",), layers=("moe",)) -> list:
     """Measures `cases` (once per entry of quantizations, moe()'s option, of
-    first_products, first_product's modes, of combine_backwards, product_combine's, and of
-    fused_activations, experts.fused_activation's)
+    first_products, first_product's modes, of combine_backwards, product_combine's, of
+    fused_activations, experts.fused_activation's, and of layers, LAYERS)
     and writes moe_layer_stages_<platform>.json / .md under out."""
     platform = jax.devices()[0].platform
     env = environment()
     env.update(t_scale=t_scale, reps=reps, inner=inner, trace_steps=trace_steps)
     rows = []
     for i, case in enumerate(cases):
-        for quantization, mode, combine, fusion in itertools.product(quantizations, first_products, combine_backwards,
-                                                                     fused_activations):
+        for layer, quantization, mode, combine, fusion in itertools.product(layers, quantizations, first_products,
+                                                                            combine_backwards, fused_activations):
             row = measure_case(case, t_scale, reps, inner, trace_steps, jax.random.fold_in(jax.random.key(0), i),
-                               quantization, mode, combine, fusion)
+                               quantization, mode, combine, fusion, layer)
             rows.append(row)
-            print(f"{row['case']} ({row['quantization']}, first product {mode}, combine backward {combine}, "
+            print(f"{row['case']} ({layer}, {row['quantization']}, first product {mode}, combine backward {combine}, "
                   f"activation {fusion}): "
                   f"fwd {row['fwd_ms']:.3f} ms "
                   f"({row['fwd_tflops']:.3g} TFLOP/s), fwd+bwd {row['fwd_bwd_ms']:.3f} ms "
@@ -392,6 +411,8 @@ def main(argv=None):
     parser.add_argument("--fused-activation", nargs="+", default=["auto"], choices=list(experts.FUSION_MODES),
                         help="whether a gathered forward runs the activation in the first product's epilogue "
                              "(moe_xla.experts.fused_activation), each measured in turn")
+    parser.add_argument("--layer", nargs="+", default=["moe"], choices=list(LAYERS),
+                        help="moe() itself, or the EP layer on a one-device mesh (ep1), each measured in turn")
     args = parser.parse_args(argv)
     cases = default_cases()
     unknown = set(args.cases or ()) - {c["name"] for c in cases}
@@ -401,7 +422,7 @@ def main(argv=None):
     return run([c for c in cases if not args.cases or c["name"] in args.cases], args.out, args.t_scale,
                args.reps or (20 if on_gpu else 1), 5 if on_gpu else 1, (3 if on_gpu else 1) if args.trace_steps is None else args.trace_steps,
                [None if q == "none" else q for q in args.quantization], args.first_product, args.combine_backward,
-               args.fused_activation)
+               args.fused_activation, args.layer)
 
 
 if __name__ == "__main__":

@@ -22,10 +22,11 @@
 //   row_map[i] = slot(i); x_sorted[slot(i)] = x[t]. Invalid assignments land past every
 //   group, where gmm writes zeros, so they contribute nothing.
 //
-// unpermute: y_sorted [T*k, H], row_map [T*k], weights [T, k] -> y [T, H]
+// unpermute: y_sorted [R, H], row_map [T*k], weights [T, k] -> y [T, H]
 //   y[t] = sum_{j = 0..k-1} weights[t, j] * y_sorted[row_map[t*k + j]], summed in j order
-//   in float32, then cast to the dtype of y_sorted. A row_map entry outside [0, T*k)
-//   contributes 0 (never an out-of-bounds read).
+//   in float32 (each term rounded, then added: no fused multiply-add), then cast to the
+//   dtype of y_sorted. A row_map entry outside [0, R) contributes 0 (never an out-of-bounds
+//   read). R is any row count: T*k after permute, a padded buffer's rows in the EP layer.
 #ifndef MOE_XLA_COMMON_ROUTING_H_
 #define MOE_XLA_COMMON_ROUTING_H_
 
@@ -85,7 +86,7 @@ struct PermuteParams {
 };
 
 struct UnpermuteParams {
-  const void* y_sorted;    // [T*k, H], dtype
+  const void* y_sorted;    // [R, H], dtype
   DType dtype;
   const int32_t* row_map;  // [T*k]
   const float* weights;    // [T, k]
@@ -93,6 +94,7 @@ struct UnpermuteParams {
   int64_t tokens;
   int64_t hidden;
   int64_t top_k;
+  int64_t rows;            // R, rows of y_sorted
 };
 
 }  // namespace moe_xla

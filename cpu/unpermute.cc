@@ -24,7 +24,7 @@ float load(const void* base, int64_t i) {
 template <DType D>
 void unpermute_impl(const UnpermuteParams& p) {
   const int64_t T = p.tokens, k = p.top_k, H = p.hidden;
-  const int64_t n = T * k;
+  const int64_t n = p.rows;
   std::vector<float> acc(H);
   for (int64_t t = 0; t < T; ++t) {
     std::fill(acc.begin(), acc.end(), 0.0f);

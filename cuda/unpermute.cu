@@ -5,7 +5,7 @@
 // or 2 bytes: the widest that the row size and both pointers allow), loops j = 0..k-1 in
 // order and accumulates in float32 with explicitly rounded multiply and add (__fmul_rn,
 // __fadd_rn: no FMA contraction), the same operations as the CPU kernel. row_map entries
-// outside [0, T*k) are skipped. No atomics, no shared state: deterministic.
+// outside [0, R) (R rows of y_sorted) are skipped. No atomics, no shared state: deterministic.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -49,7 +49,7 @@ struct Elem<DType::kF16> {
 template <DType D, typename V>
 __global__ void combine(const V* __restrict__ y_sorted, const int32_t* __restrict__ row_map,
                         const float* __restrict__ weights, V* __restrict__ y, int64_t tokens, int k,
-                        int64_t row_vectors, int threads_per_row, int rows_per_block) {
+                        int64_t rows, int64_t row_vectors, int threads_per_row, int rows_per_block) {
   using Bits = typename Elem<D>::Bits;
   constexpr int kN = sizeof(V) / sizeof(Bits);
   static_assert(kN >= 1 && kN * sizeof(Bits) == sizeof(V), "vector of whole elements");
@@ -58,7 +58,6 @@ __global__ void combine(const V* __restrict__ y_sorted, const int32_t* __restric
   if (r >= rows_per_block) return;
   const int64_t t = static_cast<int64_t>(blockIdx.x) * rows_per_block + r;
   if (t >= tokens) return;
-  const int64_t n = tokens * k;
   const int32_t* slots = row_map + t * k;
   const float* w = weights + t * k;
   for (int64_t c = c0; c < row_vectors; c += threads_per_row) {
@@ -67,7 +66,7 @@ __global__ void combine(const V* __restrict__ y_sorted, const int32_t* __restric
     for (int v = 0; v < kN; ++v) acc[v] = 0.0f;
     for (int j = 0; j < k; ++j) {
       const int64_t slot = slots[j];
-      if (slot < 0 || slot >= n) continue;  // contributes 0
+      if (slot < 0 || slot >= rows) continue;  // contributes 0
       const float wj = w[j];
       const V raw = y_sorted[slot * row_vectors + c];
       Bits e[kN];
@@ -94,7 +93,7 @@ cudaError_t launch(const UnpermuteParams& p, cudaStream_t stream) {
   if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
   combine<D, V><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
       static_cast<const V*>(p.y_sorted), p.row_map, p.weights, static_cast<V*>(p.y), p.tokens,
-      static_cast<int>(p.top_k), row_vectors, threads_per_row, rows_per_block);
+      static_cast<int>(p.top_k), p.rows, row_vectors, threads_per_row, rows_per_block);
   return cudaGetLastError();
 }
 
@@ -118,7 +117,7 @@ cudaError_t dispatch(const UnpermuteParams& p, cudaStream_t stream) {
 
 Status unpermute(const UnpermuteParams& p, cudaStream_t stream) {
   MOE_XLA_RETURN_IF_ERROR(require_device(DeviceSupport::kSimt, "unpermute"));
-  if (p.tokens < 0 || p.hidden < 0 || p.top_k < 0) {
+  if (p.tokens < 0 || p.hidden < 0 || p.top_k < 0 || p.rows < 0) {
     return Status::InvalidArgument("unpermute: negative dimension");
   }
   if (p.top_k > 0x7fffffff) return Status::InvalidArgument("unpermute: top_k too large");

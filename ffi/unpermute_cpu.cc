@@ -21,7 +21,7 @@ ffi::Error unpermute_cpu(ffi::AnyBuffer y_sorted, ffi::Buffer<ffi::S32> row_map,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaUnpermuteCpu, moe_xla::unpermute_cpu,
                               ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()          // y_sorted [T*k, H]
+                                  .Arg<ffi::AnyBuffer>()          // y_sorted [R, H]
                                   .Arg<ffi::Buffer<ffi::S32>>()   // row_map [T*k]
                                   .Arg<ffi::Buffer<ffi::F32>>()   // weights [T, k]
                                   .Ret<ffi::AnyBuffer>());        // y [T, H]

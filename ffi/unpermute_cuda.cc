@@ -26,7 +26,7 @@ ffi::Error unpermute_cuda(cudaStream_t stream, ffi::AnyBuffer y_sorted,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaUnpermuteCuda, moe_xla::unpermute_cuda,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()          // y_sorted [T*k, H]
+                                  .Arg<ffi::AnyBuffer>()          // y_sorted [R, H]
                                   .Arg<ffi::Buffer<ffi::S32>>()   // row_map [T*k]
                                   .Arg<ffi::Buffer<ffi::F32>>()   // weights [T, k]
                                   .Ret<ffi::AnyBuffer>(),         // y [T, H]

@@ -143,13 +143,16 @@ def permute(x, expert_ids, num_experts: int):
 
 
 def unpermute(y_sorted, row_map, weights):
-    """y[t] = sum_j weights[t, j] * y_sorted[row_map[t*k + j]], in float32; row_map entries
-    outside [0, T*k) contribute 0, whatever their weight or the row they would clip to."""
+    """y[t] = sum_j weights[t, j] * y_sorted[row_map[t*k + j]], in float32; y_sorted [R, H]
+    (R = T*k after permute, any R otherwise); row_map entries outside [0, R) contribute 0,
+    whatever their weight or the row they would clip to."""
     t, k = weights.shape
     n = y_sorted.shape[0]
+    if n == 0:
+        return jnp.zeros((t, y_sorted.shape[1]), y_sorted.dtype)
     slots = row_map.reshape(t, k)
     named = ((slots >= 0) & (slots < n))[..., None]
-    rows = y_sorted.astype(jnp.float32)[jnp.clip(slots, 0, max(n - 1, 0))]  # [T, k, H]
+    rows = y_sorted.astype(jnp.float32)[jnp.clip(slots, 0, n - 1)]  # [T, k, H]
     w = jnp.where(named, weights[..., None], 0.0)
     return jnp.sum(w * jnp.where(named, rows, 0.0), axis=1).astype(y_sorted.dtype)
 

@@ -19,10 +19,10 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import moe_xla
-from moe_xla import reference
+from moe_xla import _rows, reference
 from moe_xla.ep import rounds, sizing, transports
 from moe_xla.primitives import ep_expand, ep_gather_sum
-from conftest import assert_close, normal, requires_8_devices
+from conftest import ON_GPU, assert_close, normal, requires_8_devices
 
 pytestmark = requires_8_devices
 
@@ -263,11 +263,13 @@ def test_ep_hlo_has_all_to_all_and_kernels_and_no_gather(rng, dedup):
                                                            capacity_factor=2.0, dedup=dedup)), argnums=(0, 2, 3))
     hlo = jax.jit(fn).lower(x, logits, w_in, w_out).compile().as_text()
     assert re.search(r"\ball-to-all\(", hlo)
-    # With dedup in one round the combine adds the returned rows with weights 1 (ep_gather_sum,
-    # no unpermute).
-    for op in ("route", "permute", "gmm", "tgmm") + (() if dedup else ("unpermute",)):
+    # ep_expand and ep_gather_sum run as the gather_rows and unpermute kernels.
+    for op in ("route", "permute", "gmm", "tgmm", "unpermute", "gather_rows"):
         assert f'custom_call_target="moe_xla_{op}_cpu_v1"' in hlo, op
-    assert ('custom_call_target="moe_xla_unpermute_cpu_v1"' in hlo) == (not dedup)
+    # With dedup in one round the combine adds the returned rows with weights 1
+    # (ep_gather_sum), without it the rows go through the layer's own unpermute.
+    jaxpr = str(jax.make_jaxpr(fn)(x, logits, w_in, w_out))
+    assert ("moe_xla_unpermute" in jaxpr) == (not dedup)
     for stage in ("route", "dispatch", "gmm_in", "act", "gmm_out", "combine"):
         assert f"moe_xla/{stage}" in hlo, stage
     assert "all-gather" not in hlo and "collective-permute" not in hlo
@@ -301,6 +303,35 @@ def test_pair_primitives_are_each_others_transpose(rng):
                                    rtol=1e-12)
         for fn, args in ((expand, (rows, w)), (gather_sum, (values, w))):
             jax.test_util.check_grads(fn, args, order=2, modes=("fwd", "rev"))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("extra", [-4, 0, 9])
+def test_pair_primitives_are_the_row_kernels(rng, dtype, extra):
+    # ep_expand lowers to gather_rows through the inverse of slots, ep_gather_sum to
+    # unpermute's kernel (any number of rows): both equal the jnp definitions in _rows,
+    # values and gradients, for buffers with fewer (extra < 0: some slots name no row) and
+    # more rows than the pairs.
+    n, mult, local = 9, 3, 4
+    lids = jnp.asarray(rng.integers(0, local + 1, (n, mult)), jnp.int32)
+    slots = moe_xla.permute(jnp.zeros((n, 0), jnp.float32), lids, local)[2].reshape(n, mult)
+    pairs = int(jnp.sum(lids < local)) + extra
+    rows, values = (normal(rng, shape, dtype) for shape in ((n, 16), (pairs, 16)))
+    w = normal(rng, (n, mult), jnp.float32)
+    expand = lambda r, w: ep_expand.expand_p.bind(r, slots, w, num_pairs=pairs)  # noqa: E731
+    gather_sum = lambda v, w: ep_gather_sum.gather_sum_p.bind(v, slots, w)  # noqa: E731
+    defs = (lambda r, w: _rows.expand_rows(r, slots, w, num_pairs=pairs),
+            lambda v, w: _rows.gather_sum_rows(v, slots, w))
+    for prim, ref, args, target in ((expand, defs[0], (rows, w), "gather_rows"),
+                                    (gather_sum, defs[1], (values, w), "unpermute")):
+        platform = "cuda" if ON_GPU else "cpu"
+        assert f"moe_xla_{target}_{platform}_v1" in jax.jit(prim).lower(*args).as_text()
+        out, vjp = jax.vjp(jax.jit(prim), *args)
+        want, vjp_want = jax.vjp(ref, *args)
+        assert_close(out, want, dtype)
+        ct = normal(rng, out.shape, dtype)
+        for got, exp in zip(vjp(ct), vjp_want(ct)):
+            assert_close(got, exp, got.dtype)
 
 
 @pytest.mark.parametrize("tokens,top_k,experts,peers,dedup,cf", [

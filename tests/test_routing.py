@@ -129,15 +129,12 @@ def test_unpermute_matches_reference_and_skips_bad_rows(rng):
     np.testing.assert_allclose(moe_xla.unpermute(ys, bad, w), reference.unpermute(ys, bad, w), rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("batched", [False, True])
-def test_unpermute_bad_rows_forward_and_grads(rng, batched):
-    # row_map entries outside [0, T*k) name no row: they add nothing to y, their weights get
-    # 0 cotangent, and so do the rows no entry names (also under vmap, whose batching rule
-    # folds the batch into one row_map).
-    b, t, k, h = 3, 12, 2, 5
-    maps = np.stack([rng.permutation(t * k) for _ in range(b)]).astype(np.int32)
-    maps[:, 0], maps[:, 5], maps[1, 7], maps[2, 9] = -1, t * k, -7, 10**6
-    ys, w, ct = (normal(rng, s, jnp.float32) for s in ((b, t * k, h), (b, t, k), (b, t, h)))
+def _unpermute_against_reference(rng, maps, rows: int, t: int, k: int, h: int, batched: bool):
+    """unpermute's value and gradients in (y_sorted [rows, h], weights [t, k]) of sum(y * ct),
+    jitted, against the reference's jnp gradients, for row maps [B, t*k] (batch element 0
+    alone, or all under vmap) -> (ours, the row maps used)."""
+    b = maps.shape[0]
+    ys, w, ct = (normal(rng, s, jnp.float32) for s in ((b, rows, h), (b, t, k), (b, t, h)))
     rm = jnp.asarray(maps)
     if not batched:
         ys, rm, w, ct = ys[0], rm[0], w[0], ct[0]
@@ -150,9 +147,34 @@ def test_unpermute_bad_rows_forward_and_grads(rng, batched):
     ref = jax.value_and_grad(loss(reference), (0, 1))(ys, w)
     for o, r in zip(jax.tree.leaves(ours), jax.tree.leaves(ref)):
         np.testing.assert_allclose(o, r, rtol=1e-5, atol=1e-5)
+    return ours, rm
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_unpermute_bad_rows_forward_and_grads(rng, batched):
+    # row_map entries outside [0, T*k) name no row: they add nothing to y, their weights get
+    # 0 cotangent, and so do the rows no entry names (also under vmap, whose batching rule
+    # folds the batch into one row_map).
+    b, t, k, h = 3, 12, 2, 5
+    maps = np.stack([rng.permutation(t * k) for _ in range(b)]).astype(np.int32)
+    maps[:, 0], maps[:, 5], maps[1, 7], maps[2, 9] = -1, t * k, -7, 10**6
+    ours, rm = _unpermute_against_reference(rng, maps, t * k, t, k, h, batched)
     for d, m in zip(np.asarray(ours[1][0]).reshape(-1, t * k, h), np.asarray(rm).reshape(-1, t * k)):
         named = np.isin(np.arange(t * k), m)
         assert np.all(d[~named] == 0) and np.all(np.abs(d[named]).sum(-1) > 0)
+
+
+@pytest.mark.parametrize("rows", [0, 17, 24, 61])
+@pytest.mark.parametrize("batched", [False, True])
+def test_unpermute_any_number_of_rows(rng, rows, batched):
+    # y_sorted of R rows, R != T*k (the EP layer's padded buffers): entries outside [0, R)
+    # name no row, rows past T*k that no entry names get 0 cotangent; forward, both
+    # gradients and vmap against the reference's jnp gradients.
+    b, t, k, h = 2, 12, 2, 5
+    maps = rng.integers(-3, max(rows, t * k) + 3, size=(b, t * k)).astype(np.int32)
+    maps[:, 1] = rows - 1
+    ours, _ = _unpermute_against_reference(rng, maps, rows, t, k, h, batched)
+    assert ours[1][0].shape == ((b,) if batched else ()) + (rows, h)
 
 
 def test_empty_shapes_under_vmap_and_grad():

@@ -48,8 +48,11 @@ def rows_by_destination(weights, dest, lid, sizes: ExchangeSizes, dedup: bool) -
     if dedup:
         same = dest[:, :, None] == dest[:, None, :]                          # [T, k, k]
         first = jnp.argmax(same, axis=-1) == j                               # j is its destination's first
-        pick = jnp.argsort(jnp.where(same, j, k + j), axis=-1)[..., :mult]   # that destination's j, in order
-        there = jnp.take_along_axis(same, pick, axis=-1)
+        # pick[t, i, c]: the c-th j (in order) that goes where j = i goes, found by its rank
+        # among them (one-hot over j, no sort); there: whether that many go there.
+        rank_there = jnp.cumsum(same, axis=-1, dtype=jnp.int32) - 1             # [T, k, k]
+        hits = same[..., None] & (rank_there[..., None] == jnp.arange(mult))    # [T, k, k, mult]
+        pick, there = jnp.argmax(hits, axis=2), jnp.any(hits, axis=2)           # [T, k, mult]
         lids = jnp.where(there, jnp.take_along_axis(jnp.broadcast_to(lid[:, None], (t, k, k)), pick, -1), local)
         w = jnp.where(there, jnp.take_along_axis(jnp.broadcast_to(weights[:, None], (t, k, k)), pick, -1), 0.0)
         row_dest, combine = jnp.where(first, dest, peers), first.astype(jnp.float32)

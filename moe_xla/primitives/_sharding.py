@@ -284,5 +284,5 @@ def _unpermute_specs(arg_axes, **_):
     return ([((), h), ((),), ((), ())], [((), h)], ())
 
 
-UNPERMUTE = Rule(sharding_rule=lambda **_: "r h, r, t k -> t h", specs=_unpermute_specs,
-                 need_replication=("r", "t", "k"))
+UNPERMUTE = Rule(sharding_rule=lambda **_: "s h, r, t k -> t h", specs=_unpermute_specs,
+                 need_replication=("s", "r", "t", "k"))

@@ -4,8 +4,9 @@
 
 values [num_pairs, H]; slots [N, mult] int32 (an index outside [0, num_pairs) names no
 row and adds 0); weights [N, mult] float32. Accumulated in float32 (or the inputs' wider
-dtype), returned in values' dtype. Lowered through jnp (_rows.gather_sum_rows) on every
-platform; deterministic.
+dtype), each product rounded before it is added, returned in values' dtype; deterministic.
+Lowered, on every platform, as unpermute's kernel (y_sorted = values of any row count,
+row_map = slots flattened); float64 values through jnp (_rows.gather_sum_rows).
 
 Bilinear in (values, weights), and the transpose of ep_expand:
     d values = ep_expand(ct, slots, weights, num_pairs)
@@ -23,7 +24,8 @@ from jax.interpreters import ad, batching, mlir
 from moe_xla._rows import gather_sum_rows, row_dots
 from moe_xla.primitives import _ad
 from moe_xla.primitives._batching import all_to_front
-from moe_xla.primitives.ep_expand import expand_p, folded_slots
+from moe_xla.primitives.ep_expand import KERNEL_DTYPES, expand_p, folded_slots
+from moe_xla.primitives.unpermute import unpermute_p
 
 gather_sum_p = Primitive("moe_xla_ep_gather_sum")
 
@@ -50,12 +52,19 @@ def _bilinear_transpose(data_transpose, weights_transpose):
     return transpose
 
 
-gather_sum_p.def_impl(gather_sum_rows)
+def _gather_sum(values, slots, weights):
+    """The lowering (module docstring): unpermute's kernel with row_map = slots flattened."""
+    if values.dtype not in KERNEL_DTYPES:
+        return gather_sum_rows(values, slots, weights)
+    return unpermute_p.bind(values, slots.reshape(-1), weights, unique_rows=False)
+
+
+gather_sum_p.def_impl(_gather_sum)
 gather_sum_p.def_abstract_eval(lambda values, slots, weights: jax.core.ShapedArray(
     (slots.shape[0], values.shape[1]), values.dtype))
 ad.primitive_jvps[gather_sum_p] = _ad.bilinear_jvp(gather_sum_p, 0, 2)
 batching.primitive_batchers[gather_sum_p] = _batch
-mlir.register_lowering(gather_sum_p, mlir.lower_fun(gather_sum_rows, multiple_results=False))
+mlir.register_lowering(gather_sum_p, mlir.lower_fun(_gather_sum, multiple_results=False))
 ad.primitive_transposes[gather_sum_p] = _bilinear_transpose(
     lambda ct, slots, w, aval: expand_p.bind(ct, slots, w, num_pairs=aval.shape[0]),
     lambda ct, values, slots: row_dots(ct, values, slots))

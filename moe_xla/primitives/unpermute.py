@@ -2,9 +2,11 @@
 
     y[t] = sum_{j < k} weights[t, j] * y_sorted[row_map[t*k + j]]
 
-y_sorted [T*k, H], row_map [T*k] int32, weights [T, k] float32 -> y [T, H] (dtype of
-y_sorted), accumulated in float32 in j order: bitwise reproducible. Entries of row_map
-outside [0, T*k) contribute 0.
+y_sorted [R, H], row_map [T*k] int32, weights [T, k] float32 -> y [T, H] (dtype of
+y_sorted), accumulated in float32 in j order, each product rounded before it is added:
+bitwise reproducible. Entries of row_map outside [0, R) contribute 0. R = T*k after
+permute; any R otherwise (the EP layer sums rows of its padded buffers with it,
+ep_gather_sum).
 
 unpermute is bilinear in (y_sorted, weights):
     d y_sorted[r] = sum_{(t, j): row_map[t*k + j] = r} weights[t, j] * ct[t]   (no entry names r: 0)
@@ -53,7 +55,6 @@ def _abstract_eval(y_sorted, row_map, weights, *, unique_rows):
     if tuple(row_map.shape) != (rows,):
         raise ValueError(f"unpermute: expected row_map of shape ({rows},) (T*k of weights [T, k]), "
                          f"got {tuple(row_map.shape)}")
-    _checks.dim("unpermute", "y_sorted.shape[0] (T*k of weights [T, k])", rows, y_sorted.shape[0])
     return jax.core.ShapedArray((weights.shape[0], y_sorted.shape[1]), y_sorted.dtype)
 
 
@@ -85,11 +86,11 @@ def _transpose(ct, y_sorted, row_map, weights, *, unique_rows):
 def _batch(args, dims, *, unique_rows):
     (y_sorted, row_map, weights), _ = _batching.all_to_front(args, dims)
     b, t, k = weights.shape
-    rows = t * k
+    rows = y_sorted.shape[1]
     folded = _batching.folded_rows(row_map, rows)
     h = y_sorted.shape[-1]
     # Folding keeps each row named as often as before (rows naming no row all go past the stack).
-    y = unpermute_p.bind(y_sorted.reshape(b * rows, h), folded.reshape(b * rows), weights.reshape(b * t, k),
+    y = unpermute_p.bind(y_sorted.reshape(b * rows, h), folded.reshape(b * t * k), weights.reshape(b * t, k),
                          unique_rows=unique_rows)
     return y.reshape(b, t, h), 0
 

@@ -231,19 +231,20 @@ void permute_hand_case() {
 
 // ------------------------------------------------------------------------------ unpermute
 
-void check_unpermute(int64_t T, int64_t H, int64_t k, DType dtype, std::mt19937& rng) {
-  const int64_t n = T * k;
+// y_sorted of R rows (R = T*k after permute, -1 here; any R in the EP layer).
+void check_unpermute(int64_t T, int64_t H, int64_t k, DType dtype, std::mt19937& rng, int64_t R = -1) {
+  const int64_t n = R < 0 ? T * k : R;
   std::normal_distribution<float> normal;
   std::vector<unsigned char> ys(n * H * dtype_bytes(dtype));
   for (int64_t i = 0; i < n * H; ++i) store_from_float(ys.data(), i, dtype, normal(rng));
-  std::vector<float> w(n);
+  std::vector<float> w(T * k);
   for (float& v : w) v = normal(rng);
-  std::uniform_int_distribution<int32_t> slot(-3, static_cast<int32_t>(n) + 2);
-  std::vector<int32_t> row_map(n);
+  std::uniform_int_distribution<int32_t> slot(-3, static_cast<int32_t>(std::max(n, T * k)) + 2);
+  std::vector<int32_t> row_map(T * k);
   for (auto& r : row_map) r = slot(rng);
-  if (n) row_map[0] = std::numeric_limits<int32_t>::min();
+  if (T * k) row_map[0] = std::numeric_limits<int32_t>::min();
   std::vector<unsigned char> y(T * H * dtype_bytes(dtype), 0xCD);
-  UnpermuteParams p{ys.data(), dtype, row_map.data(), w.data(), y.data(), T, H, k};
+  UnpermuteParams p{ys.data(), dtype, row_map.data(), w.data(), y.data(), T, H, k, n};
   unpermute(p);
   int64_t bad = 0;
   for (int64_t t = 0; t < T; ++t) {
@@ -258,8 +259,8 @@ void check_unpermute(int64_t T, int64_t H, int64_t k, DType dtype, std::mt19937&
       bad += std::memcmp(want.data(), y.data() + (t * H + h) * dtype_bytes(dtype), dtype_bytes(dtype)) != 0;
     }
   }
-  std::printf("%s unpermute T=%lld H=%lld k=%lld %s\n", bad ? "FAIL" : "ok  ", (long long)T, (long long)H,
-              (long long)k, dtype_name(dtype));
+  std::printf("%s unpermute T=%lld H=%lld k=%lld R=%lld %s\n", bad ? "FAIL" : "ok  ", (long long)T, (long long)H,
+              (long long)k, (long long)n, dtype_name(dtype));
   if (bad) ++failures;
 }
 
@@ -270,7 +271,7 @@ void unpermute_hand_case() {
   std::vector<int32_t> row_map = {0, 1, 2, 8, -1, 3, 3, 3};
   std::vector<float> w = {1, 1, 1, 1, 2, 0.5f, 1, 1};
   std::vector<float> y(2, -1);
-  UnpermuteParams p{ys.data(), DType::kF32, row_map.data(), w.data(), y.data(), 2, 1, 4};
+  UnpermuteParams p{ys.data(), DType::kF32, row_map.data(), w.data(), y.data(), 2, 1, 4, 8};
   unpermute(p);
   const bool ok = y[0] == 0.0f && y[1] == 12.5f;
   std::printf("%s unpermute hand case (j order, out-of-range slots): %g %g\n", ok ? "ok  " : "FAIL", y[0], y[1]);
@@ -325,6 +326,9 @@ int main() {
     check_unpermute(300, 64, 8, d, rng);
     check_unpermute(50, 129, 3, d, rng);
     check_unpermute(30, 0, 2, d, rng);
+    check_unpermute(100, 7, 2, d, rng, 37);    // fewer rows than T*k: the rest name none
+    check_unpermute(50, 16, 3, d, rng, 400);   // a padded buffer: more rows than T*k
+    check_unpermute(20, 8, 2, d, rng, 0);      // no rows at all
   }
 
   std::printf("%s: %d failure(s)\n", failures ? "FAILED" : "PASSED", failures);

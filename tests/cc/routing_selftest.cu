@@ -365,12 +365,15 @@ struct UnpermuteCase {
   int64_t T, H, k;
   DType dtype;
   size_t misalign;  // bytes added to the y_sorted and y pointers
+  int64_t rows = -1;  // R, rows of y_sorted; -1: T*k, as after permute
 };
+
+int64_t sorted_rows(const UnpermuteCase& c) { return c.rows < 0 ? c.T * c.k : c.rows; }
 
 std::string describe(const UnpermuteCase& c) {
   char buf[160];
-  std::snprintf(buf, sizeof buf, "unpermute T=%lld H=%lld k=%lld %s misalign=%zu", (long long)c.T, (long long)c.H,
-                (long long)c.k, dtype_name(c.dtype), c.misalign);
+  std::snprintf(buf, sizeof buf, "unpermute T=%lld H=%lld k=%lld R=%lld %s misalign=%zu", (long long)c.T,
+                (long long)c.H, (long long)c.k, (long long)sorted_rows(c), dtype_name(c.dtype), c.misalign);
   return buf;
 }
 
@@ -381,20 +384,21 @@ struct UnpermuteInputs {
 };
 
 UnpermuteInputs make_unpermute_inputs(const UnpermuteCase& c, std::mt19937& rng) {
-  const int64_t n = c.T * c.k;
+  const int64_t n = c.T * c.k, rows = sorted_rows(c);
   std::normal_distribution<float> normal;
   std::uniform_real_distribution<double> u(0, 1);
   UnpermuteInputs in;
-  in.ys.resize(n * c.H * dtype_bytes(c.dtype));
-  for (int64_t i = 0; i < n * c.H; ++i) moe_xla::cpu::store_from_float(in.ys.data(), i, c.dtype, normal(rng));
+  in.ys.resize(rows * c.H * dtype_bytes(c.dtype));
+  for (int64_t i = 0; i < rows * c.H; ++i) moe_xla::cpu::store_from_float(in.ys.data(), i, c.dtype, normal(rng));
+  // A permutation of [0, T*k): with R < T*k its entries past R name no row.
   in.row_map.resize(n);
   std::iota(in.row_map.begin(), in.row_map.end(), 0);
   std::shuffle(in.row_map.begin(), in.row_map.end(), rng);
-  std::uniform_int_distribution<int32_t> any_slot(0, static_cast<int32_t>(std::max<int64_t>(n, 1) - 1));
+  std::uniform_int_distribution<int32_t> any_slot(0, static_cast<int32_t>(std::max<int64_t>(rows, 1) - 1));
   for (auto& r : in.row_map) {
     const double d = u(rng);
     if (d < 0.03) r = -1 - any_slot(rng);
-    else if (d < 0.06) r = static_cast<int32_t>(n) + any_slot(rng);
+    else if (d < 0.06) r = static_cast<int32_t>(rows) + any_slot(rng);
     else if (d < 0.07) r = d < 0.065 ? INT_MIN : INT_MAX;
     else if (d < 0.10) r = any_slot(rng);  // repeated slot
   }
@@ -406,7 +410,7 @@ UnpermuteInputs make_unpermute_inputs(const UnpermuteCase& c, std::mt19937& rng)
 // ys values are finite, so y is NaN only if the CPU's is.
 bool unpermute_matches(const UnpermuteCase& c, const UnpermuteInputs& in, const DeviceBuffer& y, std::string& why) {
   std::vector<unsigned char> want(c.T * c.H * dtype_bytes(c.dtype));
-  UnpermuteParams p{in.ys.data(), c.dtype, in.row_map.data(), in.w.data(), want.data(), c.T, c.H, c.k};
+  UnpermuteParams p{in.ys.data(), c.dtype, in.row_map.data(), in.w.data(), want.data(), c.T, c.H, c.k, sorted_rows(c)};
   moe_xla::cpu::unpermute(p);
   const auto got = y.download<unsigned char>();
   const float ulp = c.dtype == DType::kF32 ? 1.2e-7f : c.dtype == DType::kBF16 ? 7.9e-3f : 9.8e-4f;
@@ -436,7 +440,7 @@ void check_unpermute(const UnpermuteCase& c, std::mt19937& rng, cudaStream_t str
   std::string err;  // the first error
   for (DeviceBuffer* y : {&y1, &y2}) {
     y->poison();
-    UnpermuteParams q{ys.get(), c.dtype, row_map.as<int32_t>(), w.as<float>(), y->get(), c.T, c.H, c.k};
+    UnpermuteParams q{ys.get(), c.dtype, row_map.as<int32_t>(), w.as<float>(), y->get(), c.T, c.H, c.k, sorted_rows(c)};
     if (err.empty()) err = error_message(moe_xla::cuda::unpermute(q, stream));
   }
   CHECK_CUDA(cudaStreamSynchronize(stream));
@@ -541,7 +545,7 @@ void graph_checks(std::mt19937& rng, cudaStream_t stream) {
     row_map.upload(in.row_map.data());
     w.upload(in.w.data());
     y.poison();
-    UnpermuteParams q{ys.get(), c.dtype, row_map.as<int32_t>(), w.as<float>(), y.get(), c.T, c.H, c.k};
+    UnpermuteParams q{ys.get(), c.dtype, row_map.as<int32_t>(), w.as<float>(), y.get(), c.T, c.H, c.k, c.T * c.k};
     std::string why;
     cudaGraphExec_t exec = capture(stream, [&] { return moe_xla::cuda::unpermute(q, stream); }, why);
     bool ok = exec != nullptr;
@@ -605,7 +609,7 @@ void timing(std::mt19937& rng, cudaStream_t stream) {
   DeviceBuffer ws(ws_bytes);
   CHECK_CUDA(cudaMemsetAsync(x.get(), 0, x.bytes, stream));
   CHECK_CUDA(cudaMemsetAsync(xs.get(), 0, xs.bytes, stream));
-  UnpermuteParams u{xs.get(), DType::kBF16, row_map.as<int32_t>(), w.as<float>(), y.get(), T, H, k};
+  UnpermuteParams u{xs.get(), DType::kBF16, row_map.as<int32_t>(), w.as<float>(), y.get(), T, H, k, T * k};
   cudaEvent_t start, stop;
   CHECK_CUDA(cudaEventCreate(&start));
   CHECK_CUDA(cudaEventCreate(&stop));
@@ -695,6 +699,9 @@ int main() {
         {1000, 64, 8, d, w},   {500, 129, 3, d, 0},   {300, 1000, 6, d, 0},   {200, 7168, 8, d, 0},
         {200, 7168, 8, d, w},  {64, 4096, 1, d, 0},   {30, 0, 2, d, 0},       {50, 16, 0, d, 0},
         {100, 2, 64, d, 0},
+        {1000, 64, 8, d, 0, 3000},   // fewer rows than T*k (an EP layer's buffer): the rest name none
+        {300, 136, 4, d, w, 5000},   // a padded buffer: more rows than T*k
+        {20, 8, 2, d, 0, 0},         // no rows at all
     };
     for (const UnpermuteCase& c : cases) check_unpermute(c, rng, stream);
   }
