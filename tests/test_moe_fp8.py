@@ -131,11 +131,14 @@ def test_expert_parallel_fp8_equals_one_device(rng, quantization, options):
     one-device layer's bitwise (each rank receives the FP8 rows that layer quantises; with
     dedup a token's results are summed in another order, so within rounding; with
     capacity_factor the rows travel in several rounds, each sending its FP8 rows). Its
-    gradients are those of the one-device layer with the unfused rule (the products'
-    own, then unpermute's: _unfused_loss; the one-device moe() quantises the unweighted
-    cotangent instead, test_fused_mlp_combine_*) on the values it multiplied, x_hat =
+    gradients are those of the one-device layer on the values it multiplied, x_hat =
     dequantize(quantize(x)), within 1% (with either wgrad: a rank's rows of an expert come
-    in token order, as on one device, so the FP8 wgrad's tiles match); d x is the
+    in token order, as on one device, so the FP8 wgrad's tiles match), by the rule its
+    expert ranks' combine (fp8.mlp_combine_fp8) amounts to: without dedup a row's weight
+    there is 1 and the routing weight is applied at the token's rank, so the FP8 dgrad
+    quantises the weighted cotangent, the unfused rule (the products' own, then
+    unpermute's: _unfused_loss); with dedup the expert rank applies the routing weights
+    and quantises the unweighted cotangent, as the one-device moe() does. d x is the
     straight-through estimate. The weight gradient d w_in, x_hat^T d h, is nearer the
     x_hat layer's than the x layer's (x^T d h) by far: it multiplies the rows that travelled."""
     x, logits, w_in, w_out = _inputs(rng)
@@ -152,10 +155,11 @@ def test_expert_parallel_fp8_equals_one_device(rng, quantization, options):
     grads = (0, 2, 3)
     g_ep = jax.jit(jax.grad(_loss(quantization, **kw), argnums=grads))(*placed, jax.device_put(ct, split))
     x_hat = moe_xla.dequantize_fp8_rows(*moe_xla.quantize_fp8_rows(x), x.dtype)
-    g_hat = jax.grad(_unfused_loss(quantization), argnums=grads)(x_hat, logits, w_in, w_out, ct)
+    one_device = _loss(quantization) if dedup else _unfused_loss(quantization)
+    g_hat = jax.grad(one_device, argnums=grads)(x_hat, logits, w_in, w_out, ct)
     for a, b in zip(g_ep, g_hat):
         assert rel_err(a, b) < 1e-2
-    g_x = jax.grad(_unfused_loss(quantization), argnums=2)(x, logits, w_in, w_out, ct)
+    g_x = jax.grad(one_device, argnums=2)(x, logits, w_in, w_out, ct)
     assert rel_err(g_ep[1], g_hat[1]) < 0.25 * rel_err(g_ep[1], g_x)
 
 

@@ -19,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import moe_xla
-from moe_xla import _rows, reference
+from moe_xla import _rows, product_combine, reference
 from moe_xla.ep import rounds, sizing, transports
 from moe_xla.primitives import ep_expand, ep_gather_sum
 from conftest import ON_GPU, assert_close, normal, requires_8_devices
@@ -263,16 +263,39 @@ def test_ep_hlo_has_all_to_all_and_kernels_and_no_gather(rng, dedup):
                                                            capacity_factor=2.0, dedup=dedup)), argnums=(0, 2, 3))
     hlo = jax.jit(fn).lower(x, logits, w_in, w_out).compile().as_text()
     assert re.search(r"\ball-to-all\(", hlo)
-    # ep_expand and ep_gather_sum run as the gather_rows and unpermute kernels.
-    for op in ("route", "permute", "gmm", "tgmm", "unpermute", "gather_rows"):
+    # ep_expand and ep_gather_sum run as the gather_rows and unpermute kernels; the expert
+    # rank's weighted sum is unpermute's (expert_mlp's combine).
+    for op in ("route", "permute", "gmm", "tgmm", "unpermute", "gather_rows", "activate_weighted_grad"):
         assert f'custom_call_target="moe_xla_{op}_cpu_v1"' in hlo, op
-    # With dedup in one round the combine adds the returned rows with weights 1
-    # (ep_gather_sum), without it the rows go through the layer's own unpermute.
-    jaxpr = str(jax.make_jaxpr(fn)(x, logits, w_in, w_out))
-    assert ("moe_xla_unpermute" in jaxpr) == (not dedup)
     for stage in ("route", "dispatch", "gmm_in", "act", "gmm_out", "combine"):
         assert f"moe_xla/{stage}" in hlo, stage
     assert "all-gather" not in hlo and "collective-permute" not in hlo
+
+
+@pytest.mark.parametrize("dedup", [True, False])
+def test_ep_combine_backward_modes_agree(rng, dedup):
+    # The expert ranks' weighted sum goes through expert_mlp's combine (product_combine):
+    # its backward reading the cotangent through the row map ("gather": gmm_unpermute) or
+    # from a gathered copy ("copy") gives the one-device layer's gradients, for the pair
+    # rows of a padded exchange (more rows than pairs) as for permute's.
+    x = normal(rng, (T, H), jnp.float32)
+    logits = _routing(rng, "balanced", 2)
+    w_in, w_out, _ = _weights(rng)
+    ct = normal(rng, (T, H), jnp.float32)
+    mesh = _mesh(4)
+
+    def grads(**kw):
+        loss = lambda *a: jnp.sum(moe_xla.moe(*a, top_k=2, **kw) * ct)  # noqa: E731
+        fn = jax.grad(loss, argnums=(0, 1, 2, 3))
+        return jax.jit(fn)(x, logits, w_in, w_out), str(jax.make_jaxpr(fn)(x, logits, w_in, w_out))
+
+    one, _ = grads()
+    for mode in ("gather", "copy"):
+        with product_combine.forced(mode):
+            ep, jaxpr = grads(mesh=mesh, expert_axis="ep", dedup=dedup)
+        assert ("moe_xla_gather_tgmm" in jaxpr) == (mode == "gather")  # gmm_unpermute's transpose in w_out
+        for g, g_one in zip(ep, one):
+            assert_close(g, g_one, jnp.float32, scale=10)
 
 
 def test_ep_forward_mode(rng):
@@ -297,7 +320,7 @@ def test_pair_primitives_are_each_others_transpose(rng):
     with jax.enable_x64(True):
         rows, values, w = (jnp.asarray(rng.standard_normal(shape), jnp.float64)
                            for shape in ((n, 5), (pairs, 5), (n, mult)))
-        expand = lambda r, w: ep_expand.expand_p.bind(r, slots, w, num_pairs=pairs)  # noqa: E731
+        expand = lambda r, w: ep_expand.expand(r, slots, w, num_pairs=pairs)  # noqa: E731
         gather_sum = lambda v, w: ep_gather_sum.gather_sum_p.bind(v, slots, w)  # noqa: E731
         np.testing.assert_allclose(jnp.vdot(expand(rows, w), values), jnp.vdot(rows, gather_sum(values, w)),
                                    rtol=1e-12)
@@ -318,7 +341,7 @@ def test_pair_primitives_are_the_row_kernels(rng, dtype, extra):
     pairs = int(jnp.sum(lids < local)) + extra
     rows, values = (normal(rng, shape, dtype) for shape in ((n, 16), (pairs, 16)))
     w = normal(rng, (n, mult), jnp.float32)
-    expand = lambda r, w: ep_expand.expand_p.bind(r, slots, w, num_pairs=pairs)  # noqa: E731
+    expand = lambda r, w: ep_expand.expand(r, slots, w, num_pairs=pairs)  # noqa: E731
     gather_sum = lambda v, w: ep_gather_sum.gather_sum_p.bind(v, slots, w)  # noqa: E731
     defs = (lambda r, w: _rows.expand_rows(r, slots, w, num_pairs=pairs),
             lambda v, w: _rows.gather_sum_rows(v, slots, w))
@@ -332,6 +355,29 @@ def test_pair_primitives_are_the_row_kernels(rng, dtype, extra):
         ct = normal(rng, out.shape, dtype)
         for got, exp in zip(vjp(ct), vjp_want(ct)):
             assert_close(got, exp, got.dtype)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float64])
+def test_unweighted_expand_is_a_bitwise_copy(rng, dtype):
+    # ep_expand without weights (the layer's dispatch) copies rows bitwise, subnormals, NaN
+    # and signed zeros included; rows no slot names are +0; its transpose sums with weight 1.
+    n, mult, pairs = 6, 2, 15
+    slots = np.full((n, mult), -1, np.int32)
+    slots.reshape(-1)[:11] = rng.permutation(pairs)[:11]
+    slots[5, 1] = pairs + 3  # names no row
+    with jax.enable_x64(dtype == jnp.float64):
+        rows = normal(rng, (n, 8), jnp.float32).astype(dtype)
+        rows = rows.at[0, :3].set(jnp.asarray([1e-39, -1e-39, -0.0], dtype)).at[1, 0].set(jnp.nan)
+        got = np.asarray(jax.jit(lambda r: ep_expand.expand(r, jnp.asarray(slots), num_pairs=pairs))(rows))
+        want = np.zeros((pairs, 8), got.dtype)
+        for q, j in zip(*np.nonzero((slots >= 0) & (slots < pairs))):
+            want[slots[q, j]] = np.asarray(rows)[q]
+        np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
+        ct = normal(rng, (pairs, 8), jnp.float32).astype(dtype)
+        (d_rows,) = jax.vjp(lambda r: ep_expand.expand(r, jnp.asarray(slots), num_pairs=pairs), rows)[1](ct)
+        ones = jnp.ones((n, mult), jnp.float32)
+        tolerance = jnp.float32 if dtype == jnp.float64 else dtype  # conftest has no float64 tolerance
+        assert_close(d_rows, _rows.gather_sum_rows(ct, jnp.asarray(slots), ones), tolerance)
 
 
 @pytest.mark.parametrize("tokens,top_k,experts,peers,dedup,cf", [

@@ -25,7 +25,9 @@ may run the dispatch of one chunk while the grouped GEMMs of another run):
               _, group_sizes, slots = permute(zeros [N, 0], lids, E_l)   (the sort alone)
               x_exp[slots[q, j]] = rows[q];  y_exp = gmm(act(gmm(x_exp, w_in)), w_out)
               back[q] = sum_j w[q, j] y_exp[slots[q, j]]    (dedup: the rank's partial sum)
-              back[q] = y_exp[slots[q, 0]]                  (no dedup: the expert output)
+              back[q] = y_exp[slots[q, 0]]                  (no dedup: the expert output, w 1)
+            the sum being unpermute over the pair rows, expert_mlp's combine: moe()'s
+            backward rule (product_combine.py; fp8.mlp_combine_fp8), which keeps no y_exp
   return    back rows travel to their sender, into the places their rows left
   combine   y = unpermute(y_rows, row_map, c) of the rows in their grouped places,
             accumulated in float32 in j order: without dedup c = weights, so
@@ -42,8 +44,8 @@ are the redundant experts (place_redundant_experts, public, computes a placement
 
 Autodiff is JAX's, through rules: all_to_all transposes to all_to_all, ragged_all_to_all to
 ragged_all_to_all, permute / unpermute / gmm by theirs, and the expansion of rows to pairs
-(primitives/ep_expand.py) and the sum back (primitives/ep_gather_sum.py) to each other, so
-gradients are deterministic. Forward mode (jax.jvp, jax.linearize) works too, through
+(primitives/ep_expand.py) and the sum back (primitives/ep_gather_sum.py) to each other
+(lowered to the gather_rows and unpermute kernels), so gradients are deterministic. Forward mode (jax.jvp, jax.linearize) works too, through
 capacity rounds included (their tangent is one linear primitive,
 primitives/ep_rounds_tangent.py). jax.vmap of the layer folds the batch into rows.
 """

@@ -21,7 +21,7 @@ from moe_xla.ep.sizing import ExchangeSizes, exchange_sizes
 from moe_xla.ep.transports import link, link_arrays, pack
 from moe_xla.experts import expert_mlp, shared_mlp
 from moe_xla.grouped import is_fp8
-from moe_xla.primitives.ep_expand import expand_p
+from moe_xla.primitives.ep_expand import expand
 from moe_xla.primitives.ep_gather_sum import gather_sum_p
 from moe_xla.primitives.permute import permute
 from moe_xla.primitives.route import route
@@ -150,14 +150,15 @@ def _experts(x_recv, x_fp8, lids, w, w_in, w_out, sizes: ExchangeSizes, activati
     their FP8 rows (q as uint8 bits, scales) where they travelled (fp8_dispatch), or None."""
     n = lids.shape[0]
     with jax.named_scope("moe_xla/dispatch"):
-        _, group_sizes, slots = permute(jnp.zeros((n, 0), x_recv.dtype), lids, sizes.local_experts)
-        slots = slots.reshape(lids.shape)
-        ones = jnp.ones(lids.shape, jnp.float32)
-        x_exp = expand_p.bind(x_recv, slots, ones, num_pairs=sizes.pairs)
+        _, group_sizes, row_map = permute(jnp.zeros((n, 0), x_recv.dtype), lids, sizes.local_experts)
+        slots = row_map.reshape(lids.shape)
+        x_exp = expand(x_recv, slots, num_pairs=sizes.pairs)
         x_quantized = None
         if x_fp8 is not None:
             q, scales = (pack(a, slots, sizes.pairs) for a in x_fp8)
             x_quantized = (jax.lax.bitcast_convert_type(q, jnp.float8_e4m3fn), scales)
-    y_exp = expert_mlp(x_exp, w_in, w_out, group_sizes, activation, quantization, x_quantized)
-    with jax.named_scope("moe_xla/combine"):
-        return gather_sum_p.bind(y_exp, slots, ones if w is None else w)
+    # back[q] = sum_j w[q, j] y_exp[slots[q, j]]: unpermute over the pair rows, which
+    # expert_mlp's combine fuses with the second product (its backward needs neither y_exp
+    # nor a weighted cotangent: product_combine.py).
+    combine = (row_map, jnp.ones(lids.shape, jnp.float32) if w is None else w)
+    return expert_mlp(x_exp, w_in, w_out, group_sizes, activation, quantization, x_quantized, combine=combine)

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from moe_xla._rows import inverse_rows
 from moe_xla.ep.config import EpConfig
-from moe_xla.primitives.ep_expand import expand_p
+from moe_xla.primitives.ep_expand import expand
 from moe_xla.primitives.ep_gather_sum import gather_sum_p
 
 
@@ -62,11 +62,11 @@ def pack(values, slots, num_rows: int, fill=0):
     """[num_rows, ...]: row slots[q, j] is values[q] (for every j), rows no slot names hold
     `fill`; slots [N, m] name each row at most once (outside [0, num_rows): none).
 
-    Float values with fill 0 go through ep_expand with weight 1 (exact in any dtype): its
+    Float values with fill 0 go through ep_expand without weights (a bitwise copy): its
     transpose is ep_gather_sum, a gather and a sum in j order, where a gather's own
     transpose would be a scatter-add over the rows."""
     if jnp.issubdtype(values.dtype, jnp.inexact) and fill == 0:
-        return expand_p.bind(values, slots, jnp.ones(slots.shape, jnp.float32), num_pairs=num_rows)
+        return expand(values, slots, num_pairs=num_rows)
     src, named = inverse_rows(slots.reshape(-1), num_rows)
     taken = values[src // slots.shape[1]]
     return jnp.where(named.reshape((-1,) + (1,) * (values.ndim - 1)), taken, jnp.asarray(fill, values.dtype))

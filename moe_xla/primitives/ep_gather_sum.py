@@ -18,13 +18,14 @@ that ep_expand.py need not import this module.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from moe_xla._rows import gather_sum_rows, row_dots
 from moe_xla.primitives import _ad
 from moe_xla.primitives._batching import all_to_front
-from moe_xla.primitives.ep_expand import KERNEL_DTYPES, expand_p, folded_slots
+from moe_xla.primitives.ep_expand import KERNEL_DTYPES, expand, expand_p, folded_slots
 from moe_xla.primitives.unpermute import unpermute_p
 
 gather_sum_p = Primitive("moe_xla_ep_gather_sum")
@@ -39,14 +40,17 @@ def _batch(args, dims):
 
 
 def _bilinear_transpose(data_transpose, weights_transpose):
-    """The transpose rule of prim(data, slots, weights), linear in data and in weights:
+    """The transpose rule of prim(data, slots, weights), linear in data and in weights (or
+    of prim(data, slots), linear in data: weights None below):
     data_transpose(ct, slots, weights, data_aval) and weights_transpose(ct, data, slots)."""
 
-    def transpose(ct, data, slots, weights, **params):
+    def transpose(ct, data, slots, *weights, **params):
+        rest = (None,) * len(weights)
         if ad.is_undefined_primal(data):
-            d = ad.Zero(data.aval) if type(ct) is ad.Zero else data_transpose(ct, slots, weights, data.aval)
-            return d, None, None
-        d = ad.Zero(weights.aval) if type(ct) is ad.Zero else weights_transpose(ct, data, slots)
+            w = weights[0] if weights else None
+            d = ad.Zero(data.aval) if type(ct) is ad.Zero else data_transpose(ct, slots, w, data.aval)
+            return (d, None) + rest
+        d = ad.Zero(weights[0].aval) if type(ct) is ad.Zero else weights_transpose(ct, data, slots)
         return None, None, d
 
     return transpose
@@ -66,8 +70,8 @@ ad.primitive_jvps[gather_sum_p] = _ad.bilinear_jvp(gather_sum_p, 0, 2)
 batching.primitive_batchers[gather_sum_p] = _batch
 mlir.register_lowering(gather_sum_p, mlir.lower_fun(_gather_sum, multiple_results=False))
 ad.primitive_transposes[gather_sum_p] = _bilinear_transpose(
-    lambda ct, slots, w, aval: expand_p.bind(ct, slots, w, num_pairs=aval.shape[0]),
+    lambda ct, slots, w, aval: expand(ct, slots, w, num_pairs=aval.shape[0]),
     lambda ct, values, slots: row_dots(ct, values, slots))
 ad.primitive_transposes[expand_p] = _bilinear_transpose(
-    lambda ct, slots, w, aval: gather_sum_p.bind(ct, slots, w),
+    lambda ct, slots, w, aval: gather_sum_p.bind(ct, slots, jnp.ones(slots.shape, jnp.float32) if w is None else w),
     lambda ct, rows, slots: row_dots(rows, ct, slots))
