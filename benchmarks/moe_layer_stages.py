@@ -351,7 +351,8 @@ def _measure_case(case: dict, t_scale: float, reps: int, inner: int, trace_steps
     return row
 
 
-COLUMNS = (["case", "layer", "quantization", "first_product", "cotangent_rows", "fused_activation", "T", "fwd_ms", "fwd_bwd_ms", "fwd_tflops", "bwd_tflops", "fwd_vs_sonicmoe",
+COLUMNS = (["case", "layer", "quantization", "first_product", "cotangent_rows", "fused_activation", "T", "fwd_ms",
+            "fwd_bwd_ms", "fwd_tflops", "bwd_tflops", "fwd_vs_sonicmoe",
             "bwd_vs_sonicmoe", "weights_quant_ms",
             "fwd_bwd_mem_gib", "kernels_ms", "other_ms"]
            + [f"{s}_{d}_ms" for s in STAGES for d in DIRECTIONS]

@@ -45,9 +45,10 @@ are the redundant experts (place_redundant_experts, public, computes a placement
 Autodiff is JAX's, through rules: all_to_all transposes to all_to_all, ragged_all_to_all to
 ragged_all_to_all, permute / unpermute / gmm by theirs, and the expansion of rows to pairs
 (primitives/ep_expand.py) and the sum back (primitives/ep_gather_sum.py) to each other
-(lowered to the gather_rows and unpermute kernels), so gradients are deterministic. Forward mode (jax.jvp, jax.linearize) works too, through
-capacity rounds included (their tangent is one linear primitive,
-primitives/ep_rounds_tangent.py). jax.vmap of the layer folds the batch into rows.
+(lowered to the gather_rows and unpermute kernels), so gradients are deterministic.
+Forward mode (jax.jvp, jax.linearize) works too, through capacity rounds included (their
+tangent is one linear primitive, primitives/ep_rounds_tangent.py). jax.vmap of the layer
+folds the batch into rows.
 """
 
 from moe_xla.ep.placement import place_redundant_experts
