@@ -2,13 +2,11 @@
 
 With slots [N, mult] naming rows of a [R, H] array, the functions below are bilinear in
 (data, weights), accumulated in float32 (or the inputs' wider dtype):
-    gather_sum_rows(values, slots, w)[q] = sum_j w[q, j] values[slots[q, j]]    (j order)
     sum_rows_into(rows, slots, w)[r] = sum_{(q, j): slots[q, j] = r} w[q, j] rows[q]
     expand_rows(rows, slots, w) = sum_rows_into(rows, slots, w) where each row is named
         at most once: then row slots[q, j] is w[q, j] rows[q], one gather.
-sum_rows_into (or expand_rows) is the transpose of gather_sum_rows in values and vice
-versa. unpermute is gather_sum_rows with slots = row_map.reshape(T, k), the EP layer's
-dispatch / combine are both. None of them needs a scatter-add, so all are deterministic.
+Both are transposes of unpermute's sum, y[q] = sum_j w[q, j] values[slots[q, j]] (j
+order), in values. Neither needs a scatter-add, so both are deterministic.
 """
 
 from __future__ import annotations
@@ -106,14 +104,6 @@ def sum_rows_into(rows, slots, weights, *, num_rows: int):
     sums = jax.lax.associative_scan(add_in_run, (first, terms))[1]
     src, summed = inverse_rows(jnp.where(last, key, num_rows), num_rows)
     return jnp.where(summed[:, None], sums[src], 0).astype(rows.dtype)
-
-
-def gather_sum_rows(values, slots, weights):
-    """[N, H]: sum_j weights[q, j] * values[slots[q, j]], in j order (slots naming no row: 0)."""
-    acc = jnp.zeros((slots.shape[0], values.shape[1]), acc_dtype(values.dtype))
-    for j in range(slots.shape[1]):
-        acc = acc + weights[:, j, None] * take_rows(values, slots[:, j], acc_dtype(values.dtype))
-    return acc.astype(values.dtype)
 
 
 def row_dots(a, b, slots):

@@ -228,8 +228,8 @@ def test_no_trace_leaves_the_stage_columns_empty(tmp_path, monkeypatch):
 
 
 def test_ep1_layer_is_the_ep_layer_in_every_scope(tmp_path, monkeypatch):
-    """--layer moe ep1 gives a row of each; ep1's step is the EP layer (its gather-sum
-    combine, which moe() has not), its ops under the same stage scopes as moe()'s, and its
+    """--layer moe ep1 gives a row of each; ep1's step is the EP layer (its dispatch
+    expansion, which moe() has not), its ops under the same stage scopes as moe()'s, and its
     output moe()'s."""
     shrunk = {name: [dict(c, H=32, F=16, E=8, top_k=min(c["top_k"], 4)) for c in stages.CASES[name]]
               for name in stages.CASE_LISTS}
@@ -242,8 +242,8 @@ def test_ep1_layer_is_the_ep_layer_in_every_scope(tmp_path, monkeypatch):
     case = shrunk["moe_layer"][0]
     inputs, ct = moe_inputs(jax.random.key(0), 32, case["H"], case["F"], case["E"])
     ep, plain = stages.case_layer(case, "ep1"), stages.case_layer(case, "moe")
-    assert "moe_xla_ep_gather_sum" in str(jax.make_jaxpr(fwd_bwd(ep, len(inputs)))(*inputs, ct))
-    assert "moe_xla_ep_gather_sum" not in str(jax.make_jaxpr(fwd_bwd(plain, len(inputs)))(*inputs, ct))
+    assert "moe_xla_ep_expand" in str(jax.make_jaxpr(fwd_bwd(ep, len(inputs)))(*inputs, ct))
+    assert "moe_xla_ep_expand" not in str(jax.make_jaxpr(fwd_bwd(plain, len(inputs)))(*inputs, ct))
     step = jax.jit(fwd_bwd(ep, len(inputs))).lower(*inputs, ct).compile().as_text()
     assert frozenset().union(*stages.instruction_scopes(step).values()) == set(stages.PROGRAM_ORDER)
     np.testing.assert_allclose(np.asarray(ep(*inputs), np.float32), np.asarray(plain(*inputs), np.float32),

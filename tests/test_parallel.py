@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 import moe_xla
 from moe_xla import _rows, product_combine, reference
 from moe_xla.ep import rounds, sizing, transports
-from moe_xla.primitives import ep_expand, ep_gather_sum
+from moe_xla.primitives import ep_expand
 from conftest import ON_GPU, assert_close, normal, requires_8_devices
 
 pytestmark = requires_8_devices
@@ -263,7 +263,7 @@ def test_ep_hlo_has_all_to_all_and_kernels_and_no_gather(rng, dedup):
                                                            capacity_factor=2.0, dedup=dedup)), argnums=(0, 2, 3))
     hlo = jax.jit(fn).lower(x, logits, w_in, w_out).compile().as_text()
     assert re.search(r"\ball-to-all\(", hlo)
-    # ep_expand and ep_gather_sum run as the gather_rows and unpermute kernels; the expert
+    # ep_expand and the sums over slots run as the gather_rows and unpermute kernels; the expert
     # rank's weighted sum is unpermute's (expert_mlp's combine).
     for op in ("route", "permute", "gmm", "tgmm", "unpermute", "gather_rows", "activate_weighted_grad"):
         assert f'custom_call_target="moe_xla_{op}_cpu_v1"' in hlo, op
@@ -312,72 +312,86 @@ def test_ep_forward_mode(rng):
     assert_close(tangent(mesh=mesh, expert_axis="ep", chunks=1), tangent(), jnp.float32)
 
 
-def test_pair_primitives_are_each_others_transpose(rng):
-    n, mult, local = 7, 3, 4
-    lids = jnp.asarray(rng.integers(0, local + 1, (n, mult)), jnp.int32)  # local: no expert
+def _pair_slots(rng, n, mult, local):
+    """Slots of n rows asking for mult local experts each (local: none), as the EP layer's
+    receiving rank makes them: permute's row map of the (row, expert) pairs -> (slots, pairs)."""
+    lids = jnp.asarray(rng.integers(0, local + 1, (n, mult)), jnp.int32)
     slots = moe_xla.permute(jnp.zeros((n, 0), jnp.float32), lids, local)[2].reshape(n, mult)
-    pairs = int(jnp.sum(lids < local)) + 2
-    with jax.enable_x64(True):
-        rows, values, w = (jnp.asarray(rng.standard_normal(shape), jnp.float64)
-                           for shape in ((n, 5), (pairs, 5), (n, mult)))
-        expand = lambda r, w: ep_expand.expand(r, slots, w, num_pairs=pairs)  # noqa: E731
-        gather_sum = lambda v, w: ep_gather_sum.gather_sum_p.bind(v, slots, w)  # noqa: E731
-        np.testing.assert_allclose(jnp.vdot(expand(rows, w), values), jnp.vdot(rows, gather_sum(values, w)),
-                                   rtol=1e-12)
-        for fn, args in ((expand, (rows, w)), (gather_sum, (values, w))):
-            jax.test_util.check_grads(fn, args, order=2, modes=("fwd", "rev"))
+    return slots, int(jnp.sum(lids < local))
+
+
+def test_expansion_and_slot_sum_are_each_others_transpose(rng):
+    # ep_expand's transpose is unpermute over its slots with weights 1, and back.
+    slots, pairs = _pair_slots(rng, 7, 3, 4)
+    pairs += 2
+    rows, values = normal(rng, (7, 5), jnp.float32), normal(rng, (pairs, 5), jnp.float32)
+    expand = lambda r: ep_expand.expand(r, slots, num_pairs=pairs)  # noqa: E731
+    ones = jnp.ones(slots.shape, jnp.float32)
+    slot_sum = lambda v: moe_xla.unpermute(v, slots.reshape(-1), ones, unique_rows=True)  # noqa: E731
+    np.testing.assert_allclose(jnp.vdot(expand(rows), values), jnp.vdot(rows, slot_sum(values)), rtol=1e-5)
+    for fn, arg in ((expand, rows), (slot_sum, values)):
+        jax.test_util.check_grads(fn, (arg,), order=2, modes=("fwd", "rev"))
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("extra", [-4, 0, 9])
-def test_pair_primitives_are_the_row_kernels(rng, dtype, extra):
-    # ep_expand lowers to gather_rows through the inverse of slots, ep_gather_sum to
-    # unpermute's kernel (any number of rows): both equal the jnp definitions in _rows,
-    # values and gradients, for buffers with fewer (extra < 0: some slots name no row) and
-    # more rows than the pairs.
-    n, mult, local = 9, 3, 4
-    lids = jnp.asarray(rng.integers(0, local + 1, (n, mult)), jnp.int32)
-    slots = moe_xla.permute(jnp.zeros((n, 0), jnp.float32), lids, local)[2].reshape(n, mult)
-    pairs = int(jnp.sum(lids < local)) + extra
+def test_pair_sums_are_the_row_kernels(rng, dtype, extra):
+    # The layer's sums over its slots (unpermute with the slots as row map, any number of
+    # rows) and ep_expand lower to the unpermute and gather_rows kernels and equal the
+    # reference's sum and a numpy expansion, values and gradients, for buffers with fewer
+    # (extra < 0: some slots name no row) and more rows than the pairs.
+    n, mult = 9, 3
+    slots, pairs = _pair_slots(rng, n, mult, 4)
+    pairs += extra
     rows, values = (normal(rng, shape, dtype) for shape in ((n, 16), (pairs, 16)))
     w = normal(rng, (n, mult), jnp.float32)
-    expand = lambda r, w: ep_expand.expand(r, slots, w, num_pairs=pairs)  # noqa: E731
-    gather_sum = lambda v, w: ep_gather_sum.gather_sum_p.bind(v, slots, w)  # noqa: E731
-    defs = (lambda r, w: _rows.expand_rows(r, slots, w, num_pairs=pairs),
-            lambda v, w: _rows.gather_sum_rows(v, slots, w))
-    for prim, ref, args, target in ((expand, defs[0], (rows, w), "gather_rows"),
-                                    (gather_sum, defs[1], (values, w), "unpermute")):
-        platform = "cuda" if ON_GPU else "cpu"
+    expand = lambda r: ep_expand.expand(r, slots, num_pairs=pairs)  # noqa: E731
+    slot_sum = lambda v, w: moe_xla.unpermute(v, slots.reshape(-1), w, unique_rows=True)  # noqa: E731
+    platform = "cuda" if ON_GPU else "cpu"
+    for prim, args, target in ((expand, (rows,), "gather_rows"), (slot_sum, (values, w), "unpermute")):
         assert f"moe_xla_{target}_{platform}_v1" in jax.jit(prim).lower(*args).as_text()
-        out, vjp = jax.vjp(jax.jit(prim), *args)
-        want, vjp_want = jax.vjp(ref, *args)
-        assert_close(out, want, dtype)
-        ct = normal(rng, out.shape, dtype)
-        for got, exp in zip(vjp(ct), vjp_want(ct)):
-            assert_close(got, exp, got.dtype)
+    out, vjp = jax.vjp(jax.jit(slot_sum), values, w)
+    want, vjp_want = jax.vjp(lambda v, w: reference.unpermute(v, slots.reshape(-1), w), values, w)
+    assert_close(out, want, dtype)
+    ct = normal(rng, out.shape, dtype)
+    for got, exp in zip(vjp(ct), vjp_want(ct)):
+        assert_close(got, exp, got.dtype)
+    named = np.asarray((slots >= 0) & (slots < pairs))
+    want = np.zeros((pairs, 16), np.float32)
+    want[np.asarray(slots)[named]] = np.asarray(rows, np.float32)[np.nonzero(named)[0]]
+    np.testing.assert_array_equal(np.asarray(jax.jit(expand)(rows), np.float32), want)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float64])
-def test_unweighted_expand_is_a_bitwise_copy(rng, dtype):
-    # ep_expand without weights (the layer's dispatch) copies rows bitwise, subnormals, NaN
-    # and signed zeros included; rows no slot names are +0; its transpose sums with weight 1.
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_expand_is_a_bitwise_copy(rng, dtype):
+    # ep_expand (the layer's dispatch) copies rows bitwise, subnormals, NaN and signed
+    # zeros included; rows no slot names are +0; its transpose sums with weight 1.
     n, mult, pairs = 6, 2, 15
     slots = np.full((n, mult), -1, np.int32)
     slots.reshape(-1)[:11] = rng.permutation(pairs)[:11]
     slots[5, 1] = pairs + 3  # names no row
-    with jax.enable_x64(dtype == jnp.float64):
-        rows = normal(rng, (n, 8), jnp.float32).astype(dtype)
-        rows = rows.at[0, :3].set(jnp.asarray([1e-39, -1e-39, -0.0], dtype)).at[1, 0].set(jnp.nan)
-        got = np.asarray(jax.jit(lambda r: ep_expand.expand(r, jnp.asarray(slots), num_pairs=pairs))(rows))
-        want = np.zeros((pairs, 8), got.dtype)
-        for q, j in zip(*np.nonzero((slots >= 0) & (slots < pairs))):
-            want[slots[q, j]] = np.asarray(rows)[q]
-        np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
-        ct = normal(rng, (pairs, 8), jnp.float32).astype(dtype)
-        (d_rows,) = jax.vjp(lambda r: ep_expand.expand(r, jnp.asarray(slots), num_pairs=pairs), rows)[1](ct)
-        ones = jnp.ones((n, mult), jnp.float32)
-        tolerance = jnp.float32 if dtype == jnp.float64 else dtype  # conftest has no float64 tolerance
-        assert_close(d_rows, _rows.gather_sum_rows(ct, jnp.asarray(slots), ones), tolerance)
+    rows = normal(rng, (n, 8), jnp.float32).astype(dtype)
+    rows = rows.at[0, :3].set(jnp.asarray([1e-39, -1e-39, -0.0], dtype)).at[1, 0].set(jnp.nan)
+    got = np.asarray(jax.jit(lambda r: ep_expand.expand(r, jnp.asarray(slots), num_pairs=pairs))(rows))
+    want = np.zeros((pairs, 8), got.dtype)
+    for q, j in zip(*np.nonzero((slots >= 0) & (slots < pairs))):
+        want[slots[q, j]] = np.asarray(rows)[q]
+    np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
+    ct = normal(rng, (pairs, 8), jnp.float32).astype(dtype)
+    (d_rows,) = jax.vjp(lambda r: ep_expand.expand(r, jnp.asarray(slots), num_pairs=pairs), rows)[1](ct)
+    ones = jnp.ones((n, mult), jnp.float32)
+    assert_close(d_rows, reference.unpermute(ct, jnp.asarray(slots).reshape(-1), ones), dtype)
+
+
+@pytest.mark.parametrize("rows,slots,match", [
+    (np.zeros((4, 8), np.float64), np.zeros((4, 2), np.int32), "expected rows of dtype"),
+    (np.zeros((4,), np.float32), np.zeros((4, 2), np.int32), r"expected rows of rank 2 \[N, H\]"),
+    (np.zeros((4, 8), np.float32), np.zeros((4, 2), np.int64), "expected int32 slots"),
+    (np.zeros((4, 8), np.float32), np.zeros((5, 2), np.int32), r"slots.shape\[0\]"),
+])
+def test_expand_rejects_bad_input(rows, slots, match):
+    with jax.enable_x64(True), pytest.raises((TypeError, ValueError), match=match):
+        jax.eval_shape(lambda r, s: ep_expand.expand(r, s, num_pairs=3), rows, slots)
 
 
 @pytest.mark.parametrize("tokens,top_k,experts,peers,dedup,cf", [

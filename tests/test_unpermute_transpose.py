@@ -129,7 +129,7 @@ def test_unique_rows_must_be_a_bool():
 @pytest.mark.parametrize("expert_axis", [None, "ep"])
 def test_moe_layers_take_the_one_gather_transpose(rng, expert_axis):
     # moe() and the EP layer combine through permute's row_map, which names each row once
-    # (the EP layer without dedup; with dedup it sums the returned slabs by ep_gather_sum).
+    # (the EP layer without dedup; with dedup it sums the returned slabs by their slots).
     t, h, e, f = 8, 4, 4, 3
     ep = {} if expert_axis is None else dict(mesh=jax.sharding.Mesh(np.array(jax.devices()[:2]), ("ep",)),
                                              expert_axis=expert_axis, dedup=False)

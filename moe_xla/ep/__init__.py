@@ -34,7 +34,7 @@ may run the dispatch of one chunk while the grouped GEMMs of another run):
             y[t] = sum_j weights[t, j] y_{e_j}(x[t]) is the single-device sum, bitwise;
             with dedup c = 1 on the first j of each destination, so y[t] adds the per-rank
             partial sums (equal to f32 rounding); with dedup in one round the same sum is
-            taken straight from the returned slabs (ep_gather_sum, weights 1).
+            taken straight from the returned slabs (unpermute with the slabs' slots, weights 1).
   shared    the shared expert on the local tokens (no communication), added last as in moe().
 
 Buffers are static and the layer is dropless with no host synchronisation: sizing.py
@@ -43,9 +43,9 @@ them, layer.py is the layer; config.py checks the options; placement.py and repl
 are the redundant experts (place_redundant_experts, public, computes a placement).
 
 Autodiff is JAX's, through rules: all_to_all transposes to all_to_all, ragged_all_to_all to
-ragged_all_to_all, permute / unpermute / gmm by theirs, and the expansion of rows to pairs
-(primitives/ep_expand.py) and the sum back (primitives/ep_gather_sum.py) to each other
-(lowered to the gather_rows and unpermute kernels), so gradients are deterministic.
+ragged_all_to_all, permute / unpermute / gmm by theirs, and the expansion of rows to their
+places (primitives/ep_expand.py, the gather_rows kernel) and the sum back (unpermute with
+those places as its row map) to each other, so gradients are deterministic.
 Forward mode (jax.jvp, jax.linearize) works too, through capacity rounds included (their
 tangent is one linear primitive, primitives/ep_rounds_tangent.py). jax.vmap of the layer
 folds the batch into rows.

@@ -22,7 +22,6 @@ from moe_xla.ep.transports import link, link_arrays, pack
 from moe_xla.experts import expert_mlp, shared_mlp
 from moe_xla.grouped import is_fp8
 from moe_xla.primitives.ep_expand import expand
-from moe_xla.primitives.ep_gather_sum import gather_sum_p
 from moe_xla.primitives.permute import permute
 from moe_xla.primitives.route import route
 from moe_xla.primitives.unpermute import unpermute
@@ -102,7 +101,7 @@ def _chunk(cfg: EpConfig, x, weights, dest, lid, w_in, w_out) -> _ChunkOut:
         # unpermute of the rows with weights 1 and 0 adds (1 * v is exact, FMA or not).
         back, slots = _round(cfg, sizes, 0, floats, ints)
         with jax.named_scope("moe_xla/combine"):
-            y = gather_sum_p.bind(back, slots, (rows.dest < sizes.peers).astype(jnp.float32))
+            y = unpermute(back, slots.reshape(-1), (rows.dest < sizes.peers).astype(jnp.float32), unique_rows=True)
         return _ChunkOut(y, jnp.sum(rows.counts))
     round_rows = partial(_round_rows, cfg, sizes)
     y_rows = round_rows(0, floats, ints)
@@ -142,7 +141,7 @@ def _round_rows(cfg: EpConfig, sizes: ExchangeSizes, r, floats: RoundFloats, int
     with jax.named_scope("moe_xla/combine"):
         none = jnp.full((1,), back.shape[0], jnp.int32)  # ints.source's T*n: a row no one sends
         row_slots = jnp.concatenate([slots.reshape(slots.size), none])[ints.source][:, None]
-        return gather_sum_p.bind(back, row_slots, jnp.ones(row_slots.shape, jnp.float32))
+        return unpermute(back, row_slots.reshape(-1), jnp.ones(row_slots.shape, jnp.float32), unique_rows=True)
 
 
 def _experts(x_recv, x_fp8, lids, w, w_in, w_out, sizes: ExchangeSizes, activation, quantization):

@@ -14,7 +14,7 @@ when every row fits in round 0. A round with no rows adds zeros (bitwise, the su
 of the rounds with rows), but it still runs in full: the permute of its lids and the
 expand into the [P C, H] pair buffer, the two grouped products over those zero-filled
 buffers (no multiply-adds for empty groups, but every output row written), the
-activation over all P C rows, and gather_sum. In reverse mode each round is recomputed
+activation over all P C rows, and the sum of its results back (unpermute). In reverse mode each round is recomputed
 under jax.vjp (its forward again, then its transpose) and adds a full-size weight
 gradient, [E_l, H, 2F] and [E_l, F, H], to the loop's sum. With the padded transport
 every round also moves its full slabs, `rows` rows to each peer and back: R - 1 slab

@@ -26,25 +26,31 @@ import jax.numpy as jnp
 
 from moe_xla._rows import inverse_rows
 from moe_xla.ep.config import EpConfig
+from moe_xla.primitives._checks import FLOAT_DTYPES
 from moe_xla.primitives.ep_expand import expand
-from moe_xla.primitives.ep_gather_sum import gather_sum_p
+from moe_xla.primitives.unpermute import unpermute
+
+
+def _kernel_float(values) -> bool:
+    """Whether values have a dtype the row kernels take (float32, bfloat16, float16)."""
+    return jnp.dtype(values.dtype) in FLOAT_DTYPES
 
 
 def _slabs(rows, starts, sizes, block: int, fill):
     """[P*block, ...]: slab d holds rows [starts[d], starts[d] + sizes[d]), then `fill`.
 
     The ranges of different d do not overlap (rows grouped by destination), so each row
-    lands in at most one slot. Float rows with fill 0 go through ep_gather_sum with one
-    slot per output row and weight 1 (exact in any dtype): its transpose is ep_expand, one
-    gather through the inverse of the slots, where a gather's own transpose would be a
-    scatter-add over the rows."""
+    lands in at most one slot. Rows of the kernels' float dtypes with fill 0 go through
+    unpermute with one slot per output row and weight 1 (exact in any dtype): its
+    transpose is one gather through the inverse of the slots, where a gather's own
+    transpose would be a scatter-add over the rows."""
     pos = jnp.arange(block, dtype=jnp.int32)
     valid = (pos < sizes[:, None]).reshape(-1)
-    if rows.ndim == 2 and jnp.issubdtype(rows.dtype, jnp.inexact) and fill == 0:
+    if rows.ndim == 2 and _kernel_float(rows) and fill == 0:
         # Slots past a slab's rows name no row (each a place of its own past the rows).
         past = rows.shape[0] + jnp.arange(valid.shape[0], dtype=jnp.int32)
-        slots = jnp.where(valid, (starts[:, None] + pos).reshape(-1), past)[:, None]
-        return gather_sum_p.bind(rows, slots, jnp.ones(slots.shape, jnp.float32))
+        slots = jnp.where(valid, (starts[:, None] + pos).reshape(-1), past)
+        return unpermute(rows, slots, jnp.ones((slots.shape[0], 1), jnp.float32), unique_rows=True)
     idx = jnp.clip(starts[:, None] + pos, 0, rows.shape[0] - 1).reshape(-1)
     return jnp.where(valid.reshape((-1,) + (1,) * (rows.ndim - 1)), rows[idx], jnp.asarray(fill, rows.dtype))
 
@@ -62,10 +68,10 @@ def pack(values, slots, num_rows: int, fill=0):
     """[num_rows, ...]: row slots[q, j] is values[q] (for every j), rows no slot names hold
     `fill`; slots [N, m] name each row at most once (outside [0, num_rows): none).
 
-    Float values with fill 0 go through ep_expand without weights (a bitwise copy): its
-    transpose is ep_gather_sum, a gather and a sum in j order, where a gather's own
+    Values of the kernels' float dtypes with fill 0 go through ep_expand (a bitwise copy):
+    its transpose is a gather and a sum in j order (unpermute), where a gather's own
     transpose would be a scatter-add over the rows."""
-    if jnp.issubdtype(values.dtype, jnp.inexact) and fill == 0:
+    if values.ndim == 2 and _kernel_float(values) and fill == 0:
         return expand(values, slots, num_pairs=num_rows)
     src, named = inverse_rows(slots.reshape(-1), num_rows)
     taken = values[src // slots.shape[1]]

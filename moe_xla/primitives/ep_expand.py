@@ -1,24 +1,21 @@
-"""ep_expand: the EP layer's expansion of received rows to their (row, local expert) pairs.
+"""ep_expand: the EP layer's expansion of rows to the places its slots name, a bitwise copy.
 
-    out[slots[q, j]] = weights[q, j] * rows[q]        out [num_pairs, H]; pairs no slot names: 0
-    out[slots[q, j]] = rows[q]                        without weights: a bitwise copy
+    out[slots[q, j]] = rows[q]        out [num_pairs, H]; places no slot names: +0
 
-rows [N, H]; slots [N, mult] int32, naming each of the num_pairs output rows at most once
-(an index outside [0, num_pairs) names none); weights [N, mult] float32 or none. The
-product is taken in float32 (or the inputs' wider dtype) and rounded once to rows' dtype.
+rows [N, H] float32 / bfloat16 / float16; slots [N, mult] int32, naming each of the
+num_pairs output rows at most once (an index outside [0, num_pairs) names none). The
+layer's dispatch packs token rows into send slabs and received rows into their (row, local
+expert) pairs with it.
 
-Lowered, on every platform, as a gather through the inverse of slots: (src, factor) =
-_rows.expansion_sources (an XLA scatter of distinct int32 places), then the gather_rows
-kernel, out[r] = rnd(factor[r] * rows[src[r]]) (products of magnitude at most 2^-126 are
-signed zeros: gather_rows' rule) or out[r] = rows[src[r]], zero rows where no slot names
-r. float64 rows, which gather_rows does not take, go through jnp (_rows.expand_rows). A
-gather, no scatter-add: deterministic.
+Lowered, on every platform, as a gather through the inverse of slots: src[r] = q where
+slots[q, j] = r (_rows.inverse_rows, an XLA scatter of distinct int32 places), then the
+gather_rows kernel, out[r] = rows[src[r]], zero rows where no slot names r. A gather, no
+scatter-add: deterministic.
 
-With weights, bilinear in (rows, weights), and the transpose of ep_gather_sum:
-    d rows = ep_gather_sum(ct, slots, weights)      (weights 1 without them)
-    d weights[q, j] = <rows[q], ct[slots[q, j]]>
-That transpose is registered in ep_gather_sum.py: ep_gather_sum's transpose is an
-ep_expand, so one of the two files holds both directions and imports the other.
+Linear in rows; its transpose sums each row's places back in j order, the unpermute kernel
+with the slots as row map and weights 1:
+    d rows[q] = sum_j ct[slots[q, j]] = unpermute(ct, slots.reshape(-1), 1, unique_rows=True)
+whose own transpose is this expansion again (unpermute's gather through the slots' inverse).
 """
 
 from __future__ import annotations
@@ -28,63 +25,65 @@ import jax.numpy as jnp
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from moe_xla._rows import expand_rows, expansion_sources
-from moe_xla.primitives import _ad
+import moe_xla._rows as _rows
+from moe_xla.primitives import _ad, _checks
 from moe_xla.primitives._batching import all_to_front, folded_rows
 from moe_xla.primitives.gather_rows import gather_rows_p
+from moe_xla.primitives.unpermute import unpermute
 
-# The dtypes the gather_rows kernels take.
-KERNEL_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+OP = "ep_expand"
 
 expand_p = Primitive("moe_xla_ep_expand")
 
 
-def expand(rows, slots, weights=None, *, num_pairs: int):
-    """[num_pairs, H]: row slots[q, j] is weights[q, j] * rows[q] (rows[q] itself, bitwise,
-    without weights); rows no slot names are 0. See the module docstring."""
-    return expand_p.bind(rows, slots, *(() if weights is None else (weights,)), num_pairs=num_pairs,
-                         weighted=weights is not None)
+def expand(rows, slots, *, num_pairs: int):
+    """[num_pairs, H]: row slots[q, j] is rows[q], bitwise; rows no slot names are +0. See
+    the module docstring."""
+    return expand_p.bind(rows, slots, num_pairs=num_pairs)
 
 
-def folded_slots(slots, per_batch: int):
-    """[B, N, mult] slots into B blocks of per_batch rows -> [B N, mult] slots into the stack."""
-    return folded_rows(slots, per_batch).reshape(slots.shape[0] * slots.shape[1], slots.shape[2])
+def _abstract_eval(rows, slots, *, num_pairs):
+    _checks.rank(OP, "rows", rows, 2, "[N, H]")
+    _checks.float_dtype(OP, "rows", rows)
+    _checks.rank(OP, "slots", slots, 2, "[N, mult]")
+    if jnp.dtype(slots.dtype) != jnp.int32:
+        raise TypeError(f"{OP}: expected int32 slots, got {slots.dtype}")
+    _checks.dim(OP, "slots.shape[0] (rows.shape[0])", rows.shape[0], slots.shape[0])
+    return jax.core.ShapedArray((num_pairs, rows.shape[1]), rows.dtype)
 
 
-def _batch(args, dims, *, num_pairs, weighted):
-    (rows, slots, *weights), size = all_to_front(args, dims)
-    n, h = slots.shape[1], rows.shape[-1]
-    weights = [w.reshape(size * n, w.shape[-1]) for w in weights]
-    out = expand_p.bind(rows.reshape(size * n, h), folded_slots(slots, num_pairs), *weights,
-                        num_pairs=size * num_pairs, weighted=weighted)
-    return out.reshape(size, num_pairs, h), 0
-
-
-def _expand(rows, slots, *weights, num_pairs, weighted):
+def _expand(rows, slots, *, num_pairs):
     """The lowering (module docstring): gather_rows through the inverse of slots."""
-    w = weights[0] if weighted else jnp.ones(slots.shape, jnp.float32)
-    if rows.dtype not in KERNEL_DTYPES:
-        return expand_rows(rows, slots, w, num_pairs=num_pairs)
-    src, factor = expansion_sources(slots, w, num_pairs=num_pairs)
-    factors = (factor.astype(jnp.float32),) if weighted else ()
-    return gather_rows_p.bind(rows, src, *factors, has_factor=weighted, unique_sources=False)
+    pair, named = _rows.inverse_rows(slots.reshape(-1), num_pairs)
+    src = jnp.where(named, pair // slots.shape[1], -1)
+    return gather_rows_p.bind(rows, src, has_factor=False, unique_sources=False)
 
 
-_bilinear_jvp = _ad.bilinear_jvp(expand_p, 0, 2)
-
-
-def _jvp(primals, tangents, *, num_pairs, weighted):
-    if weighted:
-        return _bilinear_jvp(primals, tangents, num_pairs=num_pairs, weighted=True)
-    out = expand_p.bind(*primals, num_pairs=num_pairs, weighted=False)
+def _jvp(primals, tangents, *, num_pairs):
+    out = expand_p.bind(*primals, num_pairs=num_pairs)
     if type(tangents[0]) is ad.Zero:
         return out, _ad.zero_tangent(out)
-    return out, expand_p.bind(tangents[0], primals[1], num_pairs=num_pairs, weighted=False)
+    return out, expand_p.bind(tangents[0], primals[1], num_pairs=num_pairs)
+
+
+def _transpose(ct, rows, slots, *, num_pairs):
+    if type(ct) is ad.Zero:
+        return ad.Zero(rows.aval), None
+    ones = jnp.ones(slots.shape, jnp.float32)
+    return unpermute(ct, slots.reshape(-1), ones, unique_rows=True).astype(rows.aval.dtype), None
+
+
+def _batch(args, dims, *, num_pairs):
+    (rows, slots), size = all_to_front(args, dims)
+    n, mult = slots.shape[1], slots.shape[2]
+    folded = folded_rows(slots, num_pairs).reshape(size * n, mult)
+    out = expand_p.bind(rows.reshape(size * n, rows.shape[-1]), folded, num_pairs=size * num_pairs)
+    return out.reshape(size, num_pairs, rows.shape[-1]), 0
 
 
 expand_p.def_impl(_expand)
-expand_p.def_abstract_eval(lambda rows, slots, *weights, num_pairs, weighted: jax.core.ShapedArray(
-    (num_pairs, rows.shape[1]), rows.dtype))
+expand_p.def_abstract_eval(_abstract_eval)
 ad.primitive_jvps[expand_p] = _jvp
+ad.primitive_transposes[expand_p] = _transpose
 batching.primitive_batchers[expand_p] = _batch
 mlir.register_lowering(expand_p, mlir.lower_fun(_expand, multiple_results=False))

@@ -5,8 +5,8 @@
 y_sorted [R, H], row_map [T*k] int32, weights [T, k] float32 -> y [T, H] (dtype of
 y_sorted), accumulated in float32 in j order, each product rounded before it is added:
 bitwise reproducible. Entries of row_map outside [0, R) contribute 0. R = T*k after
-permute; any R otherwise (the EP layer sums rows of its padded buffers with it,
-ep_gather_sum).
+permute; any R otherwise (the EP layer sums rows of its padded buffers with it, its
+slots as the row map, and ep_expand's transpose is it with weights 1).
 
 unpermute is bilinear in (y_sorted, weights):
     d y_sorted[r] = sum_{(t, j): row_map[t*k + j] = r} weights[t, j] * ct[t]   (no entry names r: 0)
