@@ -177,12 +177,14 @@ int64_t column_tiles_256(const GroupedGemmParams& p) { return (p.n + 255) / 256;
 //  - Small tiles (pingpong 64x128x128) when they avoid padding: gmm with <= 128 rows per
 //    group on average or N <= 128; tgmm when K or N <= 128 or the large tiles would not
 //    fill one wave.
-//  - gmm, both rhs layouts: pingpong 64x256 cluster 2x1 when K <= 1024 (a short K loop,
-//    where the epilogue, which pingpong hides behind the other warp group's mainloop, is a
-//    large share of a tile); else cooperative 128x256 with A multicast over a 1x2 cluster
-//    (groups padded to 128 rows, not 256 as with cluster 2x1). The 1x2 cluster pairs
-//    256-column tiles, so with an odd number of them it would compute a tile of zeros per
-//    row of tiles: there cluster 1x1.
+//  - gmm, both rhs layouts: pingpong 64x256 cluster 2x1 when 256 < K <= 1024 (a short K
+//    loop, where the epilogue, which pingpong hides behind the other warp group's
+//    mainloop, is a large share of a tile); else cooperative 128x256 with A multicast over
+//    a 1x2 cluster (groups padded to 128 rows, not 256 as with cluster 2x1). With K <= 256
+//    a warp group's K loop is too short to hide the other's epilogue, and 128-row tiles
+//    read each B tile for twice the rows. The 1x2 cluster pairs 256-column tiles, so with
+//    an odd number of them it would compute a tile of zeros per row of tiles: there
+//    cluster 1x1.
 //  - tgmm (ragged K): pingpong 64x256 when G >= 16, else cooperative 128x256 cluster 2x1
 //    (with few groups, the larger tiles of the cooperative kernel win).
 GroupedGemmPath select_path(const GroupedGemmParams& p, int sm_count) {
@@ -198,30 +200,29 @@ GroupedGemmPath select_path(const GroupedGemmParams& p, int sm_count) {
     const int64_t avg_rows = p.m / p.num_groups;
     small = avg_rows <= 128 || p.n <= 128;
     const bool column_tile_pairs = column_tiles_256(p) % 2 == 0;
-    tuned = p.k <= 1024           ? GroupedGemmPath::kCutlassPingpong64x256Cluster2x1
-            : column_tile_pairs ? GroupedGemmPath::kCutlassCoop128x256Cluster1x2
-                                : GroupedGemmPath::kCutlassCoop128x256Cluster1x1;
+    tuned = p.k > 256 && p.k <= 1024 ? GroupedGemmPath::kCutlassPingpong64x256Cluster2x1
+            : column_tile_pairs        ? GroupedGemmPath::kCutlassCoop128x256Cluster1x2
+                                       : GroupedGemmPath::kCutlassCoop128x256Cluster1x1;
   }
   if (small) return GroupedGemmPath::kCutlassSmall;
   return cutlass_supported(p, tuned) ? tuned : GroupedGemmPath::kCutlassLarge;
 }
 
-// Raster order (gmm, both rhs layouts): along N when a row of output tiles is short
-// (at most 8 tiles of 256 columns) on the pingpong 2x1 and cooperative 1x1 paths, else
-// along M. Along N, the CTAs running together share one A row block and each group's B
-// (K x N) stays in L2 while the group's row blocks pass; along M a group much larger than
-// L2 has each A row block re-read once per N tile. The gain shows with skewed group sizes
-// (qwen3 down, zipf1.2); with uniform sizes the two orders are even. The 1x2 cluster
-// already pairs tiles along N and stays along M (along N is slower there); tgmm stays
-// along M.
+// Raster order (gmm, both rhs layouts): along N on the pingpong 2x1 path, and on the
+// cooperative 1x1 path when a row of output tiles is short (at most 8 tiles of 256
+// columns); else along M. Along N, the CTAs running together share one A row block and
+// each group's B (K x N) stays in L2 while the group's row blocks pass; along M a group
+// much larger than L2 has each A row block re-read once per N tile. The gain shows with
+// skewed group sizes (zipf1.2: qwen3 down, N = 2048; the sonicmoe down products and the
+// n256 d lhs, N = 4096, 16 tiles); with uniform sizes the two orders are even. The 1x2
+// cluster already pairs tiles along N and stays along M (along N is slower there); tgmm
+// stays along M.
 GroupedGemmRaster select_raster(const GroupedGemmParams& p, GroupedGemmPath path,
                                 int sm_count) {
   (void)sm_count;
-  const bool short_rows = column_tiles_256(p) <= 8;
-  const bool path_gains = path == GroupedGemmPath::kCutlassPingpong64x256Cluster2x1 ||
-                          path == GroupedGemmPath::kCutlassCoop128x256Cluster1x1;
-  return p.layout != GroupedLayout::kTgmm && short_rows && path_gains ? GroupedGemmRaster::kAlongN
-                                                                     : GroupedGemmRaster::kAlongM;
+  const bool along_n = path == GroupedGemmPath::kCutlassPingpong64x256Cluster2x1 ||
+                       (path == GroupedGemmPath::kCutlassCoop128x256Cluster1x1 && column_tiles_256(p) <= 8);
+  return p.layout != GroupedLayout::kTgmm && along_n ? GroupedGemmRaster::kAlongN : GroupedGemmRaster::kAlongM;
 }
 
 // Team order of the tile scheduler (team_scheduler.cuh), as {clusters per team, waves per
