@@ -10,7 +10,6 @@ named.
 
 from __future__ import annotations
 
-import functools
 import re
 
 import jax
