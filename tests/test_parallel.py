@@ -19,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import moe_xla
-from moe_xla import _rows, product_combine, reference
+from moe_xla import product_combine, reference
 from moe_xla.ep import rounds, sizing, transports
 from moe_xla.primitives import ep_expand
 from conftest import ON_GPU, assert_close, normal, requires_8_devices
