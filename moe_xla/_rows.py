@@ -62,11 +62,13 @@ def acc_dtype(dtype):
     return jnp.promote_types(dtype, jnp.float32)
 
 
-def expansion_sources(slots, weights, *, num_pairs: int):
+def expansion_sources(slots, weights=None, *, num_pairs: int):
     """(src, factor), both [num_pairs]: expand_rows(rows, slots, weights)[r] is factor[r] *
-    rows[src[r]], or 0 where src[r] = -1 (no slot names r; factor 0 there)."""
+    rows[src[r]], or 0 where src[r] = -1 (no slot names r; factor 0 there). Without
+    weights, factor is None: the places' sources alone."""
     pair, named = inverse_rows(slots.reshape(-1), num_pairs)
-    return jnp.where(named, pair // slots.shape[1], -1), jnp.where(named, weights.reshape(-1)[pair], 0)
+    src = jnp.where(named, pair // slots.shape[1], -1)
+    return src, None if weights is None else jnp.where(named, weights.reshape(-1)[pair], 0)
 
 
 def expand_rows(rows, slots, weights, *, num_pairs: int):

@@ -140,8 +140,8 @@ def _round_rows(cfg: EpConfig, sizes: ExchangeSizes, r, floats: RoundFloats, int
     back, slots = _round(cfg, sizes, r, floats, ints)
     with jax.named_scope("moe_xla/combine"):
         none = jnp.full((1,), back.shape[0], jnp.int32)  # ints.source's T*n: a row no one sends
-        row_slots = jnp.concatenate([slots.reshape(slots.size), none])[ints.source][:, None]
-        return unpermute(back, row_slots.reshape(-1), jnp.ones(row_slots.shape, jnp.float32), unique_rows=True)
+        row_slots = jnp.concatenate([slots.reshape(slots.size), none])[ints.source]
+        return unpermute(back, row_slots, jnp.ones((row_slots.shape[0], 1), jnp.float32), unique_rows=True)
 
 
 def _experts(x_recv, x_fp8, lids, w, w_in, w_out, sizes: ExchangeSizes, activation, quantization):

@@ -8,7 +8,7 @@ layer's dispatch packs token rows into send slabs and received rows into their (
 expert) pairs with it.
 
 Lowered, on every platform, as a gather through the inverse of slots: src[r] = q where
-slots[q, j] = r (_rows.inverse_rows, an XLA scatter of distinct int32 places), then the
+slots[q, j] = r (_rows.expansion_sources, an XLA scatter of distinct int32 places), then the
 gather_rows kernel, out[r] = rows[src[r]], zero rows where no slot names r. A gather, no
 scatter-add: deterministic.
 
@@ -54,8 +54,7 @@ def _abstract_eval(rows, slots, *, num_pairs):
 
 def _expand(rows, slots, *, num_pairs):
     """The lowering (module docstring): gather_rows through the inverse of slots."""
-    pair, named = _rows.inverse_rows(slots.reshape(-1), num_pairs)
-    src = jnp.where(named, pair // slots.shape[1], -1)
+    src, _ = _rows.expansion_sources(slots, num_pairs=num_pairs)
     return gather_rows_p.bind(rows, src, has_factor=False, unique_sources=False)
 
 
