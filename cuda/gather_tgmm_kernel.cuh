@@ -21,8 +21,8 @@
 // rows is the GEMM's M resp. N; bf16 wgmma takes transposed operands from shared memory),
 // 128-byte swizzled, in a 4-stage pipeline between three warp groups:
 //   - warp group 0, the producer: per step of 64 rows, its 128 threads copy the gathered
-//     operand's tile x[src[r], c0:c0+w] (w = 128 or 256 columns: each thread one 16-byte
-//     chunk of 64 / (128 / (w / 8)) rows, their src entries read one step ahead) with
+//     operand's tile x[src[r], c0:c0+w] (w = 128 or 256 columns: four threads per row, each
+//     w / 32 16-byte chunks of 2 rows, their src entries read one step ahead) with
 //     cp.async, and the dy tile
 //     dy[r, c0:c0+w']: for a step of 64 rows inside the group, thread 0 loads it with
 //     w' / 64 TMA boxes of 64 rows x 64 columns (dy's rows are contiguous: only x needs a
@@ -70,17 +70,27 @@ namespace moe_xla {
 namespace cuda {
 namespace detail {
 
-// The copies of one operand's tile, `kCols` columns of kGatherTgmmStepRows rows: 16-byte
-// chunks (8 bf16) along a row; producer thread t copies chunk t % kChunks of the step's
-// rows t / kChunks + i * kRowsPerPass, i < kPasses.
+// The copies of one operand's tile, `kCols` columns of kGatherTgmmStepRows rows, in 16-byte
+// chunks (8 bf16): four producer threads per row, thread t copying chunks q + 4 i (q = t % 4,
+// i < kCopies) of the step's rows t / 4 + kRowsPerPass * p, p < kPasses. A warp's i-th copy
+// reads 64 contiguous bytes of each of 8 rows (two whole 32-byte sectors), and a thread's
+// copies of a row are i * 64 bytes apart: one address per row serves them all, and a step
+// costs each thread kPasses src entries instead of one per chunk row.
 template <int kCols>
 struct GatherTgmmChunks {
   static constexpr int kProducerThreads = 128;
   static constexpr int kChunkElems = 8;
+  static constexpr int kThreadsPerRow = 4;
   static constexpr int kChunks = kCols / kChunkElems;
-  static constexpr int kRowsPerPass = kProducerThreads / kChunks;
+  static constexpr int kCopies = kChunks / kThreadsPerRow;
+  static constexpr int kRowsPerPass = kProducerThreads / kThreadsPerRow;
   static constexpr int kPasses = kGatherTgmmStepRows / kRowsPerPass;
-  static_assert(kProducerThreads % kChunks == 0 && kGatherTgmmStepRows % kRowsPerPass == 0, "whole passes");
+  static constexpr int kCopyBytes = kThreadsPerRow * kChunkElems * 2;  // between a thread's copies
+  // Chunk q + 4 i of row r lies in atom column i / 2 at slot (q + 4 (i % 2)) ^ (r % 8) (see
+  // chunk_offset): two offsets per thread and row serve every copy, and the passes, whole
+  // multiples of 8 rows apart, keep the swizzle phase.
+  static_assert(kChunks % 8 == 0 && kRowsPerPass % 8 == 0 && kGatherTgmmStepRows % kRowsPerPass == 0,
+                "whole atoms and passes");
 };
 
 // kTransposed: the block is dy^T x[src] (A = dy, B = gathered x), else x[src]^T dy.
@@ -98,8 +108,9 @@ struct GatherTgmmTraits {
   static constexpr int kThreads = kProducerThreads + kConsumerThreads;
   // Registers per thread after the producer gives some up (setmaxnreg): 128 * 72 + 256 * 216
   // or 128 * 88 + 256 * 208 = 64512, all the launch has (register_split_fits). The producer
-  // holds the src entries of two steps (8 or, for the 256-column x tile of the transposed
-  // block, 16 each); the consumers (128 accumulators) compile without spills down to 208.
+  // holds the src entries of two steps (2 each) and the transposed block's producer issues
+  // twice the copies (a 256-column x tile); the consumers (128 accumulators) compile
+  // without spills down to 208.
   static constexpr int kProducerRegisters = kTransposed ? 88 : 72;
   static constexpr int kConsumerRegisters = kTransposed ? 208 : 216;
   static_assert(register_split_fits(kProducerThreads, kProducerRegisters, kConsumerThreads, kConsumerRegisters),
@@ -251,6 +262,35 @@ __device__ __forceinline__ void gather_tgmm_src(const GatherTgmmKernelParams<Out
   }
 }
 
+// Where a producer thread's chunks of a tile go: for copy i of pass p, the shared-memory
+// address to[i % 2] + (i / 2) * kAtomBytes + p * kRowsPerPass * 128 within a stage.
+template <class T, class Chunks>
+struct GatherTgmmTargets {
+  uint32_t to[2];
+  __device__ __forceinline__ GatherTgmmTargets(uint32_t base, int thread) {
+    const int q = thread % Chunks::kThreadsPerRow, first_row = thread / Chunks::kThreadsPerRow;
+    to[0] = base + T::chunk_offset(q, first_row);
+    to[1] = base + T::chunk_offset(q + Chunks::kThreadsPerRow, first_row);
+  }
+};
+
+// Copies a producer thread's chunks of one row of a tile (pass `pass`): copy i reads 16
+// bytes at from + i * kCopyBytes, or nothing, zero-filling, where the row is out or the
+// chunk starts at or past `cols_left` columns from `from`.
+template <class T, class Chunks>
+__device__ __forceinline__ void gather_tgmm_copy_row(const GatherTgmmTargets<T, Chunks>& targets,
+                                                     uint32_t stage, int pass, const char* from,
+                                                     bool row_in, int32_t cols_left) {
+  constexpr uint32_t kAtomBytes = T::kTileK * 128;  // one 64-column atom column of a stage
+  const uint32_t pass_offset = stage + pass * (Chunks::kRowsPerPass * 128);
+  CUTLASS_PRAGMA_UNROLL
+  for (int i = 0; i < Chunks::kCopies; ++i) {
+    const bool in = row_in && i * Chunks::kThreadsPerRow * Chunks::kChunkElems < cols_left;
+    cp_async_16_zfill(targets.to[i % 2] + pass_offset + (i / 2) * kAtomBytes, from + i * Chunks::kCopyBytes,
+                      in ? 16u : 0u);
+  }
+}
+
 // Warp group 0 (see the header comment). The src entries of a step are read one step
 // ahead, so that their latency passes while the step before is issued and its stage
 // awaited, instead of stalling the producer every step.
@@ -262,17 +302,14 @@ __device__ __forceinline__ void gather_tgmm_produce(const GatherTgmmKernelParams
   using ChunksX = typename T::ChunksX;
   using ChunksDy = typename T::ChunksDy;
   const int thread = threadIdx.x;  // 0 .. kProducerThreads - 1
-  const int chunk_x = thread % ChunksX::kChunks, first_row_x = thread / ChunksX::kChunks;
-  const int chunk_dy = thread % ChunksDy::kChunks, first_row_dy = thread / ChunksDy::kChunks;
+  // The four threads of a row start at columns 8 q of the tile (the same q for both tiles).
+  static_assert(ChunksX::kThreadsPerRow == ChunksDy::kThreadsPerRow, "one row split for both operands");
+  const int first_row = thread / ChunksX::kThreadsPerRow;
+  const int32_t q_col = (thread % ChunksX::kThreadsPerRow) * ChunksX::kChunkElems;
   const uint32_t smem_a = cute::cast_smem_ptr_to_uint(smem.a.data());
   const uint32_t smem_b = cute::cast_smem_ptr_to_uint(smem.b.data());
-  const uint32_t smem_x = kTransposed ? smem_b : smem_a;
-  const uint32_t smem_dy = kTransposed ? smem_a : smem_b;
-  // Chunk offsets of this thread's x rows in passes 0 and 1: two passes on, the rows are
-  // 2 kRowsPerPass (a multiple of 8) further, in the same swizzle phase.
-  static_assert(2 * ChunksX::kRowsPerPass % 8 == 0, "the swizzle repeats every two passes");
-  const uint32_t offset_x[2] = {smem_x + T::chunk_offset(chunk_x, first_row_x),
-                                smem_x + T::chunk_offset(chunk_x, first_row_x + ChunksX::kRowsPerPass)};
+  const GatherTgmmTargets<T, ChunksX> targets_x(kTransposed ? smem_b : smem_a, thread);
+  const GatherTgmmTargets<T, ChunksDy> targets_dy(kTransposed ? smem_a : smem_b, thread);
   cutlass::bfloat16_t* const smem_dy_ptr = kTransposed ? smem.a.data() : smem.b.data();
 
   const bool tma_leader = thread == 0;
@@ -304,28 +341,24 @@ __device__ __forceinline__ void gather_tgmm_produce(const GatherTgmmKernelParams
       }
     } else {
       // n % 8 == 0: a chunk is wholly inside or outside its row.
-      const int32_t col = dy_col0 + chunk_dy * ChunksDy::kChunkElems;
-      const uint32_t stage_dy = smem_dy + stage * T::kStageBytesDy;
+      const int32_t col = dy_col0 + q_col;
       CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < ChunksDy::kPasses; ++i) {
-        const int r = first_row_dy + i * ChunksDy::kRowsPerPass;
-        const bool in = col < p.n && row0 + r < u.end;
-        const char* from = in ? p.dy + (static_cast<int64_t>(row0 + r) * p.n + col) * T::kElementBytes : p.dy;
-        cp_async_16_zfill(stage_dy + T::chunk_offset(chunk_dy, r), from, in ? 16u : 0u);
+      for (int pass = 0; pass < ChunksDy::kPasses; ++pass) {
+        const int32_t row = row0 + first_row + pass * ChunksDy::kRowsPerPass;
+        const bool in = row < u.end;
+        const char* from = in ? p.dy + (static_cast<int64_t>(row) * p.n + col) * T::kElementBytes : p.dy;
+        gather_tgmm_copy_row(targets_dy, stage * T::kStageBytesDy, pass, from, in, p.n - col);
       }
     }
     // Chunks read nothing for rows past the group's end, src outside [0, T) and columns
     // past K (k % 8 == 0: a chunk is wholly inside or outside its row).
-    const int32_t col = x_col0 + chunk_x * ChunksX::kChunkElems;
-    const bool col_in = col < p.k;
-    const uint32_t stage_x = stage * T::kStageBytesX;
+    const int32_t col = x_col0 + q_col;
     CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < ChunksX::kPasses; ++i) {
-      const int32_t s = src[i];
-      const bool in = col_in && s >= 0 && s < p.tokens;
+    for (int pass = 0; pass < ChunksX::kPasses; ++pass) {
+      const int32_t s = src[pass];
+      const bool in = s >= 0 && s < p.tokens;
       const char* from = in ? p.x + (static_cast<int64_t>(s) * p.k + col) * T::kElementBytes : p.x;
-      cp_async_16_zfill(offset_x[i % 2] + stage_x + (i / 2) * (2 * ChunksX::kRowsPerPass * 128), from,
-                        in ? 16u : 0u);
+      gather_tgmm_copy_row(targets_x, stage * T::kStageBytesX, pass, from, in, p.k - col);
     }
     cutlass::arch::cpasync_barrier_arrive_noinc(pipeline.producer_get_barrier(write));
     ++write;
@@ -335,15 +368,15 @@ __device__ __forceinline__ void gather_tgmm_produce(const GatherTgmmKernelParams
   // (not even copied) until that step is issued.
   int32_t src_a[ChunksX::kPasses], src_b[ChunksX::kPasses];
   GatherTgmmPosition pos = gather_tgmm_seek(p, blockIdx.x);
-  if (pos.unit < p.units) gather_tgmm_src<ChunksX>(p, pos, first_row_x, src_a);
+  if (pos.unit < p.units) gather_tgmm_src<ChunksX>(p, pos, first_row, src_a);
   while (pos.unit < p.units) {
     GatherTgmmPosition next = gather_tgmm_next(p, pos);
-    if (next.unit < p.units) gather_tgmm_src<ChunksX>(p, next, first_row_x, src_b);
+    if (next.unit < p.units) gather_tgmm_src<ChunksX>(p, next, first_row, src_b);
     issue(pos, src_a);
     pos = next;
     if (pos.unit >= p.units) break;
     next = gather_tgmm_next(p, pos);
-    if (next.unit < p.units) gather_tgmm_src<ChunksX>(p, next, first_row_x, src_a);
+    if (next.unit < p.units) gather_tgmm_src<ChunksX>(p, next, first_row, src_a);
     issue(pos, src_b);
     pos = next;
   }
