@@ -22,9 +22,10 @@
 //   - warp groups 1 and 2, the consumers: each multiplies its 64 rows of the tile by the B
 //     tile with wgmma (m64n256k16, both operands from shared memory, f32 accumulators in
 //     registers), keeps one batch of wgmma in flight and frees a stage when the batch that
-//     read it is done; after the last K step it stores its rows straight from the
-//     accumulators (rows past the tile's group and columns past N are left alone), through
-//     the epilogue:
+//     read it is done; after the last K step it stores its rows (rows past the tile's group
+//     and columns past N are left alone) through the epilogue, kNone and kPlain through a
+//     staging buffer in shared memory, 16 bytes per thread and store
+//     (store_accumulators_staged), kGated straight from the accumulators:
 //       kNone   out[r, n0 + c] = acc[c]
 //       kPlain  out[r, n0 + c] = g(acc[c])                g: gelu (tanh), silu or relu
 //       kGated  out[r, 128j + c] = g(acc[c]) * acc[128 + c], c < 128   g: silu or gelu (tanh)
@@ -137,7 +138,7 @@ struct GatherGemmTraits {
   using PipelineState = typename Pipeline::PipelineState;
   static constexpr uint32_t kTmaBytesB = kTileN * kTileK * sizeof(Element);
 
-  using SharedStorage = WgmmaSharedStorage<Element, SmemLayoutA, SmemLayoutB, Pipeline>;
+  using SharedStorage = WgmmaStagedSharedStorage<Element, SmemLayoutA, SmemLayoutB, Pipeline>;
 };
 
 // The B tile of one stage as kCount TMA boxes of kBoxN columns of w: one box of the tile's
@@ -338,12 +339,13 @@ template <bool kTransposedB, GatherEpilogue kEpilogue, class Out, class Accum, c
           class T = GatherGemmTraits<kTransposedB>>
 __device__ __forceinline__ void store_tile(const GatherGemmKernelParams<kTransposedB, kEpilogue, Out>& p,
                                            const RowTile& tile, int32_t n_tile, const Accum& accum,
-                                           const Coord& coord) {
+                                           const Coord& coord, const StagingPlace& place) {
   if constexpr (kEpilogue == GatherEpilogue::kNone) {
-    store_accumulators(p.out, p.n, tile.row_begin, tile.row_end, n_tile * T::kTileN, accum, coord);
+    store_accumulators_staged(p.out, p.n, tile.row_begin, tile.row_end, n_tile * T::kTileN, accum, coord, place);
   } else if constexpr (kEpilogue == GatherEpilogue::kPlain) {
     with_activation<kEpilogue>(p.activation, [&](const auto& g) {
-      store_accumulators(p.out, p.n, tile.row_begin, tile.row_end, n_tile * T::kTileN, accum, coord, g);
+      store_accumulators_staged(p.out, p.n, tile.row_begin, tile.row_end, n_tile * T::kTileN, accum, coord, place,
+                                g);
     });
   } else {
     with_activation<kEpilogue>(p.activation, [&](const auto& g) {
@@ -361,6 +363,7 @@ __device__ __forceinline__ void gather_gemm_consume(const GatherGemmKernelParams
   const int thread = threadIdx.x - T::kProducerThreads;  // 0 .. kConsumerThreads - 1
   typename T::TiledMma mma;
   auto [tCrA, tCrB, accum, coord] = consumer_tensors<T>(mma, thread, smem);
+  const StagingPlace place = staging_place(smem, thread);
 
   typename T::PipelineState read;
   for (int64_t unit = blockIdx.x; unit < units; unit += gridDim.x) {
@@ -368,7 +371,7 @@ __device__ __forceinline__ void gather_gemm_consume(const GatherGemmKernelParams
     const int32_t n_tile = static_cast<int32_t>(unit % p.n_tiles);
 
     wgmma_stages(pipeline, read, mma, tCrA, tCrB, accum, p.k_tiles);
-    store_tile(p, tile, n_tile, accum, coord);
+    store_tile(p, tile, n_tile, accum, coord, place);
   }
 }
 

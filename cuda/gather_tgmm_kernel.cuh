@@ -38,9 +38,10 @@
 //     bytes it announced for the stage, if any, have landed.
 //   - warp groups 1 and 2, the consumers: each multiplies its 64 rows of the block by the
 //     B tile with wgmma (m64n256k16, f32 accumulators in registers), keeping one batch in
-//     flight (wgmma_stages), then stores its rows of the block straight from the
-//     accumulators (rows and columns past the block's bounds are left alone). A unit of
-//     an empty group runs no step and stores zeros.
+//     flight (wgmma_stages), then stores its rows of the block through a staging buffer
+//     in shared memory, 16 bytes per thread and store (store_accumulators_staged; rows and
+//     columns past the block's bounds are left alone). A unit of an empty group runs no
+//     step and stores zeros. The next unit's description is read before the store.
 // The producer keeps loading the next unit's stages while the consumers store a block.
 #ifndef MOE_XLA_CUDA_GATHER_TGMM_KERNEL_CUH_
 #define MOE_XLA_CUDA_GATHER_TGMM_KERNEL_CUH_
@@ -165,7 +166,7 @@ struct GatherTgmmTraits {
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
   using PipelineState = typename Pipeline::PipelineState;
 
-  using SharedStorage = WgmmaSharedStorage<Element, SmemLayoutA, SmemLayoutB, Pipeline>;
+  using SharedStorage = WgmmaStagedSharedStorage<Element, SmemLayoutA, SmemLayoutB, Pipeline>;
 };
 
 // The TMA load of boxes from dy viewed as (N, M): N contiguous; a box is kBoxCols columns
@@ -398,16 +399,22 @@ __device__ __forceinline__ void gather_tgmm_consume(const GatherTgmmKernelParams
   // The output block: rows x columns, row-major.
   const int32_t rows = kTransposed ? p.n : p.k, cols = kTransposed ? p.k : p.n;
 
+  const StagingPlace place = staging_place(smem, thread);
+
   typename T::PipelineState read;
+  GatherTgmmUnit u;
+  if (blockIdx.x < p.units) u = gather_tgmm_unit(p, blockIdx.x);
   for (int64_t unit = blockIdx.x; unit < p.units; unit += gridDim.x) {
-    const GatherTgmmUnit u = gather_tgmm_unit(p, unit);
     if (u.steps > 0) {
       wgmma_stages(pipeline, read, mma, tCrA, tCrB, accum, u.steps);
     } else {
       clear(accum);  // an empty group's block is exactly zero
     }
-    store_accumulators(p.out + static_cast<int64_t>(u.group) * p.k * p.n, cols, u.row_tile * T::kTileM, rows,
-                       u.col_tile * T::kTileN, accum, coord);
+    // The next unit's description is read before the store, so its latency passes there.
+    const GatherTgmmUnit next = unit + gridDim.x < p.units ? gather_tgmm_unit(p, unit + gridDim.x) : u;
+    store_accumulators_staged(p.out + static_cast<int64_t>(u.group) * p.k * p.n, cols, u.row_tile * T::kTileM,
+                              rows, u.col_tile * T::kTileN, accum, coord, place);
+    u = next;
   }
 }
 

@@ -59,6 +59,37 @@ struct WgmmaSharedStorage {
   typename Pipeline::SharedStorage pipeline;
 };
 
+// The staged output store (store_accumulators_staged): each consumer warp group's buffer of
+// 64 rows of 128 bytes, staging_stride<Out>() bytes apart. The padding makes the fragment's
+// writes conflict-free: lane l writes sizeof(Out) * 2 bytes at row l / 4, column pair l % 4;
+// for bf16 (stride 144 = 36 words) a warp's 32 words fall in banks 4 (l / 4) + l % 4 mod 32,
+// for f32 (stride 160 = 40 words) a half warp's 16 word pairs in banks 8 (l / 4) + 2 (l % 4)
+// and the next, all distinct.
+template <class Out>
+constexpr int staging_stride() {
+  return 128 + 8 * static_cast<int>(sizeof(Out));
+}
+constexpr int kStagingBytes = 64 * staging_stride<float>();
+
+// WgmmaSharedStorage with a staging buffer for each of two consumer warp groups.
+template <class Element, class SmemLayoutA, class SmemLayoutB, class Pipeline>
+struct WgmmaStagedSharedStorage : WgmmaSharedStorage<Element, SmemLayoutA, SmemLayoutB, Pipeline> {
+  alignas(16) char staging[2][kStagingBytes];
+};
+
+// A consumer thread's part in the staged store: its warp group's buffer, its index in the
+// group (0 .. 127) and the group's named barrier (1 or 2; 0 is __syncthreads').
+struct StagingPlace {
+  char* buffer;
+  int thread;
+  int barrier;
+};
+template <class Storage>
+__device__ __forceinline__ StagingPlace staging_place(Storage& smem, int consumer_thread) {
+  const int group = consumer_thread / 128;
+  return StagingPlace{smem.staging[group], consumer_thread % 128, 1 + group};
+}
+
 // 16 bytes from global to shared memory, bypassing L1; src_bytes = 0 writes zeros and
 // reads nothing.
 __device__ __forceinline__ void cp_async_16_zfill(uint32_t smem_addr, const void* gmem,
@@ -162,6 +193,54 @@ __device__ __forceinline__ void store_accumulators(Out* out, int32_t n, int32_t 
     if (row < row_end && col < n) {
       store_pair(out + static_cast<int64_t>(row) * n + col, fn(accum(i)), fn(accum(i + 1)));
     }
+  }
+}
+
+// The elements of store_accumulators for one consumer warp group's 64 rows of the tile
+// (rows 64 g .. 64 g + 63, g = the group's index), through its staging buffer (`place`,
+// from staging_place). The fragment holds pairs of 4 (bf16) or
+// 8 (f32) bytes spread over 8 rows per warp, a 32-byte sector per store; staged, the
+// group stores the slice of 128 bytes per row at a time: its fragment pairs go to shared
+// memory, then each thread copies 16-byte chunks, a warp 4 whole rows per store.
+// Accumulators 4 j .. 4 j + 3 lie in columns 8 j .. 8 j + 7 of the thread's columns (the
+// wgmma accumulator layout, PTX ISA), so slice s holds accumulators s * kPerSlice ..
+// (s + 1) * kPerSlice - 1; where each lands comes from `coord`. Rows at or past row_end
+// and columns at or past n are left alone (n % 8 == 0: a 16-byte chunk is wholly in or out).
+template <class Out, class Accum, class Coord, class Fn = IdentityEpilogue>
+__device__ __forceinline__ void store_accumulators_staged(Out* out, int32_t n, int32_t row0,
+                                                          int32_t row_end, int32_t col0,
+                                                          const Accum& accum, const Coord& coord,
+                                                          const StagingPlace& place, const Fn& fn = Fn{}) {
+  using namespace cute;
+  constexpr int kSliceCols = 128 / static_cast<int>(sizeof(Out));
+  constexpr int kPerSlice = kSliceCols / 8 * 4;
+  constexpr int kChunkElems = 16 / static_cast<int>(sizeof(Out));
+  constexpr int kChunksPerThread = 64 * 8 / 128;  // 64 rows of eight 16-byte chunks
+  constexpr int kStride = staging_stride<Out>();
+  constexpr int kAccums = size(Accum{});
+  static_assert(kAccums % kPerSlice == 0, "whole slices");
+  const int32_t group_row = get<0>(coord(0)) / 64 * 64;
+  auto sync = [&place] { asm volatile("bar.sync %0, 128;\n" ::"r"(place.barrier) : "memory"); };
+  CUTLASS_PRAGMA_UNROLL
+  for (int slice = 0; slice < kAccums / kPerSlice; ++slice) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int a = 0; a < kPerSlice; a += 2) {
+      const int i = slice * kPerSlice + a;
+      const int r = get<0>(coord(i)) - group_row, c = get<1>(coord(i)) - slice * kSliceCols;
+      store_pair(reinterpret_cast<Out*>(place.buffer + r * kStride) + c, fn(accum(i)), fn(accum(i + 1)));
+    }
+    sync();  // the slice is in shared memory
+    CUTLASS_PRAGMA_UNROLL
+    for (int q = 0; q < kChunksPerThread; ++q) {
+      const int chunk = place.thread + q * 128;
+      const int r = chunk / 8, c = chunk % 8;
+      const int32_t row = row0 + group_row + r, col = col0 + slice * kSliceCols + c * kChunkElems;
+      if (row < row_end && col < n) {
+        *reinterpret_cast<uint4*>(out + static_cast<int64_t>(row) * n + col) =
+            *reinterpret_cast<const uint4*>(place.buffer + r * kStride + c * 16);
+      }
+    }
+    sync();  // every chunk read before the next slice overwrites the buffer
   }
 }
 
