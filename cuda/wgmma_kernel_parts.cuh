@@ -198,10 +198,10 @@ __device__ __forceinline__ void store_accumulators(Out* out, int32_t n, int32_t 
 
 // The elements of store_accumulators for one consumer warp group's 64 rows of the tile
 // (rows 64 g .. 64 g + 63, g = the group's index), through its staging buffer (`place`,
-// from staging_place). The fragment holds pairs of 4 (bf16) or
-// 8 (f32) bytes spread over 8 rows per warp, a 32-byte sector per store; staged, the
-// group stores the slice of 128 bytes per row at a time: its fragment pairs go to shared
-// memory, then each thread copies 16-byte chunks, a warp 4 whole rows per store.
+// from staging_place). The fragment holds pairs of 4 (bf16) or 8 (f32) bytes spread over 8
+// rows per warp, a 32-byte sector per store; staged, the group stores a slice of 128 bytes
+// per row at a time: its fragment pairs go to shared memory, then each thread copies
+// 16-byte chunks, a warp 4 whole rows per store.
 // Accumulators 4 j .. 4 j + 3 lie in columns 8 j .. 8 j + 7 of the thread's columns (the
 // wgmma accumulator layout, PTX ISA), so slice s holds accumulators s * kPerSlice ..
 // (s + 1) * kPerSlice - 1; where each lands comes from `coord`. Rows at or past row_end
