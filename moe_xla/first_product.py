@@ -47,7 +47,8 @@ MODES = _choice.MODES
 GATHER_MAX_N = 1024
 # Largest w_in width whose derivative gathers under "auto": where the layer's step gains on
 # the H200 (LOG.md, session 17: sonicmoe n256, N = 512, 1.02x with the combine's gathered
-# backward; n512, N = 1024, 0.99x), the step then keeps no x_sorted.
+# backward; n512, N = 1024, 0.99x), the step then keeps no x_sorted. Measured before session
+# 31 made gather_tgmm 1.04-1.58x the copy path's on most shapes; not redone since.
 GATHER_DERIVATIVE_MAX_N = 512
 
 _override = _choice.Override("first_product")
