@@ -34,15 +34,15 @@ _SYMBOLS = {
     for op in ("gmm", "tgmm", "route", "permute", "unpermute")
     for platform in ("cpu", "cuda")
 }
-# FP8 ops (common/fp8_blockwise.h, fp8_grouped_gemm.h), gather_rows and
-# activate_weighted_grad: symbols in
+# FP8 ops (common/fp8_blockwise.h, fp8_grouped_gemm.h), gather_rows,
+# activate_weighted_grad and the EP dispatch plan (common/ep_plan.h): symbols in
 # CamelCase, MoeXlaQuantizeFp8RowsCpu, MoeXlaQuantizeFp8WeightsCuda,
 # MoeXlaActivateQuantizeFp8Cpu, MoeXlaGmmFp8Cuda, MoeXlaTgmmFp8Cpu, MoeXlaGatherRowsCpu.
 _SYMBOLS.update({
     (op, platform): f"MoeXla{op.title().replace('_', '')}{platform.capitalize()}"
     for op in ("quantize_fp8_rows", "quantize_fp8_blocks", "quantize_fp8_weights", "quantize_fp8_group_cols",
                "activate_quantize_fp8", "activate_grad_quantize_fp8", "expand_quantize_fp8_rows", "gmm_fp8",
-               "tgmm_fp8", "gather_rows", "activate_weighted_grad")
+               "tgmm_fp8", "gather_rows", "activate_weighted_grad", "ep_dedup_rows", "ep_row_places")
     for platform in ("cpu", "cuda")
 })
 

@@ -157,6 +157,57 @@ def unpermute(y_sorted, row_map, weights):
     return jnp.sum(w * jnp.where(named, rows, 0.0), axis=1).astype(y_sorted.dtype)
 
 
+def ep_dedup_rows(dest, lid, *, peers: int, local: int, mult: int):
+    """The EP layer's rows with dedup (common/ep_plan.h): token t sends one row per valid
+    destination d in [0, peers), at its first j with dest[t, j] = d, asking for the slots
+    lid of its pairs there in j order.
+    -> (row_dest [T, k]: d at that first j, peers elsewhere; lids [T*n, mult]: row c of t
+    (its c-th first j) asks for lid[t, j] of its m-th pair at lids[t*n + c, m], `local`
+    past them; weight_slot [T*k]: (t*n + c)*mult + m for that pair, -1 for an invalid
+    destination or m >= mult), n = min(k, peers)."""
+    t, k = dest.shape
+    n = min(k, peers)
+    valid = (dest >= 0) & (dest < peers)
+    same = (dest[:, :, None] == dest[:, None, :]) & valid[:, :, None]    # [T, k, k]: j, j' go to one valid rank
+    before = jnp.arange(k)[None, :] < jnp.arange(k)[:, None]              # [k, k]: j' < j
+    m = jnp.sum(same & before, axis=-1, dtype=jnp.int32)                  # pairs of j's rank before j
+    first = valid & (m == 0)
+    row_of_first = jnp.cumsum(first, axis=-1, dtype=jnp.int32) - 1
+    c = jnp.take_along_axis(row_of_first, jnp.argmax(same, axis=-1), axis=-1)  # j's row: its rank's first j's
+    kept = valid & (m < mult)
+    tokens = jnp.arange(t, dtype=jnp.int32)[:, None]
+    slot = (tokens * n + c) * mult + m
+    lids = jnp.full((t * n * mult,), local, jnp.int32).at[jnp.where(kept, slot, t * n * mult)].set(
+        lid, mode="drop")
+    return (jnp.where(first, dest, peers), lids.reshape(t * n, mult), jnp.where(kept, slot, -1).reshape(-1))
+
+
+def ep_row_places(row_dest, row_map, lids, *, peers: int, local: int, rows_per_token: int):
+    """Where the EP layer's rows sit among the rows grouped by destination (common/ep_plan.h).
+    Row c < n = rows_per_token of token t is its c-th j with a valid row_dest[t, j]; row_map
+    is permute's of row_dest over `peers`; lids [T*n, M] the rows' slots.
+    -> (dest_rows [T, n]: row_dest of row c, peers where t has fewer rows; row [T, n]: its
+    row_map entry r, T*k there and where r is outside [0, T*k); source [T*k]: t*n + c at row r = row[t, c] in [0, T*k), T*n
+    elsewhere; pairs [T*k]: the row's lids in [0, local) there, 0 elsewhere)."""
+    t, k = row_dest.shape
+    n = rows_per_token
+    valid = (row_dest >= 0) & (row_dest < peers)
+    c = jnp.cumsum(valid, axis=-1, dtype=jnp.int32) - 1
+    is_row = valid & (c < n)
+    tokens = jnp.arange(t, dtype=jnp.int32)[:, None]
+    at = (tokens, jnp.where(is_row, c, n))
+    r = row_map.reshape(t, k)
+    named = is_row & (r >= 0) & (r < t * k)
+    place = jnp.where(named, r, t * k)
+    dest_rows = jnp.full((t, n), peers, jnp.int32).at[at].set(row_dest, mode="drop")
+    row = jnp.full((t, n), t * k, jnp.int32).at[at].set(place, mode="drop")
+    asks = jnp.sum((lids >= 0) & (lids < local), axis=-1, dtype=jnp.int32).reshape(t, n)
+    source = jnp.full((t * k,), t * n, jnp.int32).at[place].set(tokens * n + c, mode="drop")
+    pairs = jnp.zeros((t * k,), jnp.int32).at[place].set(
+        jnp.take_along_axis(asks, jnp.clip(c, 0, max(n - 1, 0)), axis=-1) if n else 0, mode="drop")
+    return dest_rows, row, source, pairs
+
+
 def silu(x):
     """x * sigmoid(x), with sigmoid(x) = exp(x - log(1 + e^x)): no overflow, no cancellation."""
     return x * jnp.exp(x - jnp.logaddexp(0.0, x))

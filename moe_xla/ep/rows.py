@@ -18,8 +18,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from moe_xla._rows import inverse_rows
 from moe_xla.ep.sizing import ExchangeSizes
+from moe_xla.primitives.ep_dedup_rows import ep_dedup_rows
+from moe_xla.primitives.ep_expand import expand
+from moe_xla.primitives.ep_row_places import ep_row_places
 from moe_xla.primitives.permute import permute
 
 
@@ -28,8 +30,7 @@ class Rows(NamedTuple):
     (n = min(k, P) with dedup, else k): its (t, c), c < n, in j order."""
 
     dest: jax.Array     # [T, n] int32 the rank row (t, c) goes to; P: no such row (the token has fewer)
-    row: jax.Array      # [T, n] int32 its place among the rows grouped by destination (permute's row_map);
-    #                      where dest == P, a placeholder (j = 0's) that every use masks by dest
+    row: jax.Array      # [T, n] int32 its place among the rows grouped by destination (T*k: none)
     lids: jax.Array     # [T*n, mult] int32 the local slots row (t, c) asks for; E_l = E / P + S: none
     w: jax.Array | None  # [T*n, mult] float32 their routing weights (dedup), else None
     source: jax.Array   # [T*k] int32 grouped row -> its (t, c) flattened (T*n: none, a row no pair sends)
@@ -41,35 +42,22 @@ class Rows(NamedTuple):
 
 def rows_by_destination(weights, dest, lid, sizes: ExchangeSizes, dedup: bool) -> Rows:
     """Rows of the pairs (t, j), of routing weights [T, k], that go to slot lid [T, k] of
-    rank dest [T, k] (placement.expert_slots)."""
+    rank dest [T, k] (placement.expert_slots).
+
+    Three kernels: ep_dedup_rows (with dedup) picks each token's rows, permute (no
+    columns) groups them by destination, ep_row_places says where each row went. The
+    routing weights reach their rows' places by ep_expand, whose transpose is a gather:
+    no scatter-add in the backward."""
     t, k = dest.shape
     local, mult, peers = sizes.local_experts, sizes.mult, sizes.peers
-    j = jnp.arange(k)
     if dedup:
-        same = dest[:, :, None] == dest[:, None, :]                          # [T, k, k]
-        first = jnp.argmax(same, axis=-1) == j                               # j is its destination's first
-        # pick[t, i, c]: the c-th j (in order) that goes where j = i goes, found by its rank
-        # among them (one-hot over j, no sort); there: whether that many go there.
-        rank_there = jnp.cumsum(same, axis=-1, dtype=jnp.int32) - 1             # [T, k, k]
-        hits = same[..., None] & (rank_there[..., None] == jnp.arange(mult))    # [T, k, k, mult]
-        pick, there = jnp.argmax(hits, axis=2), jnp.any(hits, axis=2)           # [T, k, mult]
-        lids = jnp.where(there, jnp.take_along_axis(jnp.broadcast_to(lid[:, None], (t, k, k)), pick, -1), local)
-        w = jnp.where(there, jnp.take_along_axis(jnp.broadcast_to(weights[:, None], (t, k, k)), pick, -1), 0.0)
-        row_dest, combine = jnp.where(first, dest, peers), first.astype(jnp.float32)
-        # Row c of token t is its c-th first j (one-hot over j: no sort).
         n = min(k, peers)
-        rank = jnp.cumsum(first, axis=-1, dtype=jnp.int32) - 1
-        hit = first[:, :, None] & (rank[:, :, None] == jnp.arange(n))        # [T, k, n]
-        cols, sent = jnp.argmax(hit, axis=1), jnp.any(hit, axis=1)           # [T, n]
+        row_dest, lids, weight_slot = ep_dedup_rows(dest, lid, peers=peers, local=local, mult=mult)
+        w = expand(weights.reshape(t * k, 1), weight_slot.reshape(t * k, 1), num_pairs=t * n * mult)
+        w, combine = w.reshape(t * n, mult), (row_dest < peers).astype(jnp.float32)
     else:
-        lids, w, row_dest, combine = lid[..., None], None, dest, weights
-        n, cols, sent = k, jnp.broadcast_to(j, (t, k)), jnp.ones((t, k), bool)
+        n, row_dest, lids, w, combine = k, dest, lid.reshape(t * k, 1), None, weights
     _, counts, row_map = permute(jnp.zeros((t, 0), jnp.float32), row_dest, peers)
-    take = lambda a: jnp.take_along_axis(a, cols.reshape(cols.shape + (1,) * (a.ndim - 2)), axis=1)  # noqa: E731
-    row = take(row_map.reshape(t, k))
-    lids = take(lids).reshape(t * n, lids.shape[-1])
-    w = None if w is None else take(w).reshape(t * n, mult)
-    source, named = inverse_rows(jnp.where(sent, row, t * k).reshape(t * n), t * k)
-    source = jnp.where(named, source, t * n)
-    pairs = jnp.where(named, jnp.sum(lids < local, axis=-1, dtype=jnp.int32)[jnp.minimum(source, t * n - 1)], 0)
-    return Rows(jnp.where(sent, take(row_dest), peers), row, lids, w, source, pairs, counts, row_map, combine)
+    dest_rows, row, source, pairs = ep_row_places(row_dest, row_map, lids, peers=peers, local=local,
+                                                  rows_per_token=n)
+    return Rows(dest_rows, row, lids, w, source, pairs, counts, row_map, combine)

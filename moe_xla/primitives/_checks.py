@@ -27,6 +27,16 @@ def same_dtype(op: str, a_name: str, a, b_name: str, b) -> None:
         raise TypeError(f"{op}: expected {b_name} of the dtype of {a_name} ({a.dtype}), got {b.dtype}")
 
 
+def int32(op: str, name: str, x) -> None:
+    if jnp.dtype(x.dtype) != jnp.dtype(jnp.int32):
+        raise TypeError(f"{op}: expected int32 {name}, got {x.dtype}")
+
+
+def int_at_least(op: str, name: str, value, least: int) -> None:
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < least:
+        raise ValueError(f"{op}: expected an int {name} >= {least}, got {value!r}")
+
+
 def dim(op: str, what: str, expected: int, actual: int) -> None:
     if expected != actual:
         raise ValueError(f"{op}: expected {what} = {expected}, got {actual}")

@@ -52,6 +52,9 @@ _REFERENCE = {
         values, src, *factor),
     "expand_quantize_fp8_rows": lambda values, slots, factor, num_rows, **params: list(
         reference.expand_quantize_fp8_rows(values, slots, factor, num_rows, **params)),
+    "ep_dedup_rows": lambda dest, lid, **params: list(reference.ep_dedup_rows(dest, lid, **params)),
+    "ep_row_places": lambda row_dest, row_map, lids, **params: list(
+        reference.ep_row_places(row_dest, row_map, lids, **params)),
     "gmm_fp8": reference.gmm_fp8,
     "tgmm_fp8": reference.tgmm_fp8,
 }
