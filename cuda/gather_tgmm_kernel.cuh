@@ -80,13 +80,14 @@ namespace detail {
 template <int kCols>
 struct GatherTgmmChunks {
   static constexpr int kProducerThreads = 128;
-  static constexpr int kChunkElems = 8;
+  static constexpr int kChunkBytes = 16;  // one cp.async
+  static constexpr int kChunkElems = kChunkBytes / static_cast<int>(sizeof(cutlass::bfloat16_t));
   static constexpr int kThreadsPerRow = 4;
   static constexpr int kChunks = kCols / kChunkElems;
   static constexpr int kCopies = kChunks / kThreadsPerRow;
   static constexpr int kRowsPerPass = kProducerThreads / kThreadsPerRow;
   static constexpr int kPasses = kGatherTgmmStepRows / kRowsPerPass;
-  static constexpr int kCopyBytes = kThreadsPerRow * kChunkElems * 2;  // between a thread's copies
+  static constexpr int kCopyBytes = kThreadsPerRow * kChunkBytes;  // between a thread's copies
   // Chunk q + 4 i of row r lies in atom column i / 2 at slot (q + 4 (i % 2)) ^ (r % 8) (see
   // chunk_offset): two offsets per thread and row serve every copy, and the passes, whole
   // multiples of 8 rows apart, keep the swizzle phase.
