@@ -43,10 +43,11 @@ def inverse_rows(idx, num_rows: int):
     no row. A gather through src moves what a scatter through idx would, deterministically."""
     n = idx.shape[0]
     # Entries naming no row go to distinct places past the rows, so the indices stay unique.
+    # One scatter: rows it does not reach keep -1.
     target = jnp.where(names_row(idx, num_rows), idx, num_rows + jnp.arange(n, dtype=idx.dtype))
-    src = jnp.zeros((num_rows,), jnp.int32).at[target].set(jnp.arange(n, dtype=jnp.int32), mode="drop",
-                                                           unique_indices=True)
-    return src, jnp.zeros((num_rows,), bool).at[target].set(True, mode="drop", unique_indices=True)
+    src = jnp.full((num_rows,), -1, jnp.int32).at[target].set(jnp.arange(n, dtype=jnp.int32), mode="drop",
+                                                              unique_indices=True)
+    return jnp.maximum(src, 0), src >= 0
 
 
 def row_tokens(row_map, top_k: int, num_rows: int):
