@@ -309,3 +309,20 @@ def test_rows_by_destination_is_the_one_hot_plan(rng, dedup):
     assert np.all(source[int(np.sum(rows.counts)):] == t * n)
     lids = np.asarray(rows.lids)
     np.testing.assert_array_equal(np.asarray(rows.pairs)[row[sent]], np.sum(lids < sizes.local_experts, -1)[sent])
+
+
+@pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 devices")
+def test_sharded_inputs_give_the_unsharded_plan(rng):
+    """Under jit with token-sharded inputs the ops run whole (their outputs hold global
+    indices): the same plan as on one device."""
+    t, k, p, local, mult = 32, 8, 4, 5, 4
+    dest, lid = _pairs(rng, t, k, p, local)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("d",))
+    split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d"))
+    f = lambda d, l: ep_dedup_rows(d, l, peers=p, local=local, mult=mult)  # noqa: E731
+    want = f(dest, lid)
+    _assert_equal(jax.jit(f)(jax.device_put(dest, split), jax.device_put(lid, split)), want, DEDUP_OUT)
+    row_map = _row_map(want[0], p)
+    g = lambda *a: ep_row_places(*a, peers=p, local=local, rows_per_token=min(k, p))  # noqa: E731
+    _assert_equal(jax.jit(g)(*(jax.device_put(a, split) for a in (want[0], row_map, want[1]))),
+                  g(want[0], row_map, want[1]), PLACES_OUT)

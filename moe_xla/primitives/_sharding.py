@@ -13,6 +13,9 @@ What each op splits without communication:
            is one sort of all T*k assignments by expert, so a token-split permute would
            be a different op: the all-to-all dispatch of moe_xla.ep (expert
            parallelism). A T-sharded input is gathered (need_replication).
+  ep_dedup_rows, ep_row_places  nothing: their outputs hold global row and token
+           indices. The EP layer runs them inside shard_map on each rank's tokens;
+           elsewhere a sharded input is gathered.
 
 Under `jax.jit` with sharded inputs on a mesh of several devices (and outside a fully
 manual `shard_map`), a primitive's FFI call is wrapped in
@@ -286,3 +289,17 @@ def _unpermute_specs(arg_axes, **_):
 
 UNPERMUTE = Rule(sharding_rule=lambda **_: "s h, r, t k -> t h", specs=_unpermute_specs,
                  need_replication=("s", "r", "t", "k"))
+
+
+def _replicated(arg_axes, results: tuple[int, ...]):
+    """Every operand and result whole (results: their ranks)."""
+    return [tuple(() for _ in a) for a in arg_axes], [tuple(() for _ in range(r)) for r in results], ()
+
+
+# Global indices in the outputs (weight slots, grouped rows, senders): nothing splits.
+EP_DEDUP_ROWS = Rule(sharding_rule=lambda **_: "t k, t k -> t k, r m, p",
+                     specs=lambda arg_axes, **_: _replicated(arg_axes, (2, 2, 1)),
+                     need_replication=("t", "k", "r", "m", "p"))
+EP_ROW_PLACES = Rule(sharding_rule=lambda **_: "t k, p, r m -> t n, t n, p, p",
+                     specs=lambda arg_axes, **_: _replicated(arg_axes, (2, 2, 1, 1)),
+                     need_replication=("t", "k", "p", "r", "m", "n"))

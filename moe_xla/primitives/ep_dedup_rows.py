@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching
 
-from moe_xla.primitives import _ad, _batching, _checks, _impl, _lowering
+from moe_xla.primitives import _ad, _batching, _checks, _impl, _lowering, _sharding
 
 OP = "ep_dedup_rows"
 
@@ -72,4 +72,4 @@ _impl.def_jitted_impl(ep_dedup_rows_p)
 ep_dedup_rows_p.def_abstract_eval(_abstract_eval)
 ad.primitive_jvps[ep_dedup_rows_p] = _jvp
 batching.primitive_batchers[ep_dedup_rows_p] = _batch
-_lowering.register(ep_dedup_rows_p, OP, lambda **params: params)
+_lowering.register(ep_dedup_rows_p, OP, lambda **params: params, sharding=_sharding.EP_DEDUP_ROWS)

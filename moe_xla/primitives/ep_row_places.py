@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching
 
-from moe_xla.primitives import _ad, _batching, _checks, _impl, _lowering
+from moe_xla.primitives import _ad, _batching, _checks, _impl, _lowering, _sharding
 
 OP = "ep_row_places"
 
@@ -85,4 +85,4 @@ _impl.def_jitted_impl(ep_row_places_p)
 ep_row_places_p.def_abstract_eval(_abstract_eval)
 ad.primitive_jvps[ep_row_places_p] = _jvp
 batching.primitive_batchers[ep_row_places_p] = _batch
-_lowering.register(ep_row_places_p, OP, lambda **params: params)
+_lowering.register(ep_row_places_p, OP, lambda **params: params, sharding=_sharding.EP_ROW_PLACES)
