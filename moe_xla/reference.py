@@ -187,8 +187,9 @@ def ep_row_places(row_dest, row_map, lids, *, peers: int, local: int, rows_per_t
     Row c < n = rows_per_token of token t is its c-th j with a valid row_dest[t, j]; row_map
     is permute's of row_dest over `peers`; lids [T*n, M] the rows' slots.
     -> (dest_rows [T, n]: row_dest of row c, peers where t has fewer rows; row [T, n]: its
-    row_map entry r, T*k there and where r is outside [0, T*k); source [T*k]: t*n + c at row r = row[t, c] in [0, T*k), T*n
-    elsewhere; pairs [T*k]: the row's lids in [0, local) there, 0 elsewhere)."""
+    row_map entry r, T*k there and where r is outside [0, T*k); source [T*k]: t*n + c at
+    row r = row[t, c] in [0, T*k), T*n elsewhere; pairs [T*k]: the row's lids in
+    [0, local) there, 0 elsewhere)."""
     t, k = row_dest.shape
     n = rows_per_token
     valid = (row_dest >= 0) & (row_dest < peers)
