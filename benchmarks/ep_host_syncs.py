@@ -15,6 +15,11 @@ What it counts, per step (events of `--steps` back-to-back steps / steps):
                and kernel launches);
   d2d_copies   device-to-device copies outside kernels (e.g. loop carries);
   kernels      kernels run, for scale.
+And from the optimised HLO (any platform, no run): launches, the instructions that can
+launch work, counted once each outside fused and reducer computations (fusions, custom
+calls, copies, scatters, ...; not parameters, tuples, bitcasts, constants or the calls and
+loops that only hold others). On XLA:GPU these become the step's CUDA-graph nodes, whose
+count the host pays to update and launch every step.
 The batch's final block_until_ready is outside the steps and not counted. And the host's
 time per step (host_ms: the median over --host-reps batches of the wall time to enqueue
 --steps back-to-back steps, divided by the steps; the device drained before each batch, so
@@ -55,6 +60,28 @@ import moe_xla
 # conditional nodes): a loop of known trip count then runs inside the step's graph instead of
 # being launched from the host iteration by iteration.
 GRAPH_LOOPS = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"
+
+
+# Opcodes that launch nothing themselves.
+_HOLDERS = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "call", "while", "conditional",
+            "after-all", "partition-id", "replica-id"}
+
+
+def launches(hlo: str) -> int:
+    """Instructions of an optimised HLO module that can launch work (module docstring):
+    those of every computation no fusion or reducer calls (`calls=` of a fusion,
+    `to_apply=` of a reduce, scatter, sort, ...)."""
+    inner = set(re.findall(r" fusion\(.*?calls=%?([\w.-]+)", hlo)) | set(re.findall(r"to_apply=%?([\w.-]+)", hlo))
+    count, skipping = 0, False
+    for line in hlo.splitlines():
+        head = re.match(r"(?:ENTRY )?%?([\w.-]+) .*\{$", line)
+        if head and not line.startswith(" "):
+            skipping = head.group(1) in inner
+            continue
+        op = re.search(r"= (?:\([^=]*\)|\S+) ([\w-]+)\(", line)
+        if op and not skipping and op.group(1) not in _HOLDERS:
+            count += 1
+    return count
 
 
 def count_syncs(fn, args, steps: int) -> dict:
@@ -112,7 +139,7 @@ def main():
         step = jax.jit(fwd_bwd(layer, 4)).lower(*inputs, ct).compile(compiler_options=options)
         hlo = step.as_text()
         row = {"layer": name, "command_buffers": build, "case": case["name"], "tokens": args.tokens,
-               "while_loops": len(re.findall(r"\swhile\(", hlo)),
+               "while_loops": len(re.findall(r"\swhile\(", hlo)), "launches": launches(hlo),
                **count_syncs(step, (*inputs, ct), args.steps),
                "host_ms": host_ms(step, (*inputs, ct), args.steps, args.host_reps),
                "temp_mib": step.memory_analysis().temp_size_in_bytes / 2 ** 20}
@@ -123,8 +150,8 @@ def main():
     env = environment()
     env["steps"] = args.steps
     write_results(args.out, args.name, env, rows,
-                  ["layer", "command_buffers", "tokens", "while_loops", "d2h_copies", "d2d_copies", "kernels", "host_ms",
-                   "host_vs_moe", "temp_mib"])
+                  ["layer", "command_buffers", "tokens", "while_loops", "launches", "d2h_copies", "d2d_copies", "kernels",
+                   "host_ms", "host_vs_moe", "temp_mib"])
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
 import ep_exchange  # noqa: E402
+import ep_host_syncs  # noqa: E402
 import ep_scaling  # noqa: E402
 
 _BYTES = {"bf16": 2, "f32": 4, "s32": 4, "u8": 1, "pred": 1}
@@ -146,3 +147,31 @@ def test_ep_scaling_smoke(tmp_path):
     assert skewed[4] < skewed[0]
     assert any(r["section"] == "memory" for r in rows)
     assert "sent_ratio" in (tmp_path / "ep_scaling_cpu8.md").read_text()
+
+
+def test_launches_counts_instructions_outside_fused_and_reducer_computations():
+    hlo = "\n".join([
+        "HloModule jit_f, entry_computation_layout={(f32[8]{0})->f32[8]{0}}",
+        "%fused_computation (param_0: f32[8]) -> f32[8] {",
+        "  %param_0 = f32[8]{0} parameter(0)",
+        "  ROOT %add.1 = f32[8]{0} add(f32[8]{0} %param_0, f32[8]{0} %param_0)",
+        "}",
+        "%region_0.2 (a: f32[], b: f32[]) -> f32[] {",
+        "  ROOT %add.3 = f32[] add(f32[] %a, f32[] %b)",
+        "}",
+        "%body (p: (s32[], f32[8])) -> (s32[], f32[8]) {",
+        "  %p = (s32[], f32[8]{0}) parameter(0)",
+        "  %gte = f32[8]{0} get-tuple-element((s32[], f32[8]{0}) %p), index=1",
+        "  %cc = (f32[8]{0}, s32[8]{0}) custom-call(f32[8]{0} %gte), custom_call_target=\"k\"",
+        "  ROOT %t = (s32[], f32[8]{0}) tuple(s32[] %i, f32[8]{0} %gte)",
+        "}",
+        "ENTRY %main.9 (x: f32[8]) -> f32[8] {",
+        "  %x = f32[8]{0} parameter(0)",
+        "  %fusion = f32[8]{0} fusion(f32[8]{0} %x), kind=kLoop, calls=%fused_computation",
+        "  %reduce = f32[] reduce(f32[8]{0} %fusion, f32[] %c), dimensions={0}, to_apply=%region_0.2",
+        "  %while = (s32[], f32[8]{0}) while((s32[], f32[8]{0}) %init), condition=%cond, body=%body",
+        "  ROOT %copy = f32[8]{0} copy(f32[8]{0} %fusion)",
+        "}"])
+    # fusion, reduce, copy, and the loop body's custom call (once); not the adds inside the
+    # fused and reducer computations, nor parameters, tuples or the while itself.
+    assert ep_host_syncs.launches(hlo) == 4
