@@ -43,6 +43,17 @@ def test_replica_choice_is_token_index_mod_replicas():
     np.testing.assert_array_equal(slot, [[0, 1], [5, 5], [4, 3], [5, 4], [0, 3]])
 
 
+def test_without_replicas_slots_are_the_replica_table_of_owners_alone():
+    """No replicas: the shortcut (ids // E_l, ids % E_l) is the table's owner entries."""
+    from moe_xla.ep.placement import replica_table
+
+    ids = jnp.array([[0, 15], [7, 4], [8, 3]])
+    table, count = replica_table(((),) * 4, 16)
+    assert np.all(count == 1)
+    dest, slot = expert_slots(ids, ((),) * 4, 16)
+    np.testing.assert_array_equal(np.stack([dest, slot], -1), table[np.asarray(ids), 0])
+
+
 @pytest.mark.parametrize("placement,message", [
     (((1,),) * 4, "one tuple of replicated experts per rank"),
     (((2,), (0, 1)) + ((0,),) * 6, "as many replicas on every rank"),

@@ -109,6 +109,9 @@ def expert_slots(ids, placement: tuple, experts: int):
     """(dest, slot), [T, k] int32 each: the rank and slot that serve pair (t, j) of a rank's
     tokens routed to ids [T, k], replica c = t mod n_e (module docstring). Without replicas
     dest = ids // E_l and slot = ids % E_l."""
+    if not placement[0]:
+        local = experts // len(placement)
+        return ids // local, ids % local
     table, count = replica_table(placement, experts)
     choice = jnp.arange(ids.shape[0], dtype=jnp.int32)[:, None] % jnp.asarray(count)[ids]
     picked = jnp.asarray(table)[ids, choice]
