@@ -16,6 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import ON_GPU, requires_gpu
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from moe_xla import reference
 from moe_xla.ep.rows import rows_by_destination
@@ -326,3 +328,24 @@ def test_sharded_inputs_give_the_unsharded_plan(rng):
     g = lambda *a: ep_row_places(*a, peers=p, local=local, rows_per_token=min(k, p))  # noqa: E731
     _assert_equal(jax.jit(g)(*(jax.device_put(a, split) for a in (want[0], row_map, want[1]))),
                   g(want[0], row_map, want[1]), PLACES_OUT)
+
+
+T_PROP, K_PROP = 12, 6
+_IDS = st.one_of(st.integers(-2, 9), st.sampled_from([-(2 ** 31), 2 ** 31 - 1]))
+
+
+@settings(max_examples=40, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+@given(dest=st.lists(_IDS, min_size=T_PROP * K_PROP, max_size=T_PROP * K_PROP),
+       lid=st.lists(_IDS, min_size=T_PROP * K_PROP, max_size=T_PROP * K_PROP),
+       peers=st.sampled_from([1, 3, 8]), local=st.sampled_from([0, 4]), mult=st.sampled_from([1, 2, 6]))
+def test_any_destinations_and_slots_give_the_contract(dest, lid, peers, local, mult):
+    """Any ids (repeated ranks, invalid ones, int32 extremes) on the kernels of the default
+    platform against the contract as Python loops, both ops in a row."""
+    dest = jnp.asarray(np.reshape(dest, (T_PROP, K_PROP)), jnp.int32)
+    lid = jnp.asarray(np.reshape(lid, (T_PROP, K_PROP)), jnp.int32)
+    dedup = ep_dedup_rows(dest, lid, peers=peers, local=local, mult=mult)
+    _assert_equal(dedup, _contract_dedup(dest, lid, peers, local, mult), DEDUP_OUT)
+    n = min(K_PROP, peers)
+    row_map = _row_map(dedup[0], peers)
+    _assert_equal(ep_row_places(dedup[0], row_map, dedup[1], peers=peers, local=local, rows_per_token=n),
+                  _contract_places(dedup[0], row_map, dedup[1], peers, local, n), PLACES_OUT)
