@@ -18,10 +18,12 @@ replicas from it; with S = E / P that is P M = E, the whole layer's weights, per
 each direction. Under the benchmarks' skewed routing at EP 8 with E / P replicas per
 rank (benchmarks/ep_exchange.py's redundant_placement) P M is 128 of 128 experts for
 qwen3-30b-a3b (bf16: 1.21 GB per rank each way, where its 16 replicas weigh 0.15 GB)
-and 64 of 64 for deepseek-v3-like (5.6 GB, where its 8 replicas weigh 0.70 GB). The fix
-is an exact-size transfer, each rank receiving only its S replicas (ragged_all_to_all,
-or collective permutes by (owner, rank) pair); the transport here is still the padded
-one.
+and 64 of 64 for deepseek-v3-like (5.6 GB, where its 8 replicas weigh 0.70 GB). An
+exact-size transfer (ragged_all_to_all, or collective permutes by (owner, rank) pair)
+would have each rank receive only its S replicas, but under that skew the hot owner would
+still send most of them (rank 0 owns the experts of 100 of qwen3-30b-a3b's 128 replica
+slots, 47 of deepseek-v3-like's 64), so the busiest link gains little unless replicas are
+also copied from ranks that hold them already. The transport here is the padded one.
 """
 
 from __future__ import annotations
