@@ -46,8 +46,7 @@ def _abstract_eval(rows, slots, *, num_pairs):
     _checks.rank(OP, "rows", rows, 2, "[N, H]")
     _checks.float_dtype(OP, "rows", rows)
     _checks.rank(OP, "slots", slots, 2, "[N, mult]")
-    if jnp.dtype(slots.dtype) != jnp.int32:
-        raise TypeError(f"{OP}: expected int32 slots, got {slots.dtype}")
+    _checks.int32(OP, "slots", slots)
     _checks.dim(OP, "slots.shape[0] (rows.shape[0])", rows.shape[0], slots.shape[0])
     return jax.core.ShapedArray((num_pairs, rows.shape[1]), rows.dtype)
 

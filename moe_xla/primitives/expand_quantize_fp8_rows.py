@@ -38,7 +38,6 @@ runs on the gathered operands.
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching
 
@@ -67,8 +66,7 @@ def _abstract_eval(values, slots, factor, *, num_rows, pow2_scale):
     _checks.rank(OP, "values", values, 2, "[T, H]")
     _checks.float_dtype(OP, "values", values)
     _checks.rank(OP, "slots", slots, 2, "[T, k]")
-    if jnp.dtype(slots.dtype) != jnp.dtype(jnp.int32):
-        raise TypeError(f"{OP}: expected int32 slots, got {slots.dtype}")
+    _checks.int32(OP, "slots", slots)
     _checks.dim(OP, "slots.shape[0] (T of values [T, H])", values.shape[0], slots.shape[0])
     if slots.shape[0] * slots.shape[1] >= INT32_LIMIT:
         raise ValueError(f"{OP}: expected fewer than 2^31 pairs (T * k), got {slots.shape[0] * slots.shape[1]}")

@@ -79,8 +79,7 @@ def _abstract_eval(x, src, w, group_sizes, *token_slots, transpose_rhs, preferre
     if has_token_slots:
         (slots,) = token_slots
         _checks.rank("gather_gmm", "token_slots", slots, 2, "[T, k]")
-        if jnp.dtype(slots.dtype) != jnp.int32:
-            raise TypeError(f"gather_gmm: expected int32 token_slots, got {slots.dtype}")
+        _checks.int32("gather_gmm", "token_slots", slots)
         _checks.dim("gather_gmm", "token_slots.shape[0] (T of x [T, K])", x.shape[0], slots.shape[0])
         _checks.dim("gather_gmm", "token_slots.shape[0] * token_slots.shape[1] (M of src [M])", m,
                     slots.shape[0] * slots.shape[1])

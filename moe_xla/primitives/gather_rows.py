@@ -57,8 +57,7 @@ def _abstract_eval(values, src, *factor, has_factor, unique_sources):
     _checks.rank(OP, "values", values, 2, "[T, H]")
     _checks.float_dtype(OP, "values", values)
     _checks.rank(OP, "src", src, 1, "[R]")
-    if jnp.dtype(src.dtype) != jnp.dtype(jnp.int32):
-        raise TypeError(f"{OP}: expected int32 src, got {src.dtype}")
+    _checks.int32(OP, "src", src)
     r = src.shape[0]
     if has_factor:
         (f,) = factor

@@ -52,8 +52,7 @@ def _abstract_eval(a, w, group_sizes, token_slots, src):
     _checks.rank(OP, "token_slots", token_slots, 2, "[T, k]")
     _checks.rank(OP, "src", src, 1, "[M]")
     for name, x in (("token_slots", token_slots), ("src", src)):
-        if jnp.dtype(x.dtype) != jnp.int32:
-            raise TypeError(f"{OP}: expected int32 {name}, got {x.dtype}")
+        _checks.int32(OP, name, x)
     _checks.dim(OP, "src.shape[0] (M of a [M, F])", a.shape[0], src.shape[0])
     _checks.dim(OP, "token_slots.shape[0] * token_slots.shape[1] (M of a [M, F])", a.shape[0],
                 token_slots.shape[0] * token_slots.shape[1])

@@ -35,8 +35,7 @@ def _abstract_eval(x, expert_ids, *, num_experts):
     _checks.rank("permute", "x", x, 2, "[T, H]")
     _checks.rank("permute", "expert_ids", expert_ids, 2, "[T, k]")
     _checks.float_dtype("permute", "x", x)
-    if jnp.dtype(expert_ids.dtype) != jnp.int32:
-        raise TypeError(f"permute: expected int32 expert_ids, got {expert_ids.dtype}")
+    _checks.int32("permute", "expert_ids", expert_ids)
     _checks.dim("permute", "expert_ids.shape[0] (T of x [T, H])", x.shape[0], expert_ids.shape[0])
     rows = expert_ids.shape[0] * expert_ids.shape[1]
     return [jax.core.ShapedArray((rows, x.shape[1]), x.dtype),

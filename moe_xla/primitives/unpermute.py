@@ -49,8 +49,7 @@ def _abstract_eval(y_sorted, row_map, weights, *, unique_rows):
     _checks.float_dtype("unpermute", "y_sorted", y_sorted)
     if jnp.dtype(weights.dtype) != jnp.float32:
         raise TypeError(f"unpermute: expected float32 weights, got {weights.dtype}")
-    if jnp.dtype(row_map.dtype) != jnp.int32:
-        raise TypeError(f"unpermute: expected int32 row_map, got {row_map.dtype}")
+    _checks.int32("unpermute", "row_map", row_map)
     rows = weights.shape[0] * weights.shape[1]
     if tuple(row_map.shape) != (rows,):
         raise ValueError(f"unpermute: expected row_map of shape ({rows},) (T*k of weights [T, k]), "
