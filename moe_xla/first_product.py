@@ -46,9 +46,8 @@ from moe_xla.primitives.permute import permute
 MODES = _choice.MODES
 GATHER_MAX_N = 1024
 # Largest w_in width whose derivative gathers under "auto": where the layer's step gains on
-# the H200 (LOG.md, session 17: sonicmoe n256, N = 512, 1.02x with the combine's gathered
-# backward; n512, N = 1024, 0.99x), the step then keeps no x_sorted. Measured before session
-# 31 made gather_tgmm 1.04-1.58x the copy path's on most shapes; not redone since.
+# the H200 (the step then keeps no x_sorted). Past it the gathered derivative ties the copy
+# path (N = 1024, 1536) or loses (N = 2048) (benchmarks/results/LOG.md, sessions 17 and 33).
 GATHER_DERIVATIVE_MAX_N = 512
 
 _override = _choice.Override("first_product")

@@ -51,13 +51,10 @@ from moe_xla.primitives.unpermute import unpermute
 
 MODES = _choice.MODES
 # Largest F (w_out [E, F, H]) whose backward gathers under "auto". The gathered products
-# replace the [T*k, H] pass that writes c but run slower than the copy path's gmm and tgmm
-# (gather_tgmm 0.66-0.89 of a row gather + tgmm, 1.16 at F = 256; LOG.md, session 16): the
-# layer's step gains at F = 256 (sonicmoe n256: 1.04x) and loses from F = 512 on (n512 1.00x,
-# qwen3-30b-a3b F = 768 0.97x, n1024 0.96x; LOG.md, session 17). Session 31's kernels moved
-# gather_tgmm to 1.04-1.58x of the copy path's (mixtral 0.82x); the layer comparison beyond
-# F = 256 has not been redone since.
-GATHER_MAX_F = 256
+# replace the [T*k, H] pass that writes c (and its memory); on the H200 the layer's step is
+# faster with them up to F = 1024 and slower from F = 2048 on, where the products' own time
+# outweighs the pass they save (benchmarks/results/LOG.md, session 33).
+GATHER_MAX_F = 1024
 
 _override = _choice.Override("product_combine")
 
