@@ -120,16 +120,20 @@ def _round(cfg: EpConfig, sizes: ExchangeSizes, r, floats: RoundFloats, ints: Ro
     with jax.named_scope("moe_xla/dispatch"):
         slots = chunk_link.slots(ints.dest, ints.row, r)
         row_slots, num_rows = slots.reshape(slots.size, 1), sizes.peers * sizes.rows
+        # What sits at each place of the send buffer: row (t, c) flattened, or past the
+        # rows (-1, or T*n for a grouped row no pair sends); its token t = (t, c) // n.
+        sources = chunk_link.sources(ints.source, r)
+        tokens = jnp.where((sources >= 0) & (sources < slots.size), sources // slots.shape[1], -1)
         # The token rows' path, every array it reads in `arrays` (fp8_dispatch.sent_tokens).
-        send = lambda rows, arrays: link(cfg, sizes.rows, arrays[1]).send(  # noqa: E731
-            pack(rows, arrays[0], num_rows), 0, r)
-        arrays = (slots, ints.link)
+        send = lambda rows, arrays: link(cfg, sizes.rows, arrays[2]).send(  # noqa: E731
+            pack(rows, arrays[0], num_rows, sources=arrays[1]), 0, r)
+        arrays = (slots, tokens, ints.link)
         if ints.x_fp8 is None:
             x_recv, x_fp8 = send(floats.x, arrays), None
         else:
             x_recv, *x_fp8 = sent_tokens(send, arrays, floats.x, *ints.x_fp8)
-        lids = chunk_link.send(pack(ints.lids, row_slots, num_rows, sizes.local_experts), sizes.local_experts, r)
-        w = None if floats.w is None else chunk_link.send(pack(floats.w, row_slots, num_rows), 0, r)
+        lids = chunk_link.send(pack(ints.lids, row_slots, num_rows, sizes.local_experts, sources), sizes.local_experts, r)
+        w = None if floats.w is None else chunk_link.send(pack(floats.w, row_slots, num_rows, sources=sources), 0, r)
     y = _experts(x_recv, x_fp8, lids, w, floats.w_in, floats.w_out, sizes, cfg.activation, cfg.quantization)
     with jax.named_scope("moe_xla/combine"):
         return chunk_link.back(y, r), slots

@@ -64,17 +64,24 @@ def _unslab(out, slabs, starts, sizes, block: int):
     return out.at[idx].set(slabs, mode="drop", unique_indices=True)
 
 
-def pack(values, slots, num_rows: int, fill=0):
+def pack(values, slots, num_rows: int, fill=0, sources=None):
     """[num_rows, ...]: row slots[q, j] is values[q] (for every j), rows no slot names hold
     `fill`; slots [N, m] name each row at most once (outside [0, num_rows): none).
+    sources: None, or the inverse of slots [num_rows] int32 (the q of each row, outside
+    [0, N) for none; Link.sources), which spares computing it with a scatter.
 
     Values of the kernels' float dtypes with fill 0 go through ep_expand (a bitwise copy):
     its transpose is a gather and a sum in j order (unpermute), where a gather's own
     transpose would be a scatter-add over the rows."""
     if values.ndim == 2 and _kernel_float(values) and fill == 0:
-        return expand(values, slots, num_pairs=num_rows)
-    src, named = inverse_rows(slots.reshape(-1), num_rows)
-    taken = values[src // slots.shape[1]]
+        return expand(values, slots, num_pairs=num_rows, sources=sources)
+    if sources is None:
+        src, named = inverse_rows(slots.reshape(-1), num_rows)
+        src = src // slots.shape[1]
+    else:
+        named = (sources >= 0) & (sources < values.shape[0])
+        src = jnp.where(named, sources, 0)
+    taken = values[src]
     return jnp.where(named.reshape((-1,) + (1,) * (values.ndim - 1)), taken, jnp.asarray(fill, values.dtype))
 
 
@@ -116,6 +123,7 @@ class Link:
     slots(dest, row, r): where the rows sent to ranks dest (P: none) from their places
         `row` among the grouped rows sit in round r's send buffer [P*block] (P*block, no
         place, for a row not in round r).
+    sources(source, r): the inverse of slots, by a gather.
     send(buf, fill, r): round r's send buffer [P*block, ...] (pack) -> the receive buffer
         (slab s from rank s; unused slots hold `fill`).
     back(y, r): results [P*block, H] of round r -> [P*block, H] in the send buffer's
@@ -135,6 +143,17 @@ class Link:
         at = row - starts[d]
         inside = (dest < peers) & (at >= 0) & (at < sizes[d])
         return jnp.where(inside, d * self.block + at, peers * self.block)
+
+    def sources(self, source, r):
+        """The inverse of `slots`, a gather: [P*block] int32, for place d * block + i of
+        round r's send buffer the entry of `source` (grouped row -> what sends it) at
+        grouped row starts[r, d] + i, or -1 past the round's rows to d. The grouped rows
+        of destination d in round r are [starts[r, d], starts[r + 1, d]), so the row at
+        that place is the one slots put there."""
+        starts, sizes = self._sent(r)
+        pos = jnp.arange(self.block, dtype=jnp.int32)
+        grouped = jnp.clip(starts[:, None] + pos, 0, source.shape[0] - 1)
+        return jnp.where(pos < sizes[:, None], source[grouped], -1).reshape(-1)
 
 
 class Padded(Link):
