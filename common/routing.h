@@ -14,6 +14,19 @@
 //   weights[t, j] = source[expert_ids[t, j]], divided by their sum over j when
 //   renormalize (if that sum is > 0), then times scale.
 //
+// route_grad: logits [T, E], expert_ids [T, k], d_weights [T, k] f32 -> d_logits [T, E]
+//   The vector-Jacobian product of route's weights in logits for fixed expert_ids (the
+//   transpose of their JVP). Per token, in float32, with p = source as in route and
+//   w_j = p[expert_ids[t, j]] (0 for an id outside [0, E), which contributes nothing):
+//     g_j = scale * d_weights[t, j]
+//     renormalize, S = sum_j w_j > 0:  u_j = g_j / S - (sum_m w_m g_m) / (S * S)
+//     otherwise:                       u_j = g_j
+//     softmax: a_j = w_j u_j,  c = sum_j a_j
+//     sigmoid: a_j = w_j (1 - w_j) u_j,  c = 0
+//     d_logits[t, e] = (sum_{j : expert_ids[t, j] = e} a_j) - p[e] * c
+//   Sums run over j in order; a_j is added to its expert in j order after -p[e] * c.
+//   d_logits has the dtype of logits.
+//
 // permute: x [T, H], expert_ids [T, k], E -> x_sorted [T*k, H], group_sizes [E], row_map [T*k]
 //   Assignment i = t*k + j goes to expert e = expert_ids[t, j]; valid if 0 <= e < E.
 //   group_sizes[e] = number of valid assignments to e. A stable counting sort:
@@ -71,6 +84,40 @@ struct RouteParams {
   bool renormalize;
   float scale;
 };
+
+struct RouteGradParams {
+  const void* logits;        // [T, E], logits_dtype
+  DType logits_dtype;
+  const int32_t* expert_ids;  // [T, k]
+  const float* d_weights;    // [T, k]
+  void* d_logits;            // [T, E], logits_dtype
+  int64_t tokens;            // T
+  int64_t experts;           // E
+  int64_t top_k;             // k >= 1
+  Score score;
+  bool renormalize;
+  float scale;
+};
+
+// route_grad's per-token coefficients from the picked sources w[0, k) (0 for invalid ids)
+// and the cotangent d_weights row g[0, k): a[j] as the contract says; returns c.
+MOE_XLA_HOST_DEVICE inline float route_grad_coefficients(const float* w, const float* g, int64_t k, Score score,
+                                                         bool renormalize, float scale, float* a) {
+  float total = 0.0f, dot = 0.0f;
+  for (int64_t j = 0; j < k; ++j) {
+    total += w[j];
+    dot += w[j] * (scale * g[j]);
+  }
+  const bool divide = renormalize && total > 0.0f;
+  float c = 0.0f;
+  for (int64_t j = 0; j < k; ++j) {
+    const float gj = scale * g[j];
+    const float u = divide ? gj / total - dot / (total * total) : gj;
+    a[j] = score == Score::kSoftmax ? w[j] * u : w[j] * (1.0f - w[j]) * u;
+    c += a[j];
+  }
+  return score == Score::kSoftmax ? c : 0.0f;
+}
 
 struct PermuteParams {
   const void* x;           // [T, H], dtype

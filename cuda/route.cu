@@ -26,20 +26,18 @@
 #include "common/routing.h"
 #include "common/status.h"
 #include "cuda/device.h"
+#include "cuda/route_sources.cuh"
 #include "cuda/routing.h"
 
 namespace moe_xla {
 namespace cuda {
 namespace {
 
-constexpr int kWarp = 32;
-constexpr unsigned kFullMask = 0xffffffffu;
-constexpr int kMaxWarpsPerBlock = 4;
-constexpr size_t kMaxSharedBytes = 48 * 1024;  // default dynamic shared memory limit
-
-__device__ __forceinline__ float to_f32(float v) { return v; }
-__device__ __forceinline__ float to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
-__device__ __forceinline__ float to_f32(__half v) { return __half2float(v); }
+using route_detail::kFullMask;
+using route_detail::kMaxSharedBytes;
+using route_detail::kMaxWarpsPerBlock;
+using route_detail::kWarp;
+using route_detail::token_sources;
 
 // The selection order: (a, ia) ranks before (b, ib). NaN never ranks before anything.
 __device__ __forceinline__ bool ahead(float a, int ia, float b, int ib) {
@@ -76,19 +74,6 @@ __device__ __forceinline__ int warp_best(float bv, int bi) {
   return static_cast<int>(__reduce_min_sync(kFullMask, key == best ? static_cast<unsigned>(bi) : UINT_MAX));
 }
 
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-  for (int offset = kWarp / 2; offset > 0; offset /= 2) v = fmaxf(v, __shfl_xor_sync(kFullMask, v, offset));
-  return v;
-}
-
-// Xor butterfly: every lane adds the same pairs (a + b == b + a), so all lanes agree.
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int offset = kWarp / 2; offset > 0; offset /= 2) v += __shfl_xor_sync(kFullMask, v, offset);
-  return v;
-}
-
 struct RouteArgs {
   const void* logits;
   const float* bias;  // nullptr unless sigmoid with bias
@@ -120,33 +105,10 @@ __global__ void __launch_bounds__(kWarp* kMaxWarpsPerBlock) route_kernel(RouteAr
   const T* x = static_cast<const T*>(a.logits) + t * E;
 
   // 1. Scores.
-  if (a.softmax) {
-    float m = -INFINITY;  // max ignoring NaN (a NaN makes every p NaN through the sum anyway)
-    for (int e = lane; e < E; e += kWarp) {
-      const float v = to_f32(x[e]);
-      source[e] = v;
-      m = fmaxf(m, v);
-    }
-    m = warp_max(m);
-    float sum = 0.0f;
-    for (int e = lane; e < E; e += kWarp) {
-      const float v = expf(source[e] - m);
-      source[e] = v;
-      sum += v;
-    }
-    sum = warp_sum(sum);
-    for (int e = lane; e < E; e += kWarp) {
-      const float p = source[e] / sum;
-      source[e] = p;
-      select[e] = isnan(p) ? -INFINITY : p;
-    }
-  } else {
-    for (int e = lane; e < E; e += kWarp) {
-      const float s = 1.0f / (1.0f + expf(-to_f32(x[e])));
-      source[e] = s;
-      const float v = a.bias ? s + a.bias[e] : s;
-      select[e] = isnan(v) ? -INFINITY : v;
-    }
+  token_sources(x, E, lane, a.softmax, source);
+  for (int e = lane; e < E; e += kWarp) {
+    const float v = a.bias ? source[e] + a.bias[e] : source[e];
+    select[e] = isnan(v) ? -INFINITY : v;
   }
   __syncwarp();
 

@@ -11,6 +11,9 @@
 //
 //   route:     one warp per token; scores in shared memory, group filter and top-k by
 //              repeated warp-wide argmax. Needs no workspace. Supports E up to 4096.
+//   route_grad: one warp per token; sources in shared memory as route computes them, the
+//              coefficients on lane 0, each lane its experts' d_logits. Needs no workspace.
+//              Supports E and k up to 4096.
 //   permute:   stable LSD radix sort (CUB) of (bucket(i), i) pairs, bucket = expert id or E
 //              for invalid ids; group sizes by binary search on the sorted buckets; the
 //              row gather of cuda/row_gather.cuh writes row_map and copies rows with
@@ -37,6 +40,8 @@ namespace cuda {
 constexpr int64_t kRouteMaxExperts = 4096;
 
 Status route(const RouteParams& p, cudaStream_t stream);
+
+Status route_grad(const RouteGradParams& p, cudaStream_t stream);
 
 // Host-only size query (CUB's temp storage query launches nothing and reads no device data).
 size_t permute_workspace_bytes(const PermuteParams& p);

@@ -80,6 +80,46 @@ inline ffi::ErrorOr<RouteParams> decode_route(ffi::AnyBuffer logits, ffi::Buffer
 
 // permute: x [T, H], expert_ids [T, k] s32, x_sorted [T*k, H] (dtype of x),
 // group_sizes [E] s32, row_map [T*k] s32.
+// route_grad: logits [T, E] (f32 / bf16 / f16), expert_ids [T, k] s32, d_weights [T, k]
+// f32, d_logits [T, E] of logits' dtype.
+inline ffi::ErrorOr<RouteGradParams> decode_route_grad(ffi::AnyBuffer logits, ffi::Buffer<ffi::S32> expert_ids,
+                                                       ffi::Buffer<ffi::F32> d_weights, ffi::Result<ffi::AnyBuffer> d_logits,
+                                                       int64_t score, bool renormalize, float scale) {
+  const auto dims = logits.dimensions();
+  if (dims.size() != 2) return invalid("logits: expected rank 2 [T, E], got shape " + shape_string(dims));
+  const int64_t T = dims[0], E = dims[1];
+  auto dtype = to_dtype(logits.element_type(), "logits");
+  if (dtype.has_error()) return unexpected(dtype.error());
+  if (E < 1) return invalid("logits: expected at least one expert, got shape " + shape_string(dims));
+  const auto id_dims = expert_ids.dimensions();
+  if (id_dims.size() != 2 || id_dims[0] != T || id_dims[1] < 1) {
+    return invalid("expert_ids: expected shape [" + std::to_string(T) + ", k >= 1], got " + shape_string(id_dims));
+  }
+  const int64_t k = id_dims[1];
+  if (score != static_cast<int64_t>(Score::kSoftmax) && score != static_cast<int64_t>(Score::kSigmoid)) {
+    return invalid("score: expected 0 (softmax) or 1 (sigmoid), got " + std::to_string(score));
+  }
+  if (auto e = expect_shape("d_weights", d_weights.dimensions(), {T, k}); e.failure()) return unexpected(e);
+  if (auto e = expect_shape("d_logits", d_logits->dimensions(), {T, E}); e.failure()) return unexpected(e);
+  if (d_logits->element_type() != logits.element_type()) {
+    return invalid("d_logits: expected the dtype of logits " + type_name(logits.element_type()) + ", got " +
+                   type_name(d_logits->element_type()));
+  }
+  RouteGradParams p{};
+  p.logits = logits.untyped_data();
+  p.logits_dtype = *dtype;
+  p.expert_ids = expert_ids.typed_data();
+  p.d_weights = d_weights.typed_data();
+  p.d_logits = d_logits->untyped_data();
+  p.tokens = T;
+  p.experts = E;
+  p.top_k = k;
+  p.score = static_cast<Score>(score);
+  p.renormalize = renormalize;
+  p.scale = scale;
+  return p;
+}
+
 inline ffi::ErrorOr<PermuteParams> decode_permute(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> expert_ids,
                                                   ffi::AnyBuffer x_sorted, ffi::Buffer<ffi::S32> group_sizes,
                                                   ffi::Buffer<ffi::S32> row_map) {
@@ -175,6 +215,18 @@ auto bind_route(Binding&& binding) {
       .template Attr<bool>("renormalize")
       .template Attr<float>("scale")
       .template Attr<bool>("has_bias");
+}
+
+template <typename Binding>
+auto bind_route_grad(Binding&& binding) {
+  return std::move(binding)
+      .template Arg<ffi::AnyBuffer>()          // logits [T, E]
+      .template Arg<ffi::Buffer<ffi::S32>>()   // expert_ids [T, k]
+      .template Arg<ffi::Buffer<ffi::F32>>()   // d_weights [T, k]
+      .template Ret<ffi::AnyBuffer>()          // d_logits [T, E]
+      .template Attr<int64_t>("score")         // 0 softmax, 1 sigmoid
+      .template Attr<bool>("renormalize")
+      .template Attr<float>("scale");
 }
 
 }  // namespace moe_xla::ffi_args

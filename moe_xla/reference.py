@@ -109,6 +109,23 @@ def route_weights(logits, expert_ids, *, score, renormalize, scale):
     return w * jnp.float32(scale)
 
 
+def route_grad(logits, expert_ids, d_weights, *, score, renormalize, scale):
+    """d logits [T, E] (logits' dtype) = the vector-Jacobian product of route_weights in
+    logits for fixed expert_ids with cotangent d_weights [T, k] (common/routing.h); ids
+    outside [0, E) pick nothing (w_j = 0) and receive nothing."""
+    valid = (expert_ids >= 0) & (expert_ids < logits.shape[-1])
+    safe = jnp.where(valid, expert_ids, 0)
+
+    def weights(x):
+        w = jnp.where(valid, jnp.take_along_axis(route_source(x, score), safe, axis=-1), 0.0)
+        if renormalize:
+            total = jnp.sum(w, axis=-1, keepdims=True)
+            w = jnp.where(total > 0, w / jnp.where(total > 0, total, 1.0), w)
+        return w * jnp.float32(scale)
+
+    return jax.vjp(weights, logits)[1](d_weights.astype(jnp.float32))[0]
+
+
 def route(logits, *, top_k, score="softmax", bias=None, n_groups=1, topk_groups=1, renormalize=True, scale=1.0):
     """Top-k expert selection (common/routing.h): logits [T, E] -> (weights [T, k] f32,
     expert_ids [T, k] int32), ids in descending selection score, ties to the lower index."""

@@ -36,6 +36,7 @@ _REFERENCE = {
     "gather_gmm_activate": reference.gather_gmm_activate,
     "gather_tgmm": reference.gather_tgmm,
     "route": _route,
+    "route_grad": reference.route_grad,
     "permute": lambda x, expert_ids, *, num_experts: list(reference.permute(x, expert_ids, num_experts)),
     "unpermute": lambda y_sorted, row_map, weights, *, unique_rows: reference.unpermute(y_sorted, row_map, weights),
     "quantize_fp8_rows": lambda x, *, pow2_scale: list(reference.quantize_fp8_rows(x, pow2_scale=pow2_scale)),

@@ -272,6 +272,16 @@ ROUTE = Rule(sharding_rule=lambda **_: "t e, e -> t k, t k", specs=_route_specs,
              need_replication=("e", "k"))
 
 
+def _route_grad_specs(arg_axes, **_):
+    t = arg_axes[0][0]
+    return ([(t, ()), (t, ()), (t, ())], [(t, ())], ())
+
+
+# route's backward: tokens split along T, experts and the top_k slots stay whole.
+ROUTE_GRAD = Rule(sharding_rule=lambda **_: "t e, t k, t k -> t e", specs=_route_grad_specs,
+                  need_replication=("e", "k"))
+
+
 def _permute_specs(arg_axes, **_):
     h = arg_axes[0][1]
     return ([((), h), ((), ())], [((), h), ((),), ((),)], ())

@@ -7,12 +7,9 @@
 
 logits [T, E] (float32/bfloat16/float16) -> (weights [T, k] float32, expert_ids [T, k] int32).
 Selection is piecewise constant; weights are differentiable in logits for the selected
-experts (JVP from the saved selection). bias moves selection only and gets no gradient.
-With p = source and w_j = p[ids_j] the picked values, for fixed ids:
-    softmax: d w_j = w_j (d logits[ids_j] - sum_e p_e d logits_e)
-    sigmoid: d w_j = w_j (1 - w_j) d logits[ids_j]
-    renormalize (S = sum_j w_j > 0): d (w_j / S) = (d w_j - (w_j / S) sum_i d w_i) / S
-    scale: times scale.
+experts: the JVP is route_tangent for the saved selection, whose transpose route_grad is
+a kernel (primitives/route_grad.py has the formulas). bias moves selection only and gets
+no gradient.
 """
 
 from __future__ import annotations
@@ -24,10 +21,10 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching
 
 from moe_xla.primitives import _ad, _batching, _checks, _impl, _lowering, _sharding
+from moe_xla.primitives.route_grad import SCORES, route_tangent
 
 route_p = Primitive("moe_xla_route")
 route_p.multiple_results = True
-SCORES = ("softmax", "sigmoid")  # the FFI attribute `score` is the index in this tuple
 
 
 def route(logits, top_k, *, score="softmax", bias=None, n_groups=None, topk_groups=None, renormalize=True,
@@ -68,24 +65,6 @@ def _abstract_eval(logits, bias, *, top_k, score, n_groups, topk_groups, renorma
     return [jax.core.ShapedArray((t, top_k), jnp.float32), jax.core.ShapedArray((t, top_k), jnp.int32)]
 
 
-def _weights_tangent(logits, d_logits, ids, *, score, renormalize, scale):
-    """d weights for d logits and fixed ids (the formulas in the module docstring)."""
-    x, dx = logits.astype(jnp.float32), d_logits.astype(jnp.float32)
-    p = jax.nn.softmax(x, axis=-1) if score == "softmax" else jax.nn.sigmoid(x)
-    w = jnp.take_along_axis(p, ids, axis=-1)
-    dx_picked = jnp.take_along_axis(dx, ids, axis=-1)
-    if score == "softmax":
-        dw = w * (dx_picked - jnp.sum(p * dx, axis=-1, keepdims=True))
-    else:
-        dw = w * (1.0 - w) * dx_picked
-    if renormalize:
-        total = jnp.sum(w, axis=-1, keepdims=True)
-        positive = total > 0
-        total = jnp.where(positive, total, 1.0)
-        dw = jnp.where(positive, (dw - w / total * jnp.sum(dw, axis=-1, keepdims=True)) / total, dw)
-    return dw * jnp.float32(scale)
-
-
 def _jvp(primals, tangents, **params):
     logits, bias = primals
     d_logits, _ = tangents
@@ -93,8 +72,8 @@ def _jvp(primals, tangents, **params):
     if type(d_logits) is ad.Zero:
         d_weights = _ad.zero_tangent(weights)
     else:
-        d_weights = _weights_tangent(logits, d_logits, ids, score=params["score"],
-                                     renormalize=params["renormalize"], scale=params["scale"])
+        d_weights = route_tangent(logits, ids, d_logits, score=params["score"], renormalize=params["renormalize"],
+                                  scale=params["scale"])
     return (weights, ids), (d_weights, _ad.zero_tangent(ids))
 
 
