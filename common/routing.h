@@ -19,13 +19,17 @@
 //   transpose of their JVP). Per token, in float32, with p = source as in route and
 //   w_j = p[expert_ids[t, j]] (0 for an id outside [0, E), which contributes nothing):
 //     g_j = scale * d_weights[t, j]
-//     renormalize, S = sum_j w_j > 0:  u_j = g_j / S - (sum_m w_m g_m) / (S * S)
-//     otherwise:                       u_j = g_j
-//     softmax: a_j = w_j u_j,  c = sum_j a_j
-//     sigmoid: a_j = w_j (1 - w_j) u_j,  c = 0
+//     renormalize, S = sum_j w_j > 0:  v_j = w_j / S,  r = sum_m v_m g_m,  b_j = v_j (g_j - r)
+//     otherwise:                       b_j = w_j g_j
+//     softmax: a_j = b_j,  c = sum_j a_j
+//     sigmoid: a_j = (1 - w_j) b_j,  c = 0
 //     d_logits[t, e] = (sum_{j : expert_ids[t, j] = e} a_j) - p[e] * c
-//   Sums run over j in order; a_j is added to its expert in j order after -p[e] * c.
-//   d_logits has the dtype of logits.
+//   (b_j = w_j u_j with u = the renormalisation's transpose applied to g, u_j = g_j / S - r / S,
+//   formed without S * S, which underflows for the tiny S of very negative sigmoid logits.)
+//   Sums run over j in order; a_j is added to its expert in j order after -p[e] * c. The
+//   order is fixed; where a compiler contracts a multiply and an add into one fused
+//   multiply-add (nvcc does), platforms may differ in the last bit. d_logits has the dtype
+//   of logits.
 //
 // permute: x [T, H], expert_ids [T, k], E -> x_sorted [T*k, H], group_sizes [E], row_map [T*k]
 //   Assignment i = t*k + j goes to expert e = expert_ids[t, j]; valid if 0 <= e < E.
@@ -100,20 +104,22 @@ struct RouteGradParams {
 };
 
 // route_grad's per-token coefficients from the picked sources w[0, k) (0 for invalid ids)
-// and the cotangent d_weights row g[0, k): a[j] as the contract says; returns c.
+// and the cotangent d_weights row g[0, k): a[j] as the contract says; returns c. a may be
+// w itself (each a[j] is written after the last read of w[j]).
 MOE_XLA_HOST_DEVICE inline float route_grad_coefficients(const float* w, const float* g, int64_t k, Score score,
                                                          bool renormalize, float scale, float* a) {
-  float total = 0.0f, dot = 0.0f;
-  for (int64_t j = 0; j < k; ++j) {
-    total += w[j];
-    dot += w[j] * (scale * g[j]);
-  }
+  float total = 0.0f;
+  for (int64_t j = 0; j < k; ++j) total += w[j];
   const bool divide = renormalize && total > 0.0f;
+  float r = 0.0f;
+  if (divide) {
+    for (int64_t j = 0; j < k; ++j) r += (w[j] / total) * (scale * g[j]);
+  }
   float c = 0.0f;
   for (int64_t j = 0; j < k; ++j) {
     const float gj = scale * g[j];
-    const float u = divide ? gj / total - dot / (total * total) : gj;
-    a[j] = score == Score::kSoftmax ? w[j] * u : w[j] * (1.0f - w[j]) * u;
+    const float b = divide ? (w[j] / total) * (gj - r) : w[j] * gj;
+    a[j] = score == Score::kSoftmax ? b : (1.0f - w[j]) * b;
     c += a[j];
   }
   return score == Score::kSoftmax ? c : 0.0f;

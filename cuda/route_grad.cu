@@ -1,11 +1,12 @@
 // CUDA route_grad: one warp per token (up to 4 tokens per block).
 //
 // The warp computes the token's sources p into shared memory as route does
-// (cuda/route_sources.cuh), lane 0 the picked w_j and the coefficients a_j and c of
-// common/routing.h (route_grad_coefficients, in j order), and each lane then writes
-// d_logits[t, e] = -p[e] c + the a_j of the j with expert_ids[t, j] = e, in j order, for
-// its experts e = lane, lane + 32, ... Ids outside [0, E) are never used as addresses.
-// No atomics, no cross-warp communication: results are deterministic.
+// (cuda/route_sources.cuh) and stages its ids there; lane 0 computes the picked w_j and
+// the coefficients a_j and c of common/routing.h (route_grad_coefficients, in j order);
+// each lane then writes d_logits[t, e] = -p[e] c + the a_j of the j with
+// expert_ids[t, j] = e, in j order, for its experts e = lane, lane + 32, ... Ids outside
+// [0, E) are never used as addresses. No atomics, no cross-warp communication: results
+// are deterministic.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -41,7 +42,7 @@ struct RouteGradArgs {
   int64_t tokens;
   int experts;
   int top_k;
-  int warp_floats;  // shared floats per warp: E sources, then k picked w_j (a_j in place)
+  int warp_floats;  // shared 4-byte words per warp: E sources, k picked w_j (a_j in place), k ids
   Score score;
   bool renormalize;
   float scale;
@@ -57,9 +58,10 @@ __global__ void __launch_bounds__(kWarp* kMaxWarpsPerBlock) route_grad_kernel(Ro
   const int E = a.experts, k = a.top_k;
   float* source = shared + static_cast<size_t>(warp) * a.warp_floats;
   float* wa = source + E;
-  const int32_t* ids = a.expert_ids + t * k;
+  int32_t* ids = reinterpret_cast<int32_t*>(wa + k);
 
   token_sources(static_cast<const T*>(a.logits) + t * E, E, lane, a.score == Score::kSoftmax, source);
+  for (int j = lane; j < k; j += kWarp) ids[j] = a.expert_ids[t * k + j];
   __syncwarp();
   for (int j = lane; j < k; j += kWarp) {
     const int32_t e = ids[j];
@@ -105,13 +107,13 @@ Status route_grad(const RouteGradParams& p, cudaStream_t stream) {
   a.tokens = p.tokens;
   a.experts = static_cast<int>(p.experts);
   a.top_k = static_cast<int>(p.top_k);
-  a.warp_floats = static_cast<int>(p.experts + p.top_k);
+  a.warp_floats = static_cast<int>(p.experts + 2 * p.top_k);
   a.score = p.score;
   a.renormalize = p.renormalize;
   a.scale = p.scale;
 
   const size_t warp_bytes = sizeof(float) * static_cast<size_t>(a.warp_floats);
-  int warps = static_cast<int>(kMaxSharedBytes / warp_bytes);  // >= 1 for E, k <= 4096
+  int warps = static_cast<int>(kMaxSharedBytes / warp_bytes);  // >= 1 for E, k <= 4096 (12288 words)
   if (warps > kMaxWarpsPerBlock) warps = kMaxWarpsPerBlock;
   const int64_t blocks = (p.tokens + warps - 1) / warps;
   if (blocks > INT_MAX) return Status::InvalidArgument("route_grad: too many tokens");

@@ -11,7 +11,7 @@
 //
 //   route:     one warp per token; scores in shared memory, group filter and top-k by
 //              repeated warp-wide argmax. Needs no workspace. Supports E up to 4096.
-//   route_grad: one warp per token; sources in shared memory as route computes them, the
+//   route_grad: one warp per token; sources and ids in shared memory, the
 //              coefficients on lane 0, each lane its experts' d_logits. Needs no workspace.
 //              Supports E and k up to 4096.
 //   permute:   stable LSD radix sort (CUB) of (bucket(i), i) pairs, bucket = expert id or E

@@ -78,8 +78,6 @@ inline ffi::ErrorOr<RouteParams> decode_route(ffi::AnyBuffer logits, ffi::Buffer
   return p;
 }
 
-// permute: x [T, H], expert_ids [T, k] s32, x_sorted [T*k, H] (dtype of x),
-// group_sizes [E] s32, row_map [T*k] s32.
 // route_grad: logits [T, E] (f32 / bf16 / f16), expert_ids [T, k] s32, d_weights [T, k]
 // f32, d_logits [T, E] of logits' dtype.
 inline ffi::ErrorOr<RouteGradParams> decode_route_grad(ffi::AnyBuffer logits, ffi::Buffer<ffi::S32> expert_ids,
@@ -120,6 +118,8 @@ inline ffi::ErrorOr<RouteGradParams> decode_route_grad(ffi::AnyBuffer logits, ff
   return p;
 }
 
+// permute: x [T, H], expert_ids [T, k] s32, x_sorted [T*k, H] (dtype of x),
+// group_sizes [E] s32, row_map [T*k] s32.
 inline ffi::ErrorOr<PermuteParams> decode_permute(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> expert_ids,
                                                   ffi::AnyBuffer x_sorted, ffi::Buffer<ffi::S32> group_sizes,
                                                   ffi::Buffer<ffi::S32> row_map) {

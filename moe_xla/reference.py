@@ -110,20 +110,26 @@ def route_weights(logits, expert_ids, *, score, renormalize, scale):
 
 
 def route_grad(logits, expert_ids, d_weights, *, score, renormalize, scale):
-    """d logits [T, E] (logits' dtype) = the vector-Jacobian product of route_weights in
-    logits for fixed expert_ids with cotangent d_weights [T, k] (common/routing.h); ids
-    outside [0, E) pick nothing (w_j = 0) and receive nothing."""
-    valid = (expert_ids >= 0) & (expert_ids < logits.shape[-1])
-    safe = jnp.where(valid, expert_ids, 0)
-
-    def weights(x):
-        w = jnp.where(valid, jnp.take_along_axis(route_source(x, score), safe, axis=-1), 0.0)
-        if renormalize:
-            total = jnp.sum(w, axis=-1, keepdims=True)
-            w = jnp.where(total > 0, w / jnp.where(total > 0, total, 1.0), w)
-        return w * jnp.float32(scale)
-
-    return jax.vjp(weights, logits)[1](d_weights.astype(jnp.float32))[0]
+    """d logits [T, E] (logits' dtype): the vector-Jacobian product of route_weights in
+    logits for fixed expert_ids with cotangent d_weights [T, k], in the closed form of
+    common/routing.h (w / S formed first: no S * S); ids outside [0, E) pick nothing (w_j
+    = 0) and receive nothing."""
+    e = logits.shape[-1]
+    valid = (expert_ids >= 0) & (expert_ids < e)
+    p = route_source(logits, score)
+    w = jnp.where(valid, jnp.take_along_axis(p, jnp.where(valid, expert_ids, 0), axis=-1), 0.0)
+    g = d_weights.astype(jnp.float32) * jnp.float32(scale)
+    b = w * g
+    if renormalize:
+        total = jnp.sum(w, axis=-1, keepdims=True)
+        v = w / jnp.where(total > 0, total, 1.0)
+        b = jnp.where(total > 0, v * (g - jnp.sum(v * g, axis=-1, keepdims=True)), b)
+    a = b if score == "softmax" else (1.0 - w) * b
+    rows = jnp.arange(logits.shape[0])[:, None]
+    d = jnp.zeros(logits.shape, jnp.float32).at[rows, jnp.where(valid, expert_ids, e)].add(a, mode="drop")
+    if score == "softmax":
+        d = d - p * jnp.sum(a, axis=-1, keepdims=True)
+    return d.astype(logits.dtype)
 
 
 def route(logits, *, top_k, score="softmax", bias=None, n_groups=1, topk_groups=1, renormalize=True, scale=1.0):

@@ -23,8 +23,10 @@ from moe_xla import reference
 from moe_xla.primitives.route_grad import route_grad, route_tangent
 
 PLATFORMS = ["cpu", pytest.param("gpu", marks=requires_gpu)]
-# (T, E, k): k = 1, E < 32, E = 32, E not a multiple of 32, k = E, no tokens, many tokens.
-SHAPES = [(19, 8, 1), (23, 16, 4), (17, 32, 8), (29, 72, 6), (9, 5, 5), (0, 16, 2), (1000, 256, 8)]
+# (T, E, k): k = 1, E < 32, E = 32, E not a multiple of 32, k = E, no tokens, many tokens;
+# E = 4096 and E + 2k past 4096 (fewer warps per CTA on CUDA); k past 32 (several j per lane).
+SHAPES = [(19, 8, 1), (23, 16, 4), (17, 32, 8), (29, 72, 6), (9, 5, 5), (0, 16, 2), (1000, 256, 8), (3, 4096, 8),
+          (7, 300, 40), (5, 2048, 2048)]
 PARAMS = [("softmax", True, 1.0), ("softmax", False, 2.5), ("sigmoid", True, 1.0), ("sigmoid", False, 0.5)]
 
 
@@ -110,6 +112,37 @@ def test_zero_weight_sums_and_extreme_logits(platform):
         got = jax.jit(lambda *a: route_grad(*a, **kw))(*(jax.device_put(a, device) for a in (logits, ids, g)))
         np.testing.assert_allclose(np.asarray(got), _contract(logits, ids, g, score, True, 1.5), rtol=1e-5,
                                    atol=1e-6)
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_tiny_renormalised_sigmoid_weights(platform):
+    # Picked sigmoid weights near e^-60: S * S underflows in float32, the derivative is
+    # still of the size of the cotangent.
+    device = jax.devices(platform)[0]
+    logits = np.full((3, 8), -90.0, np.float32)
+    logits[:, :3] = [[-60.0, -61.0, -62.0], [-44.0, -48.0, -55.0], [-70.0, -20.0, -80.0]]
+    ids = np.tile(np.arange(3, dtype=np.int32), (3, 1))
+    g = np.array([[1.0, -0.5, 0.25]] * 3, np.float32)
+    kw = dict(score="sigmoid", renormalize=True, scale=1.0)
+    want = _contract(logits, ids, g, "sigmoid", True, 1.0)
+    assert np.all(np.isfinite(want)) and np.max(np.abs(want)) > 0.1
+    for fn in (route_grad, reference.route_grad):
+        got = jax.jit(lambda *a, fn=fn: fn(*a, **kw))(*(jax.device_put(a, device) for a in (logits, ids, g)))
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_more_slots_than_experts(rng, platform):
+    # k > E: ids repeat within a row (and some lie outside [0, E)); every repeat adds its term.
+    device = jax.devices(platform)[0]
+    t, e, k = 13, 5, 9
+    logits, g = normal(rng, (t, e), jnp.float32), normal(rng, (t, k), jnp.float32)
+    ids = jnp.asarray(rng.integers(-2, e + 2, (t, k)), jnp.int32)
+    for score, renormalize, scale in PARAMS:
+        kw = dict(score=score, renormalize=renormalize, scale=scale)
+        got = jax.jit(lambda *a: route_grad(*a, **kw))(*(jax.device_put(a, device) for a in (logits, ids, g)))
+        np.testing.assert_allclose(np.asarray(got), _contract(logits, ids, g, score, renormalize, scale), rtol=2e-5,
+                                   atol=2e-6)
 
 
 @pytest.mark.parametrize("score,renormalize,scale", PARAMS)
