@@ -9,7 +9,7 @@
 #include <numeric>
 #include <vector>
 
-#include "cpu/dtype.h"
+#include "cpu/route_sources.h"
 
 namespace moe_xla::cpu {
 namespace {
@@ -42,29 +42,8 @@ void route(const RouteParams& p) {
 
   for (int64_t t = 0; t < T; ++t) {
     const int64_t row = t * E;
-    if (softmax) {
-      // Max ignoring NaN: a NaN anywhere makes the sum, hence every p, NaN anyway.
-      float m = kNegInf;
-      for (int64_t e = 0; e < E; ++e) {
-        source[e] = load_as_float(p.logits, row + e, p.logits_dtype);
-        m = std::fmax(m, source[e]);
-      }
-      float sum = 0.0f;
-      for (int64_t e = 0; e < E; ++e) {
-        source[e] = std::exp(source[e] - m);
-        sum += source[e];
-      }
-      for (int64_t e = 0; e < E; ++e) {
-        source[e] = source[e] / sum;
-        select[e] = source[e];
-      }
-    } else {
-      for (int64_t e = 0; e < E; ++e) {
-        const float x = load_as_float(p.logits, row + e, p.logits_dtype);
-        source[e] = 1.0f / (1.0f + std::exp(-x));
-        select[e] = bias ? source[e] + bias[e] : source[e];
-      }
-    }
+    route_sources(p.logits, row, E, p.logits_dtype, softmax, source.data());
+    for (int64_t e = 0; e < E; ++e) select[e] = bias ? source[e] + bias[e] : source[e];
     for (int64_t e = 0; e < E; ++e) {
       if (std::isnan(select[e])) select[e] = kNegInf;
     }

@@ -2,12 +2,11 @@
 // w_j, the coefficients of common/routing.h, then d_logits row by row.
 #include "cpu/route_grad.h"
 
-#include <cmath>
 #include <cstdint>
-#include <limits>
 #include <vector>
 
 #include "cpu/dtype.h"
+#include "cpu/route_sources.h"
 
 namespace moe_xla::cpu {
 
@@ -18,23 +17,7 @@ void route_grad(const RouteGradParams& p) {
   std::vector<float> source(E), w(k), a(k), d(E);
   for (int64_t t = 0; t < T; ++t) {
     const int64_t row = t * E;
-    if (softmax) {
-      float m = -std::numeric_limits<float>::infinity();
-      for (int64_t e = 0; e < E; ++e) {
-        source[e] = load_as_float(p.logits, row + e, p.logits_dtype);
-        m = std::fmax(m, source[e]);
-      }
-      float sum = 0.0f;
-      for (int64_t e = 0; e < E; ++e) {
-        source[e] = std::exp(source[e] - m);
-        sum += source[e];
-      }
-      for (int64_t e = 0; e < E; ++e) source[e] = source[e] / sum;
-    } else {
-      for (int64_t e = 0; e < E; ++e) {
-        source[e] = 1.0f / (1.0f + std::exp(-load_as_float(p.logits, row + e, p.logits_dtype)));
-      }
-    }
+    route_sources(p.logits, row, E, p.logits_dtype, softmax, source.data());
     const int32_t* ids = p.expert_ids + t * k;
     for (int64_t j = 0; j < k; ++j) w[j] = ids[j] >= 0 && ids[j] < E ? source[ids[j]] : 0.0f;
     const float c = route_grad_coefficients(w.data(), p.d_weights + t * k, k, p.score, p.renormalize, p.scale,

@@ -34,7 +34,6 @@ namespace cuda {
 namespace {
 
 using route_detail::kFullMask;
-using route_detail::kMaxSharedBytes;
 using route_detail::kMaxWarpsPerBlock;
 using route_detail::kWarp;
 using route_detail::token_sources;
@@ -201,22 +200,8 @@ Status route(const RouteParams& p, cudaStream_t stream) {
   a.renormalize = p.renormalize;
   a.scale = p.scale;
 
-  const size_t warp_bytes = sizeof(float) * static_cast<size_t>(a.warp_floats);
-  int warps = static_cast<int>(kMaxSharedBytes / warp_bytes);  // >= 1 for E <= 4096
-  if (warps > kMaxWarpsPerBlock) warps = kMaxWarpsPerBlock;
-  if (warps < 1) return Status::InvalidArgument("route: too many experts for shared memory");
-  const int64_t blocks = (p.tokens + warps - 1) / warps;
-  if (blocks > INT_MAX) return Status::InvalidArgument("route: too many tokens");
-  const dim3 grid(static_cast<unsigned>(blocks)), block(kWarp * warps);
-  const size_t shared = warp_bytes * warps;
-  switch (p.logits_dtype) {
-    case DType::kF32: route_kernel<float><<<grid, block, shared, stream>>>(a); break;
-    case DType::kBF16: route_kernel<__nv_bfloat16><<<grid, block, shared, stream>>>(a); break;
-    case DType::kF16: route_kernel<__half><<<grid, block, shared, stream>>>(a); break;
-    default: return Status::InvalidArgument("route: unsupported logits dtype");
-  }
-  MOE_XLA_RETURN_IF_CUDA_ERROR(cudaGetLastError());  // launch of route_kernel
-  return Status();
+  return route_detail::launch_per_token("route", p.logits_dtype, p.tokens, a.warp_floats, a, &route_kernel<float>,
+                                        &route_kernel<__nv_bfloat16>, &route_kernel<__half>, stream);
 }
 
 }  // namespace cuda

@@ -11,7 +11,6 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-#include <climits>
 #include <cstdint>
 
 #include "common/routing.h"
@@ -25,7 +24,6 @@ namespace cuda {
 namespace {
 
 using route_detail::kFullMask;
-using route_detail::kMaxSharedBytes;
 using route_detail::kMaxWarpsPerBlock;
 using route_detail::kWarp;
 using route_detail::token_sources;
@@ -112,21 +110,10 @@ Status route_grad(const RouteGradParams& p, cudaStream_t stream) {
   a.renormalize = p.renormalize;
   a.scale = p.scale;
 
-  const size_t warp_bytes = sizeof(float) * static_cast<size_t>(a.warp_floats);
-  int warps = static_cast<int>(kMaxSharedBytes / warp_bytes);  // >= 1 for E, k <= 4096 (12288 words)
-  if (warps > kMaxWarpsPerBlock) warps = kMaxWarpsPerBlock;
-  const int64_t blocks = (p.tokens + warps - 1) / warps;
-  if (blocks > INT_MAX) return Status::InvalidArgument("route_grad: too many tokens");
-  const dim3 grid(static_cast<unsigned>(blocks)), block(kWarp * warps);
-  const size_t shared = warp_bytes * warps;
-  switch (p.logits_dtype) {
-    case DType::kF32: route_grad_kernel<float><<<grid, block, shared, stream>>>(a); break;
-    case DType::kBF16: route_grad_kernel<__nv_bfloat16><<<grid, block, shared, stream>>>(a); break;
-    case DType::kF16: route_grad_kernel<__half><<<grid, block, shared, stream>>>(a); break;
-    default: return Status::InvalidArgument("route_grad: unsupported logits dtype");
-  }
-  MOE_XLA_RETURN_IF_CUDA_ERROR(cudaGetLastError());  // launch of route_grad_kernel
-  return Status();
+  // E + 2k <= 12288 words for E, k <= 4096: at least one warp per CTA.
+  return route_detail::launch_per_token("route_grad", p.logits_dtype, p.tokens, a.warp_floats, a,
+                                        &route_grad_kernel<float>, &route_grad_kernel<__nv_bfloat16>,
+                                        &route_grad_kernel<__half>, stream);
 }
 
 }  // namespace cuda

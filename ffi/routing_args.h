@@ -20,6 +20,24 @@ namespace ffi = xla::ffi;
 
 inline ffi::Unexpected<ffi::Error> unexpected(ffi::Error e) { return ffi::Unexpected<ffi::Error>(std::move(e)); }
 
+// logits [T, E] of route and route_grad: (T, E, dtype), E in [1, 2^31).
+struct LogitsShape {
+  int64_t tokens, experts;
+  DType dtype;
+};
+
+inline ffi::ErrorOr<LogitsShape> decode_logits(ffi::AnyBuffer logits) {
+  const auto dims = logits.dimensions();
+  if (dims.size() != 2) return invalid("logits: expected rank 2 [T, E], got shape " + shape_string(dims));
+  auto dtype = to_dtype(logits.element_type(), "logits");
+  if (dtype.has_error()) return unexpected(dtype.error());
+  if (dims[1] < 1) return invalid("logits: expected at least one expert, got shape " + shape_string(dims));
+  if (dims[1] > std::numeric_limits<int32_t>::max()) {
+    return invalid("logits: expected at most 2^31 - 1 experts, got " + std::to_string(dims[1]));
+  }
+  return LogitsShape{dims[0], dims[1], *dtype};
+}
+
 // route: logits [T, E] (f32 / bf16 / f16), bias [E] f32, weights [T, k] f32,
 // expert_ids [T, k] s32. bias is used only when has_bias (and only by sigmoid scoring).
 inline ffi::ErrorOr<RouteParams> decode_route(ffi::AnyBuffer logits, ffi::Buffer<ffi::F32> bias,
@@ -27,15 +45,9 @@ inline ffi::ErrorOr<RouteParams> decode_route(ffi::AnyBuffer logits, ffi::Buffer
                                               int64_t top_k, int64_t score, int64_t n_groups,
                                               int64_t topk_groups, bool renormalize, float scale,
                                               bool has_bias) {
-  const auto dims = logits.dimensions();
-  if (dims.size() != 2) return invalid("logits: expected rank 2 [T, E], got shape " + shape_string(dims));
-  const int64_t T = dims[0], E = dims[1];
-  auto dtype = to_dtype(logits.element_type(), "logits");
-  if (dtype.has_error()) return unexpected(dtype.error());
-  if (E < 1) return invalid("logits: expected at least one expert, got shape " + shape_string(dims));
-  if (E > std::numeric_limits<int32_t>::max()) {
-    return invalid("logits: expected at most 2^31 - 1 experts, got " + std::to_string(E));
-  }
+  auto shape = decode_logits(logits);
+  if (shape.has_error()) return unexpected(shape.error());
+  const auto [T, E, dtype] = *shape;
   if (top_k < 1 || top_k > E) {
     return invalid("top_k: expected 1 <= top_k <= " + std::to_string(E) + " (the number of experts), got " +
                    std::to_string(top_k));
@@ -63,7 +75,7 @@ inline ffi::ErrorOr<RouteParams> decode_route(ffi::AnyBuffer logits, ffi::Buffer
   }
   RouteParams p{};
   p.logits = logits.untyped_data();
-  p.logits_dtype = *dtype;
+  p.logits_dtype = dtype;
   p.bias = has_bias ? bias.typed_data() : nullptr;
   p.weights = weights.typed_data();
   p.expert_ids = expert_ids.typed_data();
@@ -83,12 +95,9 @@ inline ffi::ErrorOr<RouteParams> decode_route(ffi::AnyBuffer logits, ffi::Buffer
 inline ffi::ErrorOr<RouteGradParams> decode_route_grad(ffi::AnyBuffer logits, ffi::Buffer<ffi::S32> expert_ids,
                                                        ffi::Buffer<ffi::F32> d_weights, ffi::Result<ffi::AnyBuffer> d_logits,
                                                        int64_t score, bool renormalize, float scale) {
-  const auto dims = logits.dimensions();
-  if (dims.size() != 2) return invalid("logits: expected rank 2 [T, E], got shape " + shape_string(dims));
-  const int64_t T = dims[0], E = dims[1];
-  auto dtype = to_dtype(logits.element_type(), "logits");
-  if (dtype.has_error()) return unexpected(dtype.error());
-  if (E < 1) return invalid("logits: expected at least one expert, got shape " + shape_string(dims));
+  auto shape = decode_logits(logits);
+  if (shape.has_error()) return unexpected(shape.error());
+  const auto [T, E, dtype] = *shape;
   const auto id_dims = expert_ids.dimensions();
   if (id_dims.size() != 2 || id_dims[0] != T || id_dims[1] < 1) {
     return invalid("expert_ids: expected shape [" + std::to_string(T) + ", k >= 1], got " + shape_string(id_dims));
@@ -105,7 +114,7 @@ inline ffi::ErrorOr<RouteGradParams> decode_route_grad(ffi::AnyBuffer logits, ff
   }
   RouteGradParams p{};
   p.logits = logits.untyped_data();
-  p.logits_dtype = *dtype;
+  p.logits_dtype = dtype;
   p.expert_ids = expert_ids.typed_data();
   p.d_weights = d_weights.typed_data();
   p.d_logits = d_logits->untyped_data();

@@ -95,26 +95,20 @@ def _grad_jnp(logits, expert_ids, d_weights, **params):
     return transpose(d_weights)[0]
 
 
-def _tangent_jvp(primals, tangents, **params):
-    out = route_tangent_p.bind(*primals, **params)
-    t_logits, _, t_dx = tangents
-    if type(t_logits) is ad.Zero:  # linear in d_logits
-        return out, (_ad.zero_tangent(out) if type(t_dx) is ad.Zero else route_tangent_p.bind(
-            primals[0], primals[1], t_dx, **params))
-    t_dx = ad.instantiate_zeros(t_dx)
-    f = lambda x, dx: _tangent(x, primals[1], dx, **params)  # noqa: E731
-    return out, jax.jvp(f, (primals[0], primals[2]), (t_logits, t_dx))[1]
+def _pair_jvp(prim, formula):
+    """JVP rule of a pair member: linear in its last operand (the member itself), and in
+    logits the JVP of its jnp `formula`."""
 
+    def jvp(primals, tangents, **params):
+        out = prim.bind(*primals, **params)
+        t_logits, _, t_last = tangents
+        if type(t_logits) is ad.Zero:
+            return out, (_ad.zero_tangent(out) if type(t_last) is ad.Zero else prim.bind(
+                primals[0], primals[1], t_last, **params))
+        f = lambda x, last: formula(x, primals[1], last, **params)  # noqa: E731
+        return out, jax.jvp(f, (primals[0], primals[2]), (t_logits, ad.instantiate_zeros(t_last)))[1]
 
-def _grad_jvp(primals, tangents, **params):
-    out = route_grad_p.bind(*primals, **params)
-    t_logits, _, t_g = tangents
-    if type(t_logits) is ad.Zero:  # linear in d_weights
-        return out, (_ad.zero_tangent(out) if type(t_g) is ad.Zero else route_grad_p.bind(
-            primals[0], primals[1], t_g, **params))
-    t_g = ad.instantiate_zeros(t_g)
-    f = lambda x, g: _grad_jnp(x, primals[1], g, **params)  # noqa: E731
-    return out, jax.jvp(f, (primals[0], primals[2]), (t_logits, t_g))[1]
+    return jvp
 
 
 def _linear_transpose(other):
@@ -149,14 +143,14 @@ def _attributes(*, score, renormalize, scale):
 
 route_tangent_p.def_impl(_tangent)
 route_tangent_p.def_abstract_eval(_tangent_abstract_eval)
-ad.primitive_jvps[route_tangent_p] = _tangent_jvp
+ad.primitive_jvps[route_tangent_p] = _pair_jvp(route_tangent_p, _tangent)
 ad.primitive_transposes[route_tangent_p] = _linear_transpose(route_grad_p)
 batching.primitive_batchers[route_tangent_p] = _batch(route_tangent_p)
 mlir.register_lowering(route_tangent_p, mlir.lower_fun(_tangent, multiple_results=False))
 
 _impl.def_jitted_impl(route_grad_p)
 route_grad_p.def_abstract_eval(_grad_abstract_eval)
-ad.primitive_jvps[route_grad_p] = _grad_jvp
+ad.primitive_jvps[route_grad_p] = _pair_jvp(route_grad_p, _grad_jnp)
 ad.primitive_transposes[route_grad_p] = _linear_transpose(route_tangent_p)
 batching.primitive_batchers[route_grad_p] = _batch(route_grad_p)
 _lowering.register(route_grad_p, OP, _attributes, sharding=_sharding.ROUTE_GRAD)
