@@ -31,13 +31,15 @@
 //   multiply-add (nvcc does), platforms may differ in the last bit. d_logits has the dtype
 //   of logits.
 //
-// permute: x [T, H], expert_ids [T, k], E -> x_sorted [T*k, H], group_sizes [E], row_map [T*k]
+// permute: x [T, H], expert_ids [T, k], E
+//   -> x_sorted [T*k, H], group_sizes [E], row_map [T*k], row_pairs [T*k]
 //   Assignment i = t*k + j goes to expert e = expert_ids[t, j]; valid if 0 <= e < E.
 //   group_sizes[e] = number of valid assignments to e. A stable counting sort:
 //     slot(i) = sum_{e' < e} group_sizes[e'] + #{i' < i : expert(i') == e}       (valid)
 //     slot(i) = sum_e group_sizes[e] + #{i' < i : i' invalid}                    (invalid)
 //   row_map[i] = slot(i); x_sorted[slot(i)] = x[t]. Invalid assignments land past every
-//   group, where gmm writes zeros, so they contribute nothing.
+//   group, where gmm writes zeros, so they contribute nothing. row_pairs is the inverse
+//   permutation, row_pairs[slot(i)] = i: the assignment t*k + j each sorted row holds.
 //
 // unpermute: y_sorted [R, H], row_map [T*k], weights [T, k] -> y [T, H]
 //   y[t] = sum_{j = 0..k-1} weights[t, j] * y_sorted[row_map[t*k + j]], summed in j order
@@ -132,6 +134,7 @@ struct PermuteParams {
   void* x_sorted;          // [T*k, H], dtype
   int32_t* group_sizes;    // [E]
   int32_t* row_map;        // [T*k]
+  int32_t* row_pairs;      // [T*k]
   int64_t tokens;          // T
   int64_t hidden;          // H
   int64_t top_k;           // k

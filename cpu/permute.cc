@@ -1,4 +1,5 @@
-// CPU dispatch: counting sort (histogram, exclusive scan, scatter in assignment order).
+// CPU dispatch: counting sort (histogram, exclusive scan, scatter in assignment order);
+// row_pairs is written with row_map, as its inverse.
 #include "cpu/permute.h"
 
 #include <cstdint>
@@ -30,6 +31,7 @@ void permute(const PermuteParams& p) {
   for (int64_t i = 0; i < n; ++i) {
     const int64_t slot = next[bucket(i)]++;
     p.row_map[i] = static_cast<int32_t>(slot);
+    p.row_pairs[slot] = static_cast<int32_t>(i);
     if (row_bytes) std::memcpy(x_sorted + slot * row_bytes, x + (i / k) * row_bytes, row_bytes);
   }
 }

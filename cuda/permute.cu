@@ -7,8 +7,9 @@
 //      is exactly slot(i) of common/routing.h.
 //   3. group_sizes: one thread per expert, two binary searches on the sorted keys
 //      (upper minus lower bound). No atomics, no memset.
-//   4. row_map[sorted_value[s]] = s, one thread per slot (the sorted values are a
-//      permutation of [0, T*k), so every entry is written once);
+//   4. row_map[sorted_value[s]] = s and row_pairs[s] = sorted_value[s], one thread per
+//      slot (the sorted values are a permutation of [0, T*k), so every entry of both is
+//      written once);
 //   5. the row expansion of cuda/row_gather.cuh: token t's row is read once and stored
 //      into its k slots x_sorted[row_map[t * k + j]], with the widest copy unit (16, 8, 4,
 //      2 or 1 bytes) that the row size and both pointers allow.
@@ -108,10 +109,12 @@ __global__ void count_groups(const uint32_t* __restrict__ sorted, int n, int exp
   group_sizes[e] = lower_bound(sorted, n, e + 1u) - lower_bound(sorted, n, static_cast<uint32_t>(e));
 }
 
-__global__ void invert(const int32_t* __restrict__ order, int n, int32_t* __restrict__ row_map) {
+__global__ void invert(const int32_t* __restrict__ order, int n, int32_t* __restrict__ row_map,
+                       int32_t* __restrict__ row_pairs) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t s = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; s < n; s += stride) {
     const int32_t i = order[s];
+    row_pairs[s] = i;
     if (i >= 0 && i < n) row_map[i] = static_cast<int32_t>(s);  // always: the sort's values are a permutation
   }
 }
@@ -164,7 +167,7 @@ Status permute(const PermuteParams& p, void* workspace, size_t workspace_bytes, 
     MOE_XLA_RETURN_IF_CUDA_ERROR(cudaGetLastError());  // launch of count_groups
   }
 
-  invert<<<key_blocks, kThreads, 0, stream>>>(values.Current(), n, p.row_map);
+  invert<<<key_blocks, kThreads, 0, stream>>>(values.Current(), n, p.row_map, p.row_pairs);
   MOE_XLA_RETURN_IF_CUDA_ERROR(cudaGetLastError());  // launch of invert
 
   const int64_t row_bytes = p.hidden * static_cast<int64_t>(dtype_bytes(p.dtype));

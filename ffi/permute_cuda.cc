@@ -16,8 +16,9 @@ namespace {
 
 ffi::Error permute_cuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> expert_ids,
                         ffi::Result<ffi::AnyBuffer> x_sorted, ffi::ResultBuffer<ffi::S32> group_sizes,
-                        ffi::ResultBuffer<ffi::S32> row_map, ffi::Result<ffi::AnyBuffer> workspace_buffer) {
-  auto p = ffi_args::decode_permute(x, expert_ids, *x_sorted, *group_sizes, *row_map);
+                        ffi::ResultBuffer<ffi::S32> row_map, ffi::ResultBuffer<ffi::S32> row_pairs,
+                        ffi::Result<ffi::AnyBuffer> workspace_buffer) {
+  auto p = ffi_args::decode_permute(x, expert_ids, *x_sorted, *group_sizes, *row_map, *row_pairs);
   if (p.has_error()) return p.error();
   const size_t bytes = cuda::permute_workspace_bytes(*p);
   auto workspace = ffi_args::workspace(*workspace_buffer, bytes, "permute");
@@ -36,6 +37,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaPermuteCuda, moe_xla::permute_cuda,
                                   .Ret<ffi::AnyBuffer>()          // x_sorted [T*k, H]
                                   .Ret<ffi::Buffer<ffi::S32>>()   // group_sizes [E]
                                   .Ret<ffi::Buffer<ffi::S32>>()   // row_map [T*k]
+                                  .Ret<ffi::Buffer<ffi::S32>>()   // row_pairs [T*k]
                                   .Ret<ffi::AnyBuffer>(),         // workspace u8[MoeXlaPermuteWorkspaceBytes]
                               {ffi::Traits::kCmdBufferCompatible});
 

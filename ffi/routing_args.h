@@ -128,10 +128,10 @@ inline ffi::ErrorOr<RouteGradParams> decode_route_grad(ffi::AnyBuffer logits, ff
 }
 
 // permute: x [T, H], expert_ids [T, k] s32, x_sorted [T*k, H] (dtype of x),
-// group_sizes [E] s32, row_map [T*k] s32.
+// group_sizes [E] s32, row_map [T*k] s32, row_pairs [T*k] s32.
 inline ffi::ErrorOr<PermuteParams> decode_permute(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> expert_ids,
                                                   ffi::AnyBuffer x_sorted, ffi::Buffer<ffi::S32> group_sizes,
-                                                  ffi::Buffer<ffi::S32> row_map) {
+                                                  ffi::Buffer<ffi::S32> row_map, ffi::Buffer<ffi::S32> row_pairs) {
   const auto x_dims = x.dimensions();
   if (x_dims.size() != 2) return invalid("x: expected rank 2 [T, H], got shape " + shape_string(x_dims));
   const int64_t T = x_dims[0], H = x_dims[1];
@@ -159,6 +159,7 @@ inline ffi::ErrorOr<PermuteParams> decode_permute(ffi::AnyBuffer x, ffi::Buffer<
     return invalid("group_sizes: expected fewer than 2^31 - 1 experts, got " + std::to_string(E));
   }
   if (auto e = expect_shape("row_map", row_map.dimensions(), {T * k}); e.failure()) return unexpected(e);
+  if (auto e = expect_shape("row_pairs", row_pairs.dimensions(), {T * k}); e.failure()) return unexpected(e);
   PermuteParams p{};
   p.x = x.untyped_data();
   p.dtype = *dtype;
@@ -166,6 +167,7 @@ inline ffi::ErrorOr<PermuteParams> decode_permute(ffi::AnyBuffer x, ffi::Buffer<
   p.x_sorted = x_sorted.untyped_data();
   p.group_sizes = group_sizes.typed_data();
   p.row_map = row_map.typed_data();
+  p.row_pairs = row_pairs.typed_data();
   p.tokens = T;
   p.hidden = H;
   p.top_k = k;

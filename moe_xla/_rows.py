@@ -50,26 +50,30 @@ def inverse_rows(idx, num_rows: int):
     return jnp.maximum(src, 0), src >= 0
 
 
-def row_tokens(row_map, top_k: int, num_rows: int):
-    """The token of each of num_rows sorted rows, from permute's row_map [T * top_k] (entry
-    t * top_k + j names token t's j-th row, each row at most once): -1 for rows no entry
-    names, which a gather through it reads as zero rows."""
-    pair, named = inverse_rows(row_map, num_rows)
-    return jnp.where(named, pair // top_k, -1)
-
-
 def acc_dtype(dtype):
     """The accumulation dtype: float32, or wider inputs' own."""
     return jnp.promote_types(dtype, jnp.float32)
 
 
+def pair_sources(pairs, shape, weights=None):
+    """(src, factor), both of pairs' shape, for places that hold the (q, j) pairs of slots of
+    `shape` (N, mult), given as pairs[r] = q * mult + j, or an index outside [0, N * mult)
+    where r holds none: src[r] = q (-1 for none) and factor[r] = weights[q, j] (0 for none).
+    Without weights, factor is None. Gathers only."""
+    n, mult = shape
+    named = names_row(pairs, n * mult)
+    pair = jnp.where(named, pairs, 0)
+    src = jnp.where(named, pair // mult, -1)
+    return src, None if weights is None else jnp.where(named, weights.reshape(-1)[pair], 0)
+
+
 def expansion_sources(slots, weights=None, *, num_pairs: int):
     """(src, factor), both [num_pairs]: expand_rows(rows, slots, weights)[r] is factor[r] *
     rows[src[r]], or 0 where src[r] = -1 (no slot names r; factor 0 there). Without
-    weights, factor is None: the places' sources alone."""
+    weights, factor is None: the places' sources alone. The slots' inverse is one scatter;
+    pair_sources reads the same from an inverse the caller already has."""
     pair, named = inverse_rows(slots.reshape(-1), num_pairs)
-    src = jnp.where(named, pair // slots.shape[1], -1)
-    return src, None if weights is None else jnp.where(named, weights.reshape(-1)[pair], 0)
+    return pair_sources(jnp.where(named, pair, -1), slots.shape, weights)
 
 
 def expand_rows(rows, slots, weights, *, num_pairs: int):

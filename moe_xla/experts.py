@@ -36,8 +36,8 @@ def expert_mlp(x_sorted, w_in, w_out, group_sizes, activation: str, quantization
     are its backward and the quantisation of d h (fp8.gmm_activate_fp8). quantized_weights:
     with "fp8_blockwise", Fp8Weights of w_in and w_out made elsewhere, used by the products
     instead of quantising the arrays (which still get their gradients). combine = (row_map,
-    weights) of permute and route: returns the weighted combine unpermute(out, row_map,
-    weights) [T, H] instead of out, through product_combine.activate_gmm_combine (whose
+    weights, row_pairs) of permute (return_row_pairs=True) and route: returns the weighted
+    combine unpermute(out, row_map, weights) [T, H] instead of out, through product_combine.activate_gmm_combine (whose
     derivative needs neither out nor a weighted copy of the cotangent); with GatheredRows
     (of the same permute) the forward runs the activation in the first product's epilogue
     where `fused_activation` says (_fused_forward_mlp); with "fp8_blockwise" the MLP and
@@ -58,8 +58,8 @@ def expert_mlp(x_sorted, w_in, w_out, group_sizes, activation: str, quantization
                                          wgrad=wgrad)
     if isinstance(x_sorted, GatheredRows) and combine is not None:
         # combine's row_map is the one x_sorted's rows come from (both permute's).
-        rows, (row_map, weights) = x_sorted, combine
-        args = (rows.x, w_in, w_out, group_sizes, rows.src, rows.expert_ids, row_map, weights)
+        rows, (row_map, weights, row_pairs) = x_sorted, combine
+        args = (rows.x, w_in, w_out, group_sizes, rows.src, rows.expert_ids, row_map, weights, row_pairs)
         if _activation_fuses(rows, w_in, activation):
             return _fused_forward_mlp(*args, activation, rows.num_experts)
         return _gathered_mlp(*args, activation=activation, num_experts=rows.num_experts)
@@ -69,8 +69,8 @@ def expert_mlp(x_sorted, w_in, w_out, group_sizes, activation: str, quantization
         else:
             h = gmm(x_sorted, w_in, group_sizes, quantization=quantization)
     if combine is not None:
-        row_map, weights = combine
-        return _activate_product_combine(h, w_out, group_sizes, row_map, weights, activation,
+        row_map, weights, row_pairs = combine
+        return _activate_product_combine(h, w_out, group_sizes, row_map, weights, row_pairs, activation,
                                          backward_gathers(h, w_out, weights.shape[0]))
     with jax.named_scope("moe_xla/act"):
         a = activate(h, activation)
@@ -92,8 +92,8 @@ def _activation_fuses(rows: GatheredRows, w_in, activation: str) -> bool:
     return first_product.activation_fuses(rows.x, w_in, rows.expert_ids.shape[1], activation)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(8, 9))
-def _fused_forward_mlp(x, w_in, w_out, group_sizes, src, expert_ids, row_map, weights, activation: str,
+@functools.partial(jax.custom_jvp, nondiff_argnums=(9, 10))
+def _fused_forward_mlp(x, w_in, w_out, group_sizes, src, expert_ids, row_map, weights, row_pairs, activation: str,
                        num_experts: int):
     """The gathered expert MLP and weighted combine, y [T, H], computed with the activation in
     the first product's epilogue (gather_gmm_activate: h stays float32, a is rounded once)
@@ -102,7 +102,7 @@ def _fused_forward_mlp(x, w_in, w_out, group_sizes, src, expert_ids, row_map, we
     two differ by the rounding of h to x's dtype."""
     with jax.named_scope("moe_xla/gmm_in"):
         a = gather_gmm_activate(x, src, w_in, group_sizes, activation)
-    return gmm_combine(a, w_out, group_sizes, row_map, weights)
+    return gmm_combine(a, w_out, group_sizes, row_map, weights, row_pairs)
 
 
 @_fused_forward_mlp.defjvp
@@ -110,23 +110,24 @@ def _fused_forward_mlp_jvp(activation, num_experts, primals, tangents):
     return jax.jvp(functools.partial(_gathered_mlp, activation=activation, num_experts=num_experts), primals, tangents)
 
 
-def _gathered_mlp(x, w_in, w_out, group_sizes, src, expert_ids, row_map, weights, *, activation: str,
+def _gathered_mlp(x, w_in, w_out, group_sizes, src, expert_ids, row_map, weights, row_pairs, *, activation: str,
                   num_experts: int):
     """expert_mlp's unfused path on first_product.GatheredRows(x, src, expert_ids, row_map)
-    with combine = (row_map, weights)."""
+    with combine = (row_map, weights, row_pairs)."""
     rows = GatheredRows(x, src, expert_ids, row_map, num_experts)
     with jax.named_scope("moe_xla/gmm_in"):
         h = rows.gmm(w_in, group_sizes)
-    return _activate_product_combine(h, w_out, group_sizes, row_map, weights, activation,
+    return _activate_product_combine(h, w_out, group_sizes, row_map, weights, row_pairs, activation,
                                      backward_gathers(h, w_out, weights.shape[0]))
 
 
-@functools.partial(jax.checkpoint, static_argnums=(5, 6))
-def _activate_product_combine(h, w_out, group_sizes, row_map, weights, activation: str, gathered_backward: bool):
+@functools.partial(jax.checkpoint, static_argnums=(6, 7))
+def _activate_product_combine(h, w_out, group_sizes, row_map, weights, row_pairs, activation: str,
+                              gathered_backward: bool):
     """activate_gmm_combine(h, w_out, ...), rematerialised: a step keeps h, which the
     activation's backward reads anyway, and recomputes omega * a for w_out's gradient (one
     elementwise pass over h) instead of keeping a [T*k, F] array."""
-    return activate_gmm_combine(h, w_out, group_sizes, row_map, weights, activation, gathered_backward)
+    return activate_gmm_combine(h, w_out, group_sizes, row_map, weights, row_pairs, activation, gathered_backward)
 
 
 def shared_mlp(x, shared_experts, activation: str):

@@ -37,7 +37,6 @@ import jax.numpy as jnp
 
 import moe_xla._choice as _choice
 import moe_xla._lib as _lib
-import moe_xla._rows as _rows
 import moe_xla.primitives.gather_gmm_activate as _gather_gmm_activate
 from moe_xla.primitives.gather_gmm import gather_gmm, kernel_supports
 from moe_xla.primitives.gmm import gmm
@@ -124,10 +123,11 @@ class GatheredRows:
 
 
 def sorted_rows(x, expert_ids, num_experts: int):
-    """permute(x, expert_ids, num_experts) with x_sorted as GatheredRows: (rows, group_sizes,
-    row_map), the sort alone (permute of zero-width rows) and its inverse."""
+    """permute(x, expert_ids, num_experts, return_row_pairs=True) with x_sorted as
+    GatheredRows: (rows, group_sizes, row_map, row_pairs), the sort alone (permute of
+    zero-width rows); the rows' tokens are row_pairs // k."""
     t, k = expert_ids.shape
-    _, group_sizes, row_map = permute(jnp.zeros((t, 0), x.dtype), expert_ids, num_experts)
+    _, group_sizes, row_map, row_pairs = permute(jnp.zeros((t, 0), x.dtype), expert_ids, num_experts,
+                                                 return_row_pairs=True)
     # row_map is a permutation of the T*k rows: every row has a token.
-    src = _rows.row_tokens(row_map, k, t * k)
-    return GatheredRows(x, src, expert_ids, row_map, num_experts), group_sizes, row_map
+    return GatheredRows(x, row_pairs // k, expert_ids, row_map, num_experts), group_sizes, row_map, row_pairs

@@ -194,30 +194,32 @@ def _gmm_act_bwd(activation, wgrad_kind, saved, cotangents):
 _gmm_act.defvjp(_gmm_act_fwd, _gmm_act_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10))
-def _mlp_combine(x, x_q, w_in, q_in, w_out, q_out, group_sizes, row_map, route_weights, activation, wgrad):
-    return _mlp_combine_fwd(x, x_q, w_in, q_in, w_out, q_out, group_sizes, row_map, route_weights, activation,
-                            wgrad)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(10, 11))
+def _mlp_combine(x, x_q, w_in, q_in, w_out, q_out, group_sizes, row_map, route_weights, row_pairs, activation,
+                 wgrad):
+    return _mlp_combine_fwd(x, x_q, w_in, q_in, w_out, q_out, group_sizes, row_map, route_weights, row_pairs,
+                            activation, wgrad)[0]
 
 
-def _mlp_combine_fwd(x, x_q, w_in, q_in, w_out, q_out, group_sizes, row_map, route_weights, activation, wgrad):
+def _mlp_combine_fwd(x, x_q, w_in, q_in, w_out, q_out, group_sizes, row_map, route_weights, row_pairs, activation,
+                     wgrad):
     (a, q_a, s_a), (h, res_in) = _gmm_act_fwd(x, x_q, w_in, q_in, group_sizes, activation, wgrad)
     with jax.named_scope(_PRODUCT_OUT):
         out, res_out = _gmm_fwd(a, (q_a, s_a), w_out, q_out, group_sizes, x.dtype, wgrad)
     with jax.named_scope(_COMBINE):
-        y = unpermute(out, row_map, route_weights, unique_rows=True)
-    return y, (h, res_in, res_out, row_map, route_weights)
+        y = unpermute(out, row_map, route_weights, row_pairs=row_pairs)
+    return y, (h, res_in, res_out, row_map, route_weights, row_pairs)
 
 
 def _mlp_combine_bwd(activation, wgrad_kind, saved, dy):
-    h, res_in, res_out, row_map, route_weights = saved
+    h, res_in, res_out, row_map, route_weights, row_pairs = saved
     (t, k), m = route_weights.shape, h.shape[0]
     weights32 = route_weights.astype(jnp.float32)
     with jax.named_scope(_COMBINE):
         # d out[r] = omega[r] dy[t] (unpermute's transpose), each dy row read once; the FP8
         # rows are those of dy[t] itself, c[r] (the weight enters after the product).
         d_out, q, scales = expand_quantize_fp8_rows(dy.astype(h.dtype), row_map.reshape(t, k), weights32, m)
-        omega = _rows.row_weights(row_map, weights32, m)
+        omega = _rows.pair_sources(row_pairs, (t, k), weights32)[1]
     with jax.named_scope(_PRODUCT_OUT):
         g, _, d_w_out, d_q_out, _ = _grads(d_out, (q, scales), res_out, wgrad_kind)
     with jax.named_scope(_ACT):
@@ -227,7 +229,7 @@ def _mlp_combine_bwd(activation, wgrad_kind, saved, dy):
     with jax.named_scope(_COMBINE):
         # omega's transpose: d weights[t, j] = d omega[row_map[t*k + j]], a gather.
         (d_route,) = jax.linear_transpose(lambda w: _rows.row_weights(row_map, w, m), weights32)(d_omega)
-    return d_x, d_x_q, d_w_in, d_q_in, d_w_out, d_q_out, None, None, d_route.astype(route_weights.dtype)
+    return d_x, d_x_q, d_w_in, d_q_in, d_w_out, d_q_out, None, None, d_route.astype(route_weights.dtype), None
 
 
 _mlp_combine.defvjp(_mlp_combine_fwd, _mlp_combine_bwd)
@@ -279,12 +281,13 @@ def gmm_activate_fp8(lhs, rhs, group_sizes, activation: str, *, lhs_quantized=No
     return _gmm_act(lhs, _stopped(lhs_quantized), w, weights, group_sizes, activation, wgrad)
 
 
-def mlp_combine_fp8(x, w_in, w_out, group_sizes, row_map, weights, activation: str, *, x_quantized=None,
+def mlp_combine_fp8(x, w_in, w_out, group_sizes, row_map, weights, row_pairs, activation: str, *, x_quantized=None,
                     quantized_weights=(None, None), wgrad="bf16"):
     """y[t] = sum_j weights[t, j] out[row_map[t*k + j]] with out = gmm_fp8_blockwise(a, w_out)
     and (a, ...) = gmm_activate_fp8(x, w_in, group_sizes, activation): the FP8 expert MLP on
-    rows x [T*k, H] grouped by expert and its weighted combine into [T, N] (row_map is
-    permute's, naming each row at most once; weights [T, k]). x_quantized and
+    rows x [T*k, H] grouped by expert and its weighted combine into [T, N] (row_map and
+    row_pairs are permute's: row_map names each row at most once, row_pairs is its inverse;
+    weights [T, k]). x_quantized and
     quantized_weights = (Fp8Weights of w_in or None, of w_out or None) as lhs_quantized and
     rhs_quantized of gmm_fp8_blockwise; wgrad likewise. Differentiable w.r.t. x, array
     weights w_in / w_out and weights, by the rule of product_combine's derivative with the
@@ -304,13 +307,16 @@ def mlp_combine_fp8(x, w_in, w_out, group_sizes, row_map, weights, activation: s
     if jnp.shape(x)[:1] != jnp.shape(row_map):
         raise ValueError(f"mlp_combine_fp8: expected x of {jnp.shape(row_map)[0]} rows (T*k, row_map's length), "
                          f"got shape {jnp.shape(x)}")
+    if jnp.shape(row_pairs) != jnp.shape(row_map):
+        raise ValueError(f"mlp_combine_fp8: expected row_pairs of shape {jnp.shape(row_map)} (row_map's), "
+                         f"got {jnp.shape(row_pairs)}")
     q_in, q_out = quantized_weights
     with jax.named_scope(_PRODUCT):
         w_in, q_in = _weights("mlp_combine_fp8", w_in, q_in)
     with jax.named_scope(_PRODUCT_OUT):
         w_out, q_out = _weights("mlp_combine_fp8", w_out, q_out)
     return _mlp_combine(x, _stopped(x_quantized), w_in, q_in, w_out, q_out, group_sizes, row_map, weights,
-                        activation, wgrad)
+                        row_pairs, activation, wgrad)
 
 
 def gmm_fp8_blockwise(lhs, rhs, group_sizes, *, transpose_rhs=False, preferred_element_type=None,

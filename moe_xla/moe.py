@@ -1,7 +1,8 @@
 """moe(): a dropless Mixture-of-Experts layer from the moe_xla primitives.
 
     weights, ids = route(router_logits)                       # [T, k] each
-    x_sorted, group_sizes, row_map = permute(x, ids, E)       # rows grouped by expert
+    x_sorted, group_sizes, row_map = permute(x, ids, E)       # rows grouped by expert (and
+                                                              #   row_pairs, row_map's inverse)
     h = gmm(x_sorted, w_in, group_sizes)                      # [T*k, 2F] (gated) or [T*k, F]
       (or permute's sort alone and h = gather_gmm(x, src, w_in, group_sizes), reading
        x_sorted[r] = x[src[r]] from the tokens: moe_xla/first_product.py)
@@ -89,18 +90,20 @@ def _check_quantized_weights(w_in, w_out, quantized_weights, quantization):
 
 
 def _sorted_rows_fp8(x, expert_ids, num_experts: int):
-    """permute(x, expert_ids, num_experts) with quantize_fp8_rows of its rows, in one pass
-    over the tokens: (x_sorted, group_sizes, row_map, (q, scales)). permute's sort alone
-    (zero-width rows) gives group_sizes and row_map; expand_quantize_fp8_rows with the row
+    """permute(x, expert_ids, num_experts, return_row_pairs=True) with quantize_fp8_rows of
+    its rows, in one pass over the tokens: (x_sorted, group_sizes, row_map, row_pairs, (q,
+    scales)). permute's sort alone (zero-width rows) gives group_sizes, row_map and
+    row_pairs; expand_quantize_fp8_rows with the row
     map as slots and factor 1 reads each token row once and writes its k sorted rows, in
     x's dtype and quantised (1 x 128 row tiles do not depend on the row order). The copy
     equals permute's except that entries of magnitude below 2^-126 are zeros, as the
     quantisation sees them; x_sorted is differentiated as permute's rows in x."""
     t, k = expert_ids.shape
-    _, group_sizes, row_map = permute(jnp.zeros((t, 0), x.dtype), expert_ids, num_experts)
+    _, group_sizes, row_map, row_pairs = permute(jnp.zeros((t, 0), x.dtype), expert_ids, num_experts,
+                                                 return_row_pairs=True)
     rows, q, scales = expand_quantize_fp8_rows(jax.lax.stop_gradient(x), row_map.reshape(t, k),
                                                jnp.ones((t, k), jnp.float32), t * k)
-    return _permuted_rows(rows, x, expert_ids, num_experts), group_sizes, row_map, (q, scales)
+    return _permuted_rows(rows, x, expert_ids, num_experts), group_sizes, row_map, row_pairs, (q, scales)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(3,))
@@ -177,13 +180,13 @@ def moe(x, router_logits, w_in, w_out, *, top_k, activation="swiglu", score="sof
     with jax.named_scope("moe_xla/dispatch"):
         x_quantized = None
         if is_fp8(quantization):
-            x_sorted, group_sizes, row_map, x_quantized = _sorted_rows_fp8(x2, ids, experts)
+            x_sorted, group_sizes, row_map, row_pairs, x_quantized = _sorted_rows_fp8(x2, ids, experts)
         elif first_product.choose(x2, w_in, top_k) == "gather":
-            x_sorted, group_sizes, row_map = first_product.sorted_rows(x2, ids, experts)  # no copy of x
+            x_sorted, group_sizes, row_map, row_pairs = first_product.sorted_rows(x2, ids, experts)  # no copy of x
         else:
-            x_sorted, group_sizes, row_map = permute(x2, ids, experts)
+            x_sorted, group_sizes, row_map, row_pairs = permute(x2, ids, experts, return_row_pairs=True)
     y = expert_mlp(x_sorted, w_in, w_out, group_sizes, activation, quantization, x_quantized, quantized_weights,
-                   combine=(row_map, weights))
+                   combine=(row_map, weights, row_pairs))
     if shared_experts is not None:
         y = y + shared_mlp(x2, shared_experts, activation)
     y = y.reshape(lead + (hidden,))

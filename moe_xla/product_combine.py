@@ -4,8 +4,8 @@ needs neither the product's output nor a weighted copy of the cotangent:
     y[t] = sum_j weights[t, j] out[row_map[t*k + j]],   out = gmm(act(h), w_out, group_sizes)   [T*k, H]
 
 The forward is unpermute(gmm(activate(h), w_out)) as written. The derivative is written
-through omega[r] = weights[t, j] (the entry with row_map[t*k + j] = r; 0 for rows no entry
-names), using out[r] = a[r] @ w_out[e] (a = act(h)) to move the weights in front of the
+through omega[r] = weights[t, j] (the entry t*k + j = row_pairs[r] with row_map[t*k + j] =
+r, a gather through permute's row_pairs; 0 for rows no entry names), using out[r] = a[r] @ w_out[e] (a = act(h)) to move the weights in front of the
 product: with b = omega * a,
 
     d y[t] = sum_j d b[r] @ w_out[e] + b[r] @ d w_out[e],   d b = omega act'(h) d h + d omega a
@@ -81,36 +81,40 @@ def backward_gathers(h, w_out, num_tokens: int) -> bool:
             and gather_tgmm_supports((num_tokens, hidden), (m, f), e, dtype, dtype))
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(5, 6))
-def activate_gmm_combine(h, w_out, group_sizes, row_map, weights, activation: str, gathered_backward: bool):
+@functools.partial(jax.custom_jvp, nondiff_argnums=(6, 7))
+def activate_gmm_combine(h, w_out, group_sizes, row_map, weights, row_pairs, activation: str,
+                         gathered_backward: bool):
     """unpermute(gmm(activate(h, activation), w_out, group_sizes), row_map, weights,
-    unique_rows=True): h [T*k, 2F] (gated) or [T*k, F] grouped by expert, w_out [E, F, H],
-    row_map permute's (naming each row at most once), weights [T, k] float32 -> y [T, H] in
-    h's dtype. Differentiable w.r.t. h, w_out and weights by the rule of the module
-    docstring (jvp, grad, vmap), reading the cotangent through the row map where
+    row_pairs=row_pairs): h [T*k, 2F] (gated) or [T*k, F] grouped by expert, w_out [E, F, H],
+    row_map and row_pairs permute's (row_map naming each row at most once, row_pairs its
+    inverse), weights [T, k] float32 -> y [T, H] in h's dtype. Differentiable w.r.t. h,
+    w_out and weights by the rule of the module docstring (jvp, grad, vmap), reading the
+    cotangent through the row map where
     gathered_backward (the caller's choice, e.g. `backward_gathers`; an argument, so that
     traces of the rule made under one choice are not reused for the other)."""
     with jax.named_scope("moe_xla/act"):
         a = activate(h, activation)
-    return gmm_combine(a, w_out, group_sizes, row_map, weights)
+    return gmm_combine(a, w_out, group_sizes, row_map, weights, row_pairs)
 
 
-def gmm_combine(a, w_out, group_sizes, row_map, weights):
-    """unpermute(gmm(a, w_out, group_sizes), row_map, weights, unique_rows=True), under the
+def gmm_combine(a, w_out, group_sizes, row_map, weights, row_pairs):
+    """unpermute(gmm(a, w_out, group_sizes), row_map, weights, row_pairs=row_pairs), under the
     gmm_out and combine scopes: the forward of activate_gmm_combine after the activation."""
     with jax.named_scope("moe_xla/gmm_out"):
         out = gmm(a, w_out, group_sizes)
     with jax.named_scope("moe_xla/combine"):
-        return unpermute(out, row_map, weights, unique_rows=True)
+        return unpermute(out, row_map, weights, row_pairs=row_pairs)
 
 
 @activate_gmm_combine.defjvp
 def _activate_gmm_combine_jvp(activation, gathered_backward, primals, tangents):
-    h, w_out, group_sizes, row_map, weights = primals
-    d_h, d_w_out, _, _, d_weights = tangents
-    y = activate_gmm_combine(h, w_out, group_sizes, row_map, weights, activation, gathered_backward)
+    h, w_out, group_sizes, row_map, weights, row_pairs = primals
+    d_h, d_w_out, _, _, d_weights, _ = tangents
+    y = activate_gmm_combine(h, w_out, group_sizes, row_map, weights, row_pairs, activation, gathered_backward)
     with jax.named_scope("moe_xla/combine"):
-        omega = _rows.row_weights(row_map, weights, h.shape[0])
+        src, omega = _rows.pair_sources(row_pairs, weights.shape, weights)  # gathers through row_pairs
+        # Linear in d_weights, written as the scatter through row_map so that its transpose,
+        # the weights' cotangent, is a gather.
         d_omega = _rows.row_weights(row_map, d_weights, h.shape[0])
     with jax.named_scope("moe_xla/act"):
         d_rows = activate_weighted_tangent(h, omega, d_h, d_omega, activation)
@@ -118,10 +122,9 @@ def _activate_gmm_combine_jvp(activation, gathered_backward, primals, tangents):
     if gathered_backward:
         with jax.named_scope("moe_xla/gmm_out"):
             slots = row_map.reshape(weights.shape)
-            src = _rows.row_tokens(row_map, weights.shape[1], h.shape[0])
             return y, (gmm_unpermute(d_rows, w_out, group_sizes, slots, src)
                        + gmm_unpermute(weighted, d_w_out, group_sizes, slots, src))
     with jax.named_scope("moe_xla/gmm_out"):
         d_out = gmm(d_rows, w_out, group_sizes) + gmm(weighted, d_w_out, group_sizes)
     with jax.named_scope("moe_xla/combine"):
-        return y, unpermute(d_out, row_map, jnp.ones_like(weights), unique_rows=True)
+        return y, unpermute(d_out, row_map, jnp.ones_like(weights), row_pairs=row_pairs)

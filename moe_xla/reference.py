@@ -151,9 +151,11 @@ def route(logits, *, top_k, score="softmax", bias=None, n_groups=1, topk_groups=
     return weights, expert_ids
 
 
-def permute(x, expert_ids, num_experts: int):
+def permute(x, expert_ids, num_experts: int, *, return_row_pairs=False):
     """Stable counting sort of the T*k assignments by expert (common/routing.h):
-    -> (x_sorted [T*k, H], group_sizes [E] int32, row_map [T*k] int32)."""
+    -> (x_sorted [T*k, H], group_sizes [E] int32, row_map [T*k] int32), and with
+    return_row_pairs row_pairs [T*k] int32, the sort's order (the assignment of each sorted
+    row, row_map's inverse)."""
     t, k = expert_ids.shape
     flat = expert_ids.reshape(-1)
     valid = (flat >= 0) & (flat < num_experts)
@@ -162,7 +164,7 @@ def permute(x, expert_ids, num_experts: int):
     row_map = jnp.zeros((t * k,), jnp.int32).at[order].set(jnp.arange(t * k, dtype=jnp.int32))
     group_sizes = jnp.sum(key[:, None] == jnp.arange(num_experts)[None, :], axis=0, dtype=jnp.int32)
     x_sorted = x[order // k] if t * k else jnp.zeros((0, x.shape[1]), x.dtype)
-    return x_sorted, group_sizes, row_map
+    return (x_sorted, group_sizes, row_map, order) if return_row_pairs else (x_sorted, group_sizes, row_map)
 
 
 def unpermute(y_sorted, row_map, weights):

@@ -196,8 +196,9 @@ def test_token_order_quantisation_equals_quantising_the_sorted_rows(rng, h):
 
     def sorted_rows_layer(x, logits, w_in, w_out):
         weights, ids = moe_xla.route(logits, K)
-        x_sorted, group_sizes, row_map = moe_xla.permute(x, ids, E)
-        return expert_mlp(x_sorted, w_in, w_out, group_sizes, "swiglu", "fp8_blockwise", combine=(row_map, weights))
+        x_sorted, group_sizes, row_map, row_pairs = moe_xla.permute(x, ids, E, return_row_pairs=True)
+        return expert_mlp(x_sorted, w_in, w_out, group_sizes, "swiglu", "fp8_blockwise",
+                          combine=(row_map, weights, row_pairs))
 
     def loss(layer):
         return lambda *a: jnp.sum(layer(*a).astype(jnp.float32) * ct)
@@ -228,12 +229,14 @@ def test_sorted_rows_in_one_pass_are_permute_and_its_quantisation(rng):
     tiny = jnp.asarray(np.ldexp(np.float32(1.5), -130), jnp.bfloat16)  # a bf16 subnormal of float32's range
     x = x.at[3, 5].set(tiny).at[7, 200].set(-tiny)
     _, ids = moe_xla.route(normal(rng, (T, E), jnp.float32), K)
-    x_sorted, group_sizes, row_map, (q, scales) = jax.jit(_sorted_rows_fp8, static_argnums=2)(x, ids, E)
+    x_sorted, group_sizes, row_map, row_pairs, (q, scales) = jax.jit(_sorted_rows_fp8, static_argnums=2)(x, ids, E)
     flushed = np.asarray(x, np.float32)
     flushed = np.where(np.abs(flushed) < np.ldexp(np.float32(1), -126), np.copysign(np.float32(0), flushed), flushed)
-    want_rows, want_sizes, want_map = moe_xla.permute(jnp.asarray(flushed, jnp.bfloat16), ids, E)
+    want_rows, want_sizes, want_map, want_pairs = moe_xla.permute(jnp.asarray(flushed, jnp.bfloat16), ids, E,
+                                                                  return_row_pairs=True)
     np.testing.assert_array_equal(np.asarray(group_sizes), np.asarray(want_sizes))
     np.testing.assert_array_equal(np.asarray(row_map), np.asarray(want_map))
+    np.testing.assert_array_equal(np.asarray(row_pairs), np.asarray(want_pairs))
     np.testing.assert_array_equal(np.asarray(x_sorted, np.float32), np.asarray(want_rows, np.float32))
     want_q, want_scales = moe_xla.quantize_fp8_rows(want_rows)
     np.testing.assert_array_equal(np.asarray(q).view(np.uint8), np.asarray(want_q).view(np.uint8))
@@ -265,11 +268,12 @@ def test_fused_mlp_combine_equals_the_product_then_unpermute(rng, wgrad):
     weights, ids = moe_xla.route(logits, K)
     weights = 2.0 ** jnp.round(jnp.log2(weights))
     ids = ids.at[::7, 1].set(E)  # dropped assignments: rows past the groups
-    rows, group_sizes, row_map = moe_xla.permute(x, ids, E)
+    rows, group_sizes, row_map, row_pairs = moe_xla.permute(x, ids, E, return_row_pairs=True)
     ct = normal(rng, (T, H), jnp.float32)
 
     def fused(x, w_in, w_out, weights):
-        return moe_xla.fp8.mlp_combine_fp8(x, w_in, w_out, group_sizes, row_map, weights, "swiglu", wgrad=wgrad)
+        return moe_xla.fp8.mlp_combine_fp8(x, w_in, w_out, group_sizes, row_map, weights, row_pairs, "swiglu",
+                                           wgrad=wgrad)
 
     def unfused(x, w_in, w_out, weights):
         return _mlp_then_unpermute(x, w_in, w_out, group_sizes, row_map, weights, wgrad)
@@ -295,13 +299,14 @@ def test_fused_mlp_combine_is_as_accurate_as_the_unfused_rule(rng):
 
     x, logits, w_in, w_out = _inputs(rng)
     weights, ids = moe_xla.route(logits, K)
-    rows, group_sizes, row_map = moe_xla.permute(x, ids, E)
+    rows, group_sizes, row_map, row_pairs = moe_xla.permute(x, ids, E, return_row_pairs=True)
     ct = normal(rng, (T, H), jnp.float32)
     layers = (
         lambda x, w_in, w_out, weights: moe_xla.fp8.mlp_combine_fp8(x, w_in, w_out, group_sizes, row_map, weights,
-                                                                    "swiglu"),
+                                                                    row_pairs, "swiglu"),
         lambda x, w_in, w_out, weights: _mlp_then_unpermute(x, w_in, w_out, group_sizes, row_map, weights, "bf16"),
-        lambda x, w_in, w_out, weights: expert_mlp(x, w_in, w_out, group_sizes, "swiglu", combine=(row_map, weights)))
+        lambda x, w_in, w_out, weights: expert_mlp(x, w_in, w_out, group_sizes, "swiglu",
+                                                   combine=(row_map, weights, row_pairs)))
     fused, unfused, bf16 = (jax.jit(jax.grad(lambda *a, f=f: jnp.sum(f(*a).astype(jnp.float32) * ct),
                                              argnums=(0, 1, 2, 3)))(rows, w_in, w_out, weights) for f in layers)
     for name, a, b, c in zip(("x", "w_in", "w_out", "weights"), fused, unfused, bf16):
@@ -325,12 +330,15 @@ def test_the_layer_quantises_each_cotangent_in_the_pass_that_makes_it(rng):
 def test_fused_products_name_themselves_in_errors(rng):
     x, logits, w_in, w_out = _inputs(rng)
     weights, ids = moe_xla.route(logits, K)
-    rows, group_sizes, row_map = moe_xla.permute(x, ids, E)
+    rows, group_sizes, row_map, row_pairs = moe_xla.permute(x, ids, E, return_row_pairs=True)
     with pytest.raises(ValueError, match=r"mlp_combine_fp8: expected x of 512 rows \(T\*k"):
-        moe_xla.fp8.mlp_combine_fp8(rows[:-1], w_in, w_out, group_sizes, row_map, weights, "swiglu")
+        moe_xla.fp8.mlp_combine_fp8(rows[:-1], w_in, w_out, group_sizes, row_map, weights, row_pairs, "swiglu")
+    with pytest.raises(ValueError, match=r"mlp_combine_fp8: expected row_pairs of shape \(512,\)"):
+        moe_xla.fp8.mlp_combine_fp8(rows, w_in, w_out, group_sizes, row_map, weights, row_pairs[:-1], "swiglu")
     with pytest.raises(ValueError, match="mlp_combine_fp8: expected wgrad in"):
-        moe_xla.fp8.mlp_combine_fp8(rows, w_in, w_out, group_sizes, row_map, weights, "swiglu", wgrad="f32")
+        moe_xla.fp8.mlp_combine_fp8(rows, w_in, w_out, group_sizes, row_map, weights, row_pairs, "swiglu",
+                                    wgrad="f32")
     with pytest.raises(ValueError, match="mlp_combine_fp8: expected rhs of rank 3"):
-        moe_xla.fp8.mlp_combine_fp8(rows, w_in, w_out[0], group_sizes, row_map, weights, "swiglu")
+        moe_xla.fp8.mlp_combine_fp8(rows, w_in, w_out[0], group_sizes, row_map, weights, row_pairs, "swiglu")
     with pytest.raises(ValueError, match="gmm_activate_fp8: expected rhs of rank 3"):
         moe_xla.fp8.gmm_activate_fp8(x, w_in[0], group_sizes, "swiglu")

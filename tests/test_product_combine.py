@@ -47,9 +47,16 @@ def combined(request):
     gathered = request.param == "gather"
 
     def combine(h, w_out, weights, row_map, activation="swiglu"):
-        return activate_gmm_combine(h, w_out, jnp.asarray(SIZES), row_map, weights, activation, gathered)
+        return activate_gmm_combine(h, w_out, jnp.asarray(SIZES), row_map, weights, _row_pairs(row_map), activation,
+                                    gathered)
 
     return combine
+
+
+def _row_pairs(row_map):
+    """row_map's inverse by comparison: the entry naming each row, -1 where none does."""
+    hits = row_map[None, :] == jnp.arange(T * K, dtype=jnp.int32)[:, None]
+    return jnp.where(jnp.any(hits, axis=1), jnp.argmax(hits, axis=1), -1).astype(jnp.int32)
 
 
 def _inputs(rng, dtype, activation="swiglu"):

@@ -167,7 +167,7 @@ PERMUTE_SHAPES = [(0, 3, 2, 3), (1, 2, 1, 1), (11, 4, 2, 5), (17, 3, 3, 8)]
 
 @partial(jax.jit, static_argnames="num_experts")
 def _permute(x, ids, num_experts):
-    return moe_xla.permute(x, ids, num_experts)
+    return moe_xla.permute(x, ids, num_experts, return_row_pairs=True)
 
 
 @st.composite
@@ -183,7 +183,7 @@ def permute_case(draw):
 def test_permute_property(case):
     t, h, e, ids, dtype, seed = case
     x = _data(seed, (t, h), dtype)
-    xs, gs, rm = _permute(x, jnp.asarray(ids), e)
+    xs, gs, rm, rp = _permute(x, jnp.asarray(ids), e)
     xs_ref, gs_ref, rm_ref = reference.permute(x, jnp.asarray(ids), e)
     np.testing.assert_array_equal(gs, gs_ref)
     np.testing.assert_array_equal(rm, rm_ref)
@@ -195,6 +195,7 @@ def test_permute_property(case):
     np.testing.assert_array_equal(gs, np.bincount(flat[valid], minlength=e)[:e])
     rm = np.asarray(rm)
     assert sorted(rm.tolist()) == list(range(flat.size))
+    np.testing.assert_array_equal(np.asarray(rp)[rm], np.arange(flat.size))  # row_pairs: row_map's inverse
     k = ids.shape[1]
     for i in range(flat.size):
         np.testing.assert_array_equal(np.asarray(xs[rm[i]], np.float32), np.asarray(x[i // k], np.float32))

@@ -111,12 +111,15 @@ def test_permute_matches_reference(rng, t, h, k, e, invalid):
     x = normal(rng, (t, h), jnp.float32)
     ids = rng.integers(0, e, size=(t, k)).astype(np.int32)
     ids[rng.random((t, k)) < invalid] = rng.choice([-1, e, e + 7, -2**31])
-    xs, gs, rm = jax.jit(lambda x, i: moe_xla.permute(x, i, e))(x, jnp.asarray(ids))
-    xs_ref, gs_ref, rm_ref = reference.permute(x, jnp.asarray(ids), e)
+    xs, gs, rm, rp = jax.jit(lambda x, i: moe_xla.permute(x, i, e, return_row_pairs=True))(x, jnp.asarray(ids))
+    xs_ref, gs_ref, rm_ref, rp_ref = reference.permute(x, jnp.asarray(ids), e, return_row_pairs=True)
     np.testing.assert_array_equal(gs, gs_ref)
     np.testing.assert_array_equal(rm, rm_ref)
+    np.testing.assert_array_equal(rp, rp_ref)
     np.testing.assert_array_equal(xs, xs_ref)
     assert sorted(np.asarray(rm).tolist()) == list(range(t * k)), "row_map is a permutation"
+    np.testing.assert_array_equal(np.asarray(rp)[np.asarray(rm)], np.arange(t * k), "row_pairs is its inverse")
+    assert len(jax.jit(lambda x, i: moe_xla.permute(x, i, e))(x, jnp.asarray(ids))) == 3
 
 
 def test_unpermute_matches_reference_and_skips_bad_rows(rng):
@@ -221,9 +224,9 @@ def test_permute_unpermute_vmap(rng):
     ids = rng.integers(0, e, size=(b, t, k)).astype(np.int32)
     ids[1, 3, 0] = -1  # an invalid id stays inside its batch element
     ids = jnp.asarray(ids)
-    ours = jax.vmap(lambda x, i: moe_xla.permute(x, i, e))(x, ids)
-    ref = jax.vmap(lambda x, i: reference.permute(x, i, e))(x, ids)
-    for o, r in zip(ours, ref):
+    ours = jax.vmap(lambda x, i: moe_xla.permute(x, i, e, return_row_pairs=True))(x, ids)
+    ref = jax.vmap(lambda x, i: reference.permute(x, i, e, return_row_pairs=True))(x, ids)
+    for o, r in zip(ours, ref, strict=True):
         np.testing.assert_array_equal(o, r)
     w = normal(rng, (b, t, k), jnp.float32)
     np.testing.assert_allclose(jax.vmap(moe_xla.unpermute)(ours[0], ours[2], w),
@@ -237,6 +240,8 @@ def test_permute_and_unpermute_bad_input():
         moe_xla.permute(jnp.zeros((4, 2)), jnp.zeros((5, 2), jnp.int32), 3)
     with pytest.raises(ValueError, match="positive int num_experts"):
         moe_xla.permute(jnp.zeros((4, 2)), jnp.zeros((4, 2), jnp.int32), 0)
+    with pytest.raises(TypeError, match="return_row_pairs to be a Python bool"):
+        moe_xla.permute(jnp.zeros((4, 2)), jnp.zeros((4, 2), jnp.int32), 3, return_row_pairs=1)
     with pytest.raises(ValueError, match=r"row_map of shape \(8,\)"):
         moe_xla.unpermute(jnp.zeros((8, 3)), jnp.zeros((7,), jnp.int32), jnp.zeros((4, 2)))
     with pytest.raises(TypeError, match="float32 weights, got bfloat16"):

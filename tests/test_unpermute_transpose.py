@@ -1,5 +1,6 @@
 """unpermute's gradient in y_sorted for any row_map (rows named several times, or not at
-all, entries naming no row), its determinism, and the unique_rows fast path."""
+all, entries naming no row), its determinism, the unique_rows fast path, and the same path
+through a given inverse (row_pairs) with no scatter."""
 
 from __future__ import annotations
 
@@ -108,7 +109,7 @@ def test_transpose_is_deterministic_by_construction(unique_rows):
     text = _grad_jaxpr(unique_rows)
     for banned in ("scatter-add", "scatter_add", "while", "cond"):
         assert not re.search(rf"\b{banned}\[", text), f"{banned} in the transpose of unpermute"
-    assert f"moe_xla_unpermute[unique_rows={unique_rows}]" in text
+    assert f"moe_xla_unpermute[has_row_pairs=False unique_rows={unique_rows}]" in text
 
 
 def test_transpose_repeats_bitwise(rng):
@@ -119,6 +120,74 @@ def test_transpose_repeats_bitwise(rng):
     first = np.asarray(grad(ys))
     for _ in range(3):
         np.testing.assert_array_equal(grad(ys), first)
+
+
+def _inverse(rm, rows):
+    """numpy: the entry naming each of `rows` rows, -1 where none does (rm names each once)."""
+    pairs = np.full(rows, -1, np.int64)
+    for q, r in enumerate(np.asarray(rm)):
+        if 0 <= r < rows:
+            pairs[r] = q
+    return pairs
+
+
+@pytest.mark.parametrize("rows_vs_entries", [0, 7, -5])
+@pytest.mark.parametrize("batched", [False, True])
+def test_row_pairs_path_equals_the_computed_inverse(rng, rows_vs_entries, batched):
+    # row_pairs, the inverse given, against unique_rows (the inverse computed by a scatter):
+    # bitwise, in both gradients, for R = T*k, R > T*k (rows no entry names) and R < T*k
+    # (entries past the rows), with entries naming no row and "none" written as -1, R, or
+    # INT32 extremes; under vmap as well (its rule folds row_pairs into the stacked entries).
+    b, t, k, h = 3, 10, 3, 5
+    rows = t * k + rows_vs_entries
+    maps, pairs = [], []
+    for _ in range(b):
+        rm = rng.permutation(max(rows, t * k))[: t * k]
+        rm[rng.choice(t * k, 3, replace=False)] = [-1, max(rows, t * k) + 2, 2**31 - 1]
+        rp = _inverse(rm, rows)
+        rp[rp < 0] = rng.choice([-1, t * k, -(2**31), 2**31 - 1], size=int(np.sum(rp < 0)))
+        maps.append(rm)
+        pairs.append(rp)
+    rm, rp = jnp.asarray(np.stack(maps), jnp.int32), jnp.asarray(np.stack(pairs), jnp.int32)
+    ys, w, ct = (normal(rng, s, jnp.float32) for s in ((b, rows, h), (b, t, k), (b, t, h)))
+    if not batched:
+        rm, rp, ys, w, ct = rm[0], rp[0], ys[0], w[0], ct[0]
+
+    def grads(options):
+        combine = lambda ys, rm, w, rp: moe_xla.unpermute(ys, rm, w, **options(rp))  # noqa: E731
+        combine = jax.vmap(combine) if batched else combine
+        return jax.jit(jax.value_and_grad(lambda ys, w: jnp.sum(combine(ys, rm, w, rp) * ct), (0, 1)))(ys, w)
+
+    given = grads(lambda rp: dict(row_pairs=rp))
+    computed = grads(lambda rp: dict(unique_rows=True))
+    for a, c, name in zip(jax.tree.leaves(given), jax.tree.leaves(computed), ("y", "y_sorted", "weights")):
+        np.testing.assert_array_equal(a, c, err_msg=name)
+    per_batch = zip(ys, rm, w, ct) if batched else [(ys, rm, w, ct)]
+    d_ys = np.stack([_np_grads(*a)[0] for a in per_batch]).reshape(given[1][0].shape)
+    np.testing.assert_allclose(given[1][0], d_ys, rtol=1e-5, atol=1e-5)
+
+
+def test_row_pairs_transpose_reads_the_inverse_without_a_scatter():
+    rm = jnp.asarray([2, 0, 5, -1, 1, 3], jnp.int32)
+    rp = jnp.asarray([1, 4, 0, 5, -1, 2], jnp.int32)
+    f = lambda ys, w: jnp.sum(moe_xla.unpermute(ys, rm, w, row_pairs=rp))  # noqa: E731
+    text = str(jax.make_jaxpr(jax.grad(f, (0, 1)))(jnp.ones((6, 4)), jnp.ones((3, 2))))
+    assert not re.search(r"\bscatter", text), text
+    assert "moe_xla_unpermute[has_row_pairs=True unique_rows=True]" in text
+    # The forward kernel takes the three operands it reads.
+    hlo = jax.jit(f).lower(jnp.ones((6, 4)), jnp.ones((3, 2))).as_text()
+    call = re.search(r"stablehlo.custom_call @moe_xla_unpermute_\w+\(([^)]*)\)", hlo)
+    assert call and call.group(1).count("%") == 3, hlo
+
+
+def test_row_pairs_errors_name_the_argument():
+    ys, rm, w = jnp.zeros((6, 2)), jnp.zeros((6,), jnp.int32), jnp.zeros((3, 2))
+    with pytest.raises(ValueError, match=r"row_pairs.shape\[0\] \(R of y_sorted \[R, H\]\).* = 6, got 5"):
+        moe_xla.unpermute(ys, rm, w, row_pairs=jnp.zeros((5,), jnp.int32))
+    with pytest.raises(TypeError, match="int32 row_pairs"):
+        moe_xla.unpermute(ys, rm, w, row_pairs=jnp.zeros((6,), jnp.float32))
+    with pytest.raises(ValueError, match=r"row_pairs of rank 1 \[R\]"):
+        moe_xla.unpermute(ys, rm, w, row_pairs=jnp.zeros((6, 1), jnp.int32))
 
 
 def test_unique_rows_must_be_a_bool():
@@ -137,4 +206,6 @@ def test_moe_layers_take_the_one_gather_transpose(rng, expert_axis):
             normal(rng, (e, f, h), jnp.float32))
     loss = lambda x, *w: jnp.sum(moe_xla.moe(x, *w, top_k=2, **ep))  # noqa: E731
     text = str(jax.make_jaxpr(jax.grad(loss, (0, 2)))(*args))
-    assert "moe_xla_unpermute[unique_rows=True]" in text and "unique_rows=False" not in text
+    assert "unique_rows=True" in text and "unique_rows=False" not in text
+    # Where the row map is permute's, its inverse comes from permute too: no scatter computes it.
+    assert "moe_xla_unpermute[has_row_pairs=True" in text

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from moe_xla._rows import pair_sources
 from moe_xla.aux_losses import router_aux
 from moe_xla.ep.config import EpConfig, ep_config
 from moe_xla.ep.fp8_dispatch import quantized_tokens, sent_tokens
@@ -99,23 +100,24 @@ def _chunk(cfg: EpConfig, x, weights, dest, lid, w_in, w_out) -> _ChunkOut:
         # Every row has combine weight 1: y[t] is the sum of the token's rows (the
         # destinations' partial sums) in j order straight from the returned slabs, what
         # unpermute of the rows with weights 1 and 0 adds (1 * v is exact, FMA or not).
-        back, slots = _round(cfg, sizes, 0, floats, ints)
+        back, slots, sources = _round(cfg, sizes, 0, floats, ints)
         with jax.named_scope("moe_xla/combine"):
-            y = unpermute(back, slots.reshape(-1), (rows.dest < sizes.peers).astype(jnp.float32), unique_rows=True)
+            y = unpermute(back, slots.reshape(-1), (rows.dest < sizes.peers).astype(jnp.float32), row_pairs=sources)
         return _ChunkOut(y, jnp.sum(rows.counts))
     round_rows = partial(_round_rows, cfg, sizes)
     y_rows = round_rows(0, floats, ints)
     if sizes.rounds > 1:
         y_rows = add_later_rounds(round_rows, y_rows, floats, ints, sizes.rounds)
     with jax.named_scope("moe_xla/combine"):
-        y = unpermute(y_rows, rows.row_map, rows.combine, unique_rows=True)  # permute's row_map
+        y = unpermute(y_rows, rows.row_map, rows.combine, row_pairs=rows.row_pairs)  # permute's
     return _ChunkOut(y, jnp.sum(rows.counts))
 
 
 def _round(cfg: EpConfig, sizes: ExchangeSizes, r, floats: RoundFloats, ints: RoundInts):
     """Round r of a chunk: its rows to their ranks and through the experts, and their
     results back -> (back [P*block, H] in the send buffer's layout, slots [T, n] where
-    row (t, c) sits in it)."""
+    row (t, c) sits in it, sources [P*block], slots' inverse: the t * n + c at each place,
+    outside [0, T*n) where none)."""
     chunk_link = link(cfg, sizes.rows, ints.link)
     with jax.named_scope("moe_xla/dispatch"):
         slots = chunk_link.slots(ints.dest, ints.row, r)
@@ -136,16 +138,19 @@ def _round(cfg: EpConfig, sizes: ExchangeSizes, r, floats: RoundFloats, ints: Ro
         w = None if floats.w is None else chunk_link.send(pack(floats.w, row_slots, num_rows, sources=sources), 0, r)
     y = _experts(x_recv, x_fp8, lids, w, floats.w_in, floats.w_out, sizes, cfg.activation, cfg.quantization)
     with jax.named_scope("moe_xla/combine"):
-        return chunk_link.back(y, r), slots
+        return chunk_link.back(y, r), slots, sources
 
 
 def _round_rows(cfg: EpConfig, sizes: ExchangeSizes, r, floats: RoundFloats, ints: RoundInts):
     """Round r's results in the rows' grouped places ([T*k, H], zero at the rows of other rounds)."""
-    back, slots = _round(cfg, sizes, r, floats, ints)
+    back, slots, sources = _round(cfg, sizes, r, floats, ints)
     with jax.named_scope("moe_xla/combine"):
         none = jnp.full((1,), back.shape[0], jnp.int32)  # ints.source's T*n: a row no one sends
         row_slots = jnp.concatenate([slots.reshape(slots.size), none])[ints.source]
-        return unpermute(back, row_slots, jnp.ones((row_slots.shape[0], 1), jnp.float32), unique_rows=True)
+        # row_slots' inverse: the grouped row of the (t, c) at each place (ints.row), by a gather.
+        sent = (sources >= 0) & (sources < slots.size)
+        row_pairs = jnp.where(sent, ints.row.reshape(-1)[jnp.where(sent, sources, 0)], -1)
+        return unpermute(back, row_slots, jnp.ones((row_slots.shape[0], 1), jnp.float32), row_pairs=row_pairs)
 
 
 def _experts(x_recv, x_fp8, lids, w, w_in, w_out, sizes: ExchangeSizes, activation, quantization):
@@ -153,15 +158,19 @@ def _experts(x_recv, x_fp8, lids, w, w_in, w_out, sizes: ExchangeSizes, activati
     their FP8 rows (q as uint8 bits, scales) where they travelled (fp8_dispatch), or None."""
     n = lids.shape[0]
     with jax.named_scope("moe_xla/dispatch"):
-        _, group_sizes, row_map = permute(jnp.zeros((n, 0), x_recv.dtype), lids, sizes.local_experts)
+        _, group_sizes, row_map, row_pairs = permute(jnp.zeros((n, 0), x_recv.dtype), lids, sizes.local_experts,
+                                                     return_row_pairs=True)
         slots = row_map.reshape(lids.shape)
-        x_exp = expand(x_recv, slots, num_pairs=sizes.pairs)
+        # The grouped GEMMs' sizes.pairs rows: row_pairs cut there, or padded with rows no pair holds.
+        row_pairs = jnp.pad(row_pairs[:sizes.pairs], (0, max(0, sizes.pairs - row_pairs.size)), constant_values=-1)
+        sources = pair_sources(row_pairs, lids.shape)[0]
+        x_exp = expand(x_recv, slots, num_pairs=sizes.pairs, sources=sources)
         x_quantized = None
         if x_fp8 is not None:
-            q, scales = (pack(a, slots, sizes.pairs) for a in x_fp8)
+            q, scales = (pack(a, slots, sizes.pairs, sources=sources) for a in x_fp8)
             x_quantized = (jax.lax.bitcast_convert_type(q, jnp.float8_e4m3fn), scales)
     # back[q] = sum_j w[q, j] y_exp[slots[q, j]]: unpermute over the pair rows, which
     # expert_mlp's combine fuses with the second product (its backward needs neither y_exp
     # nor a weighted cotangent: product_combine.py).
-    combine = (row_map, jnp.ones(lids.shape, jnp.float32) if w is None else w)
+    combine = (row_map, jnp.ones(lids.shape, jnp.float32) if w is None else w, row_pairs)
     return expert_mlp(x_exp, w_in, w_out, group_sizes, activation, quantization, x_quantized, combine=combine)

@@ -37,6 +37,7 @@ class Rows(NamedTuple):
     pairs: jax.Array    # [T*k] int32 number of lids < E_l of each grouped row
     counts: jax.Array   # [P] int32 rows per destination
     row_map: jax.Array  # [T*k] int32 (token, j) -> grouped row (permute's)
+    row_pairs: jax.Array  # [T*k] int32 grouped row -> (token, j), row_map's inverse (permute's)
     combine: jax.Array  # [T, k] float32 weights of the final unpermute
 
 
@@ -58,10 +59,10 @@ def rows_by_destination(weights, dest, lid, sizes: ExchangeSizes, dedup: bool) -
         w, combine = w.reshape(t * n, mult), (row_dest < peers).astype(jnp.float32)
     else:
         n, row_dest, lids, w, combine = k, dest, lid.reshape(t * k, 1), None, weights
-    _, counts, row_map = permute(jnp.zeros((t, 0), jnp.float32), row_dest, peers)
+    _, counts, row_map, row_pairs = permute(jnp.zeros((t, 0), jnp.float32), row_dest, peers, return_row_pairs=True)
     dest_rows, row, source, pairs = ep_row_places(row_dest, row_map, lids, peers=peers, local=local,
                                                   rows_per_token=n)
-    return Rows(dest_rows, row, lids, w, source, pairs, counts, row_map, combine)
+    return Rows(dest_rows, row, lids, w, source, pairs, counts, row_map, row_pairs, combine)
 
 
 def _token_block_sources(slots, width: int):

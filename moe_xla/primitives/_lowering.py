@@ -37,8 +37,9 @@ _REFERENCE = {
     "gather_tgmm": reference.gather_tgmm,
     "route": _route,
     "route_grad": reference.route_grad,
-    "permute": lambda x, expert_ids, *, num_experts: list(reference.permute(x, expert_ids, num_experts)),
-    "unpermute": lambda y_sorted, row_map, weights, *, unique_rows: reference.unpermute(y_sorted, row_map, weights),
+    "permute": lambda x, expert_ids, *, num_experts: list(reference.permute(x, expert_ids, num_experts,
+                                                                            return_row_pairs=True)),
+    "unpermute": lambda y_sorted, row_map, weights, *_, **__: reference.unpermute(y_sorted, row_map, weights),
     "quantize_fp8_rows": lambda x, *, pow2_scale: list(reference.quantize_fp8_rows(x, pow2_scale=pow2_scale)),
     "quantize_fp8_blocks": lambda w, *, pow2_scale: list(reference.quantize_fp8_blocks(w, pow2_scale=pow2_scale)),
     "quantize_fp8_weights": lambda w, *, pow2_scale: list(
@@ -62,7 +63,7 @@ _REFERENCE = {
 
 
 def register(prim, op: str, attributes: Callable[..., dict], cuda_workspace: Callable[..., int] | None = None,
-             sharding=None) -> None:
+             sharding=None, kernel_operands: Callable[..., int] | None = None) -> None:
     """Lowers `prim` to the FFI target of `op` on cpu and cuda, and to its reference on
     every platform when MOE_XLA_IMPL=reference.
 
@@ -70,7 +71,8 @@ def register(prim, op: str, attributes: Callable[..., dict], cuda_workspace: Cal
     call. `cuda_workspace(*avals_in, **params)`, if given, is the byte size of the uint8
     workspace result the CUDA handler takes last (ffi/workspace.h); it is dropped from
     the primitive's outputs. `sharding`, a `_sharding.Rule`, partitions the call over a
-    mesh without gathering (see _sharding).
+    mesh without gathering (see _sharding). `kernel_operands(**params)`, if given, is the
+    number of leading operands the kernel takes; the others serve the primitive's AD rules.
     """
     reference_lowering = mlir.lower_fun(_REFERENCE[op], multiple_results=prim.multiple_results)
     partitioned_lowering = None if sharding is None else _sharding.lowering(prim, sharding)
@@ -82,6 +84,9 @@ def register(prim, op: str, attributes: Callable[..., dict], cuda_workspace: Cal
                 return reference_lowering(ctx, *args, **params)
             if partitioned_lowering is not None and _sharding.needs_partitioning(ctx):
                 return partitioned_lowering(ctx, *args, **params)
+            if kernel_operands is not None:
+                n = kernel_operands(**params)
+                ctx, args = ctx.replace(avals_in=ctx.avals_in[:n]), args[:n]
             workspace = None if _platform != "cuda" or cuda_workspace is None else cuda_workspace(*ctx.avals_in,
                                                                                                    **params)
             return kernel_call(ctx, op, _platform, args, attributes(**params), workspace)

@@ -284,20 +284,21 @@ ROUTE_GRAD = Rule(sharding_rule=lambda **_: "t e, t k, t k -> t e", specs=_route
 
 def _permute_specs(arg_axes, **_):
     h = arg_axes[0][1]
-    return ([((), h), ((), ())], [((), h), ((),), ((),)], ())
+    return ([((), h), ((), ())], [((), h), ((),), ((),), ((),)], ())
 
 
-# Split along H only; the sort (group_sizes, row_map) is replicated work on every shard.
-PERMUTE = Rule(sharding_rule=lambda **_: "t h, t k -> r h, e, r", specs=_permute_specs,
+# Split along H only; the sort (group_sizes, row_map, row_pairs) is replicated work on every shard.
+PERMUTE = Rule(sharding_rule=lambda **_: "t h, t k -> r h, e, r, r", specs=_permute_specs,
                need_replication=("t", "k", "r", "e"))
 
 
-def _unpermute_specs(arg_axes, **_):
+def _unpermute_specs(arg_axes, *, has_row_pairs, **_):
     h = arg_axes[0][1]
-    return ([((), h), ((),), ((), ())], [((), h)], ())
+    return ([((), h), ((),), ((), ())] + [((),)] * has_row_pairs, [((), h)], ())
 
 
-UNPERMUTE = Rule(sharding_rule=lambda **_: "s h, r, t k -> t h", specs=_unpermute_specs,
+UNPERMUTE = Rule(sharding_rule=lambda has_row_pairs, **_: "s h, r, t k" + ", s" * has_row_pairs + " -> t h",
+                 specs=_unpermute_specs,
                  need_replication=("s", "r", "t", "k"))
 
 

@@ -18,6 +18,10 @@ does; d y_sorted is then one gather_rows through the inverse of row_map
 (_expanded), and a row named twice would get only one of its terms. That
 path makes products weights[t, j] * ct[t] of magnitude <= 2^-126 signed zeros
 (gather_rows' rule, the same on every platform); the general path keeps what XLA computes.
+The inverse is one XLA scatter, unless the caller passes it as row_pairs [R] int32 (the
+entry t*k + j naming row r, an index outside [0, T*k) where none does: permute's
+row_pairs, the EP transports' send-slot sources), a promise that implies unique_rows and
+spares the scatter. The forward does not read it.
 """
 
 from __future__ import annotations
@@ -34,16 +38,19 @@ from moe_xla.primitives.gather_rows import gather_rows
 unpermute_p = Primitive("moe_xla_unpermute")
 
 
-def unpermute(y_sorted, row_map, weights, *, unique_rows=False):
+def unpermute(y_sorted, row_map, weights, *, unique_rows=False, row_pairs=None):
     """Weighted combine of the k expert outputs of every token:
     y[t] = sum_j weights[t, j] * y_sorted[row_map[t*k + j]]. See the module docstring;
     unique_rows=True (a promise that row_map names each row at most once) makes the
-    gradient in y_sorted one gather."""
+    gradient in y_sorted one gather; row_pairs (row_map's inverse, a promise that implies
+    unique_rows) makes it that gather without computing the inverse."""
     unique_rows = _checks.static_bool("unpermute", "unique_rows", unique_rows)
-    return unpermute_p.bind(y_sorted, row_map, weights, unique_rows=unique_rows)
+    extra = () if row_pairs is None else (row_pairs,)
+    return unpermute_p.bind(y_sorted, row_map, weights, *extra, unique_rows=unique_rows or bool(extra),
+                            has_row_pairs=bool(extra))
 
 
-def _abstract_eval(y_sorted, row_map, weights, *, unique_rows):
+def _abstract_eval(y_sorted, row_map, weights, *row_pairs, unique_rows, has_row_pairs):
     _checks.rank("unpermute", "y_sorted", y_sorted, 2, "[T*k, H]")
     _checks.rank("unpermute", "weights", weights, 2, "[T, k]")
     _checks.float_dtype("unpermute", "y_sorted", y_sorted)
@@ -54,43 +61,54 @@ def _abstract_eval(y_sorted, row_map, weights, *, unique_rows):
     if tuple(row_map.shape) != (rows,):
         raise ValueError(f"unpermute: expected row_map of shape ({rows},) (T*k of weights [T, k]), "
                          f"got {tuple(row_map.shape)}")
+    for pairs in row_pairs:
+        _checks.rank("unpermute", "row_pairs", pairs, 1, "[R]")
+        _checks.int32("unpermute", "row_pairs", pairs)
+        _checks.dim("unpermute", "row_pairs.shape[0] (R of y_sorted [R, H])", y_sorted.shape[0], pairs.shape[0])
     return jax.core.ShapedArray((weights.shape[0], y_sorted.shape[1]), y_sorted.dtype)
 
 
-def _expanded(rows, slots, weights, *, num_pairs: int):
+def _expanded(rows, slots, weights, row_pairs, *, num_pairs: int):
     """_rows.sum_rows_into(rows, slots, weights) for slots naming each row at most once, as
-    one gather_rows through the inverse of slots (a row named twice gets one of its terms)."""
-    src, factor = _rows.expansion_sources(slots, weights, num_pairs=num_pairs)
+    one gather_rows through the inverse of slots (row_pairs, or computed; a row named twice
+    gets one of its terms)."""
+    if row_pairs:
+        src, factor = _rows.pair_sources(row_pairs[0], slots.shape, weights)
+    else:
+        src, factor = _rows.expansion_sources(slots, weights, num_pairs=num_pairs)
     return gather_rows(rows, src, factor.astype(jnp.float32))
 
 
-def _transpose(ct, y_sorted, row_map, weights, *, unique_rows):
+def _transpose(ct, y_sorted, row_map, weights, *row_pairs, unique_rows, has_row_pairs):
     if ad.is_undefined_primal(row_map):
         raise ValueError("unpermute: row_map is integer and cannot be differentiated")
     t, k = (weights.aval if ad.is_undefined_primal(weights) else weights).shape
+    pairs_ct = (None,) * has_row_pairs  # integer: no cotangent
     if ad.is_undefined_primal(y_sorted):
         if type(ct) is ad.Zero:
-            return ad.Zero(y_sorted.aval), None, None
+            return ad.Zero(y_sorted.aval), None, None, *pairs_ct
         slots, num_rows = row_map.reshape(t, k), y_sorted.aval.shape[0]
         if unique_rows:
-            d_rows = _expanded(ct, slots, weights, num_pairs=num_rows)
+            d_rows = _expanded(ct, slots, weights, row_pairs, num_pairs=num_rows)
         else:
             d_rows = _rows.sum_rows_into(ct, slots, weights, num_rows=num_rows)
-        return d_rows.astype(y_sorted.aval.dtype), None, None
+        return d_rows.astype(y_sorted.aval.dtype), None, None, *pairs_ct
     if type(ct) is ad.Zero:
-        return None, None, ad.Zero(weights.aval)
-    return None, None, _rows.row_dots(ct, y_sorted, row_map.reshape(t, k)).astype(weights.aval.dtype)
+        return None, None, ad.Zero(weights.aval), *pairs_ct
+    return None, None, _rows.row_dots(ct, y_sorted, row_map.reshape(t, k)).astype(weights.aval.dtype), *pairs_ct
 
 
-def _batch(args, dims, *, unique_rows):
-    (y_sorted, row_map, weights), _ = _batching.all_to_front(args, dims)
+def _batch(args, dims, *, unique_rows, has_row_pairs):
+    (y_sorted, row_map, weights, *row_pairs), _ = _batching.all_to_front(args, dims)
     b, t, k = weights.shape
     rows = y_sorted.shape[1]
     folded = _batching.folded_rows(row_map, rows)
+    # Element b's entries t*k + j become b*T*k + t*k + j, as its tokens fold to b*T + t.
+    folded_pairs = [_batching.folded_rows(pairs, t * k).reshape(b * rows) for pairs in row_pairs]
     h = y_sorted.shape[-1]
     # Folding keeps each row named as often as before (rows naming no row all go past the stack).
     y = unpermute_p.bind(y_sorted.reshape(b * rows, h), folded.reshape(b * t * k), weights.reshape(b * t, k),
-                         unique_rows=unique_rows)
+                         *folded_pairs, unique_rows=unique_rows, has_row_pairs=has_row_pairs)
     return y.reshape(b, t, h), 0
 
 
@@ -99,4 +117,5 @@ unpermute_p.def_abstract_eval(_abstract_eval)
 ad.primitive_jvps[unpermute_p] = _ad.bilinear_jvp(unpermute_p, 0, 2)
 ad.primitive_transposes[unpermute_p] = _transpose
 batching.primitive_batchers[unpermute_p] = _batch
-_lowering.register(unpermute_p, "unpermute", lambda **_: {}, sharding=_sharding.UNPERMUTE)
+_lowering.register(unpermute_p, "unpermute", lambda **_: {}, sharding=_sharding.UNPERMUTE,
+                   kernel_operands=lambda **_: 3)  # row_pairs serves the transpose alone

@@ -179,8 +179,8 @@ void check_permute(int64_t T, int64_t H, int64_t k, int64_t E, DType dtype, doub
     if (u(rng) < 0.01) e = u(rng) < 0.5 ? std::numeric_limits<int32_t>::min() : std::numeric_limits<int32_t>::max();
   }
   std::vector<unsigned char> xs(n * row, 0xAB);
-  std::vector<int32_t> sizes(E, -7), row_map(n, -7);
-  PermuteParams p{x.data(), dtype, ids.data(), xs.data(), sizes.data(), row_map.data(), T, H, k, E};
+  std::vector<int32_t> sizes(E, -7), row_map(n, -7), row_pairs(n, -7);
+  PermuteParams p{x.data(), dtype, ids.data(), xs.data(), sizes.data(), row_map.data(), row_pairs.data(), T, H, k, E};
   permute(p);
 
   // Direct definition.
@@ -208,6 +208,7 @@ void check_permute(int64_t T, int64_t H, int64_t k, int64_t E, DType dtype, doub
       continue;
     }
     hit[slot] = 1;
+    bad += row_pairs[slot] != i;
     if (row && std::memcmp(xs.data() + slot * row, x.data() + (i / k) * row, row) != 0) ++bad;
   }
   for (char h : hit) bad += !h;
@@ -220,10 +221,12 @@ void permute_hand_case() {
   // i: 0:e1 1:e0 2:e1 3:invalid(5) 4:invalid(-1) 5:e0 -> sizes [2, 2, 0]
   std::vector<int32_t> ids = {1, 0, 1, 5, -1, 0};
   std::vector<float> x = {10, 20, 30}, xs(6, -1);
-  std::vector<int32_t> sizes(3, -1), row_map(6, -1);
-  PermuteParams p{x.data(), DType::kF32, ids.data(), xs.data(), sizes.data(), row_map.data(), 3, 1, 2, 3};
+  std::vector<int32_t> sizes(3, -1), row_map(6, -1), row_pairs(6, -1);
+  PermuteParams p{x.data(), DType::kF32, ids.data(), xs.data(), sizes.data(), row_map.data(), row_pairs.data(),
+                  3, 1, 2, 3};
   permute(p);
   const bool ok = sizes == std::vector<int32_t>{2, 2, 0} && row_map == std::vector<int32_t>{2, 0, 3, 4, 5, 1} &&
+                  row_pairs == std::vector<int32_t>{1, 5, 0, 2, 3, 4} &&
                   xs == std::vector<float>{10, 30, 10, 20, 20, 30};
   std::printf("%s permute hand case\n", ok ? "ok  " : "FAIL");
   if (!ok) ++failures;

@@ -298,7 +298,7 @@ std::vector<int32_t> make_ids(const PermuteCase& c, std::mt19937& rng) {
 }
 
 struct PermuteRun {
-  DeviceBuffer x, ids, xs, sizes, row_map, workspace;
+  DeviceBuffer x, ids, xs, sizes, row_map, row_pairs, workspace;
   size_t ws_bytes;
   PermuteParams q;
   PermuteRun(const PermuteCase& c, size_t ws_bytes_)
@@ -307,15 +307,17 @@ struct PermuteRun {
         xs(c.T * c.k * c.H * dtype_bytes(c.dtype), c.misalign),
         sizes(c.E * 4),
         row_map(c.T * c.k * 4),
+        row_pairs(c.T * c.k * 4),
         workspace(ws_bytes_, 4),  // misaligned workspace
         ws_bytes(ws_bytes_) {
     q = PermuteParams{x.get(), c.dtype, ids.as<int32_t>(), xs.get(), sizes.as<int32_t>(), row_map.as<int32_t>(),
-                      c.T, c.H, c.k, c.E};
+                      row_pairs.as<int32_t>(), c.T, c.H, c.k, c.E};
   }
   void poison() {
     xs.poison();
     sizes.poison();
     row_map.poison();
+    row_pairs.poison();
   }
 };
 
@@ -323,11 +325,13 @@ struct PermuteRun {
 bool same_as_cpu(const PermuteCase& c, const std::vector<unsigned char>& x, const std::vector<int32_t>& ids,
                  const PermuteRun& run, std::string& why) {
   std::vector<unsigned char> xs(c.T * c.k * c.H * dtype_bytes(c.dtype));
-  std::vector<int32_t> sizes(c.E), row_map(c.T * c.k);
-  PermuteParams p{x.data(), c.dtype, ids.data(), xs.data(), sizes.data(), row_map.data(), c.T, c.H, c.k, c.E};
+  std::vector<int32_t> sizes(c.E), row_map(c.T * c.k), row_pairs(c.T * c.k);
+  PermuteParams p{x.data(), c.dtype, ids.data(), xs.data(), sizes.data(), row_map.data(), row_pairs.data(),
+                  c.T, c.H, c.k, c.E};
   moe_xla::cpu::permute(p);
   if (run.sizes.download<int32_t>() != sizes) why += " group_sizes differ;";
   if (run.row_map.download<int32_t>() != row_map) why += " row_map differs;";
+  if (run.row_pairs.download<int32_t>() != row_pairs) why += " row_pairs differs;";
   if (run.xs.download<unsigned char>() != xs) why += " x_sorted differs;";
   return why.empty();
 }
@@ -336,7 +340,7 @@ void check_permute(const PermuteCase& c, std::mt19937& rng, cudaStream_t stream)
   std::vector<unsigned char> x(c.T * c.H * dtype_bytes(c.dtype));
   for (auto& b : x) b = static_cast<unsigned char>(rng());
   const std::vector<int32_t> ids = make_ids(c, rng);
-  PermuteParams shape{nullptr, c.dtype, nullptr, nullptr, nullptr, nullptr, c.T, c.H, c.k, c.E};
+  PermuteParams shape{nullptr, c.dtype, nullptr, nullptr, nullptr, nullptr, nullptr, c.T, c.H, c.k, c.E};
   const size_t ws = moe_xla::cuda::permute_workspace_bytes(shape);
   PermuteRun a(c, ws), b(c, ws);
   std::string err;  // the first error
@@ -517,7 +521,7 @@ void graph_checks(std::mt19937& rng, cudaStream_t stream) {
     const PermuteCase c{1000, 96, 8, 64, DType::kBF16, 0.05, 0};
     std::vector<unsigned char> x(c.T * c.H * 2);
     for (auto& b : x) b = static_cast<unsigned char>(rng());
-    PermuteParams shape{nullptr, c.dtype, nullptr, nullptr, nullptr, nullptr, c.T, c.H, c.k, c.E};
+    PermuteParams shape{nullptr, c.dtype, nullptr, nullptr, nullptr, nullptr, nullptr, c.T, c.H, c.k, c.E};
     PermuteRun r(c, moe_xla::cuda::permute_workspace_bytes(shape));
     r.x.upload(x.data());
     std::vector<int32_t> ids = make_ids(c, rng);
@@ -574,7 +578,7 @@ void error_checks(cudaStream_t stream) {
   r.top_k = 2;
   r.n_groups = 3;
   const moe_xla::Status e3 = moe_xla::cuda::route(r, stream);
-  PermuteParams p{nullptr, DType::kF32, nullptr, nullptr, nullptr, nullptr, 16, 8, 2, 4};
+  PermuteParams p{nullptr, DType::kF32, nullptr, nullptr, nullptr, nullptr, nullptr, 16, 8, 2, 4};
   const size_t need = moe_xla::cuda::permute_workspace_bytes(p);
   DeviceBuffer ws(need);
   const moe_xla::Status e4 = moe_xla::cuda::permute(p, ws.get(), need - 1, stream);
@@ -602,9 +606,10 @@ void timing(std::mt19937& rng, cudaStream_t stream) {
   std::uniform_int_distribution<int32_t> expert(0, E - 1);
   for (auto& e : h_ids) e = expert(rng);
   ids.upload(h_ids.data());
-  DeviceBuffer x(T * H * 2), xs(T * k * H * 2), sizes(E * 4), row_map(T * k * 4), y(T * H * 2);
+  DeviceBuffer x(T * H * 2), xs(T * k * H * 2), sizes(E * 4), row_map(T * k * 4), row_pairs(T * k * 4),
+      y(T * H * 2);
   PermuteParams p{x.get(), DType::kBF16, ids.as<int32_t>(), xs.get(), sizes.as<int32_t>(), row_map.as<int32_t>(),
-                  T, H, k, E};
+                  row_pairs.as<int32_t>(), T, H, k, E};
   const size_t ws_bytes = moe_xla::cuda::permute_workspace_bytes(p);
   DeviceBuffer ws(ws_bytes);
   CHECK_CUDA(cudaMemsetAsync(x.get(), 0, x.bytes, stream));
@@ -627,7 +632,7 @@ void timing(std::mt19937& rng, cudaStream_t stream) {
                 (long long)T, (long long)E, (long long)k, (long long)H, us, bytes / us * 1e-3);
   };
   time("route", double(T) * E * 4 + double(T) * k * 8, [&] { return moe_xla::cuda::route(r, stream); });
-  time("permute", double(T) * H * 2 + double(T) * k * H * 2 + double(T) * k * 8,
+  time("permute", double(T) * H * 2 + double(T) * k * H * 2 + double(T) * k * 12,
        [&] { return moe_xla::cuda::permute(p, ws.get(), ws_bytes, stream); });
   time("unpermute", double(T) * k * H * 2 + double(T) * H * 2 + double(T) * k * 8,
        [&] { return moe_xla::cuda::unpermute(u, stream); });
