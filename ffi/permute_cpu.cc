@@ -20,7 +20,7 @@ ffi::Error permute_cpu(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> expert_ids, ffi::
 }  // namespace
 }  // namespace moe_xla
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaPermuteCpu, moe_xla::permute_cpu,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaPermuteCpuV2, moe_xla::permute_cpu,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::AnyBuffer>()          // x [T, H]
                                   .Arg<ffi::Buffer<ffi::S32>>()   // expert_ids [T, k]

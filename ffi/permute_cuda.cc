@@ -29,7 +29,7 @@ ffi::Error permute_cuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::
 }  // namespace
 }  // namespace moe_xla
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaPermuteCuda, moe_xla::permute_cuda,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaPermuteCudaV2, moe_xla::permute_cuda,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::AnyBuffer>()          // x [T, H]

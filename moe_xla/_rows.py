@@ -64,7 +64,11 @@ def pair_sources(pairs, shape, weights=None):
     named = names_row(pairs, n * mult)
     pair = jnp.where(named, pairs, 0)
     src = jnp.where(named, pair // mult, -1)
-    return src, None if weights is None else jnp.where(named, weights.reshape(-1)[pair], 0)
+    if weights is None:
+        return src, None
+    if n * mult == 0:  # no pairs: nothing to gather the weights from
+        return src, jnp.zeros(pairs.shape, weights.dtype)
+    return src, jnp.where(named, weights.reshape(-1)[pair], 0)
 
 
 def expansion_sources(slots, weights=None, *, num_pairs: int):

@@ -285,8 +285,8 @@ def mlp_combine_fp8(x, w_in, w_out, group_sizes, row_map, weights, row_pairs, ac
                     quantized_weights=(None, None), wgrad="bf16"):
     """y[t] = sum_j weights[t, j] out[row_map[t*k + j]] with out = gmm_fp8_blockwise(a, w_out)
     and (a, ...) = gmm_activate_fp8(x, w_in, group_sizes, activation): the FP8 expert MLP on
-    rows x [T*k, H] grouped by expert and its weighted combine into [T, N] (row_map and
-    row_pairs are permute's: row_map names each row at most once, row_pairs is its inverse;
+    rows x [R, H] grouped by expert and its weighted combine into [T, N] (row_map [T*k] names
+    each row at most once, row_pairs [R] is its inverse, as permute's are, R = T*k there;
     weights [T, k]). x_quantized and
     quantized_weights = (Fp8Weights of w_in or None, of w_out or None) as lhs_quantized and
     rhs_quantized of gmm_fp8_blockwise; wgrad likewise. Differentiable w.r.t. x, array
@@ -304,11 +304,8 @@ def mlp_combine_fp8(x, w_in, w_out, group_sizes, row_map, weights, row_pairs, ac
     Q_rows(c), not Q_rows(omega c) as the unfused rule would (the same up to the
     quantisation's rounding)."""
     _check_wgrad("mlp_combine_fp8", wgrad)
-    if jnp.shape(x)[:1] != jnp.shape(row_map):
-        raise ValueError(f"mlp_combine_fp8: expected x of {jnp.shape(row_map)[0]} rows (T*k, row_map's length), "
-                         f"got shape {jnp.shape(x)}")
-    if jnp.shape(row_pairs) != jnp.shape(row_map):
-        raise ValueError(f"mlp_combine_fp8: expected row_pairs of shape {jnp.shape(row_map)} (row_map's), "
+    if jnp.shape(row_pairs) != jnp.shape(x)[:1]:
+        raise ValueError(f"mlp_combine_fp8: expected row_pairs of shape {jnp.shape(x)[:1]} (one per row of x), "
                          f"got {jnp.shape(row_pairs)}")
     q_in, q_out = quantized_weights
     with jax.named_scope(_PRODUCT):

@@ -5,7 +5,8 @@ needs neither the product's output nor a weighted copy of the cotangent:
 
 The forward is unpermute(gmm(activate(h), w_out)) as written. The derivative is written
 through omega[r] = weights[t, j] (the entry t*k + j = row_pairs[r] with row_map[t*k + j] =
-r, a gather through permute's row_pairs; 0 for rows no entry names), using out[r] = a[r] @ w_out[e] (a = act(h)) to move the weights in front of the
+r, a gather through permute's row_pairs; 0 for rows no entry names),
+using out[r] = a[r] @ w_out[e] (a = act(h)) to move the weights in front of the
 product: with b = omega * a,
 
     d y[t] = sum_j d b[r] @ w_out[e] + b[r] @ d w_out[e],   d b = omega act'(h) d h + d omega a

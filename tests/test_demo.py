@@ -26,6 +26,7 @@ import orbax.checkpoint as ocp  # noqa: E402
 from flax import nnx  # noqa: E402
 from matplotlib.image import imread  # noqa: E402
 
+from moe_xla._lib import target_name  # noqa: E402
 from moe_xla.demo import cli, data  # noqa: E402
 from moe_xla.demo.checkpoints import Checkpoints  # noqa: E402
 from moe_xla.demo.model import Config, LanguageModel  # noqa: E402
@@ -50,7 +51,7 @@ def test_demo_trains_dumps_hlo_and_plots(tmp_path, capsys):
     assert hlo_path.is_file()
     hlo = hlo_path.read_text()
     for op in ("gmm", "route", "permute", "unpermute"):
-        target = f"moe_xla_{op}_{PLATFORM}_v1"
+        target = target_name(op, PLATFORM)
         assert f'custom_call_target="{target}"' in hlo
         assert result["custom_calls"][target] >= 1
     assert result["custom_calls"] == cli.moe_custom_calls(hlo)

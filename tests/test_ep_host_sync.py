@@ -9,6 +9,11 @@ R - 1 times (sizing.exchange_sizes), the bound every step pays whatever the rout
 Checked on 8 CPU devices with and without capacity_factor (whose overflow rounds are a
 loop), for both transports, with dedup on and off and with redundant experts; the HLO of XLA:CPU stands in for
 XLA:GPU's here, the loops being those of the traced program.
+
+Also: the padded transport's step, like moe()'s, has no scatter (each one is a graph node
+and a fill on XLA:GPU): every inverse map comes from a kernel (permute's row_pairs,
+ep_row_places) and is read by gathers. (With redundant experts the replicas' weight
+gradients sum into their owners' by a scatter-add, the transpose of replicas.py's gather.)
 """
 
 from __future__ import annotations
@@ -86,6 +91,24 @@ def test_step_has_known_trip_counts_and_no_conditionals(transport, dedup, capaci
         assert loops == []
     else:  # the overflow rounds are a loop: it is there, and bounded
         assert loops
+
+
+@pytest.mark.parametrize("transport,dedup,capacity_factor,redundant_experts",
+                         [s for s in STEPS if s[0] == "padded" and s[3] is None] + [("padded", False, None, None)])
+def test_padded_step_has_no_scatter(transport, dedup, capacity_factor, redundant_experts):
+    hlo = step_hlo(transport, dedup, capacity_factor, redundant_experts)
+    assert not re.search(r"\sscatter\(", hlo), [line for line in hlo.splitlines() if " scatter(" in line]
+
+
+def test_moe_step_has_no_scatter():
+    def loss(x, logits, w_in, w_out):
+        return jnp.sum(moe_xla.moe(x, logits, w_in, w_out, top_k=K) ** 2)
+
+    args = [jax.ShapeDtypeStruct(shape, jnp.float32) for shape in ((T, H), (T, E), (E, H, 2 * F), (E, F, H))]
+    for mode in ("copy", "gather"):  # both of the backward's reads of the cotangent
+        with moe_xla.product_combine.forced(mode):
+            hlo = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3))).lower(*args).compile().as_text()
+        assert not re.search(r"\sscatter\(", hlo), (mode, [line for line in hlo.splitlines() if " scatter(" in line])
 
 
 @pytest.mark.parametrize("transport,dedup,capacity_factor,redundant_experts",

@@ -21,6 +21,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import moe_xla
+from moe_xla.ep.sizing import exchange_sizes
 
 T, H, F, E, K = 256, 256, 128, 8, 2
 
@@ -160,6 +161,29 @@ def test_expert_parallel_fp8_equals_one_device(rng, quantization, options):
         assert rel_err(a, b) < 1e-2
     g_x = jax.grad(one_device, argnums=2)(x, logits, w_in, w_out, ct)
     assert rel_err(g_ep[1], g_hat[1]) < 0.25 * rel_err(g_ep[1], g_x)
+
+
+@requires_8_devices
+def test_expert_parallel_fp8_dedup_rounds_equals_one_device(rng):
+    """With dedup and capacity_factor together an expert rank's grouped rows (P C pairs per
+    round) are fewer than its received rows times their slots (P rows mult): the FP8 MLP and
+    combine run on the P C rows, the row map names rows past them. Forward and gradients
+    against the one-device layer on x_hat (the values the ranks multiplied), as with dedup."""
+    x, logits, w_in, w_out = _inputs(rng)
+    mesh = Mesh(np.array(jax.devices()[:4]), ("ep",))
+    sizes = exchange_sizes(T // 4, K, E, 4, capacity_factor=0.5)
+    assert sizes.rounds > 1 and sizes.pairs < sizes.peers * sizes.rows * sizes.mult
+    kw = dict(mesh=mesh, expert_axis="ep", capacity_factor=0.5)
+    split = NamedSharding(mesh, P("ep"))
+    placed = [jax.device_put(a, split) for a in (x, logits, w_in, w_out)]
+    ep = jax.jit(lambda *a: moe_xla.moe(*a, top_k=K, quantization="fp8_blockwise", **kw))(*placed)
+    assert rel_err(ep, moe_xla.moe(x, logits, w_in, w_out, top_k=K, quantization="fp8_blockwise")) < 1e-2
+    ct = normal(rng, (T, H), jnp.float32)
+    g_ep = jax.jit(jax.grad(_loss("fp8_blockwise", **kw), argnums=(0, 2, 3)))(*placed, jax.device_put(ct, split))
+    x_hat = moe_xla.dequantize_fp8_rows(*moe_xla.quantize_fp8_rows(x), x.dtype)
+    g_hat = jax.grad(_loss("fp8_blockwise"), argnums=(0, 2, 3))(x_hat, logits, w_in, w_out, ct)
+    for a, b in zip(g_ep, g_hat):
+        assert rel_err(a, b) < 1e-2
 
 
 def _all_to_all_operands(text):
@@ -331,7 +355,7 @@ def test_fused_products_name_themselves_in_errors(rng):
     x, logits, w_in, w_out = _inputs(rng)
     weights, ids = moe_xla.route(logits, K)
     rows, group_sizes, row_map, row_pairs = moe_xla.permute(x, ids, E, return_row_pairs=True)
-    with pytest.raises(ValueError, match=r"mlp_combine_fp8: expected x of 512 rows \(T\*k"):
+    with pytest.raises(ValueError, match=r"mlp_combine_fp8: expected row_pairs of shape \(511,\) \(one per row"):
         moe_xla.fp8.mlp_combine_fp8(rows[:-1], w_in, w_out, group_sizes, row_map, weights, row_pairs, "swiglu")
     with pytest.raises(ValueError, match=r"mlp_combine_fp8: expected row_pairs of shape \(512,\)"):
         moe_xla.fp8.mlp_combine_fp8(rows, w_in, w_out, group_sizes, row_map, weights, row_pairs[:-1], "swiglu")

@@ -180,6 +180,14 @@ def test_row_pairs_transpose_reads_the_inverse_without_a_scatter():
     assert call and call.group(1).count("%") == 3, hlo
 
 
+@pytest.mark.parametrize("options", [dict(unique_rows=True), dict(row_pairs=jnp.full((5,), -1, jnp.int32))])
+def test_no_entries_give_zero_gradients(options):
+    # T*k = 0 entries and R = 5 rows: y is empty, every row's gradient is 0.
+    d = jax.grad(lambda ys: jnp.sum(moe_xla.unpermute(ys, jnp.zeros((0,), jnp.int32), jnp.zeros((0, 2)),
+                                                      **options)))(jnp.ones((5, 3)))
+    np.testing.assert_array_equal(d, np.zeros((5, 3)))
+
+
 def test_row_pairs_errors_name_the_argument():
     ys, rm, w = jnp.zeros((6, 2)), jnp.zeros((6,), jnp.int32), jnp.zeros((3, 2))
     with pytest.raises(ValueError, match=r"row_pairs.shape\[0\] \(R of y_sorted \[R, H\]\).* = 6, got 5"):

@@ -16,7 +16,7 @@ clipping and Adam) is a single jitted function, compiled ahead of time.
 
 What a run writes under --out (default moe_xla_demo_out/):
     train_step_hlo.txt   the optimised HLO of one training step; the moe_xla custom calls in
-                         it (moe_xla_<op>_<platform>_v1) are listed on stdout
+                         it (moe_xla_<op>_<platform>_v<N>) are listed on stdout
     loss.png             the loss curve
     expert_load.png      each expert's load over the steps, per layer
     checkpoints/<step>/  orbax checkpoints every --checkpoint-every steps and at the last;
