@@ -161,9 +161,9 @@ def _experts(x_recv, x_fp8, lids, w, w_in, w_out, sizes: ExchangeSizes, activati
         _, group_sizes, row_map, row_pairs = permute(jnp.zeros((n, 0), x_recv.dtype), lids, sizes.local_experts,
                                                      return_row_pairs=True)
         slots = row_map.reshape(lids.shape)
-        # The grouped GEMMs' sizes.pairs rows are the first of permute's n * mult (sizing makes
-        # rows * mult >= C; were it not so, unpermute's shape check would say so when tracing).
-        row_pairs = row_pairs[:sizes.pairs]
+        # The grouped GEMMs' sizes.pairs rows: permute's n * mult cut there, or padded with rows
+        # no pair holds (where the row budget rounds below the pair budget: rows * mult < C).
+        row_pairs = jnp.pad(row_pairs[:sizes.pairs], (0, max(0, sizes.pairs - row_pairs.size)), constant_values=-1)
         sources = pair_sources(row_pairs, lids.shape)[0]
         x_exp = expand(x_recv, slots, num_pairs=sizes.pairs, sources=sources)
         x_quantized = None
