@@ -5,7 +5,9 @@ The EP layer with hot experts replicated is held to moe() on one device: the for
 pass without dedup bitwise (a replica computes its rows with the owner's weights), with
 dedup to f32 rounding, and the gradients of x, router logits, w_in and w_out to f32
 rounding (a replica's weight gradient must reach its owner). The placement's greedy rule
-and the replica choice t mod n_e are checked by hand.
+and the replica choice t mod n_e are checked by hand. The replica weights' row selections
+(primitives/select_rows.py) transpose to a gather and a sum in ascending place order, bitwise
+np.add.at, so the step with replicas has no scatter (no atomics: deterministic gradients).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import moe_xla
 from conftest import assert_close, normal, requires_8_devices
 from moe_xla.ep import place_redundant_experts
 from moe_xla.ep.placement import expert_slots
+from moe_xla.primitives.select_rows import select_rows
 
 T, H, F, E, K = 64, 16, 8, 16, 2  # 8 tokens and 2 experts per rank on 8 ranks
 
@@ -124,6 +127,25 @@ def test_redundant_experts_match_one_device(rng, transport, capacity_factor):
     assert_close(loss, loss_one, jnp.float32)
     for g, g_one in zip(grads, grads_one):  # x, logits, w_in, w_out
         assert_close(g, g_one, jnp.float32, scale=10)
+
+
+def test_select_rows_transpose_adds_each_rows_places_in_order(rng):
+    # 4 rows, 2 ranks of 7 places; 4 is no row (padding). Rank 1 names row 0 three times,
+    # row 2 twice, rows 1 and 3 never; rank 0 another table, so the rank's table is the one read.
+    table = np.array([[3, 3, 1, 0, 4, 0, 2], [2, 0, 4, 0, 2, 0, 4]], np.int32)
+    x = normal(rng, (4, 3, 2), jnp.float32)
+    ct = normal(rng, (7, 3, 2), jnp.float32)  # nonzero at padding places too: they must add nothing
+    select_vjp = jax.jit(lambda x, ct, rank: jax.vjp(lambda x: select_rows(x, table, rank), x)[1](ct)[0])
+    select = jax.jit(lambda x, rank: select_rows(x, table, rank))
+    for rank in range(2):
+        valid = table[rank] < 4
+        rows = np.where(valid[:, None, None], np.asarray(x)[table[rank] % 4], 0)  # padding places: zero rows
+        np.testing.assert_array_equal(select(x, rank), rows)
+        expected = np.zeros((4, 3, 2), np.float32)
+        np.add.at(expected, table[rank][valid], np.asarray(ct)[valid])  # in ascending place order
+        np.testing.assert_array_equal(select_vjp(x, ct, rank), expected)  # bitwise: the same order of additions
+        batched = jax.vmap(select_vjp, in_axes=(None, 1, None), out_axes=1)(x, jnp.stack([ct, 2 * ct], 1), rank)
+        np.testing.assert_array_equal(batched, np.stack([expected, 2 * expected], 1))
 
 
 def test_bias_update_moves_towards_the_mean_load():

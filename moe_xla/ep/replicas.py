@@ -5,10 +5,12 @@ replicas (placement.py), gathered from their owners inside the layer's shard_map
 
 One all_to_all over the expert axis moves the copies: rank q sends rank p, in a block of
 M experts, those of its own experts that p replicates (in p's slot order; M the largest
-such count over all (q, p), unused places padded with q's expert 0), and p picks its S
-slots out of the P blocks it receives. The gather and the all_to_all transpose to a
-scatter-add and an all_to_all, so autodiff sums each replica's weight gradient back into
-its owner's.
+such count over all (q, p), unused places zero rows), and p picks its S slots out of the
+P blocks it receives. Both row selections are select_rows, whose transpose is a gather
+and a sum in a fixed order, not a scatter-add (whose atomics would add a replica's weight
+gradients in a different order from run to run), and the all_to_all transposes to an
+all_to_all, so autodiff sums each replica's weight gradient back into its owner's,
+bitwise the same in every run.
 
 Cost: the all_to_all is padded, so every rank sends and receives P M experts' weights of
 w_in and of w_out per step, and as many weight gradients in the backward pass, however
@@ -32,15 +34,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moe_xla.primitives.select_rows import select_rows
+
 
 def _routes(placement: tuple, local: int):
-    """(send [P, P*M] int32: send[q] the local experts q sends, block p for rank p;
-    pick [P, S] int32: pick[p, s] the place of p's slot s in what p receives)."""
+    """(send [P, P*M] int32: send[q] the local experts q sends, block p for rank p, local
+    (no expert) where unused; pick [P, S] int32: pick[p, s] the place of p's slot s in what p receives)."""
     peers = len(placement)
     wanted = [[[(s, e % local) for s, e in enumerate(placement[p]) if e // local == q] for p in range(peers)]
               for q in range(peers)]
     block = max(len(w) for row in wanted for w in row)
-    send = np.zeros((peers, peers, block), np.int32)
+    send = np.full((peers, peers, block), local, np.int32)
     pick = np.zeros((peers, len(placement[0])), np.int32)
     for q in range(peers):
         for p in range(peers):
@@ -56,5 +60,5 @@ def with_replicas(w, placement: tuple, axis):
         return w
     send, pick = _routes(placement, w.shape[0])
     rank = jax.lax.axis_index(axis)
-    received = jax.lax.all_to_all(w[jnp.asarray(send)[rank]], axis, 0, 0, tiled=True)
-    return jnp.concatenate([w, received[jnp.asarray(pick)[rank]]])
+    received = jax.lax.all_to_all(select_rows(w, send, rank), axis, 0, 0, tiled=True)
+    return jnp.concatenate([w, select_rows(received, pick, rank)])
