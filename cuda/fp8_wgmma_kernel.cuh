@@ -22,9 +22,10 @@
 //     wait for the promotion. A stage is freed as soon as the wgmma that read it is done.
 //     Each thread loads the scales of its two rows and of the column tile for step j + 1
 //     from global memory while step j runs (the producer staging them in shared memory
-//     measured slower: benchmarks/results/LOG.md). After the last K step each thread
-//     stores its rows straight from the totals (rows past the tile's group and columns
-//     past N are left alone).
+//     measured slower: benchmarks/results/LOG.md). After the last K step each warp group
+//     stores its rows of the totals through a staging buffer in shared memory, 16 bytes
+//     per thread and store (store_accumulators_staged; rows past the tile's group and
+//     columns past N are left alone).
 // The rows past the last group are zeroed by the table's kernel.
 #ifndef MOE_XLA_CUDA_FP8_WGMMA_KERNEL_CUH_
 #define MOE_XLA_CUDA_FP8_WGMMA_KERNEL_CUH_
@@ -93,7 +94,7 @@ struct Fp8WgmmaTraits {
   using PipelineState = typename Pipeline::PipelineState;
   static constexpr uint32_t kTmaBytes = (kTileM + kTileN) * kTileK * sizeof(Element);
 
-  using SharedStorage = WgmmaSharedStorage<Element, SmemLayoutA, SmemLayoutB, Pipeline>;
+  using SharedStorage = WgmmaStagedSharedStorage<Element, SmemLayoutA, SmemLayoutB, Pipeline>;
 };
 
 // The TMA loads: lhs viewed as (M, K), rhs as (N, K, G), both K contiguous, into one stage
@@ -253,6 +254,7 @@ __device__ __forceinline__ void fp8_wgmma_consume(const Fp8WgmmaKernelParams<Out
   auto total = make_fragment_like(acc0);
   // The tile rows of this thread's values: i with (i & 2) == 0, and the others (r + 8).
   const int32_t row_lo = get<0>(coord(0)), row_hi = get<0>(coord(2));
+  const StagingPlace place = staging_place(smem, thread);
 
   const Fp8UnitWalk walk = fp8_unit_walk();
   typename T::PipelineState read;
@@ -315,7 +317,7 @@ __device__ __forceinline__ void fp8_wgmma_consume(const Fp8WgmmaKernelParams<Out
       warpgroup_wait<0>();
       retire(acc0);
     }
-    store_accumulators(p.out, p.n, tile.row_begin, tile.row_end, n_tile * T::kTileN, total, coord);
+    store_accumulators_staged(p.out, p.n, tile.row_begin, tile.row_end, n_tile * T::kTileN, total, coord, place);
   }
 }
 

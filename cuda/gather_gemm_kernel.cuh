@@ -25,7 +25,8 @@
 //     read it is done; after the last K step it stores its rows (rows past the tile's group
 //     and columns past N are left alone) through the epilogue, kNone and kPlain through a
 //     staging buffer in shared memory, 16 bytes per thread and store
-//     (store_accumulators_staged), kGated straight from the accumulators:
+//     (store_accumulators_staged), kGated straight from the accumulators (its half-width
+//     output staged measured slower: benchmarks/results/LOG.md):
 //       kNone   out[r, n0 + c] = acc[c]
 //       kPlain  out[r, n0 + c] = g(acc[c])                g: gelu (tanh), silu or relu
 //       kGated  out[r, 128j + c] = g(acc[c]) * acc[128 + c], c < 128   g: silu or gelu (tanh)

@@ -177,35 +177,16 @@ struct IdentityEpilogue {
 // Stores a tile's accumulators (`coord` as from consumer_tensors) into `out`, row-major
 // with n columns, through the elementwise `fn` (float32 -> float32, before the rounding to
 // Out): tile element (r, c) goes to out[row0 + r][col0 + c] = fn(accum) where
-// row0 + r < row_end and col0 + c < n; the others are left alone. Accumulators i and i + 1
-// are columns c and c + 1 of one row (the wgmma C layout) and n % 8 == 0, so a pair is
-// wholly inside or outside n and is stored as one.
-template <class Out, class Accum, class Coord, class Fn = IdentityEpilogue>
-__device__ __forceinline__ void store_accumulators(Out* out, int32_t n, int32_t row0,
-                                                   int32_t row_end, int32_t col0,
-                                                   const Accum& accum, const Coord& coord,
-                                                   const Fn& fn = Fn{}) {
-  using namespace cute;
-  CUTLASS_PRAGMA_UNROLL
-  for (int i = 0; i < size(accum); i += 2) {
-    const int32_t row = row0 + get<0>(coord(i));
-    const int32_t col = col0 + get<1>(coord(i));
-    if (row < row_end && col < n) {
-      store_pair(out + static_cast<int64_t>(row) * n + col, fn(accum(i)), fn(accum(i + 1)));
-    }
-  }
-}
-
-// The elements of store_accumulators for one consumer warp group's 64 rows of the tile
-// (rows 64 g .. 64 g + 63, g = the group's index), through its staging buffer (`place`,
-// from staging_place). The fragment holds pairs of 4 (bf16) or 8 (f32) bytes spread over 8
-// rows per warp, a 32-byte sector per store; staged, the group stores a slice of 128 bytes
-// per row at a time: its fragment pairs go to shared memory, then each thread copies
-// 16-byte chunks, a warp 4 whole rows per store.
-// Accumulators 4 j .. 4 j + 3 lie in columns 8 j .. 8 j + 7 of the thread's columns (the
-// wgmma accumulator layout, PTX ISA), so slice s holds accumulators s * kPerSlice ..
-// (s + 1) * kPerSlice - 1; where each lands comes from `coord`. Rows at or past row_end
-// and columns at or past n are left alone (n % 8 == 0: a 16-byte chunk is wholly in or out).
+// row0 + r < row_end and col0 + c < n; the others are left alone. One consumer warp group
+// stores its 64 rows of the tile (rows 64 g .. 64 g + 63, g = the group's index) through
+// its staging buffer (`place`, from staging_place). Stored straight, the fragment's pairs
+// of 4 (bf16) or 8 (f32) bytes spread over 8 rows per warp, a 32-byte sector per store;
+// staged, the group stores a slice of 128 bytes per row at a time: its fragment pairs go
+// to shared memory, then each thread copies 16-byte chunks, a warp 4 whole rows per store.
+// Accumulators 4 j .. 4 j + 3 lie in columns 8 j .. 8 j + 7 of the thread's columns and
+// i, i + 1 in adjacent columns of one row (the wgmma accumulator layout, PTX ISA), so
+// slice s holds accumulators s * kPerSlice .. (s + 1) * kPerSlice - 1; where each lands
+// comes from `coord`. n % 8 == 0: a 16-byte chunk is wholly in or out.
 template <class Out, class Accum, class Coord, class Fn = IdentityEpilogue>
 __device__ __forceinline__ void store_accumulators_staged(Out* out, int32_t n, int32_t row0,
                                                           int32_t row_end, int32_t col0,
