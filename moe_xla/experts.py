@@ -27,21 +27,23 @@ def expert_mlp(x_sorted, w_in, w_out, group_sizes, activation: str, quantization
                quantized_weights=(None, None), combine=None):
     """The experts on rows grouped by expert: out[rows of e] = act(x[rows of e] @ w_in[e]) @ w_out[e];
     rows past sum(group_sizes) give 0. x_sorted is an array, or (without quantization)
-    first_product.GatheredRows, rows the first product reads from the tokens. Both products
-    in the precision `quantization` names (moe_xla.gmm's option); h and act(h) stay in x's
-    dtype. x_quantized: with
-    "fp8_blockwise", quantize_fp8_rows(x_sorted) made elsewhere (moe() gathers the tokens'
-    quantised rows), used by the first product instead of quantising x_sorted again. With
-    "fp8_blockwise" the activation and the quantisation of its output are one kernel, and so
-    are its backward and the quantisation of d h (fp8.gmm_activate_fp8). quantized_weights:
-    with "fp8_blockwise", Fp8Weights of w_in and w_out made elsewhere, used by the products
-    instead of quantising the arrays (which still get their gradients). combine = (row_map,
-    weights, row_pairs) of permute (return_row_pairs=True) and route: returns the weighted
-    combine unpermute(out, row_map, weights) [T, H] instead of out, through product_combine.activate_gmm_combine (whose
-    derivative needs neither out nor a weighted copy of the cotangent); with GatheredRows
-    (of the same permute) the forward runs the activation in the first product's epilogue
-    where `fused_activation` says (_fused_forward_mlp); with "fp8_blockwise" the MLP and
-    the combine are one custom_vjp with the same derivative's form (fp8.mlp_combine_fp8)."""
+    first_product.GatheredRows, rows the first product reads from where they lie (the
+    tokens, or the rows an EP rank received). Both products in the precision
+    `quantization` names (moe_xla.gmm's option); h and act(h) stay in x's dtype.
+    x_quantized: with "fp8_blockwise", quantize_fp8_rows(x_sorted) made elsewhere (moe()
+    gathers the tokens' quantised rows), used by the first product instead of quantising
+    x_sorted again. With "fp8_blockwise" the activation and the quantisation of its output
+    are one kernel, and so are its backward and the quantisation of d h
+    (fp8.gmm_activate_fp8). quantized_weights: with "fp8_blockwise", Fp8Weights of w_in and
+    w_out made elsewhere, used by the products instead of quantising the arrays (which
+    still get their gradients). combine = (row_map, weights, row_pairs) of permute
+    (return_row_pairs=True) and route: returns the weighted combine
+    unpermute(out, row_map, weights) [T, H] instead of out, through
+    product_combine.activate_gmm_combine (whose derivative needs neither out nor a weighted
+    copy of the cotangent); with GatheredRows (whose token_slots are combine's row_map) the
+    forward runs the activation in the first product's epilogue where `fused_activation`
+    says (_fused_forward_mlp); with "fp8_blockwise" the MLP and the combine are one
+    custom_vjp with the same derivative's form (fp8.mlp_combine_fp8)."""
     if is_fp8(quantization):
         q_in, q_out = quantized_weights
         wgrad = fp8.QUANTIZATION_WGRAD[quantization]
@@ -57,12 +59,13 @@ def expert_mlp(x_sorted, w_in, w_out, group_sizes, activation: str, quantization
             return fp8.gmm_fp8_blockwise(a, w_out, group_sizes, lhs_quantized=tuple(a_quantized), rhs_quantized=q_out,
                                          wgrad=wgrad)
     if isinstance(x_sorted, GatheredRows) and combine is not None:
-        # combine's row_map is the one x_sorted's rows come from (both permute's).
-        rows, (row_map, weights, row_pairs) = x_sorted, combine
-        args = (rows.x, w_in, w_out, group_sizes, rows.src, rows.expert_ids, row_map, weights, row_pairs)
+        # combine's row_map is x_sorted's token_slots flattened (both permute's, or both the
+        # EP layer's slots of its received rows).
+        rows, (_, weights, row_pairs) = x_sorted, combine
+        args = (rows.x, w_in, w_out, group_sizes, rows.src, rows.token_slots, weights, row_pairs)
         if _activation_fuses(rows, w_in, activation):
-            return _fused_forward_mlp(*args, activation, rows.num_experts)
-        return _gathered_mlp(*args, activation=activation, num_experts=rows.num_experts)
+            return _fused_forward_mlp(*args, activation)
+        return _gathered_mlp(*args, activation=activation)
     with jax.named_scope("moe_xla/gmm_in"):
         if isinstance(x_sorted, GatheredRows):
             h = x_sorted.gmm(w_in, group_sizes)
@@ -89,12 +92,11 @@ def fused_activation(mode: str):
 def _activation_fuses(rows: GatheredRows, w_in, activation: str) -> bool:
     if _fusion.mode != "auto":
         return _fusion.mode == "fused"
-    return first_product.activation_fuses(rows.x, w_in, rows.expert_ids.shape[1], activation)
+    return first_product.activation_fuses(rows.x, w_in, rows.token_slots.shape[1], activation)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(9, 10))
-def _fused_forward_mlp(x, w_in, w_out, group_sizes, src, expert_ids, row_map, weights, row_pairs, activation: str,
-                       num_experts: int):
+@functools.partial(jax.custom_jvp, nondiff_argnums=(8,))
+def _fused_forward_mlp(x, w_in, w_out, group_sizes, src, token_slots, weights, row_pairs, activation: str):
     """The gathered expert MLP and weighted combine, y [T, H], computed with the activation in
     the first product's epilogue (gather_gmm_activate: h stays float32, a is rounded once)
     where no nonzero tangent reaches it. Its derivative, and its values where a tangent
@@ -102,21 +104,21 @@ def _fused_forward_mlp(x, w_in, w_out, group_sizes, src, expert_ids, row_map, we
     two differ by the rounding of h to x's dtype."""
     with jax.named_scope("moe_xla/gmm_in"):
         a = gather_gmm_activate(x, src, w_in, group_sizes, activation)
-    return gmm_combine(a, w_out, group_sizes, row_map, weights, row_pairs)
+    return gmm_combine(a, w_out, group_sizes, token_slots.reshape(-1), weights, row_pairs)
 
 
 @_fused_forward_mlp.defjvp
-def _fused_forward_mlp_jvp(activation, num_experts, primals, tangents):
-    return jax.jvp(functools.partial(_gathered_mlp, activation=activation, num_experts=num_experts), primals, tangents)
+def _fused_forward_mlp_jvp(activation, primals, tangents):
+    return jax.jvp(functools.partial(_gathered_mlp, activation=activation), primals, tangents)
 
 
-def _gathered_mlp(x, w_in, w_out, group_sizes, src, expert_ids, row_map, weights, row_pairs, *, activation: str,
-                  num_experts: int):
-    """expert_mlp's unfused path on first_product.GatheredRows(x, src, expert_ids, row_map)
-    with combine = (row_map, weights, row_pairs)."""
-    rows = GatheredRows(x, src, expert_ids, row_map, num_experts)
+def _gathered_mlp(x, w_in, w_out, group_sizes, src, token_slots, weights, row_pairs, *, activation: str):
+    """expert_mlp's unfused path on first_product.GatheredRows(x, src, token_slots) with
+    combine = (token_slots flattened, weights, row_pairs)."""
+    rows = GatheredRows(x, src, token_slots)
     with jax.named_scope("moe_xla/gmm_in"):
         h = rows.gmm(w_in, group_sizes)
+    row_map = token_slots.reshape(-1)
     return _activate_product_combine(h, w_out, group_sizes, row_map, weights, row_pairs, activation,
                                      backward_gathers(h, w_out, weights.shape[0]))
 

@@ -5,6 +5,8 @@
     "gather"  permute only sorts (a zero-width permute: group_sizes and row_map, no rows),
               and gather_gmm reads each row x[src[r]] straight from the tokens, src[r] the
               token of sorted row r (the inverse of row_map, divided by k).
+The EP layer's receiving rank feeds its first product the same two ways, from the rows it
+received instead of the tokens (ep/layer.py).
 
 The gather path saves the write and the read of x_sorted (2 T k H elements) in the forward;
 its kernel pays for the gather in its own throughput, so it is chosen only where the saved
@@ -15,8 +17,8 @@ GatheredRows.gmm is a custom_jvp whose primal is gather_gmm. Its derivative rule
 gather_gmm's own (`derivative_gathers`): the weight gradient gather_tgmm reads the rows
 through src as well, and d x is d x_sorted summed back to the tokens through permute's
 row_map (one gather-sum), so a training step keeps no x_sorted; or the copy path's
-(permute's copy, then gmm), where the sorted copy of the rows costs less than the
-gathering weight gradient (its sort may then run twice, once with zero-width rows).
+(x_sorted copied by ep_expand through the same row map, then gmm), where the sorted copy
+of the rows costs less than the gathering weight gradient.
 
 gather_gmm_activate is the gathered first product with the expert activation fused into
 the kernel's epilogue (the product stays float32 until the activation, one rounding);
@@ -38,6 +40,7 @@ import jax.numpy as jnp
 import moe_xla._choice as _choice
 import moe_xla._lib as _lib
 import moe_xla.primitives.gather_gmm_activate as _gather_gmm_activate
+from moe_xla.primitives.ep_expand import expand
 from moe_xla.primitives.gather_gmm import gather_gmm, kernel_supports
 from moe_xla.primitives.gmm import gmm
 from moe_xla.primitives.permute import permute
@@ -87,39 +90,41 @@ def derivative_gathers(w_in) -> bool:
     return w_in.shape[2] <= GATHER_DERIVATIVE_MAX_N
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(6, 7))
-def _gathered_product(x, w, group_sizes, src, expert_ids, row_map, num_experts, gathered_derivative):
-    """gmm(x_sorted, w, group_sizes) with x_sorted = permute(x, expert_ids, num_experts)'s:
+@functools.partial(jax.custom_jvp, nondiff_argnums=(4,))
+def _gathered_product(x, w, group_sizes, src, gathered_derivative, token_slots):
+    """gmm(x_sorted, w, group_sizes) with x_sorted = GatheredRows(x, src, token_slots).copy():
     gather_gmm, differentiated as gather_gmm (gathered_derivative) or as the copy path."""
     return gather_gmm(x, src, w, group_sizes)
 
 
 @_gathered_product.defjvp
-def _gathered_product_jvp(num_experts, gathered_derivative, primals, tangents):
-    x, w, group_sizes, src, expert_ids, row_map = primals
+def _gathered_product_jvp(gathered_derivative, primals, tangents):
+    x, w, group_sizes, src, token_slots = primals
     if gathered_derivative:
-        slots = row_map.reshape(expert_ids.shape)  # token t's j-th row: src[row_map[t*k + j]] = t
-        product = lambda x, w: gather_gmm(x, src, w, group_sizes, token_slots=slots)  # noqa: E731
+        product = lambda x, w: gather_gmm(x, src, w, group_sizes, token_slots=token_slots)  # noqa: E731
     else:
-        product = lambda x, w: gmm(permute(x, expert_ids, num_experts)[0], w, group_sizes)  # noqa: E731
+        product = lambda x, w: gmm(GatheredRows(x, src, token_slots).copy(), w, group_sizes)  # noqa: E731
     return jax.jvp(product, (x, w), tangents[:2])
 
 
 @dataclasses.dataclass(frozen=True)
 class GatheredRows:
-    """The rows x[src[r]] of x_sorted, left in the tokens: src [T*k] the token of sorted row
-    r; expert_ids [T, k], num_experts and row_map, permute's arguments and row map, for the
-    derivative (module docstring)."""
+    """The rows x_sorted[r] = x[src[r]] of x [T, H], left in x: src [M] int32 (outside
+    [0, T): a zero row), token_slots [T, k] int32 its inverse, token_slots[t, j] the j-th
+    row r with src[r] = t, outside [0, M) for none (every row with src[r] in [0, T) named
+    once: permute's row_map reshaped, or the EP layer's slots of its received rows)."""
     x: jax.Array
     src: jax.Array
-    expert_ids: jax.Array
-    row_map: jax.Array
-    num_experts: int
+    token_slots: jax.Array
 
     def gmm(self, w, group_sizes):
         """gmm(x_sorted, w, group_sizes) without x_sorted."""
-        return _gathered_product(self.x, w, group_sizes, self.src, self.expert_ids, self.row_map, self.num_experts,
-                                 derivative_gathers(w))
+        return _gathered_product(self.x, w, group_sizes, self.src, derivative_gathers(w), self.token_slots)
+
+    def copy(self):
+        """x_sorted [M, H] in memory (ep_expand: a gather through src, whose transpose is a
+        gather-sum through token_slots)."""
+        return expand(self.x, self.token_slots, num_pairs=self.src.shape[0], sources=self.src)
 
 
 def sorted_rows(x, expert_ids, num_experts: int):
@@ -130,4 +135,4 @@ def sorted_rows(x, expert_ids, num_experts: int):
     _, group_sizes, row_map, row_pairs = permute(jnp.zeros((t, 0), x.dtype), expert_ids, num_experts,
                                                  return_row_pairs=True)
     # row_map is a permutation of the T*k rows: every row has a token.
-    return GatheredRows(x, row_pairs // k, expert_ids, row_map, num_experts), group_sizes, row_map, row_pairs
+    return GatheredRows(x, row_pairs // k, row_map.reshape(t, k)), group_sizes, row_map, row_pairs

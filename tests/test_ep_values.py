@@ -95,3 +95,47 @@ def test_ep_capacity_rounds_with_a_skewed_router(rng):
     (_, out), grads = jax.jit(grad)(*args)
     assert int(out[1].tokens_per_expert[5]) == T
     check_against_oracle(args, ct, "swiglu", kw, (out, grads))
+
+
+def _gathered_first_product(monkeypatch, mode: str):
+    """Within the EP layer's experts: "copy" (the received rows copied into groups), "gather"
+    (gather_gmm reads them where they arrived, and so does the derivative), or
+    "gather_copy_derivative" (gathered forward, the copy path's derivative: what "auto"
+    does on a Hopper GPU for w_in wider than GATHER_DERIVATIVE_MAX_N)."""
+    if mode == "gather_copy_derivative":
+        monkeypatch.setattr(moe_xla.first_product, "choose", lambda *a: "gather")
+        monkeypatch.setattr(moe_xla.first_product, "derivative_gathers", lambda w: False)
+        return moe_xla.first_product.forced("auto")
+    return moe_xla.first_product.forced(mode)
+
+
+@pytest.mark.parametrize("ep", [dict(dedup=True), dict(dedup=False, capacity_factor=0.5)], ids=["dedup", "rounds"])
+def test_ep_gathered_first_product_equals_copied(rng, monkeypatch, ep):
+    """The receiving rank's first product gathering its received rows (first_product.
+    GatheredRows, with slots naming fewer or more rows than the grouped GEMMs' budget)
+    gives the copied rows' values and gradients bitwise on CPU (gather_rows + gmm move the
+    same rows; both derivatives sum them in the same order)."""
+    # 4 experts per rank, 4 per token: a row asks for up to 4 of its rank's experts.
+    x, logits, w_in, w_out, _, _ = inputs(rng, "swiglu", ROUTINGS["softmax"], t=T, e=32)
+    ct = normal(rng, (T, H), jnp.float32)
+    mesh = _mesh((8,))
+
+    def layer(*a):
+        return moe_xla.moe(*a, top_k=4, mesh=mesh, expert_axis="ep", **ep)
+
+    def uses(f, primitive):
+        return primitive in str(jax.make_jaxpr(f)(x, logits, w_in, w_out))
+
+    results = {}
+    for mode in ("copy", "gather", "gather_copy_derivative"):
+        with monkeypatch.context() as m, _gathered_first_product(m, mode):
+            # Fresh functions per mode: jit reuses a function's trace, made under one mode.
+            fwd = jax.jit(lambda *a: layer(*a))
+            grads = jax.jit(jax.grad(lambda *a: jnp.sum(layer(*a) * ct), (0, 1, 2, 3)))
+            assert uses(fwd, "moe_xla_gather_gmm") == (mode != "copy"), mode
+            # Differentiated, the first product is its derivative rule's.
+            assert uses(grads, "moe_xla_gather_tgmm") == (mode == "gather"), mode
+            results[mode] = (fwd(x, logits, w_in, w_out), grads(x, logits, w_in, w_out))
+    for mode in ("gather", "gather_copy_derivative"):
+        for a, b in zip(jax.tree.leaves(results[mode]), jax.tree.leaves(results["copy"])):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=mode)

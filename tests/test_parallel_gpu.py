@@ -72,3 +72,29 @@ def test_one_device_transport_gradients(rng, transport):
     for capacity_factor in (None, 0.25):
         for g, g_one in zip(grads(_ep(mesh, True, capacity_factor, transport)), one):
             assert_close(g, g_one, jnp.float32, scale=10)
+
+
+@pytest.mark.parametrize("dedup", [True, False])
+def test_one_device_gathered_first_product(rng, dedup):
+    """bf16 (on a Hopper GPU the first product's gather_gmm kernel): the receiving rank's
+    experts reading the received rows in place give the values and gradients of the copied
+    rows (to bf16 rounding on the GPU, whose kernels may tile the two differently; bitwise
+    on CPU), also with a capacity factor's further rounds."""
+    args = _inputs(rng, jnp.bfloat16)
+    ct = normal(rng, (T, H), jnp.float32)
+    mesh = Mesh(np.array(jax.devices()[:1]), ("ep",))
+    results = {}
+    for mode in ("gather", "copy"):
+        with moe_xla.first_product.forced(mode):
+            for capacity_factor in (None, 0.25):
+                # Fresh functions per mode: jit reuses a function's trace, made under one mode.
+                layer = _ep(mesh, dedup, capacity_factor, "padded")
+                y = jax.jit(lambda *a: layer(*a))(*args)
+                g = jax.jit(jax.grad(lambda *a: jnp.sum(layer(*a).astype(jnp.float32) * ct), (0, 1, 2, 3)))(*args)
+                results[mode, capacity_factor] = (y, *g)
+    for capacity_factor in (None, 0.25):
+        for a, b in zip(results["gather", capacity_factor], results["copy", capacity_factor]):
+            if ON_GPU:
+                assert_close(a, b, jnp.bfloat16, scale=4)
+            else:
+                np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))

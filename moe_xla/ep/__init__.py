@@ -24,6 +24,8 @@ may run the dispatch of one chunk while the grouped GEMMs of another run):
   experts   on the receiving rank, the (row, local expert) pairs in expert order:
               _, group_sizes, slots = permute(zeros [N, 0], lids, E_l)   (the sort alone)
               x_exp[slots[q, j]] = rows[q];  y_exp = gmm(act(gmm(x_exp, w_in)), w_out)
+            where moe() reads its tokens through gather_gmm (first_product.py: a Hopper
+            GPU, bf16) the first product reads x_exp's rows where they arrived, no copy
               back[q] = sum_j w[q, j] y_exp[slots[q, j]]    (dedup: the rank's partial sum)
               back[q] = y_exp[slots[q, 0]]                  (no dedup: the expert output, w 1)
             the sum being unpermute over the pair rows, expert_mlp's combine: moe()'s

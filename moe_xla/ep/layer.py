@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import moe_xla.first_product as first_product
 from moe_xla._rows import pair_sources
 from moe_xla.aux_losses import router_aux
 from moe_xla.ep.config import EpConfig, ep_config
@@ -22,7 +23,6 @@ from moe_xla.ep.sizing import ExchangeSizes, exchange_sizes
 from moe_xla.ep.transports import link, link_arrays, pack
 from moe_xla.experts import expert_mlp, shared_mlp
 from moe_xla.grouped import is_fp8
-from moe_xla.primitives.ep_expand import expand
 from moe_xla.primitives.permute import permute
 from moe_xla.primitives.route import route
 from moe_xla.primitives.unpermute import unpermute
@@ -164,14 +164,17 @@ def _experts(x_recv, x_fp8, lids, w, w_in, w_out, sizes: ExchangeSizes, activati
         # The grouped GEMMs' sizes.pairs rows: permute's n * mult cut there, or padded with rows
         # no pair holds (where the row budget rounds below the pair budget: rows * mult < C).
         row_pairs = jnp.pad(row_pairs[:sizes.pairs], (0, max(0, sizes.pairs - row_pairs.size)), constant_values=-1)
-        sources = pair_sources(row_pairs, lids.shape)[0]
-        x_exp = expand(x_recv, slots, num_pairs=sizes.pairs, sources=sources)
+        # The grouped rows, left in x_recv where moe() would leave them in its tokens
+        # (first_product.choose), else copied.
+        rows = first_product.GatheredRows(x_recv, pair_sources(row_pairs, lids.shape)[0], slots)
+        gathers = not is_fp8(quantization) and first_product.choose(x_recv, w_in, lids.shape[1]) == "gather"
+        x_sorted = rows if gathers else rows.copy()
         x_quantized = None
         if x_fp8 is not None:
-            q, scales = (pack(a, slots, sizes.pairs, sources=sources) for a in x_fp8)
+            q, scales = (pack(a, slots, sizes.pairs, sources=rows.src) for a in x_fp8)
             x_quantized = (jax.lax.bitcast_convert_type(q, jnp.float8_e4m3fn), scales)
     # back[q] = sum_j w[q, j] y_exp[slots[q, j]]: unpermute over the pair rows, which
     # expert_mlp's combine fuses with the second product (its backward needs neither y_exp
     # nor a weighted cotangent: product_combine.py).
     combine = (row_map, jnp.ones(lids.shape, jnp.float32) if w is None else w, row_pairs)
-    return expert_mlp(x_exp, w_in, w_out, group_sizes, activation, quantization, x_quantized, combine=combine)
+    return expert_mlp(x_sorted, w_in, w_out, group_sizes, activation, quantization, x_quantized, combine=combine)

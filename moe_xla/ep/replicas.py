@@ -39,7 +39,8 @@ from moe_xla.primitives.select_rows import select_rows
 
 def _routes(placement: tuple, local: int):
     """(send [P, P*M] int32: send[q] the local experts q sends, block p for rank p, local
-    (no expert) where unused; pick [P, S] int32: pick[p, s] the place of p's slot s in what p receives)."""
+    (no expert) where unused; pick [P, S] int32: pick[p, s] the place of p's slot s in what
+    p receives)."""
     peers = len(placement)
     wanted = [[[(s, e % local) for s, e in enumerate(placement[p]) if e // local == q] for p in range(peers)]
               for q in range(peers)]

@@ -24,8 +24,9 @@ gather_gmm is bilinear in (x, w):
     d x = the rows of d x_sorted = gmm(ct, w, transpose_rhs = not transpose_rhs) summed
           back to tokens: d x[t] = sum_{r: src[r] = t} d x_sorted[r]
 The sum is deterministic either way. With token_slots [T, k] int32, a promise that
-token_slots[t, j] names the j-th row r with src[r] = t (k * T = M, each row named at most
-once, as permute's row_map reshaped to [T, k]), it is one gather-sum,
+token_slots[t, j] names the j-th row r with src[r] = t, or an index outside [0, M) where
+token t has fewer rows (every row r with src[r] in [0, T) named once, as permute's row_map
+reshaped to [T, k]), it is one gather-sum,
 unpermute(d x_sorted, token_slots, ones); without, a sort-and-scan sum over src
 (_rows.sum_rows_into), for any src.
 gather_tgmm's transpose (see gather_tgmm.py: a gather_gmm in dy, the same sum to tokens in
@@ -81,8 +82,6 @@ def _abstract_eval(x, src, w, group_sizes, *token_slots, transpose_rhs, preferre
         _checks.rank("gather_gmm", "token_slots", slots, 2, "[T, k]")
         _checks.int32("gather_gmm", "token_slots", slots)
         _checks.dim("gather_gmm", "token_slots.shape[0] (T of x [T, K])", x.shape[0], slots.shape[0])
-        _checks.dim("gather_gmm", "token_slots.shape[0] * token_slots.shape[1] (M of src [M])", m,
-                    slots.shape[0] * slots.shape[1])
     return jax.core.ShapedArray((m, w.shape[1] if transpose_rhs else w.shape[2]), preferred_element_type)
 
 

@@ -69,7 +69,8 @@ def _transpose(ct, x, index, inverse):
 def _batch(args, dims):
     (x, index, inverse), (dim, index_dim, inverse_dim) = args, dims
     if index_dim is not None or inverse_dim is not None:
-        raise NotImplementedError("moe_xla: a replica table is one per rank, never batched")
+        raise NotImplementedError(f"select_rows: expected an unbatched table (one per rank), got batch axes "
+                                  f"{index_dim} of index, {inverse_dim} of inverse")
     return rows_p.bind(jnp.moveaxis(x, dim, 1), index, inverse), 1
 
 
