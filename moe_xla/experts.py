@@ -62,7 +62,7 @@ def expert_mlp(x_sorted, w_in, w_out, group_sizes, activation: str, quantization
         # combine's row_map is x_sorted's token_slots flattened (both permute's, or both the
         # EP layer's slots of its received rows).
         rows, (_, weights, row_pairs) = x_sorted, combine
-        args = (rows.x, w_in, w_out, group_sizes, rows.src, rows.token_slots, weights, row_pairs)
+        args = (rows, w_in, w_out, group_sizes, weights, row_pairs)
         if _activation_fuses(rows, w_in, activation):
             return _fused_forward_mlp(*args, activation)
         return _gathered_mlp(*args, activation=activation)
@@ -95,16 +95,16 @@ def _activation_fuses(rows: GatheredRows, w_in, activation: str) -> bool:
     return first_product.activation_fuses(rows.x, w_in, rows.token_slots.shape[1], activation)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(8,))
-def _fused_forward_mlp(x, w_in, w_out, group_sizes, src, token_slots, weights, row_pairs, activation: str):
+@functools.partial(jax.custom_jvp, nondiff_argnums=(6,))
+def _fused_forward_mlp(rows: GatheredRows, w_in, w_out, group_sizes, weights, row_pairs, activation: str):
     """The gathered expert MLP and weighted combine, y [T, H], computed with the activation in
     the first product's epilogue (gather_gmm_activate: h stays float32, a is rounded once)
     where no nonzero tangent reaches it. Its derivative, and its values where a tangent
     does, are those of the unfused path (_gathered_mlp), which keeps h for the backward: the
     two differ by the rounding of h to x's dtype."""
     with jax.named_scope("moe_xla/gmm_in"):
-        a = gather_gmm_activate(x, src, w_in, group_sizes, activation)
-    return gmm_combine(a, w_out, group_sizes, token_slots.reshape(-1), weights, row_pairs)
+        a = gather_gmm_activate(rows.x, rows.src, w_in, group_sizes, activation)
+    return gmm_combine(a, w_out, group_sizes, rows.token_slots.reshape(-1), weights, row_pairs)
 
 
 @_fused_forward_mlp.defjvp
@@ -112,13 +112,12 @@ def _fused_forward_mlp_jvp(activation, primals, tangents):
     return jax.jvp(functools.partial(_gathered_mlp, activation=activation), primals, tangents)
 
 
-def _gathered_mlp(x, w_in, w_out, group_sizes, src, token_slots, weights, row_pairs, *, activation: str):
-    """expert_mlp's unfused path on first_product.GatheredRows(x, src, token_slots) with
-    combine = (token_slots flattened, weights, row_pairs)."""
-    rows = GatheredRows(x, src, token_slots)
+def _gathered_mlp(rows: GatheredRows, w_in, w_out, group_sizes, weights, row_pairs, *, activation: str):
+    """expert_mlp's unfused path on first_product.GatheredRows `rows` with combine =
+    (rows.token_slots flattened, weights, row_pairs)."""
     with jax.named_scope("moe_xla/gmm_in"):
         h = rows.gmm(w_in, group_sizes)
-    row_map = token_slots.reshape(-1)
+    row_map = rows.token_slots.reshape(-1)
     return _activate_product_combine(h, w_out, group_sizes, row_map, weights, row_pairs, activation,
                                      backward_gathers(h, w_out, weights.shape[0]))
 

@@ -17,8 +17,9 @@ GatheredRows.gmm is a custom_jvp whose primal is gather_gmm. Its derivative rule
 gather_gmm's own (`derivative_gathers`): the weight gradient gather_tgmm reads the rows
 through src as well, and d x is d x_sorted summed back to the tokens through permute's
 row_map (one gather-sum), so a training step keeps no x_sorted; or the copy path's
-(x_sorted copied by ep_expand through the same row map, then gmm), where the sorted copy
-of the rows costs less than the gathering weight gradient.
+(GatheredRows.copy, then gmm), where the sorted copy of the rows costs less than the
+gathering weight gradient (for moe()'s rows its sort then runs twice, once with
+zero-width rows).
 
 gather_gmm_activate is the gathered first product with the expert activation fused into
 the kernel's epilogue (the product stays float32 until the activation, one rounding);
@@ -90,40 +91,49 @@ def derivative_gathers(w_in) -> bool:
     return w_in.shape[2] <= GATHER_DERIVATIVE_MAX_N
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(4,))
-def _gathered_product(x, w, group_sizes, src, gathered_derivative, token_slots):
-    """gmm(x_sorted, w, group_sizes) with x_sorted = GatheredRows(x, src, token_slots).copy():
-    gather_gmm, differentiated as gather_gmm (gathered_derivative) or as the copy path."""
-    return gather_gmm(x, src, w, group_sizes)
+@functools.partial(jax.custom_jvp, nondiff_argnums=(3,))
+def _gathered_product(rows, w, group_sizes, gathered_derivative):
+    """gmm(rows.copy(), w, group_sizes): gather_gmm, differentiated as gather_gmm
+    (gathered_derivative) or as the copy path."""
+    return gather_gmm(rows.x, rows.src, w, group_sizes)
 
 
 @_gathered_product.defjvp
 def _gathered_product_jvp(gathered_derivative, primals, tangents):
-    x, w, group_sizes, src, token_slots = primals
+    rows, w, group_sizes = primals
     if gathered_derivative:
-        product = lambda x, w: gather_gmm(x, src, w, group_sizes, token_slots=token_slots)  # noqa: E731
+        product = lambda x, w: gather_gmm(x, rows.src, w, group_sizes, token_slots=rows.token_slots)  # noqa: E731
     else:
-        product = lambda x, w: gmm(GatheredRows(x, src, token_slots).copy(), w, group_sizes)  # noqa: E731
-    return jax.jvp(product, (x, w), tangents[:2])
+        product = lambda x, w: gmm(dataclasses.replace(rows, x=x).copy(), w, group_sizes)  # noqa: E731
+    return jax.jvp(product, (rows.x, w), (tangents[0].x, tangents[1]))
 
 
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["x", "src", "token_slots", "expert_ids"],
+                   meta_fields=["num_experts"])
 @dataclasses.dataclass(frozen=True)
 class GatheredRows:
     """The rows x_sorted[r] = x[src[r]] of x [T, H], left in x: src [M] int32 (outside
     [0, T): a zero row), token_slots [T, k] int32 its inverse, token_slots[t, j] the j-th
     row r with src[r] = t, outside [0, M) for none (every row with src[r] in [0, T) named
-    once: permute's row_map reshaped, or the EP layer's slots of its received rows)."""
+    once: permute's row_map reshaped, or the EP layer's slots of its received rows).
+    expert_ids [T, k] and num_experts: where the rows are permute(x, expert_ids,
+    num_experts)'s, its arguments, for `copy`; else None. A pytree (num_experts static)."""
     x: jax.Array
     src: jax.Array
     token_slots: jax.Array
+    expert_ids: jax.Array | None = None
+    num_experts: int | None = None
 
     def gmm(self, w, group_sizes):
         """gmm(x_sorted, w, group_sizes) without x_sorted."""
-        return _gathered_product(self.x, w, group_sizes, self.src, derivative_gathers(w), self.token_slots)
+        return _gathered_product(self, w, group_sizes, derivative_gathers(w))
 
     def copy(self):
-        """x_sorted [M, H] in memory (ep_expand: a gather through src, whose transpose is a
-        gather-sum through token_slots)."""
+        """x_sorted [M, H] in memory: permute's copy where the rows are permute's (each token
+        read once for its k rows), else ep_expand (a row read per place, through src); either
+        transposes to a gather-sum, unpermute through the rows' slots."""
+        if self.expert_ids is not None:
+            return permute(self.x, self.expert_ids, self.num_experts)[0]
         return expand(self.x, self.token_slots, num_pairs=self.src.shape[0], sources=self.src)
 
 
@@ -135,4 +145,5 @@ def sorted_rows(x, expert_ids, num_experts: int):
     _, group_sizes, row_map, row_pairs = permute(jnp.zeros((t, 0), x.dtype), expert_ids, num_experts,
                                                  return_row_pairs=True)
     # row_map is a permutation of the T*k rows: every row has a token.
-    return GatheredRows(x, row_pairs // k, row_map.reshape(t, k)), group_sizes, row_map, row_pairs
+    rows = GatheredRows(x, row_pairs // k, row_map.reshape(t, k), expert_ids, num_experts)
+    return rows, group_sizes, row_map, row_pairs
