@@ -99,10 +99,13 @@ const CutlassFp8Instance* cutlass_instance_for(const Fp8GroupedGemmParams& p, Fp
 // Our wgmma kernel's instantiations (the table in cuda/BUILD.bazel).
 struct WgmmaFp8Instance {
   DType out_dtype;
+  detail::Fp8WgmmaTile tile;
   Status (*run)(const detail::Fp8WgmmaLaunch& launch);
 };
 
-#define MOE_XLA_CUTLASS_INSTANCE(DTYPE) WgmmaFp8Instance{DType::DTYPE, &detail::fp8_wgmma_run<DType::DTYPE>},
+#define MOE_XLA_CUTLASS_INSTANCE(DTYPE, TILE)                        \
+  WgmmaFp8Instance{DType::DTYPE, detail::Fp8WgmmaTile::TILE,         \
+                   &detail::fp8_wgmma_run<DType::DTYPE, detail::Fp8WgmmaTile::TILE>},
 
 constexpr WgmmaFp8Instance kWgmmaFp8Instances[] = {
 // One MOE_XLA_CUTLASS_INSTANCE(dtype) line per entry of the table, written by the build.
@@ -110,20 +113,45 @@ constexpr WgmmaFp8Instance kWgmmaFp8Instances[] = {
 };
 #undef MOE_XLA_CUTLASS_INSTANCE
 
-// Our kernel's instantiation for this product, or nullptr when it cannot compute it.
-const WgmmaFp8Instance* wgmma_instance_for(const Fp8GroupedGemmParams& p) {
-  if (!tma_eligible(p)) return nullptr;
+// The tile of our kernel a path names, false for the other paths.
+bool wgmma_tile_of(Fp8GemmPath path, detail::Fp8WgmmaTile* tile) {
+  switch (path) {
+    case Fp8GemmPath::kWgmma128x128: *tile = detail::Fp8WgmmaTile::kN128; return true;
+    case Fp8GemmPath::kWgmma128x192: *tile = detail::Fp8WgmmaTile::kN192; return true;
+    default: return false;
+  }
+}
+
+// Our kernel's instantiation for this product on `path`, or nullptr when it cannot
+// compute it (or `path` is not ours).
+const WgmmaFp8Instance* wgmma_instance_for(const Fp8GroupedGemmParams& p, Fp8GemmPath path) {
+  detail::Fp8WgmmaTile tile;
+  if (!wgmma_tile_of(path, &tile) || !tma_eligible(p)) return nullptr;
   for (const WgmmaFp8Instance& inst : kWgmmaFp8Instances) {
-    if (inst.out_dtype == p.out_dtype) return &inst;
+    if (inst.out_dtype == p.out_dtype && inst.tile == tile) return &inst;
   }
   return nullptr;
 }
 
+// Whether our kernel's 128 x 192 tiles pay over 128-column ones: everywhere but where the
+// last column tile's padding past N wastes more than 2% of the tiles' columns on a long
+// product (K >= 4096), where the wider tile has little else to gain (H100 / H200:
+// benchmarks/results/LOG.md).
+bool wide_tiles_pay(const Fp8GroupedGemmParams& p) {
+  constexpr int64_t kWide = static_cast<int64_t>(detail::Fp8WgmmaTile::kN192);
+  const int64_t columns = (p.n + kWide - 1) / kWide * kWide;
+  return p.k < 4096 || (columns - p.n) * 50 <= columns;
+}
+
 // Path heuristic (compute capability 9.0): pingpong 64-row tiles when an average group has
-// at most 128 rows (little padding), else cooperative 128-row tiles with A multicast over
-// a 1x2 cluster when the 128-column tiles pair up, B multicast over 2x1 otherwise.
+// at most 128 rows (little padding); else our kernel's 128 x 192 tiles where they pay (and
+// it can compute the product), otherwise cooperative 128-row tiles with A multicast over a
+// 1x2 cluster when the 128-column tiles pair up, B multicast over 2x1 otherwise.
 Fp8GemmPath select_path(const Fp8GroupedGemmParams& p) {
   const bool small = p.num_groups > 0 && p.m / p.num_groups <= 128;
+  if (!small && wide_tiles_pay(p) && wgmma_instance_for(p, Fp8GemmPath::kWgmma128x192) != nullptr) {
+    return Fp8GemmPath::kWgmma128x192;
+  }
   const Fp8GemmPath tuned = small                           ? Fp8GemmPath::kCutlassPingpong64x128Cluster1x1
                             : fp8::tiles(p.n) % 2 == 0      ? Fp8GemmPath::kCutlassCoop128x128Cluster1x2
                                                             : Fp8GemmPath::kCutlassCoop128x128Cluster2x1;
@@ -221,13 +249,15 @@ const char* fp8_gemm_path_name(Fp8GemmPath path) {
     case Fp8GemmPath::kCutlassCoop128x128Cluster2x1: return "cutlass_coop128x128_2x1";
     case Fp8GemmPath::kCutlassPingpong64x128Cluster1x1: return "cutlass_pingpong64x128_1x1";
     case Fp8GemmPath::kWgmma128x128: return "wgmma128x128";
+    case Fp8GemmPath::kWgmma128x192: return "wgmma128x192";
   }
   return "unknown";
 }
 
 bool fp8_gemm_path_supported(const Fp8GroupedGemmParams& p, Fp8GemmPath path) {
   if (path == Fp8GemmPath::kAuto || path == Fp8GemmPath::kSimt) return true;
-  if (path == Fp8GemmPath::kWgmma128x128) return wgmma_instance_for(p) != nullptr;
+  detail::Fp8WgmmaTile tile;
+  if (wgmma_tile_of(path, &tile)) return wgmma_instance_for(p, path) != nullptr;
   return cutlass_instance_for(p, path) != nullptr;
 }
 
@@ -293,17 +323,19 @@ Status fp8_grouped_gemm(const Fp8GroupedGemmParams& p, void* workspace, size_t w
   if (path == Fp8GemmPath::kSimt) {
     return simt_run(p, reinterpret_cast<int64_t*>(base), stream).With("fp8_grouped_gemm path simt");
   }
-  if (path == Fp8GemmPath::kWgmma128x128) {
-    const WgmmaFp8Instance* inst = wgmma_instance_for(p);
+  detail::Fp8WgmmaTile tile;
+  if (wgmma_tile_of(path, &tile)) {
+    const WgmmaFp8Instance* inst = wgmma_instance_for(p, path);
     if (inst == nullptr) {
-      return Status::InvalidArgument("fp8_grouped_gemm: the path wgmma128x128 does not support this output dtype, "
-                                     "shape or alignment");
+      return Status::InvalidArgument(std::string("fp8_grouped_gemm: the path ") + fp8_gemm_path_name(path) +
+                                     " does not support this output dtype, shape or alignment");
     }
     detail::RowTileTable table;
     const int64_t row_vecs = p.n * static_cast<int64_t>(dtype_bytes(p.out_dtype)) / 16;
     MOE_XLA_RETURN_IF_ERROR(detail::enqueue_row_tile_table(p.group_sizes, p.num_groups, p.m, kFp8WgmmaTileM, base,
                                                            p.out, row_vecs, sm_count, stream, &table));
-    return inst->run(detail::Fp8WgmmaLaunch{&p, table, sm_count, stream}).With("fp8_grouped_gemm path wgmma128x128");
+    return inst->run(detail::Fp8WgmmaLaunch{&p, table, sm_count, stream})
+        .With(std::string("fp8_grouped_gemm path ") + fp8_gemm_path_name(path));
   }
   const CutlassFp8Instance* inst = cutlass_instance_for(p, path);
   if (inst == nullptr) {

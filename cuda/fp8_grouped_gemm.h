@@ -41,6 +41,7 @@ enum class Fp8GemmPath : int32_t {
   kCutlassCoop128x128Cluster2x1 = 3,
   kCutlassPingpong64x128Cluster1x1 = 4,
   kWgmma128x128 = 5,
+  kWgmma128x192 = 6,
 };
 
 inline constexpr Fp8GemmPath kFp8GemmPaths[] = {
@@ -49,6 +50,7 @@ inline constexpr Fp8GemmPath kFp8GemmPaths[] = {
     Fp8GemmPath::kCutlassCoop128x128Cluster2x1,
     Fp8GemmPath::kCutlassPingpong64x128Cluster1x1,
     Fp8GemmPath::kWgmma128x128,
+    Fp8GemmPath::kWgmma128x192,
 };
 
 // gmm_fp8's `path` attribute is kAuto (0) or a path of kFp8GemmPaths, numbered 1 .. N in
@@ -61,7 +63,7 @@ constexpr bool fp8_gemm_paths_numbered_in_order() {
 }
 static_assert(fp8_gemm_paths_numbered_in_order(), "Fp8GemmPath values must be 1 .. N in kFp8GemmPaths order");
 
-// Short name of a path ("auto", "simt", "cutlass_coop128x128_1x2", ..., "wgmma128x128").
+// Short name of a path ("auto", "simt", "cutlass_coop128x128_1x2", ..., "wgmma128x192").
 const char* fp8_gemm_path_name(Fp8GemmPath path);
 
 // Whether `path` can compute this product on a GPU of compute capability 9.0 (kAuto and

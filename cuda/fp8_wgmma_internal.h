@@ -17,6 +17,12 @@ namespace detail {
 // Rows of the kernel's output tile: the row tiles of its table have this height.
 constexpr int kFp8WgmmaTileM = 128;
 
+// Columns of the kernel's output tile (the enumerator's value).
+enum class Fp8WgmmaTile : int32_t {
+  kN128 = 128,
+  kN192 = 192,
+};
+
 struct Fp8WgmmaLaunch {
   const Fp8GroupedGemmParams* params;
   RowTileTable row_tiles;  // of kFp8WgmmaTileM rows
@@ -24,9 +30,10 @@ struct Fp8WgmmaLaunch {
   cudaStream_t stream;
 };
 
-// Enqueues the kernel with `kOut` output after the row-tile table's kernels.
-// Instantiated by fp8_wgmma_instance.cu for the output dtypes of cuda/BUILD.bazel's table.
-template <DType kOut>
+// Enqueues the kernel with `kOut` output and `kTile` columns per tile after the row-tile
+// table's kernels. Instantiated by fp8_wgmma_instance.cu for the entries of
+// cuda/BUILD.bazel's table.
+template <DType kOut, Fp8WgmmaTile kTile>
 Status fp8_wgmma_run(const Fp8WgmmaLaunch& launch);
 
 }  // namespace detail

@@ -6,20 +6,25 @@
 // Persistent clusters of two CTAs, one CTA per SM, walk the work units (fp8_unit_tile:
 // a row tile and a pair of column tiles, one per CTA, ordered so that the clusters running
 // at once share B tiles and A rows in L2); the two CTAs share the A tile, each loading half
-// of its rows and multicasting them to both. Each CTA's output tile is 128 x 128, computed in
-// 128-deep K steps (one scale block, one 128-byte swizzle row of FP8) through a 6-stage
-// shared-memory pipeline by three warp groups:
+// of its rows and multicasting them to both. Each CTA's output tile is 128 x kTileN
+// (Fp8WgmmaTraits: 128 or 192 columns), computed in 128-deep K steps (one scale block, one
+// 128-byte swizzle row of FP8) through a shared-memory pipeline by three warp groups:
 //   - warp group 0, the producer: one thread loads per K step its half of the A tile
 //     lhs[row_begin : row_begin + 128, k0 : k0 + 128] through a 2-D TMA descriptor of all of
 //     lhs (rows past the tile's group are loaded too and never stored; TMA zero-fills past
-//     M and K) and the B tile rhs[g, n0 : n0 + 128, k0 : k0 + 128] through a 3-D descriptor
-//     of all of rhs (zero-filled past N and K), so no per-group descriptor is needed.
+//     M and K) and the B tile rhs[g, n0 : n0 + kTileN, k0 : k0 + 128] through a 3-D
+//     descriptor of all of rhs (zero-filled past N and K), so no per-group descriptor is
+//     needed.
 //   - warp groups 1 and 2, the consumers: each multiplies its 64 rows of the tile by the B
-//     tile with wgmma (m64n128k32 FP8, K-major operands from shared memory): the 128-deep
-//     block sum P_j in float32 accumulators. Two accumulator sets take turns: the wgmma of
-//     step j runs into one while the thread promotes the other's P_{j-1} into the tile's
-//     float32 total, total = fma(fl(s_lhs * s_rhs), P, total), so the tensor cores never
-//     wait for the promotion. A stage is freed as soon as the wgmma that read it is done.
+//     tile with wgmma (m64 x kTileN x k32 FP8, K-major operands from shared memory): the
+//     128-deep block sum P_j in float32 accumulators, promoted into the tile's float32
+//     total, total = fma(fl(s_lhs * s_rhs), P, total). 128-column tiles keep two
+//     accumulator sets that take turns: the wgmma of step j runs into one while the thread
+//     promotes the other's P_{j-1}, so the tensor cores never wait for the promotion.
+//     192-column tiles have registers for one set only: each warp group waits for its step
+//     and promotes it while the other warp group's wgmma runs. A 192-column tile spans two
+//     128-column scale blocks of rhs, split at column 128 (even tiles) or 64 (odd tiles).
+//     A stage is freed as soon as the wgmma that read it is done.
 //     Each thread loads the scales of its two rows and of the column tile for step j + 1
 //     from global memory while step j runs (the producer staging them in shared memory
 //     measured slower: benchmarks/results/LOG.md). After the last K step each warp group
@@ -34,6 +39,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "cute/tensor.hpp"  // first: the atoms below rely on its declarations
 #include "cute/algorithm/gemm.hpp"
@@ -57,15 +63,24 @@ namespace moe_xla {
 namespace cuda {
 namespace detail {
 
+// CTAs per cluster (Fp8WgmmaTraits).
+constexpr int kFp8ClusterSize = 2;
+
+template <int kN>
 struct Fp8WgmmaTraits {
   using Element = cutlass::float_e4m3_t;
   static constexpr int kTileM = kFp8WgmmaTileM;
-  static constexpr int kTileN = fp8::kTile;  // one scale column block of rhs
+  static constexpr int kTileN = kN;
   static constexpr int kTileK = fp8::kTile;  // one scale block, one 128-byte swizzle row
-  static constexpr int kStages = 6;
+  static_assert(kN == fp8::kTile || kN == 3 * fp8::kTile / 2, "128 or 192 columns");
+  // A 128-column tile is one scale column block of rhs and has registers for two
+  // accumulator sets; a 192-column tile spans two blocks and has one set.
+  static constexpr bool kTwoAccumulators = kN == fp8::kTile;
+  // As many stages as fit beside the staging buffers in 227 KiB of shared memory.
+  static constexpr int kStages = kN == fp8::kTile ? 6 : 5;
   // Two CTAs per cluster compute column tiles 2p and 2p + 1 of one row tile: each loads
   // half of the A tile's rows and multicasts it to both.
-  static constexpr int kClusterSize = 2;
+  static constexpr int kClusterSize = kFp8ClusterSize;
   using ClusterShape = cute::Shape<cute::Int<kClusterSize>, cute::_1, cute::_1>;
 
   static constexpr int kProducerThreads = 128;
@@ -85,9 +100,10 @@ struct Fp8WgmmaTraits {
       cute::GMMA::Layout_K_SW128_Atom<Element>{},
       cute::make_shape(cute::Int<kTileN>{}, cute::Int<kTileK>{}, cute::Int<kStages>{})));
 
-  // Two consumer warp groups along M, each 64 x 128.
-  using TiledMma = decltype(cute::make_tiled_mma(cute::SM90_64x128x32_F32E4M3E4M3_SS_TN<>{},
-                                                 cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>{}));
+  // Two consumer warp groups along M, each 64 x kTileN.
+  using MmaAtom = std::conditional_t<kTwoAccumulators, cute::SM90_64x128x32_F32E4M3E4M3_SS_TN<>,
+                                     cute::SM90_64x192x32_F32E4M3E4M3_SS_TN<>>;
+  using TiledMma = decltype(cute::make_tiled_mma(MmaAtom{}, cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>{}));
   static_assert(cute::size(TiledMma{}) == kConsumerThreads, "two consumer warp groups");
 
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
@@ -95,12 +111,13 @@ struct Fp8WgmmaTraits {
   static constexpr uint32_t kTmaBytes = (kTileM + kTileN) * kTileK * sizeof(Element);
 
   using SharedStorage = WgmmaStagedSharedStorage<Element, SmemLayoutA, SmemLayoutB, Pipeline>;
+  static_assert(sizeof(SharedStorage) <= 232448, "an H100 / H200 CTA's shared memory");
 };
 
 // The TMA loads: lhs viewed as (M, K), rhs as (N, K, G), both K contiguous, into one stage
 // of the A and B layouts.
-inline auto make_fp8_tma_a(const cutlass::float_e4m3_t* lhs, int32_t m, int32_t k) {
-  using T = Fp8WgmmaTraits;
+template <class T>
+auto make_fp8_tma_a(const cutlass::float_e4m3_t* lhs, int32_t m, int32_t k) {
   auto tensor = cute::make_tensor(cute::make_gmem_ptr(lhs), cute::make_shape(m, k),
                                   cute::make_stride(int64_t{k}, cute::_1{}));
   return cute::make_tma_copy(cute::SM90_TMA_LOAD_MULTICAST{}, tensor,
@@ -108,28 +125,27 @@ inline auto make_fp8_tma_a(const cutlass::float_e4m3_t* lhs, int32_t m, int32_t 
                              cute::make_shape(cute::Int<T::kTileM>{}, cute::Int<T::kTileK>{}),
                              cute::Int<T::kClusterSize>{});
 }
-inline auto make_fp8_tma_b(const cutlass::float_e4m3_t* rhs, int32_t n, int32_t k, int32_t groups) {
-  using T = Fp8WgmmaTraits;
+template <class T>
+auto make_fp8_tma_b(const cutlass::float_e4m3_t* rhs, int32_t n, int32_t k, int32_t groups) {
   auto tensor = cute::make_tensor(cute::make_gmem_ptr(rhs), cute::make_shape(n, k, groups),
                                   cute::make_stride(int64_t{k}, cute::_1{}, int64_t{n} * k));
   return cute::make_tma_copy(cute::SM90_TMA_LOAD{}, tensor, typename T::SmemLayoutB{}(cute::_, cute::_, cute::Int<0>{}),
                              cute::make_shape(cute::Int<T::kTileN>{}, cute::Int<T::kTileK>{}), cute::Int<1>{});
 }
-using Fp8TmaA = decltype(make_fp8_tma_a(nullptr, 0, 0));
-using Fp8TmaB = decltype(make_fp8_tma_b(nullptr, 0, 0, 0));
 
-template <class Out>
+template <class Out, class T>
 struct Fp8WgmmaKernelParams {
-  Fp8TmaA tma_a;
-  Fp8TmaB tma_b;
+  decltype(make_fp8_tma_a<T>(nullptr, 0, 0)) tma_a;
+  decltype(make_fp8_tma_b<T>(nullptr, 0, 0, 0)) tma_b;
   const float* lhs_scales;  // [M, Kt]
   const float* rhs_scales;  // [G, Kt, Nt]
   const RowTile* row_tiles;
   const RowTileCount* tile_count;
   Out* out;
   int32_t m, k, n, num_groups;
-  int32_t n_tiles, k_tiles;  // Nt and Kt: 128-column tiles of out, 128-deep steps
-  int32_t n_pairs;           // ceil(Nt / 2): the column-tile pairs of a cluster's units
+  int32_t n_blocks, k_tiles;  // Nt and Kt: 128-column scale blocks of rhs, 128-deep steps
+  int32_t n_tiles;            // kTileN-column tiles of out
+  int32_t n_pairs;            // ceil(n_tiles / 2): the column-tile pairs of a cluster's units
 };
 
 // The work units of this CTA: u = cluster, + clusters, ... < units, each a row tile and
@@ -140,8 +156,7 @@ struct Fp8UnitWalk {
 };
 __device__ __forceinline__ Fp8UnitWalk fp8_unit_walk() {
   const uint32_t rank = cute::block_rank_in_cluster();
-  return Fp8UnitWalk{blockIdx.x / Fp8WgmmaTraits::kClusterSize, gridDim.x / Fp8WgmmaTraits::kClusterSize,
-                     static_cast<int32_t>(rank)};
+  return Fp8UnitWalk{blockIdx.x / kFp8ClusterSize, gridDim.x / kFp8ClusterSize, static_cast<int32_t>(rank)};
 }
 
 // Row tiles per band of the unit order below.
@@ -162,14 +177,14 @@ __device__ __forceinline__ RowTile fp8_unit_tile(const RowTile* row_tiles, int64
   const int64_t within = local - band * kFp8BandTiles * n_pairs;
   const int64_t band_tiles = std::min<int64_t>(kFp8BandTiles, any.group_tiles - band * kFp8BandTiles);
   const int64_t t = any.group_first + band * kFp8BandTiles + within % band_tiles;
-  *n_tile = static_cast<int32_t>(within / band_tiles) * Fp8WgmmaTraits::kClusterSize + rank;
+  *n_tile = static_cast<int32_t>(within / band_tiles) * kFp8ClusterSize + rank;
   return t == t0 ? any : row_tiles[t];
 }
 
 // Warp group 0, thread 0 (see the header comment). `units` work units, this CTA's as
 // fp8_unit_walk says.
-template <class Out, class T = Fp8WgmmaTraits>
-__device__ __forceinline__ void fp8_wgmma_produce(const Fp8WgmmaKernelParams<Out>& p, typename T::SharedStorage& smem,
+template <class Out, class T>
+__device__ __forceinline__ void fp8_wgmma_produce(const Fp8WgmmaKernelParams<Out, T>& p, typename T::SharedStorage& smem,
                                                   typename T::Pipeline& pipeline, int64_t units) {
   using namespace cute;
   prefetch_tma_descriptor(p.tma_a.get_tma_descriptor());
@@ -225,22 +240,88 @@ __device__ __forceinline__ void fp8_issue_stage(TiledMma& mma, const FragA& tCrA
   warpgroup_commit_batch();
 }
 
-// total = fma(s, P, total) per accumulator, s the combined scale of the value's row: in
-// the m64nN wgmma fragment value i is row (i >> 1) & 1 of the thread's two rows (r and
-// r + 8), so s0 scales the values with bit 1 clear and s1 the others.
-template <class Accum>
-__device__ __forceinline__ void fp8_promote(Accum& total, Accum& acc, float s0, float s1) {
+// The combined scales fl(s_lhs * s_rhs) of one K step for a thread's two rows (lo: r,
+// hi: r + 8) and the tile's two rhs scale blocks (0: the columns before the tile's split,
+// 1: those after; a 128-column tile has block 0 only).
+struct Fp8StepScales {
+  float lo0, hi0, lo1, hi1;
+};
+
+// total = fma(s, P, total) per accumulator, s the combined scale of the value's row and
+// column block. In the m64nN wgmma fragment value i lies in row (i >> 1) & 1 of the
+// thread's two rows and in the i / 4-th group of 8 columns, so block 0 holds the values with
+// i / 4 < kSplitGroups.
+template <int kSplitGroups, class Accum>
+__device__ __forceinline__ void fp8_promote(Accum& total, Accum& acc, const Fp8StepScales& s) {
   using namespace cute;
   warpgroup_fence_operand(acc);
   CUTLASS_PRAGMA_UNROLL
   for (int i = 0; i < size(acc); ++i) {
-    total(i) = __fmaf_rn((i & 2) ? s1 : s0, acc(i), total(i));
+    const float scale = i / 4 < kSplitGroups ? ((i & 2) ? s.hi0 : s.lo0) : ((i & 2) ? s.hi1 : s.lo1);
+    total(i) = __fmaf_rn(scale, acc(i), total(i));
   }
 }
 
+// fp8_promote at a tile's split: column 128 (all of a 128-column tile, an even 192-column
+// tile) or 64 (an odd 192-column tile), as a constant of the unrolled loop.
+template <class T, class Accum>
+__device__ __forceinline__ void fp8_promote_tile(Accum& total, Accum& acc, const Fp8StepScales& s, bool split_64) {
+  if constexpr (T::kTileN == fp8::kTile) {
+    fp8_promote<fp8::kTile / 8>(total, acc, s);
+  } else if (split_64) {
+    fp8_promote<8>(total, acc, s);
+  } else {
+    fp8_promote<fp8::kTile / 8>(total, acc, s);
+  }
+}
+
+// A consumer thread's scales for one unit: the scale rows of its two tile rows (clamped
+// into lhs: rows past M are never stored) and the tile's rhs scale blocks (clamped: columns
+// past N are zero-filled by TMA and never stored), each step's read one step ahead.
+template <class T>
+struct Fp8UnitScales {
+  const float* sa_lo;
+  const float* sa_hi;
+  const float* sb0;       // block 0 of step 0; step j's at + j * n_blocks
+  int32_t block1_offset;  // block 1 - block 0 (0 where block 0 is rhs's last)
+  int32_t n_blocks, k_tiles;
+  float next_lo, next_hi, next_b0, next_b1;  // the next step's scales
+
+  __device__ __forceinline__ Fp8UnitScales(const float* lhs_scales, const float* rhs_scales, int32_t m,
+                                           int32_t n_blocks_, int32_t k_tiles_, const RowTile& tile, int32_t col0,
+                                           int32_t row_lo, int32_t row_hi)
+      : n_blocks(n_blocks_), k_tiles(k_tiles_) {
+    constexpr int32_t kBlock = fp8::kTile;
+    sa_lo = lhs_scales + static_cast<int64_t>(std::min(tile.row_begin + row_lo, m - 1)) * k_tiles;
+    sa_hi = lhs_scales + static_cast<int64_t>(std::min(tile.row_begin + row_hi, m - 1)) * k_tiles;
+    const int32_t block0 = std::min(col0 / kBlock, n_blocks - 1);
+    sb0 = rhs_scales + static_cast<int64_t>(tile.group) * k_tiles * n_blocks + block0;
+    block1_offset = std::min(block0 + 1, n_blocks - 1) - block0;
+    next_lo = __ldg(sa_lo);
+    next_hi = __ldg(sa_hi);
+    next_b0 = __ldg(sb0);
+    next_b1 = T::kTwoAccumulators ? 0.0f : __ldg(sb0 + block1_offset);
+  }
+
+  // Step j's combined scales; loads step j + 1's.
+  __device__ __forceinline__ Fp8StepScales take(int j) {
+    const Fp8StepScales s{__fmul_rn(next_lo, next_b0), __fmul_rn(next_hi, next_b0), __fmul_rn(next_lo, next_b1),
+                          __fmul_rn(next_hi, next_b1)};
+    if (j + 1 < k_tiles) {
+      const int64_t b = static_cast<int64_t>(j + 1) * n_blocks;
+      next_lo = __ldg(sa_lo + j + 1);
+      next_hi = __ldg(sa_hi + j + 1);
+      next_b0 = __ldg(sb0 + b);
+      if constexpr (!T::kTwoAccumulators) next_b1 = __ldg(sb0 + b + block1_offset);
+    }
+    return s;
+  }
+};
+
 // Warp groups 1 and 2 (see the header comment).
-template <class Out, class T = Fp8WgmmaTraits>
-__device__ __forceinline__ void fp8_wgmma_consume(const Fp8WgmmaKernelParams<Out>& p, typename T::SharedStorage& smem,
+template <class Out, class T>
+__device__ __forceinline__ void fp8_wgmma_consume(const Fp8WgmmaKernelParams<Out, T>& p,
+                                                  typename T::SharedStorage& smem,
                                                   typename T::Pipeline& pipeline, int64_t units) {
   using namespace cute;
   const int thread = threadIdx.x - T::kProducerThreads;  // 0 .. kConsumerThreads - 1
@@ -250,82 +331,106 @@ __device__ __forceinline__ void fp8_wgmma_consume(const Fp8WgmmaKernelParams<Out
   auto& tCrB = get<1>(tensors);
   auto& acc0 = get<2>(tensors);
   auto& coord = get<3>(tensors);
-  auto acc1 = make_fragment_like(acc0);
   auto total = make_fragment_like(acc0);
   // The tile rows of this thread's values: i with (i & 2) == 0, and the others (r + 8).
   const int32_t row_lo = get<0>(coord(0)), row_hi = get<0>(coord(2));
   const StagingPlace place = staging_place(smem, thread);
-
   const Fp8UnitWalk walk = fp8_unit_walk();
-  typename T::PipelineState read;
-  for (int64_t unit = walk.first; unit < units; unit += walk.stride) {
-    int32_t n_tile;
-    const RowTile tile = fp8_unit_tile(p.row_tiles, unit, p.n_pairs, walk.rank, &n_tile);
-    // Scale rows of the thread's rows (clamped into lhs: rows past M are never stored), and
-    // the column tile's scales (clamped: the second tile of the last pair may lie past N,
-    // zero-filled by TMA and never stored).
-    const float* sa_lo = p.lhs_scales + static_cast<int64_t>(std::min(tile.row_begin + row_lo, p.m - 1)) * p.k_tiles;
-    const float* sa_hi = p.lhs_scales + static_cast<int64_t>(std::min(tile.row_begin + row_hi, p.m - 1)) * p.k_tiles;
-    const float* sb = p.rhs_scales + static_cast<int64_t>(tile.group) * p.k_tiles * p.n_tiles +
-                      std::min(n_tile, p.n_tiles - 1);
+  typename T::PipelineState read, release;
 
-    clear(total);
-    float next_lo = __ldg(sa_lo), next_hi = __ldg(sa_hi), next_b = __ldg(sb);  // step 0's scales
-    float s_lo = 0.0f, s_hi = 0.0f;            // combined scales of the older batch in flight
-    float s_next_lo = 0.0f, s_next_hi = 0.0f;  // and of the newer one
-    typename T::PipelineState release = read;
-    // Issues step j's wgmma into `acc` (its scales become the pending ones).
-    auto issue = [&](auto& acc, int j) {
-      pipeline.consumer_wait(read);
-      fp8_issue_stage(mma, tCrA, tCrB, acc, read.index());
-      ++read;
-      s_next_lo = __fmul_rn(next_lo, next_b);
-      s_next_hi = __fmul_rn(next_hi, next_b);
-      if (j + 1 < p.k_tiles) {
-        next_lo = __ldg(sa_lo + j + 1);
-        next_hi = __ldg(sa_hi + j + 1);
-        next_b = __ldg(sb + static_cast<int64_t>(j + 1) * p.n_tiles);
+  // The next full stage's wgmma into `acc`, left in flight.
+  auto issue = [&](auto& acc) {
+    pipeline.consumer_wait(read);
+    fp8_issue_stage(mma, tCrA, tCrB, acc, read.index());
+    ++read;
+  };
+  // Once the oldest batch in flight (in `done`) has finished: free its stage, promote it.
+  auto retire = [&](auto& done, const Fp8StepScales& s, bool split_64) {
+    pipeline.consumer_release(release);
+    ++release;
+    fp8_promote_tile<T>(total, done, s, split_64);
+  };
+  // The unit's tile, its first column and its scales.
+  auto begin_unit = [&](int64_t unit, RowTile* tile, int32_t* col0) {
+    int32_t n_tile;
+    *tile = fp8_unit_tile(p.row_tiles, unit, p.n_pairs, walk.rank, &n_tile);
+    *col0 = n_tile * T::kTileN;
+    return Fp8UnitScales<T>(p.lhs_scales, p.rhs_scales, p.m, p.n_blocks, p.k_tiles, *tile, *col0, row_lo, row_hi);
+  };
+  auto store = [&](const RowTile& tile, int32_t col0) {
+    store_accumulators_staged(p.out, p.n, tile.row_begin, tile.row_end, col0, total, coord, place);
+  };
+
+  if constexpr (T::kTwoAccumulators) {
+    auto acc1 = make_fragment_like(acc0);
+    for (int64_t unit = walk.first; unit < units; unit += walk.stride) {
+      RowTile tile;
+      int32_t col0;
+      Fp8UnitScales<T> scales = begin_unit(unit, &tile, &col0);
+      const bool split_64 = false;
+      clear(total);
+      issue(acc0);
+      Fp8StepScales pending = scales.take(0), newer;
+      int j = 1;
+      for (; j + 1 < p.k_tiles; j += 2) {
+        issue(acc1);
+        newer = scales.take(j);
+        warpgroup_wait<1>();
+        retire(acc0, pending, split_64);
+        issue(acc0);
+        pending = scales.take(j + 1);
+        warpgroup_wait<1>();
+        retire(acc1, newer, split_64);
       }
-    };
-    // Once the older batch (in `done`) has finished: free its stage, promote it.
-    auto retire = [&](auto& done) {
-      pipeline.consumer_release(release);
-      ++release;
-      fp8_promote(total, done, s_lo, s_hi);
-      s_lo = s_next_lo;
-      s_hi = s_next_hi;
-    };
-    issue(acc0, 0);
-    s_lo = s_next_lo;
-    s_hi = s_next_hi;
-    int j = 1;
-    for (; j + 1 < p.k_tiles; j += 2) {
-      issue(acc1, j);
-      warpgroup_wait<1>();
-      retire(acc0);
-      issue(acc0, j + 1);
-      warpgroup_wait<1>();
-      retire(acc1);
+      if (j < p.k_tiles) {
+        issue(acc1);
+        newer = scales.take(j);
+        warpgroup_wait<1>();
+        retire(acc0, pending, split_64);
+        warpgroup_wait<0>();
+        retire(acc1, newer, split_64);
+      } else {
+        warpgroup_wait<0>();
+        retire(acc0, pending, split_64);
+      }
+      store(tile, col0);
     }
-    if (j < p.k_tiles) {
-      issue(acc1, j);
-      warpgroup_wait<1>();
-      retire(acc0);
+  } else {
+    // One accumulator set. A unit's first wgmma is issued before the previous unit's tile
+    // is stored and before this unit's table entry and scales are read (the wgmma needs
+    // only the stage), so the tensor cores work through the store and those loads.
+    RowTile previous;
+    int32_t previous_col0 = 0;
+    bool stored = true;  // whether `total` holds no unstored tile
+    for (int64_t unit = walk.first; unit < units; unit += walk.stride) {
+      issue(acc0);
+      if (!stored) store(previous, previous_col0);
+      RowTile tile;
+      int32_t col0;
+      Fp8UnitScales<T> scales = begin_unit(unit, &tile, &col0);
+      const bool split_64 = col0 % static_cast<int32_t>(fp8::kTile) != 0;
+      clear(total);
+      Fp8StepScales s = scales.take(0);
       warpgroup_wait<0>();
-      retire(acc1);
-    } else {
-      warpgroup_wait<0>();
-      retire(acc0);
+      retire(acc0, s, split_64);
+      for (int j = 1; j < p.k_tiles; ++j) {
+        issue(acc0);
+        s = scales.take(j);
+        warpgroup_wait<0>();
+        retire(acc0, s, split_64);
+      }
+      previous = tile;
+      previous_col0 = col0;
+      stored = false;
     }
-    store_accumulators_staged(p.out, p.n, tile.row_begin, tile.row_end, n_tile * T::kTileN, total, coord, place);
+    if (!stored) store(previous, previous_col0);
   }
 }
 
-template <class Out>
-__global__ void __launch_bounds__(Fp8WgmmaTraits::kThreads, 1)
-    fp8_wgmma_kernel(const __grid_constant__ Fp8WgmmaKernelParams<Out> p) {
+template <class Out, class T>
+__global__ void __launch_bounds__(T::kThreads, 1)
+    fp8_wgmma_kernel(const __grid_constant__ Fp8WgmmaKernelParams<Out, T> p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using T = Fp8WgmmaTraits;
   extern __shared__ __align__(1024) char smem_raw[];  // the 128-byte swizzle needs 1024
   auto& smem = *reinterpret_cast<typename T::SharedStorage*>(smem_raw);
   const bool producer = cutlass::canonical_warp_group_idx() == 0;
@@ -351,17 +456,18 @@ __global__ void __launch_bounds__(Fp8WgmmaTraits::kThreads, 1)
 #endif
 }
 
-template <DType kOut>
+template <DType kOut, Fp8WgmmaTile kTile>
 Status fp8_wgmma_run(const Fp8WgmmaLaunch& launch) {
-  using T = Fp8WgmmaTraits;
+  constexpr int kTileN = static_cast<int>(kTile);
+  using T = Fp8WgmmaTraits<kTileN>;
   using Out = typename OutElement<kOut>::type;
   const Fp8GroupedGemmParams& p = *launch.params;
-  Fp8WgmmaKernelParams<Out> kp;
+  Fp8WgmmaKernelParams<Out, T> kp;
   const auto* lhs = reinterpret_cast<const cutlass::float_e4m3_t*>(p.lhs);
   const auto* rhs = reinterpret_cast<const cutlass::float_e4m3_t*>(p.rhs);
-  kp.tma_a = make_fp8_tma_a(lhs, static_cast<int32_t>(p.m), static_cast<int32_t>(p.k));
-  kp.tma_b = make_fp8_tma_b(rhs, static_cast<int32_t>(p.n), static_cast<int32_t>(p.k),
-                            static_cast<int32_t>(p.num_groups));
+  kp.tma_a = make_fp8_tma_a<T>(lhs, static_cast<int32_t>(p.m), static_cast<int32_t>(p.k));
+  kp.tma_b = make_fp8_tma_b<T>(rhs, static_cast<int32_t>(p.n), static_cast<int32_t>(p.k),
+                               static_cast<int32_t>(p.num_groups));
   kp.lhs_scales = p.lhs_scales;
   kp.rhs_scales = p.rhs_scales;
   kp.row_tiles = launch.row_tiles.tiles;
@@ -371,10 +477,11 @@ Status fp8_wgmma_run(const Fp8WgmmaLaunch& launch) {
   kp.k = static_cast<int32_t>(p.k);
   kp.n = static_cast<int32_t>(p.n);
   kp.num_groups = static_cast<int32_t>(p.num_groups);
-  kp.n_tiles = static_cast<int32_t>(fp8::tiles(p.n));
+  kp.n_blocks = static_cast<int32_t>(fp8::tiles(p.n));
   kp.k_tiles = static_cast<int32_t>(fp8::tiles(p.k));
+  kp.n_tiles = static_cast<int32_t>((p.n + kTileN - 1) / kTileN);
   kp.n_pairs = (kp.n_tiles + T::kClusterSize - 1) / T::kClusterSize;
-  return launch_persistent_clusters<T>(fp8_wgmma_kernel<Out>, kp, launch.row_tiles.max_tiles * kp.n_pairs,
+  return launch_persistent_clusters<T>(fp8_wgmma_kernel<Out, T>, kp, launch.row_tiles.max_tiles * kp.n_pairs,
                                        launch.stream);
 }
 

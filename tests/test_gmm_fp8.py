@@ -146,7 +146,7 @@ GPU_SHAPES = [(1000, 512, 384, 8), (4096, 1024, 256, 4), (700, 272, 136, 16), (3
 
 TMA_PATHS = [p for p in gmm_fp8_module.PATHS if p not in ("auto", "simt")]
 # The paths instantiated for float32 output too.
-F32_PATHS = ("auto", "cutlass_coop128x128_1x2", "wgmma128x128")
+F32_PATHS = ("auto", "cutlass_coop128x128_1x2", "wgmma128x128", "wgmma128x192")
 
 
 @requires_gpu
@@ -230,17 +230,20 @@ def test_errors_name_the_argument(rng):
 
 
 @requires_gpu
+@pytest.mark.parametrize("path", ["wgmma128x128", "wgmma128x192"])
 @pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("kind", ["random", "empty_and_short", "clamped"])
 @pytest.mark.parametrize("shape", GPU_SHAPES)
-def test_gpu_wgmma_path_bitwise_against_cutlass(rng, shape, kind, out_dtype):
-    """Our kernel computes each 128-deep block sum with the same wgmma shape and order as
-    CUTLASS's cooperative 128 x 128 kernel and promotes it with the same one fma per block,
-    so the two agree bit for bit (rows past the groups included)."""
+def test_gpu_wgmma_path_bitwise_against_cutlass(rng, shape, kind, out_dtype, path):
+    """Our kernel computes each 128-deep block sum with wgmma k32 steps in the same order as
+    CUTLASS's cooperative 128 x 128 kernel (a wider tile adds columns, not terms) and
+    promotes it with the same one fma per block, with the scale of each column's block (a
+    192-column tile straddles two), so the two agree bit for bit (rows past the groups
+    included)."""
     m, k, n, g = shape
     ops = _operands(rng, m, k, n, g)
     sizes = _sizes(kind, m, g, rng)
-    ours = np.asarray(_run(jax.devices("gpu")[0], ops, sizes, out_dtype, "wgmma128x128"))
+    ours = np.asarray(_run(jax.devices("gpu")[0], ops, sizes, out_dtype, path))
     cutlass = np.asarray(_run(jax.devices("gpu")[0], ops, sizes, out_dtype, "cutlass_coop128x128_1x2"))
     np.testing.assert_array_equal(ours.view(np.uint8), cutlass.view(np.uint8))
 
