@@ -30,7 +30,8 @@
 //     measured slower: benchmarks/results/LOG.md). After the last K step each warp group
 //     stores its rows of the totals through a staging buffer in shared memory, 16 bytes
 //     per thread and store (store_accumulators_staged; rows past the tile's group and
-//     columns past N are left alone).
+//     columns past N are left alone); with 192-column tiles, after issuing the next unit's
+//     first wgmma, so that the tensor cores work through the store.
 // The rows past the last group are zeroed by the table's kernel.
 #ifndef MOE_XLA_CUDA_FP8_WGMMA_KERNEL_CUH_
 #define MOE_XLA_CUDA_FP8_WGMMA_KERNEL_CUH_
