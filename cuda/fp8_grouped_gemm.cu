@@ -67,7 +67,8 @@ bool tile_of(Fp8GemmPath path, Fp8TileConfig* tile) {
     case Fp8GemmPath::kCutlassPingpong64x128Cluster1x1: *tile = Fp8TileConfig::kPingpong64x128Cluster1x1; return true;
     case Fp8GemmPath::kAuto:
     case Fp8GemmPath::kSimt:
-    case Fp8GemmPath::kWgmma128x128: return false;
+    case Fp8GemmPath::kWgmma128x128:
+    case Fp8GemmPath::kWgmma128x192: return false;
   }
   return false;
 }
@@ -108,7 +109,8 @@ struct WgmmaFp8Instance {
                    &detail::fp8_wgmma_run<DType::DTYPE, detail::Fp8WgmmaTile::TILE>},
 
 constexpr WgmmaFp8Instance kWgmmaFp8Instances[] = {
-// One MOE_XLA_CUTLASS_INSTANCE(dtype) line per entry of the table, written by the build.
+// One MOE_XLA_CUTLASS_INSTANCE(dtype, tile) line per entry of the table, written by the
+// build.
 #include "cuda/fp8_wgmma_kernels.inc"
 };
 #undef MOE_XLA_CUTLASS_INSTANCE
@@ -122,25 +124,35 @@ bool wgmma_tile_of(Fp8GemmPath path, detail::Fp8WgmmaTile* tile) {
   }
 }
 
+bool is_wgmma_path(Fp8GemmPath path) {
+  detail::Fp8WgmmaTile tile;
+  return wgmma_tile_of(path, &tile);
+}
+
 // Our kernel's instantiation for this product on `path`, or nullptr when it cannot
-// compute it (or `path` is not ours).
+// compute it (or `path` is not ours). Its column offsets are int32: N stays a pair of
+// tiles below INT32_MAX (the last pair's second tile may lie past N).
 const WgmmaFp8Instance* wgmma_instance_for(const Fp8GroupedGemmParams& p, Fp8GemmPath path) {
   detail::Fp8WgmmaTile tile;
   if (!wgmma_tile_of(path, &tile) || !tma_eligible(p)) return nullptr;
+  if (p.n > INT32_MAX - 2 * static_cast<int64_t>(tile)) return nullptr;
   for (const WgmmaFp8Instance& inst : kWgmmaFp8Instances) {
     if (inst.out_dtype == p.out_dtype && inst.tile == tile) return &inst;
   }
   return nullptr;
 }
 
-// Whether our kernel's 128 x 192 tiles pay over 128-column ones: everywhere but where the
-// last column tile's padding past N wastes more than 2% of the tiles' columns on a long
-// product (K >= 4096), where the wider tile has little else to gain (H100 / H200:
-// benchmarks/results/LOG.md).
+// Whether our kernel's 128 x 192 tiles pay over 128-column ones, by the columns its
+// clusters compute past N (pairs of 192-column tiles, the last pair's tiles partly or wholly
+// past N): at most 12% of them on a product with K < 4096, where the wider tile's reuse and
+// its store overlapping the next tile's first step gain most (qwen3 down, N 2048: 11%,
+// faster), at most 2% on longer ones, where it has little else to gain (deepseek gate_up,
+// N 4096: 3%, slower; benchmarks/results/LOG.md, session 37).
 bool wide_tiles_pay(const Fp8GroupedGemmParams& p) {
-  constexpr int64_t kWide = static_cast<int64_t>(detail::Fp8WgmmaTile::kN192);
-  const int64_t columns = (p.n + kWide - 1) / kWide * kWide;
-  return p.k < 4096 || (columns - p.n) * 50 <= columns;
+  constexpr int64_t kPair = 2 * static_cast<int64_t>(detail::Fp8WgmmaTile::kN192);
+  const int64_t columns = (p.n + kPair - 1) / kPair * kPair;
+  const int64_t past = columns - p.n;
+  return p.k < 4096 ? past * 100 <= columns * 12 : past * 50 <= columns;
 }
 
 // Path heuristic (compute capability 9.0): pingpong 64-row tiles when an average group has
@@ -239,6 +251,20 @@ Status simt_run(const Fp8GroupedGemmParams& p, int64_t* offsets, cudaStream_t st
   return Status();
 }
 
+// The error of a forced path that cannot compute the product: what the TMA-fed paths need,
+// with the product's values.
+Status unsupported_path(const Fp8GroupedGemmParams& p, Fp8GemmPath path) {
+  const int64_t out_vec = 16 / static_cast<int64_t>(dtype_bytes(p.out_dtype));
+  auto yes_no = [](bool b) { return std::string(b ? "yes" : "no"); };
+  return Status::InvalidArgument(
+      std::string("fp8_grouped_gemm: the path ") + fp8_gemm_path_name(path) +
+      " does not support this product: it needs K a multiple of 16 (got " + std::to_string(p.k) +
+      "), N a multiple of " + std::to_string(out_vec) + " (got " + std::to_string(p.n) +
+      "), M, K, N and groups in int32, 16-byte aligned lhs, rhs and out (got " + yes_no(aligned16(p.lhs)) + ", " +
+      yes_no(aligned16(p.rhs)) + ", " + yes_no(aligned16(p.out)) + ") and an instantiation for " +
+      dtype_name(p.out_dtype) + " output");
+}
+
 }  // namespace
 
 const char* fp8_gemm_path_name(Fp8GemmPath path) {
@@ -256,8 +282,7 @@ const char* fp8_gemm_path_name(Fp8GemmPath path) {
 
 bool fp8_gemm_path_supported(const Fp8GroupedGemmParams& p, Fp8GemmPath path) {
   if (path == Fp8GemmPath::kAuto || path == Fp8GemmPath::kSimt) return true;
-  detail::Fp8WgmmaTile tile;
-  if (wgmma_tile_of(path, &tile)) return wgmma_instance_for(p, path) != nullptr;
+  if (is_wgmma_path(path)) return wgmma_instance_for(p, path) != nullptr;
   return cutlass_instance_for(p, path) != nullptr;
 }
 
@@ -323,13 +348,9 @@ Status fp8_grouped_gemm(const Fp8GroupedGemmParams& p, void* workspace, size_t w
   if (path == Fp8GemmPath::kSimt) {
     return simt_run(p, reinterpret_cast<int64_t*>(base), stream).With("fp8_grouped_gemm path simt");
   }
-  detail::Fp8WgmmaTile tile;
-  if (wgmma_tile_of(path, &tile)) {
+  if (is_wgmma_path(path)) {
     const WgmmaFp8Instance* inst = wgmma_instance_for(p, path);
-    if (inst == nullptr) {
-      return Status::InvalidArgument(std::string("fp8_grouped_gemm: the path ") + fp8_gemm_path_name(path) +
-                                     " does not support this output dtype, shape or alignment");
-    }
+    if (inst == nullptr) return unsupported_path(p, path);
     detail::RowTileTable table;
     const int64_t row_vecs = p.n * static_cast<int64_t>(dtype_bytes(p.out_dtype)) / 16;
     MOE_XLA_RETURN_IF_ERROR(detail::enqueue_row_tile_table(p.group_sizes, p.num_groups, p.m, kFp8WgmmaTileM, base,
@@ -338,10 +359,7 @@ Status fp8_grouped_gemm(const Fp8GroupedGemmParams& p, void* workspace, size_t w
         .With(std::string("fp8_grouped_gemm path ") + fp8_gemm_path_name(path));
   }
   const CutlassFp8Instance* inst = cutlass_instance_for(p, path);
-  if (inst == nullptr) {
-    return Status::InvalidArgument(std::string("fp8_grouped_gemm: the path ") + fp8_gemm_path_name(path) +
-                                   " does not support this output dtype, shape or alignment");
-  }
+  if (inst == nullptr) return unsupported_path(p, path);
   CutlassFp8Args args{&p, base, usable, sm_count, stream};
   if (team_order_pays(p, path, sm_count)) {
     args.team_clusters = 8;

@@ -10,9 +10,9 @@
 //     specialised persistent kernels) on compute capability 9.0, when K is a multiple of
 //     16, N a multiple of 8 (bf16 out) or 4 (f32 out) and the operand, scale and output
 //     pointers are 16-byte aligned (TMA's requirements).
-//   - Our Hopper kernel (cuda/fp8_wgmma_kernel.cuh: TMA + FP8 wgmma, the promotion of
-//     each 128-deep block overlapped with the next block's wgmma), under the same
-//     conditions.
+//   - Our Hopper kernel (cuda/fp8_wgmma_kernel.cuh: TMA + FP8 wgmma, 128 x 128 or
+//     128 x 192 tiles, the promotion of each 128-deep block overlapped with a wgmma of the
+//     same or the other consumer warp group), under the same conditions.
 //   - A SIMT kernel for everything else (other shapes, other GPUs): the contract's order
 //     exactly, so its results are bitwise those of the CPU kernel.
 #ifndef MOE_XLA_CUDA_FP8_GROUPED_GEMM_H_

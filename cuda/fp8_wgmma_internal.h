@@ -1,5 +1,6 @@
 // Internal interface between the FP8 dispatcher (fp8_grouped_gemm.cu) and our Hopper FP8
-// kernel (fp8_wgmma_kernel.cuh, compiled once per output dtype by fp8_wgmma_instance.cu).
+// kernel (fp8_wgmma_kernel.cuh, compiled once per output dtype and tile width by
+// fp8_wgmma_instance.cu).
 // Not part of the API.
 #ifndef MOE_XLA_CUDA_FP8_WGMMA_INTERNAL_H_
 #define MOE_XLA_CUDA_FP8_WGMMA_INTERNAL_H_

@@ -25,8 +25,8 @@
 //     and promotes it while the other warp group's wgmma runs. A 192-column tile spans two
 //     128-column scale blocks of rhs, split at column 128 (even tiles) or 64 (odd tiles).
 //     A stage is freed as soon as the wgmma that read it is done.
-//     Each thread loads the scales of its two rows and of the column tile for step j + 1
-//     from global memory while step j runs (the producer staging them in shared memory
+//     Each thread loads the scales of its two rows and of the column tile's one or two
+//     blocks for step j + 1 from global memory while step j runs (the producer staging them in shared memory
 //     measured slower: benchmarks/results/LOG.md). After the last K step each warp group
 //     stores its rows of the totals through a staging buffer in shared memory, 16 bytes
 //     per thread and store (store_accumulators_staged; rows past the tile's group and
@@ -57,6 +57,7 @@
 #include "common/fp8_grouped_gemm.h"
 #include "common/status.h"
 #include "cuda/fp8_wgmma_internal.h"
+#include "cuda/fp8_wgmma_scales.cuh"
 #include "cuda/row_tiles.h"
 #include "cuda/wgmma_kernel_parts.cuh"
 
@@ -241,84 +242,6 @@ __device__ __forceinline__ void fp8_issue_stage(TiledMma& mma, const FragA& tCrA
   warpgroup_commit_batch();
 }
 
-// The combined scales fl(s_lhs * s_rhs) of one K step for a thread's two rows (lo: r,
-// hi: r + 8) and the tile's two rhs scale blocks (0: the columns before the tile's split,
-// 1: those after; a 128-column tile has block 0 only).
-struct Fp8StepScales {
-  float lo0, hi0, lo1, hi1;
-};
-
-// total = fma(s, P, total) per accumulator, s the combined scale of the value's row and
-// column block. In the m64nN wgmma fragment value i lies in row (i >> 1) & 1 of the
-// thread's two rows and in the i / 4-th group of 8 columns, so block 0 holds the values with
-// i / 4 < kSplitGroups.
-template <int kSplitGroups, class Accum>
-__device__ __forceinline__ void fp8_promote(Accum& total, Accum& acc, const Fp8StepScales& s) {
-  using namespace cute;
-  warpgroup_fence_operand(acc);
-  CUTLASS_PRAGMA_UNROLL
-  for (int i = 0; i < size(acc); ++i) {
-    const float scale = i / 4 < kSplitGroups ? ((i & 2) ? s.hi0 : s.lo0) : ((i & 2) ? s.hi1 : s.lo1);
-    total(i) = __fmaf_rn(scale, acc(i), total(i));
-  }
-}
-
-// fp8_promote at a tile's split: column 128 (all of a 128-column tile, an even 192-column
-// tile) or 64 (an odd 192-column tile), as a constant of the unrolled loop.
-template <class T, class Accum>
-__device__ __forceinline__ void fp8_promote_tile(Accum& total, Accum& acc, const Fp8StepScales& s, bool split_64) {
-  if constexpr (T::kTileN == fp8::kTile) {
-    fp8_promote<fp8::kTile / 8>(total, acc, s);
-  } else if (split_64) {
-    fp8_promote<8>(total, acc, s);
-  } else {
-    fp8_promote<fp8::kTile / 8>(total, acc, s);
-  }
-}
-
-// A consumer thread's scales for one unit: the scale rows of its two tile rows (clamped
-// into lhs: rows past M are never stored) and the tile's rhs scale blocks (clamped: columns
-// past N are zero-filled by TMA and never stored), each step's read one step ahead.
-template <class T>
-struct Fp8UnitScales {
-  const float* sa_lo;
-  const float* sa_hi;
-  const float* sb0;       // block 0 of step 0; step j's at + j * n_blocks
-  int32_t block1_offset;  // block 1 - block 0 (0 where block 0 is rhs's last)
-  int32_t n_blocks, k_tiles;
-  float next_lo, next_hi, next_b0, next_b1;  // the next step's scales
-
-  __device__ __forceinline__ Fp8UnitScales(const float* lhs_scales, const float* rhs_scales, int32_t m,
-                                           int32_t n_blocks_, int32_t k_tiles_, const RowTile& tile, int32_t col0,
-                                           int32_t row_lo, int32_t row_hi)
-      : n_blocks(n_blocks_), k_tiles(k_tiles_) {
-    constexpr int32_t kBlock = fp8::kTile;
-    sa_lo = lhs_scales + static_cast<int64_t>(std::min(tile.row_begin + row_lo, m - 1)) * k_tiles;
-    sa_hi = lhs_scales + static_cast<int64_t>(std::min(tile.row_begin + row_hi, m - 1)) * k_tiles;
-    const int32_t block0 = std::min(col0 / kBlock, n_blocks - 1);
-    sb0 = rhs_scales + static_cast<int64_t>(tile.group) * k_tiles * n_blocks + block0;
-    block1_offset = std::min(block0 + 1, n_blocks - 1) - block0;
-    next_lo = __ldg(sa_lo);
-    next_hi = __ldg(sa_hi);
-    next_b0 = __ldg(sb0);
-    next_b1 = T::kTwoAccumulators ? 0.0f : __ldg(sb0 + block1_offset);
-  }
-
-  // Step j's combined scales; loads step j + 1's.
-  __device__ __forceinline__ Fp8StepScales take(int j) {
-    const Fp8StepScales s{__fmul_rn(next_lo, next_b0), __fmul_rn(next_hi, next_b0), __fmul_rn(next_lo, next_b1),
-                          __fmul_rn(next_hi, next_b1)};
-    if (j + 1 < k_tiles) {
-      const int64_t b = static_cast<int64_t>(j + 1) * n_blocks;
-      next_lo = __ldg(sa_lo + j + 1);
-      next_hi = __ldg(sa_hi + j + 1);
-      next_b0 = __ldg(sb0 + b);
-      if constexpr (!T::kTwoAccumulators) next_b1 = __ldg(sb0 + b + block1_offset);
-    }
-    return s;
-  }
-};
-
 // Warp groups 1 and 2 (see the header comment).
 template <class Out, class T>
 __device__ __forceinline__ void fp8_wgmma_consume(const Fp8WgmmaKernelParams<Out, T>& p,
@@ -349,14 +272,15 @@ __device__ __forceinline__ void fp8_wgmma_consume(const Fp8WgmmaKernelParams<Out
   auto retire = [&](auto& done, const Fp8StepScales& s, bool split_64) {
     pipeline.consumer_release(release);
     ++release;
-    fp8_promote_tile<T>(total, done, s, split_64);
+    fp8_promote_tile<T::kTileN>(total, done, s, split_64);
   };
   // The unit's tile, its first column and its scales.
   auto begin_unit = [&](int64_t unit, RowTile* tile, int32_t* col0) {
     int32_t n_tile;
     *tile = fp8_unit_tile(p.row_tiles, unit, p.n_pairs, walk.rank, &n_tile);
     *col0 = n_tile * T::kTileN;
-    return Fp8UnitScales<T>(p.lhs_scales, p.rhs_scales, p.m, p.n_blocks, p.k_tiles, *tile, *col0, row_lo, row_hi);
+    return Fp8UnitScales<!T::kTwoAccumulators>(p.lhs_scales, p.rhs_scales, p.m, p.n_blocks, p.k_tiles, *tile, *col0,
+                                               row_lo, row_hi);
   };
   auto store = [&](const RowTile& tile, int32_t col0) {
     store_accumulators_staged(p.out, p.n, tile.row_begin, tile.row_end, col0, total, coord, place);
@@ -367,8 +291,7 @@ __device__ __forceinline__ void fp8_wgmma_consume(const Fp8WgmmaKernelParams<Out
     for (int64_t unit = walk.first; unit < units; unit += walk.stride) {
       RowTile tile;
       int32_t col0;
-      Fp8UnitScales<T> scales = begin_unit(unit, &tile, &col0);
-      const bool split_64 = false;
+      auto scales = begin_unit(unit, &tile, &col0);
       clear(total);
       issue(acc0);
       Fp8StepScales pending = scales.take(0), newer;
@@ -377,22 +300,22 @@ __device__ __forceinline__ void fp8_wgmma_consume(const Fp8WgmmaKernelParams<Out
         issue(acc1);
         newer = scales.take(j);
         warpgroup_wait<1>();
-        retire(acc0, pending, split_64);
+        retire(acc0, pending, false);
         issue(acc0);
         pending = scales.take(j + 1);
         warpgroup_wait<1>();
-        retire(acc1, newer, split_64);
+        retire(acc1, newer, false);
       }
       if (j < p.k_tiles) {
         issue(acc1);
         newer = scales.take(j);
         warpgroup_wait<1>();
-        retire(acc0, pending, split_64);
+        retire(acc0, pending, false);
         warpgroup_wait<0>();
-        retire(acc1, newer, split_64);
+        retire(acc1, newer, false);
       } else {
         warpgroup_wait<0>();
-        retire(acc0, pending, split_64);
+        retire(acc0, pending, false);
       }
       store(tile, col0);
     }
@@ -400,7 +323,7 @@ __device__ __forceinline__ void fp8_wgmma_consume(const Fp8WgmmaKernelParams<Out
     // One accumulator set. A unit's first wgmma is issued before the previous unit's tile
     // is stored and before this unit's table entry and scales are read (the wgmma needs
     // only the stage), so the tensor cores work through the store and those loads.
-    RowTile previous;
+    RowTile previous{};
     int32_t previous_col0 = 0;
     bool stored = true;  // whether `total` holds no unstored tile
     for (int64_t unit = walk.first; unit < units; unit += walk.stride) {
@@ -408,7 +331,7 @@ __device__ __forceinline__ void fp8_wgmma_consume(const Fp8WgmmaKernelParams<Out
       if (!stored) store(previous, previous_col0);
       RowTile tile;
       int32_t col0;
-      Fp8UnitScales<T> scales = begin_unit(unit, &tile, &col0);
+      auto scales = begin_unit(unit, &tile, &col0);
       const bool split_64 = col0 % static_cast<int32_t>(fp8::kTile) != 0;
       clear(total);
       Fp8StepScales s = scales.take(0);

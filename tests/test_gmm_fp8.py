@@ -136,12 +136,14 @@ def test_gpu_simt_path_bitwise_against_the_cpu(rng, kind, out_dtype, k, path):
 
 
 # The TMA paths (CUTLASS's and our wgmma kernel): 64- and 128-row tiles (average group
-# sizes below and above 128), N tails inside a 128-column tile, K tails inside a 128-deep
-# step, empty groups; the fifth shape has more 128 x 128 tiles than the H200 has SMs (the
-# persistent loop) and an odd number of K steps; the last has groups of more than 16 row
-# tiles (two bands of the wgmma kernel's unit order) and an odd number of column tiles.
+# sizes below and above 128), N tails inside a 128- and a 192-column tile, K tails inside a
+# 128-deep step, empty groups; the fifth shape has more 128 x 128 tiles than the H200 has
+# SMs (the persistent loop) and an odd number of K steps; the sixth has groups of more than
+# 16 row tiles (two bands of the wgmma kernel's unit order) and an odd number of column
+# tiles; the last one K step (K 112) and a second 192-column tile whose scale block is
+# rhs's last.
 GPU_SHAPES = [(1000, 512, 384, 8), (4096, 1024, 256, 4), (700, 272, 136, 16), (300, 2048, 512, 2),
-              (6000, 640, 1024, 6), (5000, 256, 384, 2)]
+              (6000, 640, 1024, 6), (5000, 256, 384, 2), (520, 112, 200, 3)]
 
 
 TMA_PATHS = [p for p in gmm_fp8_module.PATHS if p not in ("auto", "simt")]
