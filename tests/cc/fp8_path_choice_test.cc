@@ -1,0 +1,86 @@
+// Host test of the FP8 grouped GEMM's path choice (cuda/fp8_grouped_gemm.h) on the
+// benchmark products and at its edges: which kernel auto picks, and which forced paths
+// refuse a product. Needs no GPU: the choice reads only the shapes, dtype and pointers.
+#include "cuda/fp8_grouped_gemm.h"
+
+#include <cstdint>
+#include <cstdio>
+
+namespace {
+
+using moe_xla::DType;
+using moe_xla::Fp8GroupedGemmParams;
+using moe_xla::cuda::Fp8GemmPath;
+using moe_xla::cuda::fp8_gemm_path_name;
+using moe_xla::cuda::fp8_gemm_path_supported;
+using moe_xla::cuda::fp8_gemm_select_path;
+
+int failures = 0;
+
+// A product of m rows in `groups` groups, [m, k] x [groups, n, k], with 16-byte-aligned
+// stand-in pointers (never dereferenced).
+Fp8GroupedGemmParams product(int64_t m, int64_t groups, int64_t k, int64_t n, DType out = DType::kBF16) {
+  Fp8GroupedGemmParams p{};
+  p.lhs = reinterpret_cast<const uint8_t*>(uintptr_t{1} << 20);
+  p.lhs_scales = reinterpret_cast<const float*>(uintptr_t{2} << 20);
+  p.rhs = reinterpret_cast<const uint8_t*>(uintptr_t{3} << 20);
+  p.rhs_scales = reinterpret_cast<const float*>(uintptr_t{4} << 20);
+  p.group_sizes = reinterpret_cast<const int32_t*>(uintptr_t{5} << 20);
+  p.out = reinterpret_cast<void*>(uintptr_t{6} << 20);
+  p.out_dtype = out;
+  p.m = m;
+  p.k = k;
+  p.n = n;
+  p.num_groups = groups;
+  return p;
+}
+
+void expect_auto(const char* what, const Fp8GroupedGemmParams& p, Fp8GemmPath want) {
+  const Fp8GemmPath got = fp8_gemm_select_path(p, 132);
+  if (got == want) return;
+  ++failures;
+  std::printf("FAIL %s: auto picks %s, expected %s\n", what, fp8_gemm_path_name(got), fp8_gemm_path_name(want));
+}
+
+void expect_supported(const char* what, const Fp8GroupedGemmParams& p, Fp8GemmPath path, bool want) {
+  if (fp8_gemm_path_supported(p, path) == want) return;
+  ++failures;
+  std::printf("FAIL %s: path %s supported %d, expected %d\n", what, fp8_gemm_path_name(path), !want, want);
+}
+
+}  // namespace
+
+int main() {
+  const Fp8GemmPath wide = Fp8GemmPath::kWgmma128x192;
+  const Fp8GemmPath coop = Fp8GemmPath::kCutlassCoop128x128Cluster1x2;
+  // The grouped_matmul cases of cases.json (and their dgrads' shapes where they differ).
+  expect_auto("qwen3 gate_up", product(131072, 128, 2048, 1536), wide);
+  expect_auto("qwen3 down (N 2048: 11% of the pairs' columns past N, K 768)", product(131072, 128, 768, 2048), wide);
+  expect_auto("deepseek gate_up (N 4096: 3% past N at K 7168)", product(32768, 32, 7168, 4096), coop);
+  expect_auto("deepseek down (N 7168: 1.75% past N)", product(32768, 32, 2048, 7168), wide);
+  expect_auto("deepseek down's dgrad (N 2048 at K 7168: 11%)", product(32768, 32, 7168, 2048), coop);
+  expect_auto("mixtral gate_up", product(32768, 8, 4096, 28672), wide);
+  expect_auto("float32 output", product(32768, 8, 4096, 28672, DType::kF32), wide);
+  // Narrow N: one pair of 192-column tiles for 256 columns pads 33%, two pairs for 640 pad
+  // 17% (and 640 is an odd count of 128-column tiles); one pair is exactly 384.
+  expect_auto("N 256", product(8192, 8, 512, 256), coop);
+  expect_auto("N 640", product(8192, 8, 512, 640), Fp8GemmPath::kCutlassCoop128x128Cluster2x1);
+  expect_auto("N 384", product(8192, 8, 512, 384), wide);
+  // 27 tiles of 192 columns: the last pair's second tile lies wholly past N (4.8% of the
+  // pairs' columns, where the tiles alone pad 1.2%).
+  expect_auto("N 5120 at K 4096", product(32768, 8, 4096, 5120), coop);
+  // Average groups of at most 128 rows: 64-row tiles.
+  expect_auto("small groups", product(1000, 16, 2048, 1536), Fp8GemmPath::kCutlassPingpong64x128Cluster1x1);
+  // No TMA path: K not a multiple of 16, a misaligned output.
+  expect_auto("K 200", product(8192, 8, 200, 1536), Fp8GemmPath::kSimt);
+  Fp8GroupedGemmParams misaligned = product(8192, 8, 2048, 1536);
+  misaligned.out = reinterpret_cast<void*>((uintptr_t{6} << 20) + 8);
+  expect_auto("misaligned output", misaligned, Fp8GemmPath::kSimt);
+  expect_supported("misaligned output", misaligned, wide, false);
+  // Our kernel's int32 column offsets: N at most INT32_MAX less two tiles.
+  const int64_t near = INT32_MAX - 7 - 256;  // a multiple of 8, within two 128-column tiles' slack
+  expect_supported("N = INT32_MAX - 263, 128 columns", product(1, 1, 16, near), Fp8GemmPath::kWgmma128x128, true);
+  expect_supported("N = INT32_MAX - 263, 192 columns", product(1, 1, 16, near), wide, false);
+  if (failures == 0) std::printf("fp8_path_choice_test: PASSED\n");
+  return failures == 0 ? 0 : 1;
+}
