@@ -46,6 +46,8 @@
 //   in float32 (each term rounded, then added: no fused multiply-add), then cast to the
 //   dtype of y_sorted. A row_map entry outside [0, R) contributes 0 (never an out-of-bounds
 //   read). R is any row count: T*k after permute, a padded buffer's rows in the EP layer.
+//   Without weights (a null pointer) every weight is 1: y[t] is the sum of its rows, the
+//   same bits as with weights of 1 (1 * v is exact).
 #ifndef MOE_XLA_COMMON_ROUTING_H_
 #define MOE_XLA_COMMON_ROUTING_H_
 
@@ -145,7 +147,7 @@ struct UnpermuteParams {
   const void* y_sorted;    // [R, H], dtype
   DType dtype;
   const int32_t* row_map;  // [T*k]
-  const float* weights;    // [T, k]
+  const float* weights;    // [T, k], or null: every weight 1
   void* y;                 // [T, H], dtype
   int64_t tokens;
   int64_t hidden;

@@ -31,7 +31,7 @@ void unpermute_impl(const UnpermuteParams& p) {
     for (int64_t j = 0; j < k; ++j) {
       const int64_t r = p.row_map[t * k + j];
       if (r < 0 || r >= n) continue;  // contributes 0
-      const float w = p.weights[t * k + j];
+      const float w = p.weights == nullptr ? 1.0f : p.weights[t * k + j];
       for (int64_t h = 0; h < H; ++h) {
         const float product = w * load<D>(p.y_sorted, r * H + h);
         acc[h] = acc[h] + product;

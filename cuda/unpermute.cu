@@ -1,4 +1,5 @@
-// CUDA unpermute (combine): y[t] = sum_j weights[t, j] * y_sorted[row_map[t*k + j]].
+// CUDA unpermute (combine): y[t] = sum_j weights[t, j] * y_sorted[row_map[t*k + j]]
+// (weights null: every weight 1).
 //
 // A group of threads per token (a power of two, up to 256, sized to the row; several
 // tokens per block for narrow rows). Each thread owns vector columns of the row (16, 8, 4
@@ -59,7 +60,7 @@ __global__ void combine(const V* __restrict__ y_sorted, const int32_t* __restric
   const int64_t t = static_cast<int64_t>(blockIdx.x) * rows_per_block + r;
   if (t >= tokens) return;
   const int32_t* slots = row_map + t * k;
-  const float* w = weights + t * k;
+  const float* w = weights == nullptr ? nullptr : weights + t * k;
   for (int64_t c = c0; c < row_vectors; c += threads_per_row) {
     float acc[kN];
 #pragma unroll
@@ -67,7 +68,7 @@ __global__ void combine(const V* __restrict__ y_sorted, const int32_t* __restric
     for (int j = 0; j < k; ++j) {
       const int64_t slot = slots[j];
       if (slot < 0 || slot >= rows) continue;  // contributes 0
-      const float wj = w[j];
+      const float wj = w == nullptr ? 1.0f : w[j];
       const V raw = y_sorted[slot * row_vectors + c];
       Bits e[kN];
       memcpy(e, &raw, sizeof raw);

@@ -175,32 +175,48 @@ inline ffi::ErrorOr<PermuteParams> decode_permute(ffi::AnyBuffer x, ffi::Buffer<
   return p;
 }
 
-// unpermute: y_sorted [R, H], row_map [T*k] s32, weights [T, k] f32, y [T, H]
-// (dtype of y_sorted).
+// unpermute: y_sorted [R, H], row_map [T*k] s32, optionally weights [T, k] f32 (the
+// handler's remaining operands: none means every weight 1), y [T, H] (dtype of y_sorted).
 inline ffi::ErrorOr<UnpermuteParams> decode_unpermute(ffi::AnyBuffer y_sorted, ffi::Buffer<ffi::S32> row_map,
-                                                      ffi::Buffer<ffi::F32> weights, ffi::AnyBuffer y) {
-  const auto w_dims = weights.dimensions();
-  if (w_dims.size() != 2) return invalid("weights: expected rank 2 [T, k], got shape " + shape_string(w_dims));
-  const int64_t T = w_dims[0], k = w_dims[1];
+                                                      ffi::RemainingArgs extra, ffi::AnyBuffer y) {
   const auto ys_dims = y_sorted.dimensions();
   if (ys_dims.size() != 2) return invalid("y_sorted: expected rank 2 [R, H], got shape " + shape_string(ys_dims));
   const int64_t H = ys_dims[1];
   auto dtype = to_dtype(y_sorted.element_type(), "y_sorted");
   if (dtype.has_error()) return unexpected(dtype.error());
+  const auto y_dims = y.dimensions();
+  if (y_dims.size() != 2) return invalid("y: expected rank 2 [T, H], got shape " + shape_string(y_dims));
+  if (extra.size() > 1) {
+    return invalid("unpermute: expected at most one operand after row_map (weights), got " +
+                   std::to_string(extra.size()));
+  }
+  const float* weights = nullptr;
+  int64_t T = y_dims[0], k = 0;
+  if (extra.size() == 1) {
+    auto w = extra.get<ffi::Buffer<ffi::F32>>(0);
+    if (w.has_error()) return invalid("weights: expected a float32 buffer [T, k]");
+    const auto w_dims = w->dimensions();
+    if (w_dims.size() != 2) return invalid("weights: expected rank 2 [T, k], got shape " + shape_string(w_dims));
+    T = w_dims[0];
+    k = w_dims[1];
+    weights = w->typed_data();
+  } else if (T > 0) {
+    k = static_cast<int64_t>(row_map.element_count()) / T;  // checked against row_map's shape below
+  }
   if (T * k > std::numeric_limits<int32_t>::max()) {
-    return invalid("weights: T * k = " + std::to_string(T * k) + " does not fit the int32 row_map");
+    return invalid("unpermute: T * k = " + std::to_string(T * k) + " does not fit the int32 row_map");
   }
   if (auto e = expect_shape("row_map", row_map.dimensions(), {T * k}); e.failure()) return unexpected(e);
   if (y.element_type() != y_sorted.element_type()) {
     return invalid("y: expected the dtype of y_sorted (" + type_name(y_sorted.element_type()) + "), got " +
                    type_name(y.element_type()));
   }
-  if (auto e = expect_shape("y", y.dimensions(), {T, H}); e.failure()) return unexpected(e);
+  if (auto e = expect_shape("y", y_dims, {T, H}); e.failure()) return unexpected(e);
   UnpermuteParams p{};
   p.y_sorted = y_sorted.untyped_data();
   p.dtype = *dtype;
   p.row_map = row_map.typed_data();
-  p.weights = weights.typed_data();
+  p.weights = weights;
   p.y = y.untyped_data();
   p.tokens = T;
   p.hidden = H;

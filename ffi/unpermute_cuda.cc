@@ -13,7 +13,7 @@ namespace moe_xla {
 namespace {
 
 ffi::Error unpermute_cuda(cudaStream_t stream, ffi::AnyBuffer y_sorted,
-                          ffi::Buffer<ffi::S32> row_map, ffi::Buffer<ffi::F32> weights,
+                          ffi::Buffer<ffi::S32> row_map, ffi::RemainingArgs weights,
                           ffi::Result<ffi::AnyBuffer> y) {
   auto p = ffi_args::decode_unpermute(y_sorted, row_map, weights, *y);
   if (p.has_error()) return p.error();
@@ -23,11 +23,11 @@ ffi::Error unpermute_cuda(cudaStream_t stream, ffi::AnyBuffer y_sorted,
 }  // namespace
 }  // namespace moe_xla
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaUnpermuteCuda, moe_xla::unpermute_cuda,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaUnpermuteCudaV2, moe_xla::unpermute_cuda,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::AnyBuffer>()          // y_sorted [R, H]
                                   .Arg<ffi::Buffer<ffi::S32>>()   // row_map [T*k]
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // weights [T, k]
+                                  .RemainingArgs()                // weights [T, k], or none: every weight 1
                                   .Ret<ffi::AnyBuffer>(),         // y [T, H]
                               {ffi::Traits::kCmdBufferCompatible});

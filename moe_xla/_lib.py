@@ -53,9 +53,12 @@ _SYMBOLS.update({
 # under its name.
 _SYMBOLS[("gather_gmm", "cuda")] = "MoeXlaGatherGmmCudaV2"
 _SYMBOLS[("gather_tgmm", "cuda")] = "MoeXlaGatherTgmmCudaV2"
-# permute v2 returns row_pairs, a fourth result.
+# permute v2 returns row_pairs, a fourth result; unpermute v2 takes its weights as an
+# optional last operand (none: every weight 1).
 _SYMBOLS[("permute", "cpu")] = "MoeXlaPermuteCpuV2"
 _SYMBOLS[("permute", "cuda")] = "MoeXlaPermuteCudaV2"
+_SYMBOLS[("unpermute", "cpu")] = "MoeXlaUnpermuteCpuV2"
+_SYMBOLS[("unpermute", "cuda")] = "MoeXlaUnpermuteCudaV2"
 # gather_gmm_activate (gather_gmm with the expert activation in its epilogue) has a CUDA
 # kernel only; its symbol carries its version from the start.
 _SYMBOLS[("gather_gmm_activate", "cuda")] = "MoeXlaGatherGmmActivateCudaV1"
@@ -63,8 +66,8 @@ _SYMBOLS[("gather_gmm_activate", "cuda")] = "MoeXlaGatherGmmActivateCudaV1"
 # An op's version rises with each change of its handler's operands or attributes, so that
 # an HLO module written for the old signature fails by name, not by an attribute mismatch.
 # gmm_fp8 v2 takes the `path` attribute, gather_gmm v2 `transpose_rhs`, gather_tgmm v2
-# `transpose_out`, permute v2 returns row_pairs.
-_VERSIONS = {"gmm_fp8": 2, "gather_gmm": 2, "gather_tgmm": 2, "permute": 2}
+# `transpose_out`, permute v2 returns row_pairs, unpermute v2 takes no weights for weights 1.
+_VERSIONS = {"gmm_fp8": 2, "gather_gmm": 2, "gather_tgmm": 2, "permute": 2, "unpermute": 2}
 
 
 def target_name(op: str, platform: str) -> str:

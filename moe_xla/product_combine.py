@@ -128,4 +128,4 @@ def _activate_gmm_combine_jvp(activation, gathered_backward, primals, tangents):
     with jax.named_scope("moe_xla/gmm_out"):
         d_out = gmm(d_rows, w_out, group_sizes) + gmm(weighted, d_w_out, group_sizes)
     with jax.named_scope("moe_xla/combine"):
-        return y, unpermute(d_out, row_map, jnp.ones_like(weights), row_pairs=row_pairs)
+        return y, unpermute(d_out, row_map, top_k=weights.shape[1], row_pairs=row_pairs)

@@ -98,11 +98,11 @@ def _chunk(cfg: EpConfig, x, weights, dest, lid, w_in, w_out) -> _ChunkOut:
     ints = RoundInts(rows.lids, rows.dest, rows.row, rows.source, arrays, x_fp8)
     if sizes.rounds == 1 and cfg.dedup:
         # Every row has combine weight 1: y[t] is the sum of the token's rows (the
-        # destinations' partial sums) in j order straight from the returned slabs, what
-        # unpermute of the rows with weights 1 and 0 adds (1 * v is exact, FMA or not).
+        # destinations' partial sums) in j order straight from the returned slabs (the
+        # slots of rows a token does not have lie past them and add nothing).
         back, slots, sources = _round(cfg, sizes, 0, floats, ints)
         with jax.named_scope("moe_xla/combine"):
-            y = unpermute(back, slots.reshape(-1), (rows.dest < sizes.peers).astype(jnp.float32), row_pairs=sources)
+            y = unpermute(back, slots.reshape(-1), top_k=slots.shape[1], row_pairs=sources)
         return _ChunkOut(y, jnp.sum(rows.counts))
     round_rows = partial(_round_rows, cfg, sizes)
     y_rows = round_rows(0, floats, ints)
@@ -150,7 +150,7 @@ def _round_rows(cfg: EpConfig, sizes: ExchangeSizes, r, floats: RoundFloats, int
         # row_slots' inverse: the grouped row of the (t, c) at each place (ints.row), by a gather.
         sent = (sources >= 0) & (sources < slots.size)
         row_pairs = jnp.where(sent, ints.row.reshape(-1)[jnp.where(sent, sources, 0)], -1)
-        return unpermute(back, row_slots, jnp.ones((row_slots.shape[0], 1), jnp.float32), row_pairs=row_pairs)
+        return unpermute(back, row_slots, top_k=1, row_pairs=row_pairs)
 
 
 def _experts(x_recv, x_fp8, lids, w, w_in, w_out, sizes: ExchangeSizes, activation, quantization):

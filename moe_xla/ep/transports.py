@@ -50,7 +50,7 @@ def _slabs(rows, starts, sizes, block: int, fill):
         # Slots past a slab's rows name no row (each a place of its own past the rows).
         past = rows.shape[0] + jnp.arange(valid.shape[0], dtype=jnp.int32)
         slots = jnp.where(valid, (starts[:, None] + pos).reshape(-1), past)
-        return unpermute(rows, slots, jnp.ones((slots.shape[0], 1), jnp.float32), unique_rows=True)
+        return unpermute(rows, slots, top_k=1, unique_rows=True)
     idx = jnp.clip(starts[:, None] + pos, 0, rows.shape[0] - 1).reshape(-1)
     return jnp.where(valid.reshape((-1,) + (1,) * (rows.ndim - 1)), rows[idx], jnp.asarray(fill, rows.dtype))
 

@@ -74,6 +74,12 @@ def out_dtype(op: str, preferred_element_type, default):
     return dt
 
 
+def positive_int(op: str, name: str, value) -> int:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{op}: expected {name} to be an int >= 1, got {value!r}")
+    return int(value)
+
+
 def static_bool(op: str, name: str, value) -> bool:
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{op}: expected {name} to be a Python bool, got {value!r}")

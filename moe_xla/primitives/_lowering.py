@@ -39,7 +39,9 @@ _REFERENCE = {
     "route_grad": reference.route_grad,
     "permute": lambda x, expert_ids, *, num_experts: list(reference.permute(x, expert_ids, num_experts,
                                                                             return_row_pairs=True)),
-    "unpermute": lambda y_sorted, row_map, weights, *_, **__: reference.unpermute(y_sorted, row_map, weights),
+    "unpermute": lambda y_sorted, row_map, *rest, unit_k, **_: reference.unpermute(
+        y_sorted, row_map,
+        rest[0] if unit_k is None else jax.numpy.ones((row_map.shape[0] // unit_k, unit_k), np.float32)),
     "quantize_fp8_rows": lambda x, *, pow2_scale: list(reference.quantize_fp8_rows(x, pow2_scale=pow2_scale)),
     "quantize_fp8_blocks": lambda w, *, pow2_scale: list(reference.quantize_fp8_blocks(w, pow2_scale=pow2_scale)),
     "quantize_fp8_weights": lambda w, *, pow2_scale: list(

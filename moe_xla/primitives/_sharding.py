@@ -292,12 +292,14 @@ PERMUTE = Rule(sharding_rule=lambda **_: "t h, t k -> r h, e, r, r", specs=_perm
                need_replication=("t", "k", "r", "e"))
 
 
-def _unpermute_specs(arg_axes, *, has_row_pairs, **_):
+def _unpermute_specs(arg_axes, *, has_row_pairs, unit_k, **_):
     h = arg_axes[0][1]
-    return ([((), h), ((),), ((), ())] + [((),)] * has_row_pairs, [((), h)], ())
+    weights = [((), ())] * (unit_k is None)
+    return ([((), h), ((),)] + weights + [((),)] * has_row_pairs, [((), h)], ())
 
 
-UNPERMUTE = Rule(sharding_rule=lambda has_row_pairs, **_: "s h, r, t k" + ", s" * has_row_pairs + " -> t h",
+UNPERMUTE = Rule(sharding_rule=lambda has_row_pairs, unit_k, **_: (
+                     "s h, r" + ", t k" * (unit_k is None) + ", s" * has_row_pairs + " -> t h"),
                  specs=_unpermute_specs,
                  need_replication=("s", "r", "t", "k"))
 

@@ -77,8 +77,7 @@ def _transpose(ct, rows, slots, *sources, num_pairs):
     nones = (None,) * (1 + len(sources))
     if type(ct) is ad.Zero:
         return (ad.Zero(rows.aval), *nones)
-    ones = jnp.ones(slots.shape, jnp.float32)
-    return (unpermute(ct, slots.reshape(-1), ones, unique_rows=True).astype(rows.aval.dtype), *nones)
+    return (unpermute(ct, slots.reshape(-1), top_k=slots.shape[1], unique_rows=True).astype(rows.aval.dtype), *nones)
 
 
 def _batch(args, dims, *, num_pairs):

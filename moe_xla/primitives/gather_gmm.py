@@ -112,8 +112,8 @@ def _sum_to_tokens(d_sorted, src, token_slots, num_tokens: int):
     token_slots ([T, k], src's inverse) when given, else a sort-and-scan sum over src."""
     if token_slots:
         (slots,) = token_slots
-        return unpermute_p.bind(d_sorted, slots.reshape(-1), jnp.ones(slots.shape, jnp.float32), unique_rows=True,
-                                has_row_pairs=False)
+        return unpermute_p.bind(d_sorted, slots.reshape(-1), unique_rows=True, has_row_pairs=False,
+                                unit_k=slots.shape[1])
     return _rows.sum_rows_into(d_sorted, src[:, None], jnp.ones((src.shape[0], 1), jnp.float32), num_rows=num_tokens)
 
 

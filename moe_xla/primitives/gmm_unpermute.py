@@ -62,8 +62,8 @@ def _abstract_eval(a, w, group_sizes, token_slots, src):
 def _formula(a, w, group_sizes, token_slots, src):
     """unpermute(gmm(a, w), token_slots, 1): the contract from other primitives."""
     out = gmm_p.bind(a, w, group_sizes, transpose_rhs=False, preferred_element_type=jnp.dtype(a.dtype))
-    ones = jnp.ones(token_slots.shape, jnp.float32)
-    return unpermute_p.bind(out, token_slots.reshape(-1), ones, unique_rows=True, has_row_pairs=False)
+    return unpermute_p.bind(out, token_slots.reshape(-1), unique_rows=True, has_row_pairs=False,
+                            unit_k=token_slots.shape[1])
 
 
 def _transpose(ct, a, w, group_sizes, token_slots, src):

@@ -70,8 +70,7 @@ def _transpose(cts, x, expert_ids, *, num_experts):
     t, k = expert_ids.shape
     # row_map and its inverse again, from a zero-width permute: the sort alone, no rows to move.
     _, _, row_map, row_pairs = permute_p.bind(jnp.zeros((t, 0), x.aval.dtype), expert_ids, num_experts=num_experts)
-    return unpermute_p.bind(ct_sorted, row_map, jnp.ones((t, k), jnp.float32), row_pairs, unique_rows=True,
-                            has_row_pairs=True), None
+    return unpermute_p.bind(ct_sorted, row_map, row_pairs, unique_rows=True, has_row_pairs=True, unit_k=k), None
 
 
 def _batch(args, dims, *, num_experts):

@@ -370,14 +370,16 @@ struct UnpermuteCase {
   DType dtype;
   size_t misalign;  // bytes added to the y_sorted and y pointers
   int64_t rows = -1;  // R, rows of y_sorted; -1: T*k, as after permute
+  bool unit = false;  // no weights (a null pointer): every weight 1
 };
 
 int64_t sorted_rows(const UnpermuteCase& c) { return c.rows < 0 ? c.T * c.k : c.rows; }
 
 std::string describe(const UnpermuteCase& c) {
   char buf[160];
-  std::snprintf(buf, sizeof buf, "unpermute T=%lld H=%lld k=%lld R=%lld %s misalign=%zu", (long long)c.T,
-                (long long)c.H, (long long)c.k, (long long)sorted_rows(c), dtype_name(c.dtype), c.misalign);
+  std::snprintf(buf, sizeof buf, "unpermute T=%lld H=%lld k=%lld R=%lld %s misalign=%zu%s", (long long)c.T,
+                (long long)c.H, (long long)c.k, (long long)sorted_rows(c), dtype_name(c.dtype), c.misalign,
+                c.unit ? " unit weights" : "");
   return buf;
 }
 
@@ -414,7 +416,8 @@ UnpermuteInputs make_unpermute_inputs(const UnpermuteCase& c, std::mt19937& rng)
 // ys values are finite, so y is NaN only if the CPU's is.
 bool unpermute_matches(const UnpermuteCase& c, const UnpermuteInputs& in, const DeviceBuffer& y, std::string& why) {
   std::vector<unsigned char> want(c.T * c.H * dtype_bytes(c.dtype));
-  UnpermuteParams p{in.ys.data(), c.dtype, in.row_map.data(), in.w.data(), want.data(), c.T, c.H, c.k, sorted_rows(c)};
+  UnpermuteParams p{in.ys.data(), c.dtype, in.row_map.data(), c.unit ? nullptr : in.w.data(), want.data(),
+                    c.T, c.H, c.k, sorted_rows(c)};
   moe_xla::cpu::unpermute(p);
   const auto got = y.download<unsigned char>();
   const float ulp = c.dtype == DType::kF32 ? 1.2e-7f : c.dtype == DType::kBF16 ? 7.9e-3f : 9.8e-4f;
@@ -444,7 +447,8 @@ void check_unpermute(const UnpermuteCase& c, std::mt19937& rng, cudaStream_t str
   std::string err;  // the first error
   for (DeviceBuffer* y : {&y1, &y2}) {
     y->poison();
-    UnpermuteParams q{ys.get(), c.dtype, row_map.as<int32_t>(), w.as<float>(), y->get(), c.T, c.H, c.k, sorted_rows(c)};
+    UnpermuteParams q{ys.get(), c.dtype, row_map.as<int32_t>(), c.unit ? nullptr : w.as<float>(), y->get(), c.T, c.H,
+                      c.k, sorted_rows(c)};
     if (err.empty()) err = error_message(moe_xla::cuda::unpermute(q, stream));
   }
   CHECK_CUDA(cudaStreamSynchronize(stream));
@@ -707,6 +711,9 @@ int main() {
         {1000, 64, 8, d, 0, 3000},   // fewer rows than T*k (an EP layer's buffer): the rest name none
         {300, 136, 4, d, w, 5000},   // a padded buffer: more rows than T*k
         {20, 8, 2, d, 0, 0},         // no rows at all
+        {1000, 64, 8, d, 0, -1, true},      // no weights: every weight 1 (a null pointer)
+        {300, 136, 4, d, w, 5000, true},
+        {200, 7168, 8, d, w, -1, true},
     };
     for (const UnpermuteCase& c : cases) check_unpermute(c, rng, stream);
   }
