@@ -5,7 +5,7 @@
 // so the two kernel families run the same code.
 //
 // ep_dedup_rows: dest [T, k], lid [T, k] int32; P, L (local slots), M (mult), n = min(k, P)
-//     -> row_dest [T, k], lids [T*n, M], weight_slot [T*k] int32
+//     -> row_dest [T, k], lids [T*n, M], weight_slot [T*k], weight_sources [T*n*M] int32
 //   j is a first if dest[t, j] is valid and no j' < j of t has the same destination.
 //   row_dest[t, j] = dest[t, j] at a first, else P (no row).
 //   Row c of token t is its c-th first j_c (in j order; a token has at most n: its valid
@@ -14,7 +14,8 @@
 //   lids = L everywhere else (rows t does not have, m past its pairs).
 //   weight_slot[t*k + j] = (t*n + c)*M + m where pair j is the m-th pair of row c, or -1
 //   for an invalid destination or m >= M: the place of the pair's routing weight among
-//   the rows' [T*n, M] weights.
+//   the rows' [T*n, M] weights. weight_sources is its inverse: weight_sources[s] = t*k + j
+//   where weight_slot[t*k + j] = s, -1 at every place no pair fills.
 //
 // ep_row_places: row_dest [T, k], row_map [T*k], lids [T*n, M] int32; P, L, n
 //     -> dest_rows [T, n], row [T, n], source [T*k], pairs [T*k] int32
@@ -54,6 +55,7 @@ struct EpDedupRowsParams {
   int32_t* row_dest;       // [T, k]
   int32_t* lids;           // [T*n, M]
   int32_t* weight_slot;    // [T*k]
+  int32_t* weight_sources;  // [T*n*M]
   EpPlanDims dims;         // n = min(k, P)
 };
 
@@ -81,7 +83,11 @@ MOE_XLA_HOST_DEVICE inline void dedup_token(const EpDedupRowsParams& p, int64_t 
   int32_t* row_dest = p.row_dest + t * k;
   int32_t* lids = p.lids + t * n * mult;
   int32_t* weight_slot = p.weight_slot + t * k;
-  for (int64_t i = 0; i < n * mult; ++i) lids[i] = p.dims.local;
+  int32_t* weight_sources = p.weight_sources + t * n * mult;
+  for (int64_t i = 0; i < n * mult; ++i) {
+    lids[i] = p.dims.local;
+    weight_sources[i] = -1;
+  }
   for (int64_t j = 0; j < k; ++j) {
     row_dest[j] = peers;
     weight_slot[j] = -1;
@@ -100,6 +106,7 @@ MOE_XLA_HOST_DEVICE inline void dedup_token(const EpDedupRowsParams& p, int64_t 
       if (m < mult) {
         lids[c * mult + m] = lid[i];
         weight_slot[i] = static_cast<int32_t>((t * n + c) * mult + m);
+        weight_sources[c * mult + m] = static_cast<int32_t>(t * k + i);
       }
       ++m;
     }

@@ -44,10 +44,11 @@ inline ffi::ErrorOr<EpPlanDims> plan_dims(const char* what, S32Buffer pairs, int
 inline ffi::Unexpected<ffi::Error> failed(ffi::Error e) { return ffi::Unexpected<ffi::Error>(std::move(e)); }
 
 // ep_dedup_rows: dest, lid [T, k]; row_dest [T, k], lids [T*n, mult], weight_slot [T*k],
-// n = min(k, peers).
+// weight_sources [T*n*mult], n = min(k, peers).
 inline ffi::ErrorOr<EpDedupRowsParams> decode_ep_dedup_rows(S32Buffer dest, S32Buffer lid, S32Buffer row_dest,
-                                                            S32Buffer lids, S32Buffer weight_slot, int64_t peers,
-                                                            int64_t local, int64_t mult) {
+                                                            S32Buffer lids, S32Buffer weight_slot,
+                                                            S32Buffer weight_sources, int64_t peers, int64_t local,
+                                                            int64_t mult) {
   const int64_t k = dest.dimensions().size() == 2 ? dest.dimensions()[1] : 0;
   const int64_t n = k < peers ? k : peers;
   auto dims = plan_dims("dest", dest, peers, local, mult, n);
@@ -57,12 +58,16 @@ inline ffi::ErrorOr<EpDedupRowsParams> decode_ep_dedup_rows(S32Buffer dest, S32B
   if (auto e = expect_shape("row_dest", row_dest.dimensions(), {T, k}); e.failure()) return failed(e);
   if (auto e = expect_shape("lids", lids.dimensions(), {T * n, mult}); e.failure()) return failed(e);
   if (auto e = expect_shape("weight_slot", weight_slot.dimensions(), {T * k}); e.failure()) return failed(e);
+  if (auto e = expect_shape("weight_sources", weight_sources.dimensions(), {T * n * mult}); e.failure()) {
+    return failed(e);
+  }
   EpDedupRowsParams p{};
   p.dest = dest.typed_data();
   p.lid = lid.typed_data();
   p.row_dest = row_dest.typed_data();
   p.lids = lids.typed_data();
   p.weight_slot = weight_slot.typed_data();
+  p.weight_sources = weight_sources.typed_data();
   p.dims = *dims;
   return p;
 }
@@ -107,6 +112,7 @@ auto bind_ep_dedup_rows(Binding&& binding) {
       .template Ret<S32Buffer>()   // row_dest [T, k]
       .template Ret<S32Buffer>()   // lids [T*n, mult]
       .template Ret<S32Buffer>()   // weight_slot [T*k]
+      .template Ret<S32Buffer>()   // weight_sources [T*n*mult]
       .template Attr<int64_t>("peers")
       .template Attr<int64_t>("local")
       .template Attr<int64_t>("mult");

@@ -14,9 +14,10 @@ namespace {
 using ffi_args::S32Buffer;
 
 ffi::Error ep_dedup_rows_cpu(S32Buffer dest, S32Buffer lid, ffi::Result<S32Buffer> row_dest,
-                             ffi::Result<S32Buffer> lids, ffi::Result<S32Buffer> weight_slot, int64_t peers,
-                             int64_t local, int64_t mult) {
-  auto p = ffi_args::decode_ep_dedup_rows(dest, lid, *row_dest, *lids, *weight_slot, peers, local, mult);
+                             ffi::Result<S32Buffer> lids, ffi::Result<S32Buffer> weight_slot,
+                             ffi::Result<S32Buffer> weight_sources, int64_t peers, int64_t local, int64_t mult) {
+  auto p = ffi_args::decode_ep_dedup_rows(dest, lid, *row_dest, *lids, *weight_slot, *weight_sources, peers, local,
+                                          mult);
   if (p.has_error()) return p.error();
   cpu::ep_dedup_rows(*p);
   return ffi::Error::Success();
@@ -35,7 +36,7 @@ ffi::Error ep_row_places_cpu(S32Buffer row_dest, S32Buffer row_map, S32Buffer li
 }  // namespace
 }  // namespace moe_xla
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaEpDedupRowsCpu, moe_xla::ep_dedup_rows_cpu,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaEpDedupRowsCpuV2, moe_xla::ep_dedup_rows_cpu,
                               moe_xla::ffi_args::bind_ep_dedup_rows(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaEpRowPlacesCpu, moe_xla::ep_row_places_cpu,
                               moe_xla::ffi_args::bind_ep_row_places(ffi::Ffi::Bind()));

@@ -18,9 +18,10 @@ namespace {
 using ffi_args::S32Buffer;
 
 ffi::Error ep_dedup_rows_cuda(cudaStream_t stream, S32Buffer dest, S32Buffer lid, ffi::Result<S32Buffer> row_dest,
-                              ffi::Result<S32Buffer> lids, ffi::Result<S32Buffer> weight_slot, int64_t peers,
-                              int64_t local, int64_t mult) {
-  auto p = ffi_args::decode_ep_dedup_rows(dest, lid, *row_dest, *lids, *weight_slot, peers, local, mult);
+                              ffi::Result<S32Buffer> lids, ffi::Result<S32Buffer> weight_slot,
+                              ffi::Result<S32Buffer> weight_sources, int64_t peers, int64_t local, int64_t mult) {
+  auto p = ffi_args::decode_ep_dedup_rows(dest, lid, *row_dest, *lids, *weight_slot, *weight_sources, peers, local,
+                                          mult);
   if (p.has_error()) return p.error();
   return ffi_args::to_error(cuda::ep_dedup_rows(*p, stream), "ep_dedup_rows");
 }
@@ -38,7 +39,7 @@ ffi::Error ep_row_places_cuda(cudaStream_t stream, S32Buffer row_dest, S32Buffer
 }  // namespace
 }  // namespace moe_xla
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaEpDedupRowsCuda, moe_xla::ep_dedup_rows_cuda,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaEpDedupRowsCudaV2, moe_xla::ep_dedup_rows_cuda,
                               moe_xla::ffi_args::bind_ep_dedup_rows(
                                   ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});

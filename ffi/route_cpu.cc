@@ -8,11 +8,11 @@ namespace ffi = xla::ffi;
 namespace moe_xla {
 namespace {
 
-ffi::Error route_cpu(ffi::AnyBuffer logits, ffi::Buffer<ffi::F32> bias, ffi::ResultBuffer<ffi::F32> weights,
+ffi::Error route_cpu(ffi::AnyBuffer logits, ffi::RemainingArgs bias, ffi::ResultBuffer<ffi::F32> weights,
                      ffi::ResultBuffer<ffi::S32> expert_ids, int64_t top_k, int64_t score, int64_t n_groups,
-                     int64_t topk_groups, bool renormalize, float scale, bool has_bias) {
+                     int64_t topk_groups, bool renormalize, float scale) {
   auto p = ffi_args::decode_route(logits, bias, *weights, *expert_ids, top_k, score, n_groups, topk_groups,
-                                  renormalize, scale, has_bias);
+                                  renormalize, scale);
   if (p.has_error()) return p.error();
   cpu::route(*p);
   return ffi::Error::Success();
@@ -21,4 +21,4 @@ ffi::Error route_cpu(ffi::AnyBuffer logits, ffi::Buffer<ffi::F32> bias, ffi::Res
 }  // namespace
 }  // namespace moe_xla
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaRouteCpu, moe_xla::route_cpu, moe_xla::ffi_args::bind_route(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaRouteCpuV2, moe_xla::route_cpu, moe_xla::ffi_args::bind_route(ffi::Ffi::Bind()));

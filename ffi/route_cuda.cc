@@ -15,11 +15,11 @@ namespace moe_xla {
 namespace {
 
 ffi::Error route_cuda(cudaStream_t stream, ffi::AnyBuffer logits,
-                      ffi::Buffer<ffi::F32> bias, ffi::ResultBuffer<ffi::F32> weights,
+                      ffi::RemainingArgs bias, ffi::ResultBuffer<ffi::F32> weights,
                       ffi::ResultBuffer<ffi::S32> expert_ids, int64_t top_k, int64_t score, int64_t n_groups,
-                      int64_t topk_groups, bool renormalize, float scale, bool has_bias) {
+                      int64_t topk_groups, bool renormalize, float scale) {
   auto p = ffi_args::decode_route(logits, bias, *weights, *expert_ids, top_k, score, n_groups, topk_groups,
-                                  renormalize, scale, has_bias);
+                                  renormalize, scale);
   if (p.has_error()) return p.error();
   if (p->experts > cuda::kRouteMaxExperts) {
     return ffi::Error::InvalidArgument("logits: the CUDA route supports at most " +
@@ -32,6 +32,6 @@ ffi::Error route_cuda(cudaStream_t stream, ffi::AnyBuffer logits,
 }  // namespace
 }  // namespace moe_xla
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaRouteCuda, moe_xla::route_cuda,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaRouteCudaV2, moe_xla::route_cuda,
                               moe_xla::ffi_args::bind_route(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});

@@ -38,13 +38,13 @@ inline ffi::ErrorOr<LogitsShape> decode_logits(ffi::AnyBuffer logits) {
   return LogitsShape{dims[0], dims[1], *dtype};
 }
 
-// route: logits [T, E] (f32 / bf16 / f16), bias [E] f32, weights [T, k] f32,
-// expert_ids [T, k] s32. bias is used only when has_bias (and only by sigmoid scoring).
-inline ffi::ErrorOr<RouteParams> decode_route(ffi::AnyBuffer logits, ffi::Buffer<ffi::F32> bias,
+// route: logits [T, E] (f32 / bf16 / f16), optionally bias [E] f32 (the handler's
+// remaining operands: none means no selection bias; only sigmoid scoring uses it),
+// weights [T, k] f32, expert_ids [T, k] s32.
+inline ffi::ErrorOr<RouteParams> decode_route(ffi::AnyBuffer logits, ffi::RemainingArgs bias,
                                               ffi::Buffer<ffi::F32> weights, ffi::Buffer<ffi::S32> expert_ids,
                                               int64_t top_k, int64_t score, int64_t n_groups,
-                                              int64_t topk_groups, bool renormalize, float scale,
-                                              bool has_bias) {
+                                              int64_t topk_groups, bool renormalize, float scale) {
   auto shape = decode_logits(logits);
   if (shape.has_error()) return unexpected(shape.error());
   const auto [T, E, dtype] = *shape;
@@ -68,7 +68,16 @@ inline ffi::ErrorOr<RouteParams> decode_route(ffi::AnyBuffer logits, ffi::Buffer
     return invalid("topk_groups: expected topk_groups * (E / n_groups) >= top_k = " + std::to_string(top_k) +
                    ", got " + std::to_string(topk_groups) + " * " + std::to_string(E / n_groups));
   }
-  if (auto e = expect_shape("bias", bias.dimensions(), {E}); e.failure()) return unexpected(e);
+  if (bias.size() > 1) {
+    return invalid("route: expected at most one operand after logits (bias), got " + std::to_string(bias.size()));
+  }
+  const float* bias_data = nullptr;
+  if (bias.size() == 1) {
+    auto b = bias.get<ffi::Buffer<ffi::F32>>(0);
+    if (b.has_error()) return invalid("bias: expected a float32 buffer [E]");
+    if (auto e = expect_shape("bias", b->dimensions(), {E}); e.failure()) return unexpected(e);
+    bias_data = b->typed_data();
+  }
   if (auto e = expect_shape("weights", weights.dimensions(), {T, top_k}); e.failure()) return unexpected(e);
   if (auto e = expect_shape("expert_ids", expert_ids.dimensions(), {T, top_k}); e.failure()) {
     return unexpected(e);
@@ -76,7 +85,7 @@ inline ffi::ErrorOr<RouteParams> decode_route(ffi::AnyBuffer logits, ffi::Buffer
   RouteParams p{};
   p.logits = logits.untyped_data();
   p.logits_dtype = dtype;
-  p.bias = has_bias ? bias.typed_data() : nullptr;
+  p.bias = bias_data;
   p.weights = weights.typed_data();
   p.expert_ids = expert_ids.typed_data();
   p.tokens = T;
@@ -232,7 +241,7 @@ template <class Binding>
 auto bind_route(Binding&& binding) {
   return std::move(binding)
       .template Arg<ffi::AnyBuffer>()          // logits [T, E]
-      .template Arg<ffi::Buffer<ffi::F32>>()   // bias [E]
+      .RemainingArgs()                         // bias [E], or none: no selection bias
       .template Ret<ffi::Buffer<ffi::F32>>()   // weights [T, k]
       .template Ret<ffi::Buffer<ffi::S32>>()   // expert_ids [T, k]
       .template Attr<int64_t>("top_k")
@@ -240,8 +249,7 @@ auto bind_route(Binding&& binding) {
       .template Attr<int64_t>("n_groups")
       .template Attr<int64_t>("topk_groups")
       .template Attr<bool>("renormalize")
-      .template Attr<float>("scale")
-      .template Attr<bool>("has_bias");
+      .template Attr<float>("scale");
 }
 
 template <typename Binding>

@@ -189,7 +189,8 @@ def ep_dedup_rows(dest, lid, *, peers: int, local: int, mult: int):
     -> (row_dest [T, k]: d at that first j, peers elsewhere; lids [T*n, mult]: row c of t
     (its c-th first j) asks for lid[t, j] of its m-th pair at lids[t*n + c, m], `local`
     past them; weight_slot [T*k]: (t*n + c)*mult + m for that pair, -1 for an invalid
-    destination or m >= mult), n = min(k, peers)."""
+    destination or m >= mult; weight_sources [T*n*mult]: its inverse, t*k + j at that
+    place, -1 where none), n = min(k, peers)."""
     t, k = dest.shape
     n = min(k, peers)
     valid = (dest >= 0) & (dest < peers)
@@ -202,9 +203,11 @@ def ep_dedup_rows(dest, lid, *, peers: int, local: int, mult: int):
     kept = valid & (m < mult)
     tokens = jnp.arange(t, dtype=jnp.int32)[:, None]
     slot = (tokens * n + c) * mult + m
-    lids = jnp.full((t * n * mult,), local, jnp.int32).at[jnp.where(kept, slot, t * n * mult)].set(
-        lid, mode="drop")
-    return (jnp.where(first, dest, peers), lids.reshape(t * n, mult), jnp.where(kept, slot, -1).reshape(-1))
+    at = jnp.where(kept, slot, t * n * mult)
+    lids = jnp.full((t * n * mult,), local, jnp.int32).at[at].set(lid, mode="drop")
+    sources = jnp.full((t * n * mult,), -1, jnp.int32).at[at].set(
+        jnp.arange(t * k, dtype=jnp.int32).reshape(t, k), mode="drop")
+    return (jnp.where(first, dest, peers), lids.reshape(t * n, mult), jnp.where(kept, slot, -1).reshape(-1), sources)
 
 
 def ep_row_places(row_dest, row_map, lids, *, peers: int, local: int, rows_per_token: int):

@@ -2,7 +2,7 @@
 
 ep_expand takes the inverse of its slots as `sources` where the caller knows it: the send
 buffers' (transports.Link.sources, a gather of ep_row_places' sources) and the routing
-weights' places (rows._token_block_sources, one comparison per place and pair). Each must
+weights' places (ep_dedup_rows' weight_sources, written beside weight_slot). Each must
 be the exact inverse, or expand with it copies rows to the wrong places while its
 transpose (read from the slots) stays right.
 """
@@ -16,7 +16,7 @@ import pytest
 from conftest import normal
 
 from moe_xla.ep.rounds import round_starts
-from moe_xla.ep.rows import _token_block_sources, rows_by_destination
+from moe_xla.ep.rows import rows_by_destination
 from moe_xla.ep.sizing import exchange_sizes
 from moe_xla.ep.transports import Padded
 from moe_xla.primitives import ep_expand
@@ -44,13 +44,12 @@ def _routing(rng, tokens, top_k, experts, peers):
 
 
 @pytest.mark.parametrize("t,k,p,local,mult", [(29, 6, 4, 5, 3), (17, 8, 1, 16, 8), (11, 4, 8, 2, 2), (0, 4, 2, 3, 2)])
-def test_token_block_sources_invert_the_weight_slots(rng, t, k, p, local, mult):
+def test_weight_sources_invert_the_weight_slots(rng, t, k, p, local, mult):
     dest = rng.integers(-1, p + 1, (t, k)).astype(np.int32)  # some destinations invalid
     lid = rng.integers(0, local, (t, k)).astype(np.int32)
-    _, _, slot = ep_dedup_rows(jnp.asarray(dest), jnp.asarray(lid), peers=p, local=local, mult=mult)
-    width = min(k, p) * mult
-    got = jax.jit(_token_block_sources, static_argnums=1)(slot.reshape(t, k), width)
-    np.testing.assert_array_equal(np.asarray(got), _inverse(slot, t * width))
+    _, _, slot, sources = jax.jit(lambda d, l: ep_dedup_rows(d, l, peers=p, local=local, mult=mult))(
+        jnp.asarray(dest), jnp.asarray(lid))
+    np.testing.assert_array_equal(np.asarray(sources), _inverse(slot, t * min(k, p) * mult))
 
 
 @pytest.mark.parametrize("tokens,top_k,experts,peers,dedup,cf", [

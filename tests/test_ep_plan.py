@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from moe_xla import reference
+from moe_xla._lib import target_name
 from moe_xla.ep.rows import rows_by_destination
 from moe_xla.ep.sizing import exchange_sizes
 from moe_xla.primitives.ep_dedup_rows import ep_dedup_rows
@@ -57,7 +58,7 @@ def _assert_equal(got, want, names):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=name)
 
 
-DEDUP_OUT = ("row_dest", "lids", "weight_slot")
+DEDUP_OUT = ("row_dest", "lids", "weight_slot", "weight_sources")
 PLACES_OUT = ("dest_rows", "row", "source", "pairs")
 
 
@@ -69,6 +70,7 @@ def _contract_dedup(dest, lid, p, local, mult):
     row_dest = np.full((t, k), p, np.int64)
     lids = np.full((t, n, mult), local, np.int64)
     slot = np.full((t, k), -1, np.int64)
+    sources = np.full(t * n * mult, -1, np.int64)
     for i in range(t):
         ranks = []  # the token's valid destinations, in order of their first j
         for j in range(k):
@@ -83,7 +85,8 @@ def _contract_dedup(dest, lid, p, local, mult):
             if m < mult:
                 lids[i, c, m] = lid[i, j]
                 slot[i, j] = (i * n + c) * mult + m
-    return row_dest, lids.reshape(t * n, mult), slot.reshape(-1)
+                sources[slot[i, j]] = i * k + j
+    return row_dest, lids.reshape(t * n, mult), slot.reshape(-1), sources
 
 
 def _contract_places(row_dest, row_map, lids, p, local, n):
@@ -119,7 +122,7 @@ def test_kernels_are_the_reference(rng, shape, platform):
     dedup = jax.jit(lambda d, l: ep_dedup_rows(d, l, peers=p, local=local, mult=mult))(dest, lid)
     want = reference.ep_dedup_rows(*_on("cpu", dest, lid), peers=p, local=local, mult=mult)
     _assert_equal(dedup, want, DEDUP_OUT)
-    row_dest, lids, _ = dedup
+    row_dest, lids, *_ = dedup
     n = min(k, p)
     row_map = _row_map(row_dest, p)
     places = jax.jit(lambda *a: ep_row_places(*a, peers=p, local=local, rows_per_token=n))(row_dest, row_map, lids)
@@ -190,7 +193,7 @@ def test_each_lowers_to_one_versioned_call():
     platform = "cuda" if ON_GPU else "cpu"
     d = jnp.zeros((8, 4), jnp.int32)
     text = jax.jit(lambda a, b: ep_dedup_rows(a, b, peers=2, local=3, mult=2)).lower(d, d).as_text()
-    assert text.count(f"moe_xla_ep_dedup_rows_{platform}_v1") == 1
+    assert text.count(target_name("ep_dedup_rows", platform)) == 1
     text = jax.jit(lambda a, b, c: ep_row_places(a, b, c, peers=2, local=3, rows_per_token=2)).lower(
         d, d.reshape(-1), jnp.zeros((16, 2), jnp.int32)).as_text()
     assert text.count(f"moe_xla_ep_row_places_{platform}_v1") == 1
@@ -225,12 +228,14 @@ def test_bad_inputs_raise_at_trace_time(call, message):
 
 
 @pytest.mark.parametrize("op, args, results, attrs, message", [
-    ("ep_dedup_rows", [(6, 4), (6, 3)], [(6, 4), (12, 2), (24,)], dict(peers=2, local=3, mult=2),
+    ("ep_dedup_rows", [(6, 4), (6, 3)], [(6, 4), (12, 2), (24,), (24,)], dict(peers=2, local=3, mult=2),
      r"lid: expected shape \[6, 4\], got \[6, 3\]"),
-    ("ep_dedup_rows", [(6, 4), (6, 4)], [(6, 4), (12, 2), (24,)], dict(peers=0, local=3, mult=2),
+    ("ep_dedup_rows", [(6, 4), (6, 4)], [(6, 4), (12, 2), (24,), (24,)], dict(peers=0, local=3, mult=2),
      "peers: expected 1 <= peers"),
-    ("ep_dedup_rows", [(6, 4), (6, 4)], [(6, 4), (12, 3), (24,)], dict(peers=2, local=3, mult=2),
+    ("ep_dedup_rows", [(6, 4), (6, 4)], [(6, 4), (12, 3), (24,), (24,)], dict(peers=2, local=3, mult=2),
      r"lids: expected shape \[12, 2\], got \[12, 3\]"),
+    ("ep_dedup_rows", [(6, 4), (6, 4)], [(6, 4), (12, 2), (24,), (23,)], dict(peers=2, local=3, mult=2),
+     r"weight_sources: expected shape \[24\], got \[23\]"),
     ("ep_row_places", [(6, 4), (24,), (12, 2)], [(6, 2), (6, 2), (24,), (24,)], dict(peers=2, local=3,
                                                                                    rows_per_token=5),
      "rows_per_token: expected 0 <= n <= k = 4, got 5"),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -87,6 +89,31 @@ def test_route_vmap(rng):
     w, ids = jax.vmap(lambda l, b: moe_xla.route(l, 2, score="sigmoid", bias=b))(logits, bias)
     _, ids_ref = jax.vmap(lambda l, b: reference.route(l, top_k=2, score="sigmoid", bias=b))(logits, bias)
     np.testing.assert_array_equal(ids, ids_ref)
+
+
+@pytest.mark.parametrize("score", ["softmax", "sigmoid"])
+def test_route_without_bias_is_a_zero_bias_and_has_no_bias_operand(rng, score):
+    # No bias: the call takes logits alone (no array of zeros is filled); the selection,
+    # weights and logits' gradient are bitwise those of a zero bias (sigmoid), or of the
+    # biasless softmax, plain and under vmap.
+    logits, ct = normal(rng, (3, 37, 16), jnp.float32), normal(rng, (3, 37, 4), jnp.float32)
+    zero = dict(bias=jnp.zeros((16,), jnp.float32)) if score == "sigmoid" else {}
+
+    def run(kw):
+        f = lambda l: moe_xla.route(l, 4, score=score, **kw)  # noqa: E731
+        w, ids = jax.jit(jax.vmap(f))(logits)
+        grad = jax.jit(jax.grad(lambda l: jnp.sum(f(l)[0] * ct[0])))(logits[0])
+        return np.asarray(w), np.asarray(ids), np.asarray(grad)
+
+    for got, want in zip(run({}), run(zero)):
+        np.testing.assert_array_equal(got, want)
+    hlo = jax.jit(lambda l: moe_xla.route(l, 4, score=score)).lower(logits[0]).as_text()
+    call = re.search(r"stablehlo.custom_call @moe_xla_route_\w+\(([^)]*)\)", hlo)
+    assert call and call.group(1).count("%") == 1, hlo
+    if score == "sigmoid":
+        hlo = jax.jit(lambda l, b: moe_xla.route(l, 4, score=score, bias=b)).lower(logits[0], zero["bias"]).as_text()
+        call = re.search(r"stablehlo.custom_call @moe_xla_route_\w+\(([^)]*)\)", hlo)
+        assert call and call.group(1).count("%") == 2, hlo
 
 
 @pytest.mark.parametrize("kw,exc,match", [
@@ -246,3 +273,33 @@ def test_permute_and_unpermute_bad_input():
         moe_xla.unpermute(jnp.zeros((8, 3)), jnp.zeros((7,), jnp.int32), jnp.zeros((4, 2)))
     with pytest.raises(TypeError, match="float32 weights, got bfloat16"):
         moe_xla.unpermute(jnp.zeros((8, 3)), jnp.zeros((8,), jnp.int32), jnp.zeros((4, 2), jnp.bfloat16))
+
+
+@pytest.mark.parametrize("op, args, results, attrs, message", [
+    # unpermute's weights are optional: [T, k], or none (every weight 1, k = row_map's size / T).
+    ("unpermute", [((5, 4), jnp.float32), ((6,), jnp.int32), ((3, 2), jnp.float32), ((3, 2), jnp.float32)],
+     [((3, 4), jnp.float32)], {}, "at most one operand after row_map"),
+    ("unpermute", [((5, 4), jnp.float32), ((7,), jnp.int32)], [((3, 4), jnp.float32)], {},
+     r"row_map: expected shape \[6\], got \[7\]"),
+    ("unpermute", [((5, 4), jnp.float32), ((6,), jnp.int32), ((3, 2), jnp.int32)], [((3, 4), jnp.float32)], {},
+     "weights: expected a float32 buffer"),
+    ("unpermute", [((5, 4), jnp.float32), ((6,), jnp.int32), ((2, 3), jnp.float32)], [((3, 4), jnp.float32)], {},
+     r"y: expected shape \[2, 4\], got \[3, 4\]"),
+    # route's bias is optional: [E] float32, or none.
+    ("route", [((4, 8), jnp.float32), ((8,), jnp.float32), ((8,), jnp.float32)],
+     [((4, 2), jnp.float32), ((4, 2), jnp.int32)], dict(top_k=2, score=1, n_groups=1, topk_groups=1,
+                                                        renormalize=True, scale=np.float32(1)),
+     "at most one operand after logits"),
+    ("route", [((4, 8), jnp.float32), ((7,), jnp.float32)], [((4, 2), jnp.float32), ((4, 2), jnp.int32)],
+     dict(top_k=2, score=1, n_groups=1, topk_groups=1, renormalize=True, scale=np.float32(1)),
+     r"bias: expected shape \[8\], got \[7\]"),
+])
+def test_handlers_reject_inconsistent_buffers(op, args, results, attrs, message):
+    """The FFI handlers check what the primitives' shape rules already guarantee, for
+    callers that reach the targets without them (no kernel runs on such buffers)."""
+    from moe_xla import _lib
+
+    call = jax.ffi.ffi_call(_lib.require_kernel(op, "cpu"), [jax.ShapeDtypeStruct(s, d) for s, d in results])
+    operands = [jnp.zeros(s, d) for s, d in args]
+    with jax.default_device(jax.devices("cpu")[0]), pytest.raises(Exception, match=message):
+        jax.block_until_ready(jax.jit(lambda *a: call(*a, **attrs))(*operands))

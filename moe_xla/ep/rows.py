@@ -53,9 +53,9 @@ def rows_by_destination(weights, dest, lid, sizes: ExchangeSizes, dedup: bool) -
     local, mult, peers = sizes.local_experts, sizes.mult, sizes.peers
     if dedup:
         n = min(k, peers)
-        row_dest, lids, weight_slot = ep_dedup_rows(dest, lid, peers=peers, local=local, mult=mult)
+        row_dest, lids, weight_slot, weight_sources = ep_dedup_rows(dest, lid, peers=peers, local=local, mult=mult)
         w = expand(weights.reshape(t * k, 1), weight_slot.reshape(t * k, 1), num_pairs=t * n * mult,
-                   sources=_token_block_sources(weight_slot.reshape(t, k), n * mult))
+                   sources=weight_sources)
         w, combine = w.reshape(t * n, mult), (row_dest < peers).astype(jnp.float32)
     else:
         n, row_dest, lids, w, combine = k, dest, lid.reshape(t * k, 1), None, weights
@@ -64,13 +64,3 @@ def rows_by_destination(weights, dest, lid, sizes: ExchangeSizes, dedup: bool) -
                                                   rows_per_token=n)
     return Rows(dest_rows, row, lids, w, source, pairs, counts, row_map, row_pairs, combine)
 
-
-def _token_block_sources(slots, width: int):
-    """The inverse of slots [T, k] whose token t names places of its own block
-    [t * width, (t + 1) * width) only (or none): [T * width], the t * k + j at each place,
-    -1 where none. A comparison of each place with the token's k slots and a max: one
-    fusion, where the inverse of arbitrary slots takes a scatter."""
-    t, k = slots.shape
-    place = jnp.arange(t, dtype=jnp.int32)[:, None] * width + jnp.arange(width, dtype=jnp.int32)
-    entry = jnp.arange(t * k, dtype=jnp.int32).reshape(t, 1, k)
-    return jnp.max(jnp.where(slots[:, None, :] == place[:, :, None], entry, -1), axis=2).reshape(-1)

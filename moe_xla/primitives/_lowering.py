@@ -22,8 +22,8 @@ from moe_xla.primitives import _sharding
 KERNEL_PLATFORMS = ("cpu", "cuda")
 
 
-def _route(logits, bias, *, has_bias, **params):
-    return list(reference.route(logits, bias=bias if has_bias else None, **params))
+def _route(logits, *bias, has_bias, **params):
+    return list(reference.route(logits, bias=bias[0] if has_bias else None, **params))
 
 
 # Each op's definition in reference.py, called with the primitive's operands and params.

@@ -262,13 +262,13 @@ GATHER_TGMM = Rule(
     specs=_gather_tgmm_specs, need_replication=("t", "m", "g"))
 
 
-def _route_specs(arg_axes, **_):
+def _route_specs(arg_axes, *, has_bias, **_):
     t = arg_axes[0][0]
-    return ([(t, ()), ((),)], [(t, ()), (t, ())], ())
+    return ([(t, ())] + [((),)] * has_bias, [(t, ()), (t, ())], ())
 
 
 # Tokens are independent: split along T, experts and the top_k slots stay whole.
-ROUTE = Rule(sharding_rule=lambda **_: "t e, e -> t k, t k", specs=_route_specs,
+ROUTE = Rule(sharding_rule=lambda has_bias, **_: "t e" + ", e" * has_bias + " -> t k, t k", specs=_route_specs,
              need_replication=("e", "k"))
 
 
@@ -310,9 +310,9 @@ def _replicated(arg_axes, results: tuple[int, ...]):
 
 
 # Global indices in the outputs (weight slots, grouped rows, senders): nothing splits.
-EP_DEDUP_ROWS = Rule(sharding_rule=lambda **_: "t k, t k -> t k, r m, p",
-                     specs=lambda arg_axes, **_: _replicated(arg_axes, (2, 2, 1)),
-                     need_replication=("t", "k", "r", "m", "p"))
+EP_DEDUP_ROWS = Rule(sharding_rule=lambda **_: "t k, t k -> t k, r m, p, s",
+                     specs=lambda arg_axes, **_: _replicated(arg_axes, (2, 2, 1, 1)),
+                     need_replication=("t", "k", "r", "m", "p", "s"))
 EP_ROW_PLACES = Rule(sharding_rule=lambda **_: "t k, p, r m -> t n, t n, p, p",
                      specs=lambda arg_axes, **_: _replicated(arg_axes, (2, 2, 1, 1)),
                      need_replication=("t", "k", "p", "r", "m", "n"))

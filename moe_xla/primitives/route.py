@@ -48,27 +48,28 @@ def route(logits, top_k, *, score="softmax", bias=None, n_groups=None, topk_grou
     if n_groups > 1 and topk_groups * (num_experts // n_groups) < top_k:
         raise ValueError(f"route: top_k = {top_k} needs more than the {topk_groups * (num_experts // n_groups)} "
                          f"experts in topk_groups = {topk_groups} groups of {num_experts // n_groups}")
-    has_bias = bias is not None
-    bias = jnp.zeros((num_experts,), jnp.float32) if bias is None else bias
-    return tuple(route_p.bind(logits, bias, top_k=int(top_k), score=score, n_groups=n_groups,
+    # Without a bias the call has no bias operand (no array of zeros to fill).
+    biases = () if bias is None else (bias,)
+    return tuple(route_p.bind(logits, *biases, top_k=int(top_k), score=score, n_groups=n_groups,
                               topk_groups=topk_groups, renormalize=bool(renormalize), scale=float(scale),
-                              has_bias=has_bias))
+                              has_bias=bool(biases)))
 
 
-def _abstract_eval(logits, bias, *, top_k, score, n_groups, topk_groups, renormalize, scale, has_bias):
+def _abstract_eval(logits, *bias, top_k, score, n_groups, topk_groups, renormalize, scale, has_bias):
     _checks.rank("route", "logits", logits, 2, "[T, E]")
     _checks.float_dtype("route", "logits", logits)
-    if tuple(bias.shape) != (logits.shape[1],) or jnp.dtype(bias.dtype) != jnp.float32:
-        raise ValueError(f"route: expected bias of shape ({logits.shape[1]},) float32, "
-                         f"got {tuple(bias.shape)} {bias.dtype}")
+    for b in bias:
+        if tuple(b.shape) != (logits.shape[1],) or jnp.dtype(b.dtype) != jnp.float32:
+            raise ValueError(f"route: expected bias of shape ({logits.shape[1]},) float32, "
+                             f"got {tuple(b.shape)} {b.dtype}")
     t = logits.shape[0]
     return [jax.core.ShapedArray((t, top_k), jnp.float32), jax.core.ShapedArray((t, top_k), jnp.int32)]
 
 
 def _jvp(primals, tangents, **params):
-    logits, bias = primals
-    d_logits, _ = tangents
-    weights, ids = route_p.bind(logits, bias, **params)
+    logits = primals[0]
+    d_logits = tangents[0]
+    weights, ids = route_p.bind(*primals, **params)
     if type(d_logits) is ad.Zero:
         d_weights = _ad.zero_tangent(weights)
     else:
@@ -78,22 +79,21 @@ def _jvp(primals, tangents, **params):
 
 
 def _batch(args, dims, **params):
-    logits, bias = args
-    l_dim, b_dim = dims
-    if b_dim is not None:  # a per-batch bias: one call per batch element
-        out = jax.lax.map(lambda lb: tuple(route_p.bind(lb[0], lb[1], **params)),
-                          tuple(_batching.all_to_front(args, dims)[0]))
+    logits, *bias = args
+    l_dim, *b_dim = dims
+    if any(d is not None for d in b_dim):  # a per-batch bias: one call per batch element
+        out = jax.lax.map(lambda lb: tuple(route_p.bind(*lb, **params)), tuple(_batching.all_to_front(args, dims)[0]))
         return list(out), [0, 0]
     logits = jnp.moveaxis(logits, l_dim, 0)
     b, t, e = logits.shape
-    weights, ids = route_p.bind(logits.reshape(b * t, e), bias, **params)
+    weights, ids = route_p.bind(logits.reshape(b * t, e), *bias, **params)
     top_k = params["top_k"]
     return [weights.reshape(b, t, top_k), ids.reshape(b, t, top_k)], [0, 0]
 
 
 def _attributes(*, top_k, score, n_groups, topk_groups, renormalize, scale, has_bias):
     return dict(top_k=top_k, score=SCORES.index(score), n_groups=n_groups, topk_groups=topk_groups,
-                renormalize=renormalize, scale=np.float32(scale), has_bias=has_bias)
+                renormalize=renormalize, scale=np.float32(scale))
 
 
 _impl.def_jitted_impl(route_p)
