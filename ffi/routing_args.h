@@ -73,10 +73,13 @@ inline ffi::ErrorOr<RouteParams> decode_route(ffi::AnyBuffer logits, ffi::Remain
   }
   const float* bias_data = nullptr;
   if (bias.size() == 1) {
-    auto b = bias.get<ffi::Buffer<ffi::F32>>(0);
+    auto b = bias.get<ffi::AnyBuffer>(0);
     if (b.has_error()) return invalid("bias: expected a float32 buffer [E]");
+    if (b->element_type() != ffi::DataType::F32) {
+      return invalid("bias: expected float32, got " + type_name(b->element_type()));
+    }
     if (auto e = expect_shape("bias", b->dimensions(), {E}); e.failure()) return unexpected(e);
-    bias_data = b->typed_data();
+    bias_data = static_cast<const float*>(b->untyped_data());
   }
   if (auto e = expect_shape("weights", weights.dimensions(), {T, top_k}); e.failure()) return unexpected(e);
   if (auto e = expect_shape("expert_ids", expert_ids.dimensions(), {T, top_k}); e.failure()) {
@@ -202,15 +205,23 @@ inline ffi::ErrorOr<UnpermuteParams> decode_unpermute(ffi::AnyBuffer y_sorted, f
   const float* weights = nullptr;
   int64_t T = y_dims[0], k = 0;
   if (extra.size() == 1) {
-    auto w = extra.get<ffi::Buffer<ffi::F32>>(0);
+    auto w = extra.get<ffi::AnyBuffer>(0);
     if (w.has_error()) return invalid("weights: expected a float32 buffer [T, k]");
+    if (w->element_type() != ffi::DataType::F32) {
+      return invalid("weights: expected float32, got " + type_name(w->element_type()));
+    }
     const auto w_dims = w->dimensions();
     if (w_dims.size() != 2) return invalid("weights: expected rank 2 [T, k], got shape " + shape_string(w_dims));
     T = w_dims[0];
     k = w_dims[1];
-    weights = w->typed_data();
+    weights = static_cast<const float*>(w->untyped_data());
   } else if (T > 0) {
-    k = static_cast<int64_t>(row_map.element_count()) / T;  // checked against row_map's shape below
+    const int64_t entries = static_cast<int64_t>(row_map.element_count());
+    if (entries % T != 0) {
+      return invalid("row_map: expected T*k entries, a multiple of y's T = " + std::to_string(T) + ", got " +
+                     std::to_string(entries));
+    }
+    k = entries / T;
   }
   if (T * k > std::numeric_limits<int32_t>::max()) {
     return invalid("unpermute: T * k = " + std::to_string(T * k) + " does not fit the int32 row_map");

@@ -279,10 +279,12 @@ def test_permute_and_unpermute_bad_input():
     # unpermute's weights are optional: [T, k], or none (every weight 1, k = row_map's size / T).
     ("unpermute", [((5, 4), jnp.float32), ((6,), jnp.int32), ((3, 2), jnp.float32), ((3, 2), jnp.float32)],
      [((3, 4), jnp.float32)], {}, "at most one operand after row_map"),
-    ("unpermute", [((5, 4), jnp.float32), ((7,), jnp.int32)], [((3, 4), jnp.float32)], {},
+    ("unpermute", [((5, 4), jnp.float32), ((7,), jnp.int32), ((3, 2), jnp.float32)], [((3, 4), jnp.float32)], {},
      r"row_map: expected shape \[6\], got \[7\]"),
     ("unpermute", [((5, 4), jnp.float32), ((6,), jnp.int32), ((3, 2), jnp.int32)], [((3, 4), jnp.float32)], {},
-     "weights: expected a float32 buffer"),
+     "weights: expected float32, got int32"),
+    ("unpermute", [((5, 4), jnp.float32), ((6,), jnp.int32)], [((4, 4), jnp.float32)], {},
+     "row_map: expected T\\*k entries, a multiple of y's T = 4, got 6"),
     ("unpermute", [((5, 4), jnp.float32), ((6,), jnp.int32), ((2, 3), jnp.float32)], [((3, 4), jnp.float32)], {},
      r"y: expected shape \[2, 4\], got \[3, 4\]"),
     # route's bias is optional: [E] float32, or none.
@@ -293,6 +295,9 @@ def test_permute_and_unpermute_bad_input():
     ("route", [((4, 8), jnp.float32), ((7,), jnp.float32)], [((4, 2), jnp.float32), ((4, 2), jnp.int32)],
      dict(top_k=2, score=1, n_groups=1, topk_groups=1, renormalize=True, scale=np.float32(1)),
      r"bias: expected shape \[8\], got \[7\]"),
+    ("route", [((4, 8), jnp.float32), ((8,), jnp.int32)], [((4, 2), jnp.float32), ((4, 2), jnp.int32)],
+     dict(top_k=2, score=1, n_groups=1, topk_groups=1, renormalize=True, scale=np.float32(1)),
+     "bias: expected float32, got int32"),
 ])
 def test_handlers_reject_inconsistent_buffers(op, args, results, attrs, message):
     """The FFI handlers check what the primitives' shape rules already guarantee, for

@@ -98,8 +98,9 @@ def _chunk(cfg: EpConfig, x, weights, dest, lid, w_in, w_out) -> _ChunkOut:
     ints = RoundInts(rows.lids, rows.dest, rows.row, rows.source, arrays, x_fp8)
     if sizes.rounds == 1 and cfg.dedup:
         # Every row has combine weight 1: y[t] is the sum of the token's rows (the
-        # destinations' partial sums) in j order straight from the returned slabs (the
-        # slots of rows a token does not have lie past them and add nothing).
+        # destinations' partial sums) in j order straight from the returned slabs. The
+        # slots of rows a token does not have lie past the slabs and add nothing; sources
+        # names none of them, so the transpose sends them nothing either.
         back, slots, sources = _round(cfg, sizes, 0, floats, ints)
         with jax.named_scope("moe_xla/combine"):
             y = unpermute(back, slots.reshape(-1), top_k=slots.shape[1], row_pairs=sources)

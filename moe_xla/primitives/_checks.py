@@ -75,7 +75,10 @@ def out_dtype(op: str, preferred_element_type, default):
 
 
 def positive_int(op: str, name: str, value) -> int:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 1:
+    """value as an int, or a TypeError (not an int) / ValueError (below 1) naming it."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{op}: expected {name} to be an int >= 1, got {value!r}")
+    if value < 1:
         raise ValueError(f"{op}: expected {name} to be an int >= 1, got {value!r}")
     return int(value)
 

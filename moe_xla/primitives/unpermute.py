@@ -6,8 +6,7 @@ y_sorted [R, H], row_map [T*k] int32, weights [T, k] float32 -> y [T, H] (dtype 
 y_sorted), accumulated in float32 in j order, each product rounded before it is added:
 bitwise reproducible. weights=None with top_k=k: every weight 1, the plain sum of each
 token's k rows (the same bits as weights of ones: 1 * v is exact), with no [T, k] array of
-ones to fill (the sums in the transposes of permute, ep_expand and gather_gmm, and in the
-EP layer's exchange). Entries of row_map outside [0, R) contribute 0. R = T*k after
+ones to fill (the form of every sum of rows with weights 1 in the library). Entries of row_map outside [0, R) contribute 0. R = T*k after
 permute; any R otherwise (the EP layer sums rows of its padded buffers with it, its
 slots as the row map, and ep_expand's transpose is it with weights 1).
 
@@ -132,8 +131,8 @@ def _transpose(ct, *args, unique_rows, has_row_pairs, unit_k):
         if unique_rows:
             d_rows = _expanded(ct, slots, weights, row_pairs, num_pairs=num_rows)
         else:
-            ones = jnp.ones(slots.shape, jnp.float32) if weights is None else weights
-            d_rows = _rows.sum_rows_into(ct, slots, ones, num_rows=num_rows)
+            w = jnp.ones(slots.shape, jnp.float32) if weights is None else weights
+            d_rows = _rows.sum_rows_into(ct, slots, w, num_rows=num_rows)
         return d_rows.astype(y_sorted.aval.dtype), None, *nones
     pairs_ct = (None,) * has_row_pairs  # integer: no cotangent
     if type(ct) is ad.Zero:
