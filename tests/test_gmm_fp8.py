@@ -158,9 +158,10 @@ F32_PATHS = ("auto", "cutlass_coop128x128_1x2", "wgmma128x128", "wgmma128x192")
 def test_gpu_tma_path_against_the_cpu(rng, shape, kind, path):
     """Hopper's FP8 tensor cores sum a 128-deep step with about 14 significant bits before
     the kernel promotes it to the float32 accumulator (the limit DeepSeek-V3's report measured
-    and its 128-deep promotion interval bounds): per element within 2^-12 of sum_j |fl(s_a
-    s_b) P_j| (the product of the dequantised magnitudes). Measured on an H200: 8.5e-5 of
-    it at most."""
+    and its 128-deep promotion interval bounds): per element within 2^-11 of sum_j |fl(s_a
+    s_b) P_j| (the product of the dequantised magnitudes). Measured: 8.5e-5 of it at most
+    on an H200 where K is a multiple of 128; 3.2e-4 at K 112 (one partial step) on an H100,
+    CUTLASS's kernels and ours alike (ours are bitwise CUTLASS's there)."""
     m, k, n, g = shape
     lhs, lhs_s, rhs, rhs_s = ops = _operands(rng, m, k, n, g)
     sizes = _sizes(kind, m, g, rng)
@@ -175,8 +176,8 @@ def test_gpu_tma_path_against_the_cpu(rng, shape, kind, path):
     for e, size in enumerate(np.asarray(reference.group_ends(jnp.asarray(sizes), m)) - 0):
         bound[start:size] = x[start:size] @ w[e]
         start = size
-    assert np.all(np.abs(gpu - cpu) <= 2.0 ** -12 * bound), np.max(np.abs(gpu - cpu) / np.maximum(bound, 1e-30))
-    assert np.all(np.abs(bf16 - cpu) <= 2.0 ** -8 * np.abs(cpu) + 2.0 ** -12 * bound)
+    assert np.all(np.abs(gpu - cpu) <= 2.0 ** -11 * bound), np.max(np.abs(gpu - cpu) / np.maximum(bound, 1e-30))
+    assert np.all(np.abs(bf16 - cpu) <= 2.0 ** -8 * np.abs(cpu) + 2.0 ** -11 * bound)
 
 
 def test_vmap_equals_a_loop(rng):
