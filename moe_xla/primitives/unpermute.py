@@ -6,7 +6,8 @@ y_sorted [R, H], row_map [T*k] int32, weights [T, k] float32 -> y [T, H] (dtype 
 y_sorted), accumulated in float32 in j order, each product rounded before it is added:
 bitwise reproducible. weights=None with top_k=k: every weight 1, the plain sum of each
 token's k rows (the same bits as weights of ones: 1 * v is exact), with no [T, k] array of
-ones to fill (the form of every sum of rows with weights 1 in the library). Entries of row_map outside [0, R) contribute 0. R = T*k after
+ones to fill (the form of every sum of rows with weights 1 in the library).
+Entries of row_map outside [0, R) contribute 0. R = T*k after
 permute; any R otherwise (the EP layer sums rows of its padded buffers with it, its
 slots as the row map, and ep_expand's transpose is it with weights 1).
 
