@@ -38,6 +38,26 @@ inline ffi::ErrorOr<LogitsShape> decode_logits(ffi::AnyBuffer logits) {
   return LogitsShape{dims[0], dims[1], *dtype};
 }
 
+// The optional float32 operand that route (bias) and unpermute (weights) take last: the
+// handler's remaining operands hold it or nothing. nullopt where nothing was passed; an
+// error names the op, the operand before it, the operand and its expected shape.
+inline ffi::ErrorOr<std::optional<ffi::AnyBuffer>> optional_f32_operand(ffi::RemainingArgs rest, const std::string& op,
+                                                                        const std::string& before,
+                                                                        const std::string& name,
+                                                                        const std::string& shape) {
+  if (rest.size() > 1) {
+    return invalid(op + ": expected at most one operand after " + before + " (" + name + "), got " +
+                   std::to_string(rest.size()));
+  }
+  if (rest.size() == 0) return std::optional<ffi::AnyBuffer>();
+  auto b = rest.get<ffi::AnyBuffer>(0);
+  if (b.has_error()) return invalid(name + ": expected a float32 buffer " + shape);
+  if (b->element_type() != ffi::DataType::F32) {
+    return invalid(name + ": expected float32, got " + type_name(b->element_type()));
+  }
+  return std::optional<ffi::AnyBuffer>(*b);
+}
+
 // route: logits [T, E] (f32 / bf16 / f16), optionally bias [E] f32 (the handler's
 // remaining operands: none means no selection bias; only sigmoid scoring uses it),
 // weights [T, k] f32, expert_ids [T, k] s32.
@@ -68,18 +88,12 @@ inline ffi::ErrorOr<RouteParams> decode_route(ffi::AnyBuffer logits, ffi::Remain
     return invalid("topk_groups: expected topk_groups * (E / n_groups) >= top_k = " + std::to_string(top_k) +
                    ", got " + std::to_string(topk_groups) + " * " + std::to_string(E / n_groups));
   }
-  if (bias.size() > 1) {
-    return invalid("route: expected at most one operand after logits (bias), got " + std::to_string(bias.size()));
-  }
+  auto b = optional_f32_operand(bias, "route", "logits", "bias", "[E]");
+  if (b.has_error()) return unexpected(b.error());
   const float* bias_data = nullptr;
-  if (bias.size() == 1) {
-    auto b = bias.get<ffi::AnyBuffer>(0);
-    if (b.has_error()) return invalid("bias: expected a float32 buffer [E]");
-    if (b->element_type() != ffi::DataType::F32) {
-      return invalid("bias: expected float32, got " + type_name(b->element_type()));
-    }
-    if (auto e = expect_shape("bias", b->dimensions(), {E}); e.failure()) return unexpected(e);
-    bias_data = static_cast<const float*>(b->untyped_data());
+  if (b->has_value()) {
+    if (auto e = expect_shape("bias", (*b)->dimensions(), {E}); e.failure()) return unexpected(e);
+    bias_data = static_cast<const float*>((*b)->untyped_data());
   }
   if (auto e = expect_shape("weights", weights.dimensions(), {T, top_k}); e.failure()) return unexpected(e);
   if (auto e = expect_shape("expert_ids", expert_ids.dimensions(), {T, top_k}); e.failure()) {
@@ -198,23 +212,16 @@ inline ffi::ErrorOr<UnpermuteParams> decode_unpermute(ffi::AnyBuffer y_sorted, f
   if (dtype.has_error()) return unexpected(dtype.error());
   const auto y_dims = y.dimensions();
   if (y_dims.size() != 2) return invalid("y: expected rank 2 [T, H], got shape " + shape_string(y_dims));
-  if (extra.size() > 1) {
-    return invalid("unpermute: expected at most one operand after row_map (weights), got " +
-                   std::to_string(extra.size()));
-  }
+  auto w = optional_f32_operand(extra, "unpermute", "row_map", "weights", "[T, k]");
+  if (w.has_error()) return unexpected(w.error());
   const float* weights = nullptr;
   int64_t T = y_dims[0], k = 0;
-  if (extra.size() == 1) {
-    auto w = extra.get<ffi::AnyBuffer>(0);
-    if (w.has_error()) return invalid("weights: expected a float32 buffer [T, k]");
-    if (w->element_type() != ffi::DataType::F32) {
-      return invalid("weights: expected float32, got " + type_name(w->element_type()));
-    }
-    const auto w_dims = w->dimensions();
+  if (w->has_value()) {
+    const auto w_dims = (*w)->dimensions();
     if (w_dims.size() != 2) return invalid("weights: expected rank 2 [T, k], got shape " + shape_string(w_dims));
     T = w_dims[0];
     k = w_dims[1];
-    weights = static_cast<const float*>(w->untyped_data());
+    weights = static_cast<const float*>((*w)->untyped_data());
   } else if (T > 0) {
     const int64_t entries = static_cast<int64_t>(row_map.element_count());
     if (entries % T != 0) {
