@@ -260,11 +260,14 @@ MOE_XLA_HOST_DEVICE inline int64_t group_col_tiles(int64_t rows, int64_t num_gro
 //          +0 otherwise: out's quantisation where the factors are 1
 // Each token row is read once however many rows it fills. Where slots name every row
 // once (permute's row map), out[slots[t, j]] = factor[t, j] * values[t].
+// Without factor (a null pointer) every factor is 1: out is the unscaled rows u, the same
+// bits as with factors of 1 (scaled_element(1, x) either way), which is not a plain copy
+// of the token rows: entries of magnitude at most 2^-126 become zeros of their sign.
 struct Fp8ExpandQuantizeParams {
   const void* values;
   DType dtype;           // of values and out
   const int32_t* slots;  // device memory for CUDA kernels, as factor
-  const float* factor;
+  const float* factor;   // [num_values, top_k], or null: every factor 1
   int64_t num_values;    // T
   int64_t top_k;
   void* out;

@@ -84,7 +84,8 @@ void fp8_activate_quantize(const Fp8ActivateQuantizeParams& p) {
 void fp8_expand_quantize(const Fp8ExpandQuantizeParams& p) {
   // Each row's owner (the largest pair naming it); the row tiles of the rows as gather_rows
   // stores them from the owners' tokens with factor 1 (the unscaled rows, rounded to their
-  // dtype); then the rows from the owners' tokens and factors.
+  // dtype); then the rows from the owners' tokens and factors. Without factors (every
+  // factor 1) the unscaled rows are the rows: the second gather would write the same bits.
   std::vector<int64_t> owner(static_cast<size_t>(p.rows), -1);
   for (int64_t pair = 0; pair < p.num_values * p.top_k; ++pair) {
     const int64_t r = p.slots[pair];
@@ -99,6 +100,7 @@ void fp8_expand_quantize(const Fp8ExpandQuantizeParams& p) {
   }
   gather_rows(GatherRowsParams{p.values, p.dtype, src.data(), scale.data(), p.num_values, p.out, p.rows, p.cols});
   quantize_stored_rows(p.out, p.dtype, p.rows, p.cols, p.q, p.scales, p.pow2_scale);
+  if (p.factor == nullptr) return;
   for (size_t r = 0; r < owner.size(); ++r) {
     if (owner[r] >= 0) scale[r] = p.factor[owner[r]];
   }

@@ -18,9 +18,9 @@ void fp8_quantize(const Fp8QuantizeParams& p);
 void fp8_activate_quantize(const Fp8ActivateQuantizeParams& p);
 
 // Fills p.out, p.q and p.scales (host memory, p.slots and p.factor too): the token rows
-// expanded into the rows p.slots names, scaled, and their 1 x 128 row quantisation
-// (Fp8ExpandQuantizeParams in common/fp8_blockwise.h). Expects non-negative sizes and
-// num_values < 2^31.
+// expanded into the rows p.slots names, scaled (p.factor null: every factor 1), and their
+// 1 x 128 row quantisation (Fp8ExpandQuantizeParams in common/fp8_blockwise.h). Expects
+// non-negative sizes and num_values < 2^31.
 void fp8_expand_quantize(const Fp8ExpandQuantizeParams& p);
 
 // Fills p.q_t and p.scales (host memory, p.group_sizes too): x in 128 x 1 column tiles that

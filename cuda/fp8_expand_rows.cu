@@ -15,6 +15,8 @@
 //           share its codes and scale. Then for each j < k it computes the scaled row of
 //           pair (t, j), rounds it to the dtype and stores it, the token's codes and scale
 //           at dest. The next j's destinations and factors are loaded before this j's stores.
+//           A null factor is every factor 1: the same products, so the same bits as factors
+//           of 1.
 // Every row has one writer whatever slots hold, so the result is deterministic, and no
 // access leaves values, out, q or scales. The products, rounding and codes are those of
 // the CPU kernel (fp8::scaled_element, row_tile_coder), so the results are bitwise equal.
@@ -145,7 +147,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas)
     for (int i = 0; i < kTokens; ++i) {
       const int64_t token = token0 + i * kPassTokens;
       next_dest[i] = token < tokens ? dest[token * top_k + j] : -1;
-      next_factor[i] = token < tokens ? factor[token * top_k + j] : 0.0f;
+      next_factor[i] = token >= tokens ? 0.0f : factor == nullptr ? 1.0f : factor[token * top_k + j];
     }
   };
   load_pairs(0);

@@ -28,10 +28,10 @@ Status fp8_quantize(const Fp8QuantizeParams& p, cudaStream_t stream);
 Status fp8_activate_quantize(const Fp8ActivateQuantizeParams& p, cudaStream_t stream);
 
 // Fills p.out, p.q and p.scales (device memory, p.slots and p.factor too): the token rows
-// expanded into the rows p.slots names, scaled, and their 1 x 128 row quantisation, each
-// token row read once (Fp8ExpandQuantizeParams in common/fp8_blockwise.h). workspace
-// (device memory, fp8_expand_workspace_bytes) holds the row owners. No access outside the
-// buffers, whatever p.slots holds.
+// expanded into the rows p.slots names, scaled (p.factor null: every factor 1), and their
+// 1 x 128 row quantisation, each token row read once (Fp8ExpandQuantizeParams in
+// common/fp8_blockwise.h). workspace (device memory, fp8_expand_workspace_bytes) holds the
+// row owners. No access outside the buffers, whatever p.slots holds.
 Status fp8_expand_quantize(const Fp8ExpandQuantizeParams& p, void* workspace, cudaStream_t stream);
 size_t fp8_expand_workspace_bytes(int64_t rows, int64_t pairs);
 size_t fp8_expand_workspace_bytes(const Fp8ExpandQuantizeParams& p);

@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <initializer_list>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -19,6 +20,7 @@
 #include "common/fp8_blockwise.h"
 #include "ffi/activation_args.h"     // decode_activation_input, expect_dtype_of_h
 #include "ffi/grouped_gemm_args.h"  // shape_string, type_name, to_dtype, invalid, expect_shape
+#include "ffi/optional_operand.h"   // optional_f32_operand
 #include "xla/ffi/api/ffi.h"
 
 namespace moe_xla::ffi_args {
@@ -190,10 +192,11 @@ inline ffi::ErrorOr<Fp8ActivateGradQuantizeParams> decode_fp8_activate_grad_quan
   return p;
 }
 
-// values [T, H] of f32 / bf16 / f16; slots [T, k] int32; factor [T, k] f32; rows [R, H] of
+// values [T, H] of f32 / bf16 / f16; slots [T, k] int32; optionally factor [T, k] f32 (the
+// handler's remaining operands: none means every factor 1, p.factor null); rows [R, H] of
 // values' dtype; q [R, H] float8_e4m3fn; scales [R, ceil(H/128)] f32.
 inline ffi::ErrorOr<Fp8ExpandQuantizeParams> decode_fp8_expand_quantize(ffi::AnyBuffer values, ffi::AnyBuffer slots,
-                                                                       ffi::AnyBuffer factor, ffi::AnyBuffer rows,
+                                                                       ffi::RemainingArgs rest, ffi::AnyBuffer rows,
                                                                        ffi::AnyBuffer q, ffi::Buffer<ffi::F32> scales,
                                                                        bool pow2_scale) {
   const auto dims = values.dimensions();
@@ -207,30 +210,35 @@ inline ffi::ErrorOr<Fp8ExpandQuantizeParams> decode_fp8_expand_quantize(ffi::Any
   auto dtype = to_dtype(values.element_type(), "values");
   if (dtype.has_error()) return ffi::Unexpected<ffi::Error>(dtype.error());
   for (auto [name, buffer, want] : {std::tuple{"slots", slots, ffi::DataType::S32},
-                                    std::tuple{"factor", factor, ffi::DataType::F32},
                                     std::tuple{"rows", rows, values.element_type()}}) {
     if (buffer.element_type() != want) {
       return invalid(std::string(name) + ": expected dtype " + type_name(want) + ", got " +
                      type_name(buffer.element_type()));
     }
   }
+  auto factor = optional_f32_operand(rest, "expand_quantize_fp8_rows", "slots", "factor", "[T, k]");
+  if (factor.has_error()) return ffi::Unexpected<ffi::Error>(factor.error());
   Fp8ExpandQuantizeParams p{};
   p.num_values = dims[0];
   p.top_k = slots.dimensions()[1];
   p.rows = rows.dimensions()[0];
   p.cols = dims[1];
   if (p.num_values > INT32_MAX) return invalid("values: expected fewer than 2^31 rows, got " + shape_string(dims));
-  for (auto e : {expect_shape("slots", slots.dimensions(), {p.num_values, p.top_k}),
-                 expect_shape("factor", factor.dimensions(), {p.num_values, p.top_k}), expect_fp8("q", q),
+  for (auto e : {expect_shape("slots", slots.dimensions(), {p.num_values, p.top_k}), expect_fp8("q", q),
                  expect_shape("rows", rows.dimensions(), {p.rows, p.cols}),
                  expect_shape("q", q.dimensions(), {p.rows, p.cols}),
                  expect_shape("scales", scales.dimensions(), {p.rows, fp8::tiles(p.cols)})}) {
     if (e.failure()) return ffi::Unexpected<ffi::Error>(std::move(e));
   }
+  if (factor->has_value()) {
+    if (auto e = expect_shape("factor", (*factor)->dimensions(), {p.num_values, p.top_k}); e.failure()) {
+      return ffi::Unexpected<ffi::Error>(std::move(e));
+    }
+    p.factor = static_cast<const float*>((*factor)->untyped_data());
+  }
   p.values = values.untyped_data();
   p.dtype = *dtype;
   p.slots = static_cast<const int32_t*>(slots.untyped_data());
-  p.factor = static_cast<const float*>(factor.untyped_data());
   p.out = rows.untyped_data();
   p.q = static_cast<uint8_t*>(q.untyped_data());
   p.scales = scales.typed_data();
@@ -260,7 +268,7 @@ auto bind_fp8_expand_quantize(Binding&& binding) {
   return std::move(binding)
       .template Arg<ffi::AnyBuffer>()          // values [T, H]
       .template Arg<ffi::AnyBuffer>()          // slots [T, k], int32
-      .template Arg<ffi::AnyBuffer>()          // factor [T, k], float32
+      .template RemainingArgs()                // factor [T, k], float32, or none: every factor 1
       .template Ret<ffi::AnyBuffer>()          // rows [R, H], dtype of values
       .template Ret<ffi::AnyBuffer>()          // q [R, H], float8_e4m3fn
       .template Ret<ffi::Buffer<ffi::F32>>();  // scales [R, ceil(H/128)]

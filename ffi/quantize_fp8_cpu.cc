@@ -62,7 +62,7 @@ ffi::Error activate_grad_quantize(ffi::AnyBuffer h, ffi::AnyBuffer g, ffi::Buffe
   return ffi::Error::Success();
 }
 
-ffi::Error expand_quantize(ffi::AnyBuffer values, ffi::AnyBuffer slots, ffi::AnyBuffer factor,
+ffi::Error expand_quantize(ffi::AnyBuffer values, ffi::AnyBuffer slots, ffi::RemainingArgs factor,
                            ffi::Result<ffi::AnyBuffer> rows, ffi::Result<ffi::AnyBuffer> q,
                            ffi::ResultBuffer<ffi::F32> scales, bool pow2_scale) {
   auto p = ffi_args::decode_fp8_expand_quantize(values, slots, factor, *rows, *q, *scales, pow2_scale);
@@ -91,6 +91,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaQuantizeFp8GroupColsCpu, moe_xla::quantize_g
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaActivateGradQuantizeFp8Cpu, moe_xla::activate_grad_quantize,
                               moe_xla::ffi_args::bind_fp8_activate_grad_quantize(ffi::Ffi::Bind()));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaExpandQuantizeFp8RowsCpu, moe_xla::expand_quantize,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaExpandQuantizeFp8RowsCpuV2, moe_xla::expand_quantize,
                               moe_xla::ffi_args::bind_fp8_expand_quantize(ffi::Ffi::Bind())
                                   .Attr<bool>("pow2_scale"));

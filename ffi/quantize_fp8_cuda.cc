@@ -58,8 +58,8 @@ ffi::Error activate_grad_quantize(cudaStream_t stream, ffi::AnyBuffer h, ffi::An
   return ffi_args::to_error(cuda::fp8_activate_grad_quantize(*p, stream), "activate_grad_quantize_fp8");
 }
 
-ffi::Error expand_quantize(cudaStream_t stream, ffi::AnyBuffer values, ffi::AnyBuffer slots, ffi::AnyBuffer factor,
-                           ffi::Result<ffi::AnyBuffer> rows, ffi::Result<ffi::AnyBuffer> q,
+ffi::Error expand_quantize(cudaStream_t stream, ffi::AnyBuffer values, ffi::AnyBuffer slots,
+                           ffi::RemainingArgs factor, ffi::Result<ffi::AnyBuffer> rows, ffi::Result<ffi::AnyBuffer> q,
                            ffi::ResultBuffer<ffi::F32> scales, ffi::Result<ffi::AnyBuffer> workspace_buffer,
                            bool pow2_scale) {
   auto p = ffi_args::decode_fp8_expand_quantize(values, slots, factor, *rows, *q, *scales, pow2_scale);
@@ -98,7 +98,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaActivateGradQuantizeFp8Cuda, moe_xla::activa
                                   ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaExpandQuantizeFp8RowsCuda, moe_xla::expand_quantize,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaExpandQuantizeFp8RowsCudaV2, moe_xla::expand_quantize,
                               moe_xla::ffi_args::bind_fp8_expand_quantize(
                                   ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>())
                                   .Ret<ffi::AnyBuffer>()  // workspace u8[MoeXlaExpandQuantizeFp8RowsWorkspaceBytes(R, T*k)]

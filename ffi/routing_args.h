@@ -12,6 +12,7 @@
 
 #include "common/routing.h"
 #include "ffi/grouped_gemm_args.h"  // shape_string, type_name, to_dtype, invalid, expect_shape
+#include "ffi/optional_operand.h"   // optional_f32_operand
 #include "xla/ffi/api/ffi.h"
 
 namespace moe_xla::ffi_args {
@@ -36,26 +37,6 @@ inline ffi::ErrorOr<LogitsShape> decode_logits(ffi::AnyBuffer logits) {
     return invalid("logits: expected at most 2^31 - 1 experts, got " + std::to_string(dims[1]));
   }
   return LogitsShape{dims[0], dims[1], *dtype};
-}
-
-// The optional float32 operand that route (bias) and unpermute (weights) take last: the
-// handler's remaining operands hold it or nothing. nullopt where nothing was passed; an
-// error names the op, the operand before it, the operand and its expected shape.
-inline ffi::ErrorOr<std::optional<ffi::AnyBuffer>> optional_f32_operand(ffi::RemainingArgs rest, const std::string& op,
-                                                                        const std::string& before,
-                                                                        const std::string& name,
-                                                                        const std::string& shape) {
-  if (rest.size() > 1) {
-    return invalid(op + ": expected at most one operand after " + before + " (" + name + "), got " +
-                   std::to_string(rest.size()));
-  }
-  if (rest.size() == 0) return std::optional<ffi::AnyBuffer>();
-  auto b = rest.get<ffi::AnyBuffer>(0);
-  if (b.has_error()) return invalid(name + ": expected a float32 buffer " + shape);
-  if (b->element_type() != ffi::DataType::F32) {
-    return invalid(name + ": expected float32, got " + type_name(b->element_type()));
-  }
-  return std::optional<ffi::AnyBuffer>(*b);
 }
 
 // route: logits [T, E] (f32 / bf16 / f16), optionally bias [E] f32 (the handler's

@@ -66,6 +66,10 @@ _SYMBOLS[("route", "cuda")] = "MoeXlaRouteCudaV2"
 # ep_dedup_rows v2 returns weight_sources, a fourth result.
 _SYMBOLS[("ep_dedup_rows", "cpu")] = "MoeXlaEpDedupRowsCpuV2"
 _SYMBOLS[("ep_dedup_rows", "cuda")] = "MoeXlaEpDedupRowsCudaV2"
+# expand_quantize_fp8_rows v2 takes its factor as an optional last operand (none: every
+# factor 1).
+_SYMBOLS[("expand_quantize_fp8_rows", "cpu")] = "MoeXlaExpandQuantizeFp8RowsCpuV2"
+_SYMBOLS[("expand_quantize_fp8_rows", "cuda")] = "MoeXlaExpandQuantizeFp8RowsCudaV2"
 # gather_gmm_activate (gather_gmm with the expert activation in its epilogue) has a CUDA
 # kernel only; its symbol carries its version from the start.
 _SYMBOLS[("gather_gmm_activate", "cuda")] = "MoeXlaGatherGmmActivateCudaV1"
@@ -74,9 +78,10 @@ _SYMBOLS[("gather_gmm_activate", "cuda")] = "MoeXlaGatherGmmActivateCudaV1"
 # an HLO module written for the old signature fails by name, not by an attribute mismatch.
 # gmm_fp8 v2 takes the `path` attribute, gather_gmm v2 `transpose_rhs`, gather_tgmm v2
 # `transpose_out`, permute v2 returns row_pairs, unpermute v2 takes no weights for weights 1,
-# route v2 no bias operand without a bias, ep_dedup_rows v2 returns weight_sources.
+# route v2 no bias operand without a bias, ep_dedup_rows v2 returns weight_sources,
+# expand_quantize_fp8_rows v2 takes no factor for factors 1.
 _VERSIONS = {"gmm_fp8": 2, "gather_gmm": 2, "gather_tgmm": 2, "permute": 2, "unpermute": 2, "route": 2,
-             "ep_dedup_rows": 2}
+             "ep_dedup_rows": 2, "expand_quantize_fp8_rows": 2}
 
 
 def target_name(op: str, platform: str) -> str:

@@ -94,15 +94,14 @@ def _sorted_rows_fp8(x, expert_ids, num_experts: int):
     its rows, in one pass over the tokens: (x_sorted, group_sizes, row_map, row_pairs, (q,
     scales)). permute's sort alone (zero-width rows) gives group_sizes, row_map and
     row_pairs; expand_quantize_fp8_rows with the row
-    map as slots and factor 1 reads each token row once and writes its k sorted rows, in
-    x's dtype and quantised (1 x 128 row tiles do not depend on the row order). The copy
-    equals permute's except that entries of magnitude below 2^-126 are zeros, as the
-    quantisation sees them; x_sorted is differentiated as permute's rows in x."""
+    map as slots and no factor (every factor 1) reads each token row once and writes its k
+    sorted rows, in x's dtype and quantised (1 x 128 row tiles do not depend on the row
+    order). The copy equals permute's except that entries of magnitude at most 2^-126 are
+    zeros, as the quantisation sees them; x_sorted is differentiated as permute's rows in x."""
     t, k = expert_ids.shape
     _, group_sizes, row_map, row_pairs = permute(jnp.zeros((t, 0), x.dtype), expert_ids, num_experts,
                                                  return_row_pairs=True)
-    rows, q, scales = expand_quantize_fp8_rows(jax.lax.stop_gradient(x), row_map.reshape(t, k),
-                                               jnp.ones((t, k), jnp.float32), t * k)
+    rows, q, scales = expand_quantize_fp8_rows(jax.lax.stop_gradient(x), row_map.reshape(t, k), None, t * k)
     return _permuted_rows(rows, x, expert_ids, num_experts), group_sizes, row_map, row_pairs, (q, scales)
 
 

@@ -462,19 +462,22 @@ def expand_quantize_fp8_rows(values, slots, factor, num_rows: int, *, pow2_scale
     values' dtype); rows no pair names are 0; (q, scales) = quantize_fp8_rows of the
     unscaled rows, gather_rows(values, src, 1 where a pair names the row, else 0): the
     factor does not enter them (the FP8 dgrad takes the unweighted cotangent, the bf16
-    wgrad the weighted rows)."""
+    wgrad the weighted rows). factor None: every factor 1, the rows are the unscaled rows
+    (the same expression as factors of ones)."""
     t, k = slots.shape
     pair = jnp.arange(t * k, dtype=jnp.int32)
     flat = slots.reshape(-1)
     named = (flat >= 0) & (flat < num_rows)
     owner = jnp.full((num_rows,), -1, jnp.int32).at[jnp.where(named, flat, num_rows)].max(pair, mode="drop")
     src = jnp.where(owner >= 0, owner // max(k, 1), -1)
-    if t * k:
-        scale = jnp.where(owner >= 0, factor.reshape(-1)[jnp.maximum(owner, 0)], 0.0)
-    else:
-        scale = jnp.zeros((num_rows,), jnp.float32)
     unscaled = gather_rows(values, src, jnp.where(owner >= 0, 1.0, 0.0).astype(jnp.float32))
-    return (gather_rows(values, src, scale), *quantize_fp8_rows(unscaled, pow2_scale=pow2_scale))
+    if factor is None:
+        rows = unscaled
+    elif t * k:
+        rows = gather_rows(values, src, jnp.where(owner >= 0, factor.reshape(-1)[jnp.maximum(owner, 0)], 0.0))
+    else:
+        rows = gather_rows(values, src, jnp.zeros((num_rows,), jnp.float32))
+    return (rows, *quantize_fp8_rows(unscaled, pow2_scale=pow2_scale))
 
 
 def _group_col_segments(group_sizes, m: int):

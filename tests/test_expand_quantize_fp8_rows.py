@@ -289,8 +289,8 @@ def test_vmap_folds_the_batch_and_keeps_invalid_slots_invalid(rng):
     want = _per_batch(values, slots, factor, r)
     assert_outputs_bitwise((jnp.swapaxes(moved[0], 0, 1), moved[1], jnp.moveaxis(moved[2], 2, 0)), want,
                            "the op per batch entry")
-    bound = jax.vmap(lambda *a: expand_quantize_fp8_rows_p.bind(*a, num_rows=r, pow2_scale=False))(
-        values, slots, factor)
+    bind = lambda *a: expand_quantize_fp8_rows_p.bind(*a, num_rows=r, pow2_scale=False, has_factor=True)  # noqa: E731
+    bound = jax.vmap(bind)(values, slots, factor)
     assert [a.shape for a in bound] == [(3, r, 140), (3, r, 140), (3, r, 2)]
 
 
@@ -326,7 +326,7 @@ def test_lowers_to_one_versioned_call():
     platform = "cuda" if ON_GPU else "cpu"
     text = jax.jit(lambda *a: expand_quantize_fp8_rows(*a, 32)).lower(
         jnp.zeros((8, 256), jnp.bfloat16), jnp.zeros((8, 4), jnp.int32), jnp.zeros((8, 4), jnp.float32)).as_text()
-    assert text.count(f"moe_xla_expand_quantize_fp8_rows_{platform}_v1") == 1
+    assert text.count(f"moe_xla_expand_quantize_fp8_rows_{platform}_v2") == 1
     assert "moe_xla_quantize_fp8_rows" not in text and "scatter" not in text and "gather" not in text
 
 
@@ -377,7 +377,7 @@ def _replaced(items, index, new):
     (_replaced(GOOD_ARGS, 1, ((8,), jnp.int32)), GOOD_RESULTS, r"slots: expected rank 2 \[T, k\], got shape \[8\]"),
     (_replaced(GOOD_ARGS, 1, ((4, 2), F32)), GOOD_RESULTS, "slots: expected dtype int32, got float32"),
     (_replaced(GOOD_ARGS, 1, ((3, 2), jnp.int32)), GOOD_RESULTS, r"slots: expected shape \[4, 2\], got \[3, 2\]"),
-    (_replaced(GOOD_ARGS, 2, ((4, 2), jnp.int32)), GOOD_RESULTS, "factor: expected dtype float32, got int32"),
+    (_replaced(GOOD_ARGS, 2, ((4, 2), jnp.int32)), GOOD_RESULTS, "factor: expected float32, got int32"),
     (_replaced(GOOD_ARGS, 2, ((4, 1), F32)), GOOD_RESULTS, r"factor: expected shape \[4, 2\], got \[4, 1\]"),
     (GOOD_ARGS, _replaced(GOOD_RESULTS, 0, ((6, 16), F32)), "rows: expected dtype bfloat16, got float32"),
     (GOOD_ARGS, _replaced(GOOD_RESULTS, 0, ((6, 15), BF16)), r"rows: expected shape \[6, 16\], got \[6, 15\]"),

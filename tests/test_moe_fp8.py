@@ -351,6 +351,36 @@ def test_the_layer_quantises_each_cotangent_in_the_pass_that_makes_it(rng):
     assert hlo.count("moe_xla_activate_grad_quantize_fp8") == 1
 
 
+def _expand_operand_producers(hlo):
+    """[(operand count, the producers' text with their fused computations)] of every
+    expand_quantize_fp8_rows custom call in compiled HLO text."""
+    bodies = dict(re.findall(r"^%?([\w.-]+) \(.*\{\n(.*?)\n\}", hlo, re.M | re.S))
+    defs = dict(re.findall(r"^\s*(?:ROOT )?%?([\w.-]+) = (.*)$", hlo, re.M))
+    calls = []
+    for line in hlo.splitlines():
+        call = re.search(r"custom-call\(([^)]*)\).*custom_call_target=\"moe_xla_expand_quantize_fp8_rows_", line)
+        if call:
+            producers = [defs[name] for name in re.findall(r"%([\w.-]+)", call.group(1))]
+            fused = [bodies.get(c, "") for p in producers for c in re.findall(r"calls=%?([\w.-]+)", p)]
+            calls.append((len(producers), "\n".join(producers + fused)))
+    return calls
+
+
+def test_the_dispatch_expands_x_with_no_factor(rng):
+    """moe()'s FP8 dispatch expands x with no factor (every factor 1): in the optimised HLO
+    of a forward+backward step the dispatch's expand call reads x and the row map alone and
+    no broadcast (of ones) feeds an expand call; the combine's transpose passes the routing
+    weights."""
+    x, logits, w_in, w_out = _inputs(rng)
+    ct = normal(rng, (T, H), jnp.float32)
+    hlo = jax.jit(jax.grad(_loss("fp8_blockwise"), argnums=(0, 1, 2, 3))).lower(
+        x, logits, w_in, w_out, ct).compile().as_text()
+    calls = _expand_operand_producers(hlo)
+    assert sorted(n for n, _ in calls) == [2, 3], calls
+    for _, producers in calls:
+        assert "broadcast(" not in producers, producers
+
+
 def test_fused_products_name_themselves_in_errors(rng):
     x, logits, w_in, w_out = _inputs(rng)
     weights, ids = moe_xla.route(logits, K)

@@ -54,8 +54,9 @@ _REFERENCE = {
     "activate_weighted_grad": lambda h, g, omega, **params: list(reference.activate_weighted_grad(h, g, omega, **params)),
     "gather_rows": lambda values, src, *factor, has_factor, unique_sources: reference.gather_rows(
         values, src, *factor),
-    "expand_quantize_fp8_rows": lambda values, slots, factor, num_rows, **params: list(
-        reference.expand_quantize_fp8_rows(values, slots, factor, num_rows, **params)),
+    "expand_quantize_fp8_rows": lambda values, slots, *factor, num_rows, pow2_scale, has_factor: list(
+        reference.expand_quantize_fp8_rows(values, slots, factor[0] if has_factor else None, num_rows,
+                                           pow2_scale=pow2_scale)),
     "ep_dedup_rows": lambda dest, lid, **params: list(reference.ep_dedup_rows(dest, lid, **params)),
     "ep_row_places": lambda row_dest, row_map, lids, **params: list(
         reference.ep_row_places(row_dest, row_map, lids, **params)),

@@ -1,6 +1,6 @@
 // The FP8 rules of common/fp8_blockwise.h against brute force, and the CPU kernels' tilings
 // (rows, blocks and their transposed copy, and the wgrad's group column tiles written transposed);
-// the scaled product and the rows of the fused expansion.
+// the scaled product and the rows of the fused expansion, with factors and without.
 //
 // e4m3: the 126 positive finite float8_e4m3fn values are written down from the format's
 // definition (ldexp, double precision); for every float32 in [2^-12, 480] (both signs) and
@@ -310,6 +310,45 @@ void test_expand() {
   check(scales[2] == 1.0f && scales[6] == 1.0f && q[h] == 0 && q[3 * h] == 0, "a row of no pair: scale 1, q 0", 0);
 }
 
+// Without factors (a null pointer: every factor 1) the expansion is bitwise the one with
+// factors of 1, for every bf16 bit pattern as a value (subnormals, +-2^-126, infinities and
+// NaNs), slots naming rows twice, no row (-1, R and past it) and leaving rows unnamed; its
+// rows are the token rows with entries of magnitude at most 2^-126 as zeros of their sign.
+void test_expand_unit() {
+  const int64_t h = 128, t = 0x10000 / h, k = 2, r = t * k;
+  std::vector<uint16_t> values(t * h);
+  for (int64_t i = 0; i < t * h; ++i) values[i] = static_cast<uint16_t>(i);
+  std::vector<int32_t> slots(t * k);
+  for (int64_t p = 0; p < t * k; ++p) slots[p] = static_cast<int32_t>((p * 5) % (r + 3)) - 1;
+  slots[7] = slots[3];  // a row named twice: the later pair owns it
+  const std::vector<float> ones(t * k, 1.0f);
+  std::vector<uint16_t> out_unit(r * h, 0xAAAA), out_ones(r * h, 0x5555);
+  std::vector<uint8_t> q_unit(r * h, 0xAA), q_ones(r * h, 0x55);
+  std::vector<float> scales_unit(r, -1.0f), scales_ones(r, -2.0f);
+  cpu::fp8_expand_quantize({values.data(), DType::kBF16, slots.data(), nullptr, t, k, out_unit.data(), q_unit.data(),
+                            scales_unit.data(), r, h, false});
+  cpu::fp8_expand_quantize({values.data(), DType::kBF16, slots.data(), ones.data(), t, k, out_ones.data(),
+                            q_ones.data(), scales_ones.data(), r, h, false});
+  check(out_unit == out_ones, "null factor: the rows of factors of 1", 0);
+  check(q_unit == q_ones && scales_unit == scales_ones, "null factor: q and scales of factors of 1", 0);
+  std::vector<int64_t> owner(r, -1);
+  for (int64_t p = 0; p < t * k; ++p) {
+    if (slots[p] >= 0 && slots[p] < r) owner[slots[p]] = p;
+  }
+  int64_t unnamed = 0;
+  for (int64_t i = 0; i < r; ++i) {
+    unnamed += owner[i] < 0;
+    for (int64_t c = 0; c < h; ++c) {
+      const uint16_t v = owner[i] < 0 ? uint16_t{0} : values[owner[i] / k * h + c];
+      const bool nan = (v & 0x7fffu) > 0x7f80u;
+      const uint16_t want = (v & 0x7fffu) <= 0x0080u ? static_cast<uint16_t>(v & 0x8000u) : v;
+      const uint16_t got = out_unit[i * h + c];
+      check(nan ? (got & 0x7fffu) > 0x7f80u : got == want, "null factor: the token row, tiny entries zeros", v);
+    }
+  }
+  check(unnamed > 0 && owner[slots[3]] == 7, "the slots leave rows unnamed and name one twice", 0);
+}
+
 }  // namespace
 
 int main() {
@@ -325,6 +364,7 @@ int main() {
   test_group_cols();
   test_scaled_element();
   test_expand();
+  test_expand_unit();
   std::printf("%s: %d failures\n", failures ? "FAIL" : "PASS", failures);
   return failures ? 1 : 0;
 }
