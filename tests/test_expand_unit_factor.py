@@ -14,24 +14,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import requires_gpu
-from test_expand_quantize_fp8_rows import (DTYPES, MIN_NORMAL, SHAPES, _bits, _case, _on, _per_batch,
+from test_expand_quantize_fp8_rows import (DTYPES, MIN_NORMAL, PLATFORMS, SHAPES, _bits, _case, _on, _per_batch,
                                            _quantized, _reference_on_cpu, _unscaled_rows, assert_outputs_bitwise)
 from test_fp8_quantize import assert_bitwise, tricky
 
 from moe_xla import _lib
 from moe_xla.primitives.expand_quantize_fp8_rows import expand_quantize_fp8_rows, expand_quantize_fp8_rows_p
 
-PLATFORMS = ["cpu", pytest.param("gpu", marks=requires_gpu)]
 CALL = re.compile(r"stablehlo.custom_call @moe_xla_expand_quantize_fp8_rows_\w+\(([^)]*)\)")
 
 
 def assert_same_bits(out, want, what):
-    """Every output bitwise want's, NaN payloads included (one platform, one product)."""
-    for o, w, name in zip(out, want, ("rows", "q", "scales")):
-        assert o.shape == w.shape and o.dtype == w.dtype, (name, o.shape, o.dtype, w.shape, w.dtype)
-        bad = np.argwhere(_bits(o) != _bits(w))
-        assert not bad.size, f"{name}: {len(bad)} of {np.size(o)} differ from {what}, first at {tuple(bad[0])}"
+    """(rows, q, scales) bitwise want's, NaN payloads included (one platform, one product)."""
+    assert_bitwise(out, want, what, names=("rows", "q", "scales"))
 
 
 def _unit_and_ones(platform, values, slots, num_rows, pow2=False):

@@ -72,13 +72,15 @@ def tricky(rng, shape, dtype):
 
 def _bits(a):
     a = np.asarray(a)
-    return a.view(np.uint8 if a.dtype.itemsize == 1 else np.uint32)
+    return a.view(f"uint{8 * a.dtype.itemsize}")
 
 
-def assert_bitwise(out, ref, against="the reference"):
-    """Every output bitwise its reference: (q, scales), or (q, q_t, scales) of the weights."""
+def assert_bitwise(out, ref, against="the reference", names=None):
+    """Every output bitwise its reference, NaN payloads included: (q, scales), or (q, q_t,
+    scales) of the weights, or the outputs `names` lists."""
     assert len(out) == len(ref), (len(out), len(ref))
-    for o, r, name in zip(out, ref, ("q", "scales") if len(out) == 2 else ("q", "q_t", "scales")):
+    names = names or (("q", "scales") if len(out) == 2 else ("q", "q_t", "scales"))
+    for o, r, name in zip(out, ref, names):
         assert o.shape == r.shape and o.dtype == r.dtype, (name, o.shape, o.dtype, r.shape, r.dtype)
         ob, rb = _bits(o), _bits(r)
         bad = np.argwhere(ob != rb)
