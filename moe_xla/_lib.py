@@ -169,13 +169,20 @@ def local_gpus_hopper() -> bool:
     return all(c is None or _gpu_support(c) == "full" for c in capabilities)
 
 
+def _loaded() -> ctypes.CDLL:
+    """The library, or a RuntimeError with build instructions when there is none."""
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"{_BUILD_HINT} (looked at {library_path()})")
+    return lib
+
+
 def require_kernel(op: str, platform: str) -> str:
     """Returns the FFI target name of `op` on `platform`, or raises with build instructions
     (or, for CUDA, when a local GPU has no kernel image for it)."""
     if platform == "cuda":
         _check_cuda_devices(op in ("gmm", "tgmm", "gmm_fp8", "tgmm_fp8"))
-    if _load() is None:
-        raise RuntimeError(f"{_BUILD_HINT} (looked at {library_path()})")
+    _loaded()
     if not has_kernel(op, platform):
         raise RuntimeError(
             f"moe_xla: the library at {library_path()} has no {platform} kernel for {op}; "
@@ -188,8 +195,7 @@ def require_kernel(op: str, platform: str) -> str:
 def cuda_workspace_bytes(symbol: str, *sizes: int) -> int:
     """Calls the library's `int64_t symbol(int64_t...)` sizing function of a CUDA handler's
     workspace result (see ffi/workspace.h)."""
-    lib = _load()
-    fn = getattr(lib, symbol)
+    fn = getattr(_loaded(), symbol)
     fn.argtypes = [ctypes.c_int64] * len(sizes)
     fn.restype = ctypes.c_int64
     return int(fn(*sizes))

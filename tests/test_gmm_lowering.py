@@ -42,12 +42,16 @@ def test_reference_lowering_only_on_request(monkeypatch):
         jax.jit(lambda *a: _loss(*a)).lower(*args)
 
 
-def test_missing_library_is_a_clear_error(monkeypatch, tmp_path):
+@pytest.mark.parametrize("platform", ["cpu", "cuda"])
+def test_missing_library_is_a_clear_error(monkeypatch, tmp_path, platform):
+    """For CUDA the lowering sizes the kernel's workspace with a function of the library
+    before it names the kernel: that too must give the build hint."""
     monkeypatch.setenv("MOE_XLA_LIBRARY", str(tmp_path / "nope.so"))
     _lib._load.cache_clear()
     try:
+        args = jnp.ones((4, 2)), jnp.ones((1, 2, 2)), jnp.array([4], jnp.int32)
         with pytest.raises(RuntimeError, match="scripts/build.sh"):
-            jax.jit(lambda *a: _loss(*a)).lower(jnp.ones((4, 2)), jnp.ones((1, 2, 2)), jnp.array([4], jnp.int32))
+            jax.jit(lambda *a: _loss(*a)).trace(*args).lower(lowering_platforms=(platform,))
     finally:
         monkeypatch.undo()
         _lib._load.cache_clear()
