@@ -68,7 +68,8 @@ bool tile_of(Fp8GemmPath path, Fp8TileConfig* tile) {
     case Fp8GemmPath::kAuto:
     case Fp8GemmPath::kSimt:
     case Fp8GemmPath::kWgmma128x128:
-    case Fp8GemmPath::kWgmma128x192: return false;
+    case Fp8GemmPath::kWgmma128x192:
+    case Fp8GemmPath::kWgmma128x192Bulk: return false;
   }
   return false;
 }
@@ -120,6 +121,7 @@ bool wgmma_tile_of(Fp8GemmPath path, detail::Fp8WgmmaTile* tile) {
   switch (path) {
     case Fp8GemmPath::kWgmma128x128: *tile = detail::Fp8WgmmaTile::kN128; return true;
     case Fp8GemmPath::kWgmma128x192: *tile = detail::Fp8WgmmaTile::kN192; return true;
+    case Fp8GemmPath::kWgmma128x192Bulk: *tile = detail::Fp8WgmmaTile::kN192Bulk; return true;
     default: return false;
   }
 }
@@ -135,24 +137,37 @@ bool is_wgmma_path(Fp8GemmPath path) {
 const WgmmaFp8Instance* wgmma_instance_for(const Fp8GroupedGemmParams& p, Fp8GemmPath path) {
   detail::Fp8WgmmaTile tile;
   if (!wgmma_tile_of(path, &tile) || !tma_eligible(p)) return nullptr;
-  if (p.n > INT32_MAX - 2 * static_cast<int64_t>(tile)) return nullptr;
+  if (p.n > INT32_MAX - 2 * static_cast<int64_t>(detail::fp8_wgmma_columns(tile))) return nullptr;
   for (const WgmmaFp8Instance& inst : kWgmmaFp8Instances) {
     if (inst.out_dtype == p.out_dtype && inst.tile == tile) return &inst;
   }
   return nullptr;
 }
 
-// Whether our kernel's 128 x 192 tiles pay over 128-column ones, by the columns its
-// clusters compute past N (pairs of 192-column tiles, the last pair's tiles partly or wholly
-// past N): at most 12% of them on a product with K < 4096, where the wider tile's reuse and
-// its store overlapping the next tile's first step gain most (qwen3 down, N 2048: 11%,
-// faster), at most 2% on longer ones, where it has little else to gain (deepseek gate_up,
-// N 4096: 3%, slower; benchmarks/results/LOG.md, session 37).
-bool wide_tiles_pay(const Fp8GroupedGemmParams& p) {
-  constexpr int64_t kPair = 2 * static_cast<int64_t>(detail::Fp8WgmmaTile::kN192);
+// Our kernel's 128 x 192 path where it pays over 128-column tiles (true, in *path), by
+// the columns its clusters compute past N (pairs of 192-column tiles, the last pair's tiles
+// partly or wholly past N) and K:
+//   - K < 4096, where the wider tile's reuse and its store overlapping the next tile's
+//     first step gain most: the staged store, at most 12% of the columns past N (qwen3
+//     down, N 2048: 11%, faster). The bulk store's one stage fewer costs more than it saves.
+//   - K >= 4096: the bulk store (bf16 output) at most 4% past N (mixtral gate_up 0.4%,
+//     deepseek gate_up 3%: both faster than the staged store and than CUTLASS's 128-column
+//     tiles), the staged one (float32) at most 2% (deepseek gate_up slower).
+// benchmarks/results/LOG.md (sessions 37 and 40) has the rankings.
+bool wide_path(const Fp8GroupedGemmParams& p, Fp8GemmPath* path) {
+  constexpr int64_t kPair = 2 * static_cast<int64_t>(detail::fp8_wgmma_columns(detail::Fp8WgmmaTile::kN192));
   const int64_t columns = (p.n + kPair - 1) / kPair * kPair;
   const int64_t past = columns - p.n;
-  return p.k < 4096 ? past * 100 <= columns * 12 : past * 50 <= columns;
+  if (p.k < 4096) {
+    *path = Fp8GemmPath::kWgmma128x192;
+    return past * 100 <= columns * 12;
+  }
+  if (p.out_dtype == DType::kBF16) {
+    *path = Fp8GemmPath::kWgmma128x192Bulk;
+    return past * 25 <= columns;
+  }
+  *path = Fp8GemmPath::kWgmma128x192;
+  return past * 50 <= columns;
 }
 
 // Path heuristic (compute capability 9.0): pingpong 64-row tiles when an average group has
@@ -161,9 +176,8 @@ bool wide_tiles_pay(const Fp8GroupedGemmParams& p) {
 // 1x2 cluster when the 128-column tiles pair up, B multicast over 2x1 otherwise.
 Fp8GemmPath select_path(const Fp8GroupedGemmParams& p) {
   const bool small = p.num_groups > 0 && p.m / p.num_groups <= 128;
-  if (!small && wide_tiles_pay(p) && wgmma_instance_for(p, Fp8GemmPath::kWgmma128x192) != nullptr) {
-    return Fp8GemmPath::kWgmma128x192;
-  }
+  Fp8GemmPath wide;
+  if (!small && wide_path(p, &wide) && wgmma_instance_for(p, wide) != nullptr) return wide;
   const Fp8GemmPath tuned = small                           ? Fp8GemmPath::kCutlassPingpong64x128Cluster1x1
                             : fp8::tiles(p.n) % 2 == 0      ? Fp8GemmPath::kCutlassCoop128x128Cluster1x2
                                                             : Fp8GemmPath::kCutlassCoop128x128Cluster2x1;
@@ -276,6 +290,7 @@ const char* fp8_gemm_path_name(Fp8GemmPath path) {
     case Fp8GemmPath::kCutlassPingpong64x128Cluster1x1: return "cutlass_pingpong64x128_1x1";
     case Fp8GemmPath::kWgmma128x128: return "wgmma128x128";
     case Fp8GemmPath::kWgmma128x192: return "wgmma128x192";
+    case Fp8GemmPath::kWgmma128x192Bulk: return "wgmma128x192_bulk";
   }
   return "unknown";
 }

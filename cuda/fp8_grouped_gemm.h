@@ -12,7 +12,8 @@
 //     pointers are 16-byte aligned (TMA's requirements).
 //   - Our Hopper kernel (cuda/fp8_wgmma_kernel.cuh: TMA + FP8 wgmma, 128 x 128 or
 //     128 x 192 tiles, the promotion of each 128-deep block overlapped with a wgmma of the
-//     same or the other consumer warp group), under the same conditions.
+//     same or the other consumer warp group; 128 x 192 bf16 tiles also with a bulk-copy
+//     store), under the same conditions.
 //   - A SIMT kernel for everything else (other shapes, other GPUs): the contract's order
 //     exactly, so its results are bitwise those of the CPU kernel.
 #ifndef MOE_XLA_CUDA_FP8_GROUPED_GEMM_H_
@@ -42,6 +43,7 @@ enum class Fp8GemmPath : int32_t {
   kCutlassPingpong64x128Cluster1x1 = 4,
   kWgmma128x128 = 5,
   kWgmma128x192 = 6,
+  kWgmma128x192Bulk = 7,
 };
 
 inline constexpr Fp8GemmPath kFp8GemmPaths[] = {
@@ -51,6 +53,7 @@ inline constexpr Fp8GemmPath kFp8GemmPaths[] = {
     Fp8GemmPath::kCutlassPingpong64x128Cluster1x1,
     Fp8GemmPath::kWgmma128x128,
     Fp8GemmPath::kWgmma128x192,
+    Fp8GemmPath::kWgmma128x192Bulk,
 };
 
 // gmm_fp8's `path` attribute is kAuto (0) or a path of kFp8GemmPaths, numbered 1 .. N in

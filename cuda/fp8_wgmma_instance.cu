@@ -5,7 +5,7 @@
 #include "cuda/fp8_wgmma_kernel.cuh"
 
 #if !defined(MOE_XLA_CUTLASS_OUT_DTYPE) || !defined(MOE_XLA_CUTLASS_TILE_N)
-#error "set MOE_XLA_CUTLASS_OUT_DTYPE (kBF16 or kF32) and MOE_XLA_CUTLASS_TILE_N (kN128 or kN192; cuda/BUILD.bazel)"
+#error "set MOE_XLA_CUTLASS_OUT_DTYPE (kBF16 or kF32) and MOE_XLA_CUTLASS_TILE_N (kN128, kN192 or kN192Bulk; cuda/BUILD.bazel)"
 #endif
 
 namespace moe_xla {

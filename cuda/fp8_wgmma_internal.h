@@ -18,11 +18,17 @@ namespace detail {
 // Rows of the kernel's output tile: the row tiles of its table have this height.
 constexpr int kFp8WgmmaTileM = 128;
 
-// Columns of the kernel's output tile (the enumerator's value).
+// The kernel's output tile: its columns (fp8_wgmma_columns) and how it is stored.
+// kN192Bulk is kN192 with the whole tile staged in shared memory and written by bulk
+// copies that run on while the next tile is computed (bf16 output only; one pipeline
+// stage fewer to make room).
 enum class Fp8WgmmaTile : int32_t {
-  kN128 = 128,
-  kN192 = 192,
+  kN128,
+  kN192,
+  kN192Bulk,
 };
+
+constexpr int fp8_wgmma_columns(Fp8WgmmaTile tile) { return tile == Fp8WgmmaTile::kN128 ? 128 : 192; }
 
 struct Fp8WgmmaLaunch {
   const Fp8GroupedGemmParams* params;

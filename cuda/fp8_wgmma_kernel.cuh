@@ -31,7 +31,10 @@
 //     stores its rows of the totals through a staging buffer in shared memory, 16 bytes
 //     per thread and store (store_accumulators_staged; rows past the tile's group and
 //     columns past N are left alone); with 192-column tiles, after issuing the next unit's
-//     first wgmma, so that the tensor cores work through the store.
+//     first wgmma, so that the tensor cores work through the store. Fp8WgmmaTile::kN192Bulk
+//     instead stages the warp group's whole 64 x 192 bf16 tile and writes it with one bulk
+//     copy per row (store_accumulators_bulk), which runs on through the next unit; its
+//     buffers take the room of one pipeline stage (4 stages).
 // The rows past the last group are zeroed by the table's kernel.
 #ifndef MOE_XLA_CUDA_FP8_WGMMA_KERNEL_CUH_
 #define MOE_XLA_CUDA_FP8_WGMMA_KERNEL_CUH_
@@ -68,18 +71,22 @@ namespace detail {
 // CTAs per cluster (Fp8WgmmaTraits).
 constexpr int kFp8ClusterSize = 2;
 
-template <int kN>
+template <Fp8WgmmaTile kTile, class Out>
 struct Fp8WgmmaTraits {
   using Element = cutlass::float_e4m3_t;
   static constexpr int kTileM = kFp8WgmmaTileM;
-  static constexpr int kTileN = kN;
+  static constexpr int kTileN = fp8_wgmma_columns(kTile);
   static constexpr int kTileK = fp8::kTile;  // one scale block, one 128-byte swizzle row
-  static_assert(kN == fp8::kTile || kN == 3 * fp8::kTile / 2, "128 or 192 columns");
+  static_assert(kTileN == fp8::kTile || kTileN == 3 * fp8::kTile / 2, "128 or 192 columns");
   // A 128-column tile is one scale column block of rhs and has registers for two
   // accumulator sets; a 192-column tile spans two blocks and has one set.
-  static constexpr bool kTwoAccumulators = kN == fp8::kTile;
+  static constexpr bool kTwoAccumulators = kTileN == fp8::kTile;
+  // The output store: store_accumulators_bulk (whole bf16 rows) or _staged.
+  static constexpr bool kBulkStore = kTile == Fp8WgmmaTile::kN192Bulk;
+  static_assert(!kBulkStore || std::is_same_v<Out, __nv_bfloat16>, "the bulk store's buffers fit bf16 tiles");
+  static constexpr int kBulkStride = bulk_staging_stride<Out, kTileN>();
   // As many stages as fit beside the staging buffers in 227 KiB of shared memory.
-  static constexpr int kStages = kN == fp8::kTile ? 6 : 5;
+  static constexpr int kStages = kBulkStore ? 4 : kTwoAccumulators ? 6 : 5;
   // Two CTAs per cluster compute column tiles 2p and 2p + 1 of one row tile: each loads
   // half of the A tile's rows and multicasts it to both.
   static constexpr int kClusterSize = kFp8ClusterSize;
@@ -112,7 +119,9 @@ struct Fp8WgmmaTraits {
   using PipelineState = typename Pipeline::PipelineState;
   static constexpr uint32_t kTmaBytes = (kTileM + kTileN) * kTileK * sizeof(Element);
 
-  using SharedStorage = WgmmaStagedSharedStorage<Element, SmemLayoutA, SmemLayoutB, Pipeline>;
+  using SharedStorage =
+      WgmmaStagedSharedStorage<Element, SmemLayoutA, SmemLayoutB, Pipeline,
+                               kBulkStore ? 64 * kBulkStride : kStagingBytes>;
   static_assert(sizeof(SharedStorage) <= 232448, "an H100 / H200 CTA's shared memory");
 };
 
@@ -283,7 +292,11 @@ __device__ __forceinline__ void fp8_wgmma_consume(const Fp8WgmmaKernelParams<Out
                                                row_lo, row_hi);
   };
   auto store = [&](const RowTile& tile, int32_t col0) {
-    store_accumulators_staged(p.out, p.n, tile.row_begin, tile.row_end, col0, total, coord, place);
+    if constexpr (T::kBulkStore) {
+      store_accumulators_bulk<T::kBulkStride>(p.out, p.n, tile.row_begin, tile.row_end, col0, total, coord, place);
+    } else {
+      store_accumulators_staged(p.out, p.n, tile.row_begin, tile.row_end, col0, total, coord, place);
+    }
   };
 
   if constexpr (T::kTwoAccumulators) {
@@ -348,6 +361,7 @@ __device__ __forceinline__ void fp8_wgmma_consume(const Fp8WgmmaKernelParams<Out
       stored = false;
     }
     if (!stored) store(previous, previous_col0);
+    if constexpr (T::kBulkStore) bulk_store_drain(place);
   }
 }
 
@@ -382,9 +396,9 @@ __global__ void __launch_bounds__(T::kThreads, 1)
 
 template <DType kOut, Fp8WgmmaTile kTile>
 Status fp8_wgmma_run(const Fp8WgmmaLaunch& launch) {
-  constexpr int kTileN = static_cast<int>(kTile);
-  using T = Fp8WgmmaTraits<kTileN>;
   using Out = typename OutElement<kOut>::type;
+  using T = Fp8WgmmaTraits<kTile, Out>;
+  constexpr int kTileN = T::kTileN;
   const Fp8GroupedGemmParams& p = *launch.params;
   Fp8WgmmaKernelParams<Out, T> kp;
   const auto* lhs = reinterpret_cast<const cutlass::float_e4m3_t*>(p.lhs);

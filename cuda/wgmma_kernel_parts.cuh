@@ -71,10 +71,20 @@ constexpr int staging_stride() {
 }
 constexpr int kStagingBytes = 64 * staging_stride<float>();
 
-// WgmmaSharedStorage with a staging buffer for each of two consumer warp groups.
-template <class Element, class SmemLayoutA, class SmemLayoutB, class Pipeline>
+// The bulk output store (store_accumulators_bulk): each consumer warp group's buffer of
+// 64 whole rows of a kTileN-column tile, bulk_staging_stride<Out, kTileN>() bytes apart.
+// 16 bytes of padding keep the rows 16-byte aligned (bulk copies need it) and, when the
+// row is a multiple of 128 bytes (a 192-column bf16 tile: 400 bytes = 100 words), put
+// the fragment's rows l / 4 of a warp 4 banks apart: its 32 words fall in distinct banks.
+template <class Out, int kTileN>
+constexpr int bulk_staging_stride() {
+  return kTileN * static_cast<int>(sizeof(Out)) + 16;
+}
+
+// WgmmaSharedStorage with a staging buffer of kBytes for each of two consumer warp groups.
+template <class Element, class SmemLayoutA, class SmemLayoutB, class Pipeline, int kBytes = kStagingBytes>
 struct WgmmaStagedSharedStorage : WgmmaSharedStorage<Element, SmemLayoutA, SmemLayoutB, Pipeline> {
-  alignas(16) char staging[2][kStagingBytes];
+  alignas(16) char staging[2][kBytes];
 };
 
 // A consumer thread's part in the staged store: its warp group's buffer, its index in the
@@ -223,6 +233,56 @@ __device__ __forceinline__ void store_accumulators_staged(Out* out, int32_t n, i
     }
     sync();  // every chunk read before the next slice overwrites the buffer
   }
+}
+
+// Stores a tile's accumulators like store_accumulators_staged (identity epilogue; the same
+// rows and columns written, the same values) but through a buffer of the warp group's 64
+// whole rows (`place`, in a WgmmaStagedSharedStorage of 64 * kStride bytes per group):
+// the fragment goes to shared memory at once, then threads 0 .. 63 of the group each start
+// one bulk copy (cp.async.bulk, the TMA engine) of their row's columns col0 .. min(n,
+// col0 + kTileN) - 1 to global memory, and the group moves on without waiting for the
+// writes. The copies of one store are waited for (their reads of the buffer) at the start
+// of the next, and all of them by bulk_store_drain before the kernel ends. n % 8 == 0 and
+// 16-byte aligned `out`: each row's copy starts and ends on 16 bytes.
+template <int kStride, class Out, class Accum, class Coord>
+__device__ __forceinline__ void store_accumulators_bulk(Out* out, int32_t n, int32_t row0, int32_t row_end,
+                                                        int32_t col0, const Accum& accum, const Coord& coord,
+                                                        const StagingPlace& place) {
+  using namespace cute;
+  constexpr int kTileN = (kStride - 16) / static_cast<int>(sizeof(Out));
+  static_assert(kStride == bulk_staging_stride<Out, kTileN>(), "a stride of bulk_staging_stride");
+  const int32_t group_row = get<0>(coord(0)) / 64 * 64;
+  const bool issuer = place.thread < 64;
+  auto sync = [&place] { asm volatile("bar.sync %0, 128;\n" ::"r"(place.barrier) : "memory"); };
+  // The previous store's copies have read the buffer.
+  if (issuer) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+  sync();
+  CUTLASS_PRAGMA_UNROLL
+  for (int i = 0; i < size(Accum{}); i += 2) {
+    const int r = get<0>(coord(i)) - group_row, c = get<1>(coord(i));
+    store_pair(reinterpret_cast<Out*>(place.buffer + r * kStride) + c, accum(i), accum(i + 1));
+  }
+  // The buffer's writes (generic proxy) visible to the bulk copies (async proxy).
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+  sync();
+  if (issuer) {
+    const int32_t row = row0 + group_row + place.thread;
+    const int32_t cols = std::min(kTileN, n - col0);
+    if (row < row_end && cols > 0) {
+      const uint32_t src = static_cast<uint32_t>(__cvta_generic_to_shared(place.buffer + place.thread * kStride));
+      Out* dst = out + static_cast<int64_t>(row) * n + col0;
+      asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(dst), "r"(src),
+                   "r"(cols * static_cast<int32_t>(sizeof(Out)))
+                   : "memory");
+    }
+    asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+  }
+}
+
+// Waits until the bulk copies of store_accumulators_bulk are complete (before the CTA's
+// shared memory goes away).
+__device__ __forceinline__ void bulk_store_drain(const StagingPlace& place) {
+  if (place.thread < 64) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
 }
 
 // Launches the persistent kernel of traits T: min(sm_count, max_units) CTAs (at least

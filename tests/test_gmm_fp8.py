@@ -233,8 +233,8 @@ def test_errors_name_the_argument(rng):
 
 
 @requires_gpu
-@pytest.mark.parametrize("path", ["wgmma128x128", "wgmma128x192"])
-@pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("path,out_dtype", [(p, d) for p in ("wgmma128x128", "wgmma128x192", "wgmma128x192_bulk")
+                                            for d in (jnp.float32, jnp.bfloat16) if d == jnp.bfloat16 or p in F32_PATHS])
 @pytest.mark.parametrize("kind", ["random", "empty_and_short", "clamped"])
 @pytest.mark.parametrize("shape", GPU_SHAPES)
 def test_gpu_wgmma_path_bitwise_against_cutlass(rng, shape, kind, out_dtype, path):

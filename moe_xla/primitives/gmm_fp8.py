@@ -15,7 +15,8 @@ passes them as stored ([G, K, N] read as [G, N' = K, K' = N]) with the scales sw
 
 `path` picks the CUDA kernel (benchmarks, tests): "auto" (a shape heuristic) or one of
 PATHS: CUTLASS's named by kernel schedule, CTA tile M x N (K 128) and cluster M x N, ours
-("wgmma128x128", "wgmma128x192") by its CTA tile; a forced path
+("wgmma128x128", "wgmma128x192") by its CTA tile, "wgmma128x192_bulk" the second with its
+bf16 tiles written by bulk copies (no float32 output); a forced path
 that cannot compute the product (shape, alignment, GPU) fails at run time naming it. The
 CPU has one kernel and ignores it.
 
@@ -39,7 +40,7 @@ gmm_fp8_p = Primitive("moe_xla_gmm_fp8")
 
 # The kernels by their attribute value (cuda::Fp8GemmPath in cuda/fp8_grouped_gemm.h).
 PATHS = ("auto", "simt", "cutlass_coop128x128_1x2", "cutlass_coop128x128_2x1", "cutlass_pingpong64x128_1x1",
-         "wgmma128x128", "wgmma128x192")
+         "wgmma128x128", "wgmma128x192", "wgmma128x192_bulk")
 
 
 def gmm_fp8(lhs, lhs_scales, rhs, rhs_scales, group_sizes, *, preferred_element_type=jnp.bfloat16, path="auto"):

@@ -52,14 +52,16 @@ void expect_supported(const char* what, const Fp8GroupedGemmParams& p, Fp8GemmPa
 
 int main() {
   const Fp8GemmPath wide = Fp8GemmPath::kWgmma128x192;
+  const Fp8GemmPath bulk = Fp8GemmPath::kWgmma128x192Bulk;
   const Fp8GemmPath coop = Fp8GemmPath::kCutlassCoop128x128Cluster1x2;
   // The grouped_matmul cases of cases.json (and their dgrads' shapes where they differ).
   expect_auto("qwen3 gate_up", product(131072, 128, 2048, 1536), wide);
   expect_auto("qwen3 down (N 2048: 11% of the pairs' columns past N, K 768)", product(131072, 128, 768, 2048), wide);
-  expect_auto("deepseek gate_up (N 4096: 3% past N at K 7168)", product(32768, 32, 7168, 4096), coop);
+  expect_auto("deepseek gate_up (N 4096: 3% past N at K 7168)", product(32768, 32, 7168, 4096), bulk);
+  expect_auto("deepseek gate_up, float32 output", product(32768, 32, 7168, 4096, DType::kF32), coop);
   expect_auto("deepseek down (N 7168: 1.75% past N)", product(32768, 32, 2048, 7168), wide);
   expect_auto("deepseek down's dgrad (N 2048 at K 7168: 11%)", product(32768, 32, 7168, 2048), coop);
-  expect_auto("mixtral gate_up", product(32768, 8, 4096, 28672), wide);
+  expect_auto("mixtral gate_up", product(32768, 8, 4096, 28672), bulk);
   expect_auto("float32 output", product(32768, 8, 4096, 28672, DType::kF32), wide);
   // Narrow N: one pair of 192-column tiles for 256 columns pads 33%, two pairs for 640 pad
   // 17% (and 640 is an odd count of 128-column tiles); one pair is exactly 384.
@@ -69,6 +71,7 @@ int main() {
   // 27 tiles of 192 columns: the last pair's second tile lies wholly past N (4.8% of the
   // pairs' columns, where the tiles alone pad 1.2%).
   expect_auto("N 5120 at K 4096", product(32768, 8, 4096, 5120), coop);
+  expect_auto("N 5120 at K 4080 (4.8% past N: 12% allowed below K 4096)", product(32768, 8, 4080, 5120), wide);
   // Average groups of at most 128 rows: 64-row tiles.
   expect_auto("small groups", product(1000, 16, 2048, 1536), Fp8GemmPath::kCutlassPingpong64x128Cluster1x1);
   // No TMA path: K not a multiple of 16, a misaligned output.
@@ -77,6 +80,9 @@ int main() {
   misaligned.out = reinterpret_cast<void*>((uintptr_t{6} << 20) + 8);
   expect_auto("misaligned output", misaligned, Fp8GemmPath::kSimt);
   expect_supported("misaligned output", misaligned, wide, false);
+  // The bulk store has no float32 instance.
+  expect_supported("bulk store, float32 output", product(8192, 8, 2048, 1536, DType::kF32), bulk, false);
+  expect_supported("bulk store, bf16 output", product(8192, 8, 2048, 1536), bulk, true);
   // Our kernel's int32 column offsets: N at most INT32_MAX less two tiles.
   const int64_t near = INT32_MAX - 7 - 256;  // a multiple of 8, within two 128-column tiles' slack
   expect_supported("N = INT32_MAX - 263, 128 columns", product(1, 1, 16, near), Fp8GemmPath::kWgmma128x128, true);
