@@ -84,7 +84,6 @@ struct Fp8WgmmaTraits {
   // The output store: store_accumulators_bulk (whole bf16 rows) or _staged.
   static constexpr bool kBulkStore = kTile == Fp8WgmmaTile::kN192Bulk;
   static_assert(!kBulkStore || std::is_same_v<Out, __nv_bfloat16>, "the bulk store's buffers fit bf16 tiles");
-  static constexpr int kBulkStride = bulk_staging_stride<Out, kTileN>();
   // As many stages as fit beside the staging buffers in 227 KiB of shared memory.
   static constexpr int kStages = kBulkStore ? 4 : kTwoAccumulators ? 6 : 5;
   // Two CTAs per cluster compute column tiles 2p and 2p + 1 of one row tile: each loads
@@ -121,7 +120,7 @@ struct Fp8WgmmaTraits {
 
   using SharedStorage =
       WgmmaStagedSharedStorage<Element, SmemLayoutA, SmemLayoutB, Pipeline,
-                               kBulkStore ? 64 * kBulkStride : kStagingBytes>;
+                               kBulkStore ? 64 * bulk_staging_stride<Out, kTileN>() : kStagingBytes>;
   static_assert(sizeof(SharedStorage) <= 232448, "an H100 / H200 CTA's shared memory");
 };
 
@@ -293,7 +292,7 @@ __device__ __forceinline__ void fp8_wgmma_consume(const Fp8WgmmaKernelParams<Out
   };
   auto store = [&](const RowTile& tile, int32_t col0) {
     if constexpr (T::kBulkStore) {
-      store_accumulators_bulk<T::kBulkStride>(p.out, p.n, tile.row_begin, tile.row_end, col0, total, coord, place);
+      store_accumulators_bulk(p.out, p.n, tile.row_begin, tile.row_end, col0, total, coord, place);
     } else {
       store_accumulators_staged(p.out, p.n, tile.row_begin, tile.row_end, col0, total, coord, place);
     }

@@ -1,9 +1,9 @@
-// Device pieces shared by the hand-written Hopper kernels whose producer warps gather
-// operands with cp.async and whose consumer warp groups multiply them with wgmma
-// (gather_gemm_kernel.cuh, gather_tgmm_kernel.cuh): the output element of a DType, the
-// zero-filling 16-byte copy, the shared storage, the consumers' tensors, main loop and
-// output store, and the persistent launch. Traits T name the tiles (kTileM, kTileN,
-// SmemLayoutA/B over all stages, TiledMma, SharedStorage, kThreads).
+// Device pieces shared by the hand-written Hopper kernels whose consumer warp groups
+// multiply with wgmma (gather_gemm_kernel.cuh, gather_tgmm_kernel.cuh, whose producer warps
+// gather operands with cp.async, and fp8_wgmma_kernel.cuh): the output element of a DType,
+// the zero-filling 16-byte copy, the shared storage, the consumers' tensors, main loop and
+// output stores (staged, bulk), and the persistent launch. Traits T name the tiles (kTileM,
+// kTileN, SmemLayoutA/B over all stages, TiledMma, SharedStorage, kThreads).
 #ifndef MOE_XLA_CUDA_WGMMA_KERNEL_PARTS_CUH_
 #define MOE_XLA_CUDA_WGMMA_KERNEL_PARTS_CUH_
 
@@ -237,20 +237,21 @@ __device__ __forceinline__ void store_accumulators_staged(Out* out, int32_t n, i
 
 // Stores a tile's accumulators like store_accumulators_staged (identity epilogue; the same
 // rows and columns written, the same values) but through a buffer of the warp group's 64
-// whole rows (`place`, in a WgmmaStagedSharedStorage of 64 * kStride bytes per group):
+// whole rows (`place`, in a WgmmaStagedSharedStorage of 64 * bulk_staging_stride<Out,
+// kTileN>() bytes per group; kTileN from the accumulators, 64 x kTileN over 128 threads):
 // the fragment goes to shared memory at once, then threads 0 .. 63 of the group each start
 // one bulk copy (cp.async.bulk, the TMA engine) of their row's columns col0 .. min(n,
 // col0 + kTileN) - 1 to global memory, and the group moves on without waiting for the
 // writes. The copies of one store are waited for (their reads of the buffer) at the start
 // of the next, and all of them by bulk_store_drain before the kernel ends. n % 8 == 0 and
 // 16-byte aligned `out`: each row's copy starts and ends on 16 bytes.
-template <int kStride, class Out, class Accum, class Coord>
+template <class Out, class Accum, class Coord>
 __device__ __forceinline__ void store_accumulators_bulk(Out* out, int32_t n, int32_t row0, int32_t row_end,
                                                         int32_t col0, const Accum& accum, const Coord& coord,
                                                         const StagingPlace& place) {
   using namespace cute;
-  constexpr int kTileN = (kStride - 16) / static_cast<int>(sizeof(Out));
-  static_assert(kStride == bulk_staging_stride<Out, kTileN>(), "a stride of bulk_staging_stride");
+  constexpr int kTileN = 2 * size(Accum{});
+  constexpr int kStride = bulk_staging_stride<Out, kTileN>();
   const int32_t group_row = get<0>(coord(0)) / 64 * 64;
   const bool issuer = place.thread < 64;
   auto sync = [&place] { asm volatile("bar.sync %0, 128;\n" ::"r"(place.barrier) : "memory"); };
