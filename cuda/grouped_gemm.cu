@@ -1,7 +1,8 @@
 // Dispatcher of the CUDA grouped products: validation, device check, path selection,
 // workspace layout, the group-offset scan of the SIMT path and the zeroing of tgmm's empty
-// groups. The heavy kernels live in fallback_gemm.cu (SIMT) and cutlass_grouped.cuh (one
-// CUTLASS instantiation per compilation of cutlass_instance.cu).
+// groups. The heavy kernels live in fallback_gemm.cu (SIMT), cutlass_grouped.cuh (one
+// CUTLASS instantiation per compilation of cutlass_instance.cu) and
+// resident_b_gemm_kernel.cuh (ours, for gmm with a short K).
 #include "cuda/grouped_gemm.h"
 
 #include <cuda_runtime.h>
@@ -16,6 +17,8 @@
 #include "cuda/device.h"
 #include "cuda/group_offsets.cuh"
 #include "cuda/grouped_gemm_internal.h"
+#include "cuda/resident_b_gemm_internal.h"
+#include "cuda/row_tiles.h"
 
 namespace moe_xla {
 namespace cuda {
@@ -113,7 +116,22 @@ const CutlassInstance* find_cutlass_instance(DType d, GroupedLayout l, TileConfi
   return nullptr;
 }
 
-// The tile configuration of a CUTLASS path; false for kAuto and kFallback.
+// The instantiations of our short-K gmm kernel (resident_b_gemm_kernel.cuh), from the
+// table of cuda/BUILD.bazel like the CUTLASS ones.
+struct ResidentInstance {
+  DType dtype;
+  Status (*run)(const detail::ResidentBLaunch& launch);
+};
+
+#define MOE_XLA_CUTLASS_INSTANCE(DTYPE) \
+  ResidentInstance{DType::DTYPE, &detail::resident_b_gemm_run<DType::DTYPE>},
+
+constexpr ResidentInstance kResidentInstances[] = {
+#include "cuda/resident_b_gemm_kernels.inc"
+};
+#undef MOE_XLA_CUTLASS_INSTANCE
+
+// The tile configuration of a CUTLASS path; false for the others.
 bool tile_of(GroupedGemmPath path, TileConfig* tile) {
   switch (path) {
     case GroupedGemmPath::kCutlassSmall:
@@ -133,6 +151,7 @@ bool tile_of(GroupedGemmPath path, TileConfig* tile) {
       return true;
     case GroupedGemmPath::kAuto:
     case GroupedGemmPath::kFallback:
+    case GroupedGemmPath::kResidentB64x256:
       return false;
   }
   return false;
@@ -163,6 +182,28 @@ bool cutlass_supported(const GroupedGemmParams& p, GroupedGemmPath path) {
   return cutlass_instance_for(p, path) != nullptr;
 }
 
+// The instantiation of our short-K kernel that computes this product, or nullptr: gmm
+// (rhs [G, K, N]) with the same input and output dtype, 0 < K <= kResidentMaxK, and the
+// TMA requirements of the CUTLASS paths (16-byte aligned bases and rows).
+const ResidentInstance* resident_instance_for(const GroupedGemmParams& p) {
+  if (p.layout != GroupedLayout::kGmm || !sizes_in_range(p) || p.in_dtype != p.out_dtype) return nullptr;
+  if (p.m <= 0 || p.k <= 0 || p.n <= 0 || p.num_groups <= 0) return nullptr;
+  if (p.m > INT32_MAX || p.n > INT32_MAX || p.num_groups > INT32_MAX || p.k > detail::kResidentMaxK) return nullptr;
+  if (p.k % 8 != 0 || p.n % 8 != 0) return nullptr;
+  if (!aligned16(p.lhs) || !aligned16(p.rhs) || !aligned16(p.out)) return nullptr;
+  for (const ResidentInstance& inst : kResidentInstances) {
+    if (inst.dtype == p.in_dtype) return &inst;
+  }
+  return nullptr;
+}
+
+// Bytes of the row-tile table of the short-K kernel (its units' row tiles).
+size_t resident_table_bytes(int64_t m, int64_t num_groups) {
+  return align_up(detail::row_tile_table_bytes(std::max<int64_t>(m, 0), std::max<int64_t>(num_groups, 0),
+                                               detail::kResidentUnitRows),
+                  kWorkspaceAlign);
+}
+
 // Output tiles of 256 columns in a row of the product's output.
 int64_t column_tiles_256(const GroupedGemmParams& p) { return (p.n + 255) / 256; }
 
@@ -185,6 +226,12 @@ int64_t column_tiles_256(const GroupedGemmParams& p) { return (p.n + 255) / 256;
 //    read each B tile for twice the rows. The 1x2 cluster pairs 256-column tiles, so with
 //    an odd number of them it would compute a tile of zeros per row of tiles: there
 //    cluster 1x1.
+//  - gmm with rhs [G, K, N], K <= 256, N > 128 and at least 1024 rows per group on
+//    average: our kernel that keeps each expert's K x 256 block of B in shared memory
+//    while whole row tiles of 1024 rows pass, and stores one warp group's rows under the
+//    other's wgmma (resident_b_gemm_kernel.cuh; it beats every CUTLASS configuration on the
+//    sonicmoe n256 down product, K 256). With fewer rows per group its B block would be
+//    reloaded for a few rows.
 //  - tgmm (ragged K): pingpong 64x256 when G >= 16, else cooperative 128x256 cluster 2x1
 //    (with few groups, the larger tiles of the cooperative kernel win).
 GroupedGemmPath select_path(const GroupedGemmParams& p, int sm_count) {
@@ -198,6 +245,10 @@ GroupedGemmPath select_path(const GroupedGemmParams& p, int sm_count) {
     tuned = p.num_groups >= 16 ? GroupedGemmPath::kCutlassPingpong64x256Cluster2x1 : GroupedGemmPath::kCutlassLarge;
   } else {
     const int64_t avg_rows = p.m / p.num_groups;
+    if (p.layout == GroupedLayout::kGmm && avg_rows >= detail::kResidentUnitRows && p.n > 128 &&
+        resident_instance_for(p) != nullptr) {
+      return GroupedGemmPath::kResidentB64x256;
+    }
     small = avg_rows <= 128 || p.n <= 128;
     const bool column_tile_pairs = column_tiles_256(p) % 2 == 0;
     tuned = p.k > 256 && p.k <= 1024 ? GroupedGemmPath::kCutlassPingpong64x256Cluster2x1
@@ -268,6 +319,8 @@ const char* grouped_gemm_path_name(GroupedGemmPath path) {
       return "cutlass_coop128x256_1x2";
     case GroupedGemmPath::kCutlassPingpong64x256Cluster2x1:
       return "cutlass_pingpong64x256_2x1";
+    case GroupedGemmPath::kResidentB64x256:
+      return "resident_b64x256";
   }
   return "unknown";
 }
@@ -292,6 +345,7 @@ std::string grouped_gemm_team_name(const GroupedGemmConfig& config) {
 
 bool grouped_gemm_path_supported(const GroupedGemmParams& p, GroupedGemmPath path) {
   if (path == GroupedGemmPath::kAuto || path == GroupedGemmPath::kFallback) return true;
+  if (path == GroupedGemmPath::kResidentB64x256) return resident_instance_for(p) != nullptr;
   return cutlass_supported(p, path);
 }
 
@@ -321,17 +375,18 @@ size_t grouped_gemm_workspace_bytes(const GroupedGemmParams& p, int sm_count,
   if (const CutlassInstance* inst = cutlass_instance_for(p, path)) {
     bytes += align_up(inst->workspace_bytes(p.num_groups, std::max(sm_count, 1)), kWorkspaceAlign);
   }
+  if (path == GroupedGemmPath::kResidentB64x256) bytes += resident_table_bytes(p.m, p.num_groups);
   return bytes;
 }
 
-size_t grouped_gemm_workspace_bytes_bound(int64_t num_groups, int max_sm_count) {
+size_t grouped_gemm_workspace_bytes_bound(int64_t m, int64_t num_groups, int max_sm_count) {
   if (num_groups < 0) return 0;
-  size_t cutlass_bytes = 0;
+  size_t path_bytes = resident_table_bytes(m, num_groups);
   for (const CutlassInstance& inst : kCutlassInstances) {
-    cutlass_bytes =
-        std::max(cutlass_bytes, inst.workspace_bytes(num_groups, std::max(max_sm_count, 1)));
+    path_bytes = std::max(path_bytes,
+                          align_up(inst.workspace_bytes(num_groups, std::max(max_sm_count, 1)), kWorkspaceAlign));
   }
-  return kWorkspaceAlign + offsets_bytes(num_groups) + align_up(cutlass_bytes, kWorkspaceAlign);
+  return kWorkspaceAlign + offsets_bytes(num_groups) + path_bytes;
 }
 
 Status grouped_gemm(const GroupedGemmParams& p, void* workspace, size_t workspace_bytes,
@@ -424,6 +479,15 @@ Status grouped_gemm(const GroupedGemmParams& p, void* workspace, size_t workspac
     return detail::fallback_grouped_run(p, offsets, stream).With("grouped_gemm path fallback");
   }
 
+  if (path == GroupedGemmPath::kResidentB64x256) {
+    detail::RowTileTable table;
+    const int64_t row_vecs = p.n * static_cast<int64_t>(dtype_bytes(p.out_dtype)) / 16;
+    MOE_XLA_RETURN_IF_ERROR(detail::enqueue_row_tile_table(p.group_sizes, p.num_groups, p.m, detail::kResidentUnitRows,
+                                                           base + off_bytes, p.out, row_vecs, sm_count, stream, &table));
+    return resident_instance_for(p)
+        ->run(detail::ResidentBLaunch{&p, table, sm_count, stream})
+        .With(std::string("grouped_gemm path ") + grouped_gemm_path_name(path));
+  }
   const CutlassInstance* inst = cutlass_instance_for(p, path);
   if (inst == nullptr) {
     return Status::Internal("grouped_gemm: no CUTLASS instantiation for this configuration");

@@ -9,6 +9,9 @@
 //   - CUTLASS sm90 ptr-array grouped GEMM (TMA + wgmma, warp-specialised persistent
 //     kernels) for bf16 -> bf16 (several tile configurations) and f16 -> f16 (one), when K
 //     and N are multiples of 8 and the pointers are 16-byte aligned (TMA requirements).
+//   - Our Hopper kernel for bf16 gmm with K <= 256 (rhs [G, K, N]): each expert's K x 256
+//     weight block stays in shared memory while a tile of the group's rows streams past
+//     (resident_b_gemm_kernel.cuh).
 //   - A shared-memory tiled SIMT fallback with f32 accumulation for everything else
 //     (f32, mixed output dtype, unaligned shapes).
 // Both start from a device-side inclusive scan of the clamped group sizes.
@@ -40,6 +43,7 @@ enum class GroupedGemmPath : int32_t {
   kCutlassCoop128x256Cluster1x1 = 4,     // bf16 gmm, gmm_t
   kCutlassCoop128x256Cluster1x2 = 5,     // bf16 gmm, gmm_t, tgmm
   kCutlassPingpong64x256Cluster2x1 = 6,  // bf16 gmm, gmm_t, tgmm
+  kResidentB64x256 = 7,                  // bf16 gmm with K <= 256 (ours; 64-row sub-tiles, 256 columns)
 };
 
 // Every concrete path (not kAuto), for tests and benchmarks that sweep them.
@@ -50,6 +54,7 @@ inline constexpr GroupedGemmPath kGroupedGemmPaths[] = {
     GroupedGemmPath::kCutlassCoop128x256Cluster1x1,
     GroupedGemmPath::kCutlassCoop128x256Cluster1x2,
     GroupedGemmPath::kCutlassPingpong64x256Cluster2x1,
+    GroupedGemmPath::kResidentB64x256,
 };
 
 // Order in which the CUTLASS persistent tile scheduler hands out the output tiles of a
@@ -106,11 +111,12 @@ GroupedGemmConfig grouped_gemm_select_config(const GroupedGemmParams& p, int sm_
 size_t grouped_gemm_workspace_bytes(const GroupedGemmParams& p, int sm_count,
                                     GroupedGemmPath path = GroupedGemmPath::kAuto);
 
-// An upper bound of grouped_gemm_workspace_bytes over every dtype, layout, shape and path
-// for `num_groups` groups on GPUs with at most `max_sm_count` SMs: for callers that must
-// size the scratch before the device is known (e.g. a workspace buffer XLA allocates as an
-// extra custom-call result, whose address stays valid across CUDA-graph replays).
-size_t grouped_gemm_workspace_bytes_bound(int64_t num_groups, int max_sm_count);
+// An upper bound of grouped_gemm_workspace_bytes over every dtype, layout, K, N and path
+// for `m` rows of lhs and `num_groups` groups on GPUs with at most `max_sm_count` SMs: for
+// callers that must size the scratch before the device is known (e.g. a workspace buffer
+// XLA allocates as an extra custom-call result, whose address stays valid across
+// CUDA-graph replays).
+size_t grouped_gemm_workspace_bytes_bound(int64_t m, int64_t num_groups, int max_sm_count);
 
 // Enqueues the grouped product on `stream`, with every tuning field (path, raster order,
 // team size) of `config` under the caller's control (all auto by default). `sm_count` is

@@ -61,7 +61,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaGmmCuda, moe_xla::gmm_cuda,
                                   .Arg<ffi::AnyBuffer>()  // rhs [G, K, N] or [G, N, K]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // group_sizes [G]
                                   .Ret<ffi::AnyBuffer>()         // out [M, N]
-                                  .Ret<ffi::AnyBuffer>()         // workspace u8[MoeXlaGmmWorkspaceBytes(G)]
+                                  .Ret<ffi::AnyBuffer>()         // workspace u8[MoeXlaGmmWorkspaceBytes(M, G)]
                                   .Attr<bool>("transpose_rhs"),  // transpose_rhs
                               {ffi::Traits::kCmdBufferCompatible});
 
@@ -72,12 +72,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaTgmmCuda, moe_xla::tgmm_cuda,
                                   .Arg<ffi::AnyBuffer>()                     // rhs [M, N]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // group_sizes [G]
                                   .Ret<ffi::AnyBuffer>()         // out [G, K, N]
-                                  .Ret<ffi::AnyBuffer>(),        // workspace u8[MoeXlaGmmWorkspaceBytes(G)]
+                                  .Ret<ffi::AnyBuffer>(),        // workspace u8[MoeXlaGmmWorkspaceBytes(M, G)]
                               {ffi::Traits::kCmdBufferCompatible});
 
-// Workspace bytes of a gmm / tgmm call with `num_groups` groups, any shape and dtype
-// (called from Python through ctypes when lowering).
-extern "C" int64_t MoeXlaGmmWorkspaceBytes(int64_t num_groups) {
+// Workspace bytes of a gmm / tgmm call with `m` rows of lhs and `num_groups` groups, any
+// K, N and dtype (called from Python through ctypes when lowering).
+extern "C" int64_t MoeXlaGmmWorkspaceBytes(int64_t m, int64_t num_groups) {
   using moe_xla::ffi_args::kMaxSmCount;
-  return static_cast<int64_t>(moe_xla::cuda::grouped_gemm_workspace_bytes_bound(num_groups, kMaxSmCount));
+  return static_cast<int64_t>(moe_xla::cuda::grouped_gemm_workspace_bytes_bound(m, num_groups, kMaxSmCount));
 }

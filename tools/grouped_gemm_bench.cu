@@ -256,7 +256,13 @@ std::vector<Variant> make_variants(bool teams) {
   for (GroupedGemmPath path : moe_xla::cuda::kGroupedGemmPaths) {
     if (path == GroupedGemmPath::kFallback) continue;  // SIMT: minutes per case, not a candidate
     std::string name = moe_xla::cuda::grouped_gemm_path_name(path);
-    if (name.rfind("cutlass_", 0) == 0) name = name.substr(8);
+    if (name.rfind("cutlass_", 0) != 0) {  // ours: no raster order to choose
+      GroupedGemmConfig c;
+      c.path = path;
+      v.push_back({c, name});
+      continue;
+    }
+    name = name.substr(8);
     for (GroupedGemmRaster raster : {GroupedGemmRaster::kAlongM, GroupedGemmRaster::kAlongN}) {
       GroupedGemmConfig c;
       c.path = path;
@@ -490,7 +496,7 @@ struct Bench {
     fill_normal_kernel<<<fill_blocks, 256, 0, stream>>>(ct.as<__nv_bfloat16>(), M * N, 201 + ci,
                                                         1.0f);
     CHECK_CUDA(cudaGetLastError());
-    const size_t ws_bytes = moe_xla::cuda::grouped_gemm_workspace_bytes_bound(G, sm_count);
+    const size_t ws_bytes = moe_xla::cuda::grouped_gemm_workspace_bytes_bound(M, G, sm_count);
     DeviceBuffer ws(ws_bytes);
 
     for (int oi = 0; oi < kNumOps; ++oi) {

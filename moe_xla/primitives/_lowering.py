@@ -157,8 +157,8 @@ def register_decomposed(prim, op: str, decomposition: Callable, kernel: Callable
 
 
 def grouped_gemm_workspace(lhs, rhs, group_sizes, **_) -> int:
-    """Workspace bytes of the CUDA gmm / tgmm handlers: a bound that depends on G only."""
-    return _lib.cuda_workspace_bytes("MoeXlaGmmWorkspaceBytes", group_sizes.shape[0])
+    """Workspace bytes of the CUDA gmm / tgmm handlers: a bound that depends on M and G only."""
+    return _lib.cuda_workspace_bytes("MoeXlaGmmWorkspaceBytes", lhs.shape[0], group_sizes.shape[0])
 
 
 def fp8_gemm_workspace(lhs, lhs_scales, rhs, rhs_scales, group_sizes, **_) -> int:
