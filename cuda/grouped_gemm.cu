@@ -188,7 +188,11 @@ bool cutlass_supported(const GroupedGemmParams& p, GroupedGemmPath path) {
 const ResidentInstance* resident_instance_for(const GroupedGemmParams& p) {
   if (p.layout != GroupedLayout::kGmm || !sizes_in_range(p) || p.in_dtype != p.out_dtype) return nullptr;
   if (p.m <= 0 || p.k <= 0 || p.n <= 0 || p.num_groups <= 0) return nullptr;
-  if (p.m > INT32_MAX || p.n > INT32_MAX || p.num_groups > INT32_MAX || p.k > detail::kResidentMaxK) return nullptr;
+  // Row and column indices of a unit's tile (row_begin + 2048, col0 + 256) stay in int32.
+  if (p.m > INT32_MAX - detail::kResidentUnitRows || p.n > INT32_MAX - detail::kResidentTileN ||
+      p.num_groups > INT32_MAX || p.k > detail::kResidentMaxK) {
+    return nullptr;
+  }
   if (p.k % 8 != 0 || p.n % 8 != 0) return nullptr;
   if (!aligned16(p.lhs) || !aligned16(p.rhs) || !aligned16(p.out)) return nullptr;
   for (const ResidentInstance& inst : kResidentInstances) {
@@ -197,12 +201,15 @@ const ResidentInstance* resident_instance_for(const GroupedGemmParams& p) {
   return nullptr;
 }
 
-// Bytes of the row-tile table of the short-K kernel (its units' row tiles).
+// Bytes of the row-tile table of the short-K kernel (its units' row tiles; a multiple of
+// kWorkspaceAlign).
 size_t resident_table_bytes(int64_t m, int64_t num_groups) {
-  return align_up(detail::row_tile_table_bytes(std::max<int64_t>(m, 0), std::max<int64_t>(num_groups, 0),
-                                               detail::kResidentUnitRows),
-                  kWorkspaceAlign);
+  return detail::row_tile_table_bytes(std::max<int64_t>(m, 0), std::max<int64_t>(num_groups, 0),
+                                      detail::kResidentUnitRows);
 }
+
+// Rows per group on average from which auto takes the resident-B kernel (see select_path).
+constexpr int64_t kResidentMinAverageRows = 1024;
 
 // Output tiles of 256 columns in a row of the product's output.
 int64_t column_tiles_256(const GroupedGemmParams& p) { return (p.n + 255) / 256; }
@@ -226,12 +233,13 @@ int64_t column_tiles_256(const GroupedGemmParams& p) { return (p.n + 255) / 256;
 //    read each B tile for twice the rows. The 1x2 cluster pairs 256-column tiles, so with
 //    an odd number of them it would compute a tile of zeros per row of tiles: there
 //    cluster 1x1.
-//  - gmm with rhs [G, K, N], K <= 256, N > 128 and at least 1024 rows per group on
+//  - gmm with rhs [G, K, N], 128 < K <= 256, N >= 1024 and at least 1024 rows per group on
 //    average: our kernel that keeps each expert's K x 256 block of B in shared memory
-//    while whole row tiles of 1024 rows pass, and stores one warp group's rows under the
+//    while row tiles of up to 2048 rows pass, and stores one warp group's rows under the
 //    other's wgmma (resident_b_gemm_kernel.cuh; it beats every CUTLASS configuration on the
-//    sonicmoe n256 down product, K 256). With fewer rows per group its B block would be
-//    reloaded for a few rows.
+//    sonicmoe n256 down product, K 256, N 4096). With fewer rows per group its B block would
+//    be reloaded for a few rows; with N < 1024 a partial 256-column tile is a large share
+//    of the work and with K <= 128 the stores are; both unmeasured, so left to CUTLASS.
 //  - tgmm (ragged K): pingpong 64x256 when G >= 16, else cooperative 128x256 cluster 2x1
 //    (with few groups, the larger tiles of the cooperative kernel win).
 GroupedGemmPath select_path(const GroupedGemmParams& p, int sm_count) {
@@ -245,7 +253,7 @@ GroupedGemmPath select_path(const GroupedGemmParams& p, int sm_count) {
     tuned = p.num_groups >= 16 ? GroupedGemmPath::kCutlassPingpong64x256Cluster2x1 : GroupedGemmPath::kCutlassLarge;
   } else {
     const int64_t avg_rows = p.m / p.num_groups;
-    if (p.layout == GroupedLayout::kGmm && avg_rows >= detail::kResidentUnitRows && p.n > 128 &&
+    if (p.layout == GroupedLayout::kGmm && avg_rows >= kResidentMinAverageRows && p.k > 128 && p.n >= 1024 &&
         resident_instance_for(p) != nullptr) {
       return GroupedGemmPath::kResidentB64x256;
     }
@@ -451,6 +459,15 @@ Status grouped_gemm(const GroupedGemmParams& p, void* workspace, size_t workspac
 
   const GroupedGemmConfig config = grouped_gemm_select_config(p, sm_count, wanted);
   const GroupedGemmPath path = config.path;
+  if (path == GroupedGemmPath::kResidentB64x256 && !grouped_gemm_path_supported(p, path)) {
+    return Status::InvalidArgument(
+        std::string("grouped_gemm: the path resident_b64x256 needs gmm with rhs [G, K, N], bf16 in and out, 0 < K "
+                    "<= ") +
+        std::to_string(detail::kResidentMaxK) + ", K and N multiples of 8 and 16-byte aligned operands; got " +
+        (p.layout == GroupedLayout::kGmm ? "gmm" : p.layout == GroupedLayout::kTgmm ? "tgmm" : "gmm with rhs [G, N, K]") +
+        ", " + dtype_name(p.in_dtype) + " -> " + dtype_name(p.out_dtype) +
+        ", M " + std::to_string(p.m) + ", K " + std::to_string(p.k) + ", N " + std::to_string(p.n));
+  }
   if (!grouped_gemm_path_supported(p, path)) {
     return Status::InvalidArgument(std::string("grouped_gemm: the path ") +
                                    grouped_gemm_path_name(path) +

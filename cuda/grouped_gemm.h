@@ -14,7 +14,7 @@
 //     (resident_b_gemm_kernel.cuh).
 //   - A shared-memory tiled SIMT fallback with f32 accumulation for everything else
 //     (f32, mixed output dtype, unaligned shapes).
-// Both start from a device-side inclusive scan of the clamped group sizes.
+// All start from a device-side scan of the clamped group sizes.
 #ifndef MOE_XLA_CUDA_GROUPED_GEMM_H_
 #define MOE_XLA_CUDA_GROUPED_GEMM_H_
 
@@ -105,9 +105,9 @@ GroupedGemmPath grouped_gemm_select_path(const GroupedGemmParams& p, int sm_coun
 GroupedGemmConfig grouped_gemm_select_config(const GroupedGemmParams& p, int sm_count,
                                              GroupedGemmConfig config = {});
 
-// Bytes of device scratch `grouped_gemm` needs for these params (group offsets, CUTLASS
-// per-group metadata and CUTLASS workspace, plus alignment slack). Any alignment of the
-// scratch pointer is accepted.
+// Bytes of device scratch `grouped_gemm` needs for these params (group offsets, then
+// CUTLASS per-group metadata and workspace or the resident-B kernel's row-tile table, plus
+// alignment slack). Any alignment of the scratch pointer is accepted.
 size_t grouped_gemm_workspace_bytes(const GroupedGemmParams& p, int sm_count,
                                     GroupedGemmPath path = GroupedGemmPath::kAuto);
 
@@ -122,7 +122,7 @@ size_t grouped_gemm_workspace_bytes_bound(int64_t m, int64_t num_groups, int max
 // team size) of `config` under the caller's control (all auto by default). `sm_count` is
 // cudaDevAttrMultiProcessorCount of the current device; the workspace holds at least
 // grouped_gemm_workspace_bytes(p, sm_count, config.path) bytes. On a GPU other than
-// compute capability 9.0 the auto path is the SIMT fallback and a forced CUTLASS path is
+// compute capability 9.0 the auto path is the SIMT fallback and any other forced path is
 // an error (cuda/device_support.h).
 Status grouped_gemm(const GroupedGemmParams& p, void* workspace, size_t workspace_bytes,
                     int sm_count, cudaStream_t stream, const GroupedGemmConfig& config = {});

@@ -23,7 +23,7 @@ namespace detail {
 // is at most kResidentMaxK.
 constexpr int kResidentTileN = 256;
 constexpr int kResidentMaxK = 256;
-constexpr int kResidentUnitRows = 1024;
+constexpr int kResidentUnitRows = 2048;
 
 struct ResidentBLaunch {
   const GroupedGemmParams* params;  // layout kGmm, in and out dtype the instance's

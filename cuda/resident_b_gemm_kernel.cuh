@@ -130,11 +130,15 @@ struct ResidentBKernelParams {
   int32_t n_tiles;  // 256-column tiles of out
 };
 
-// Unit u of the grid's walk (u = blockIdx.x, + gridDim.x, ...): row tile u / n_tiles, column
-// tile u % n_tiles, so the CTAs running at once share each row tile's rows in L2.
-__device__ __forceinline__ int32_t resident_sub_tiles(const RowTile& tile) { return (tile.row_end - tile.row_begin + 63) / 64; }
+// The 64-row sub-tiles of a row tile: ceil(rows / 64), at least 1 (row tiles are never
+// empty).
+__device__ __forceinline__ int32_t resident_sub_tiles(const RowTile& tile) {
+  return (tile.row_end - tile.row_begin + 63) / 64;
+}
 
-// Warp group 0, thread 0 (see the header comment).
+// Warp group 0, thread 0 (see the header comment). The grid walks units u = blockIdx.x, +
+// gridDim.x, ...: row tile u / n_tiles, column tile u % n_tiles, so the CTAs running at once
+// share each row tile's rows in L2.
 template <class T>
 __device__ __forceinline__ void resident_b_produce(const ResidentBKernelParams<T>& p, typename T::SharedStorage& smem,
                                                    typename T::PipelineA& pipeline_a, typename T::PipelineB& pipeline_b,
@@ -211,6 +215,10 @@ __device__ __forceinline__ void resident_b_consume(const ResidentBKernelParams<T
         read_a.advance(p.chunks);
         continue;
       }
+      // The turn comes before the stage waits: with 3 chunks per sub-tile an A stage passes
+      // from one warp group to the other, and its phase bit tells this fill from the next
+      // only once the fill before it has been waited for by its own warp group, which the
+      // turn order guarantees.
       wait_turn();
       typename T::PipelineA::PipelineState release_a = read_a;
       typename T::PipelineB::PipelineState chunk = read_b;

@@ -15,10 +15,11 @@ from conftest import assert_close, group_sizes_cases, normal
 
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 # (M, K, N, G): odd K and N, tile-unaligned sizes, G = 1, aligned shapes that take the
-# CUTLASS path on the GPU, and a short K (not a whole 64-deep step) with long groups and N
-# past a 256-column tile, which gmm on the GPU computes with the resident-B kernel.
+# CUTLASS path on the GPU, and a short K (not a multiple of 64) with long groups and N past
+# a 256-column tile, which bf16 gmm with rhs [G, K, N] computes with the resident-B kernel
+# on the GPU.
 SHAPES = [(37, 13, 11, 5), (64, 16, 24, 1), (200, 64, 72, 7), (129, 128, 136, 4), (300, 9, 256, 3),
-          (2600, 200, 264, 2)]
+          (2100, 136, 1032, 2)]
 
 
 def _cases():

@@ -266,6 +266,8 @@ struct Runner {
   int failures = 0;
   int cases = 0;
 
+  void check_resident_path_error();
+
   void run_case(const Case& cs, GroupedLayout layout, DType in, DType out_dtype,
                 std::mt19937& rng) {
     const int64_t groups = static_cast<int64_t>(cs.sizes.size());
@@ -418,6 +420,35 @@ struct Runner {
   }
 };
 
+// A product the resident-B path cannot compute (tgmm) forced onto it: an error that names
+// the path, what it needs and the product, and no launch.
+void Runner::check_resident_path_error() {
+  DeviceBuffer lhs(64 * 64 * 2), rhs(64 * 64 * 2), sizes(sizeof(int32_t)), out(64 * 64 * 2);
+  CHECK_CUDA(cudaMemset(sizes.ptr, 0, sizeof(int32_t)));
+  GroupedGemmParams p{};
+  p.layout = GroupedLayout::kTgmm;
+  p.in_dtype = p.out_dtype = DType::kBF16;
+  p.lhs = lhs.ptr;
+  p.rhs = rhs.ptr;
+  p.group_sizes = static_cast<const int32_t*>(sizes.ptr);
+  p.out = out.ptr;
+  p.m = p.k = p.n = 64;
+  p.num_groups = 1;
+  GroupedGemmConfig config;
+  config.path = GroupedGemmPath::kResidentB64x256;
+  DeviceBuffer ws(moe_xla::cuda::grouped_gemm_workspace_bytes_bound(p.m, p.num_groups, sm_count));
+  const moe_xla::Status status = moe_xla::cuda::grouped_gemm(
+      p, ws.ptr, moe_xla::cuda::grouped_gemm_workspace_bytes_bound(p.m, p.num_groups, sm_count), sm_count, stream,
+      config);
+  const std::string message = status.ok() ? "" : status.message();
+  const bool ok = !status.ok() && message.find("resident_b64x256 needs gmm with rhs [G, K, N]") != std::string::npos &&
+                  message.find("got tgmm, bf16 -> bf16, M 64, K 64, N 64") != std::string::npos;
+  ++cases;
+  if (!ok) ++failures;
+  std::printf("%s  forced resident_b64x256 on a tgmm: %s\n", ok ? "PASS" : "FAIL",
+              status.ok() ? "no error" : message.c_str());
+}
+
 std::vector<Case> make_cases(std::mt19937& rng) {
   std::vector<Case> cases;
   auto random_sizes = [&](int64_t groups, int lo, int hi) {
@@ -458,10 +489,11 @@ std::vector<Case> make_cases(std::mt19937& rng) {
   // clusters), so that the tile scheduler's teams deal out long stretches and uneven shares.
   cases.push_back({"many_tiles", 3000, 32, 1536, random_sizes(37, -3, 160),
                    random_sizes(37, 0, 90)});
-  // K = 256 (the short-K kernel's deepest B block) with groups longer than its row tiles
-  // of 1024 rows, one of them ending inside a 64-row sub-tile, and N past a 256-column tile.
-  cases.push_back({"short_k_long_groups", 2600, 256, 264, {1300, 0, 901, 351},
-                   {0, 2599, 1, 0}});
+  // Short K (three of the short-K kernel's four 64-deep B chunks, so its B stages rotate
+  // from unit to unit) with a group longer than its row tiles of 2048 rows, groups ending
+  // inside a 64-row sub-tile, and N past a 256-column tile.
+  cases.push_back({"short_k_long_groups", 4400, 192, 264, {2300, 0, 1500, 551},
+                   {0, 4399, 1, 0}});
   return cases;
 }
 
@@ -500,6 +532,7 @@ int main() {
       for (const auto& dt : dtypes) runner.run_case(cs, layout, dt.first, dt.second, rng);
     }
   }
+  if (runner.cutlass_device) runner.check_resident_path_error();
   CHECK_CUDA(cudaStreamDestroy(runner.stream));
   std::printf("%s: %d of %d checks failed\n", runner.failures ? "FAILED" : "OK", runner.failures,
               runner.cases);
