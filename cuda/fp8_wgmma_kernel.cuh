@@ -72,7 +72,7 @@ namespace detail {
 constexpr int kFp8ClusterSize = 2;
 
 template <Fp8WgmmaTile kTile, class Out>
-struct Fp8WgmmaTraits {
+struct Fp8WgmmaTraits : ProducerConsumerWarpGroups<> {
   using Element = cutlass::float_e4m3_t;
   static constexpr int kTileM = kFp8WgmmaTileM;
   static constexpr int kTileN = fp8_wgmma_columns(kTile);
@@ -90,15 +90,6 @@ struct Fp8WgmmaTraits {
   // half of the A tile's rows and multicasts it to both.
   static constexpr int kClusterSize = kFp8ClusterSize;
   using ClusterShape = cute::Shape<cute::Int<kClusterSize>, cute::_1, cute::_1>;
-
-  static constexpr int kProducerThreads = 128;
-  static constexpr int kConsumerThreads = 256;
-  static constexpr int kThreads = kProducerThreads + kConsumerThreads;
-  // Registers per thread after the producer gives some up (setmaxnreg).
-  static constexpr int kProducerRegisters = 40;
-  static constexpr int kConsumerRegisters = 232;
-  static_assert(register_split_fits(kProducerThreads, kProducerRegisters, kConsumerThreads, kConsumerRegisters),
-                "setmaxnreg within the launch's registers");
 
   // Both operands K-major (FP8 wgmma takes no other), 128-byte swizzle.
   using SmemLayoutA = decltype(cute::tile_to_shape(

@@ -87,7 +87,7 @@ struct GatherGemmBLayout<true> {
 };
 
 template <bool kTransposedB>
-struct GatherGemmTraits {
+struct GatherGemmTraits : ProducerConsumerWarpGroups<> {
   using Element = cutlass::bfloat16_t;
   using BLayout = GatherGemmBLayout<kTransposedB>;
   static constexpr int kTileM = kGatherTileM;
@@ -95,15 +95,6 @@ struct GatherGemmTraits {
   static constexpr int kTileK = 64;  // one 128-byte swizzle row of bf16
   static constexpr int kStages = 4;
   using TileShape = cute::Shape<cute::Int<kTileM>, cute::Int<kTileN>, cute::Int<kTileK>>;
-
-  static constexpr int kProducerThreads = 128;
-  static constexpr int kConsumerThreads = 256;
-  static constexpr int kThreads = kProducerThreads + kConsumerThreads;
-  // Registers per thread after the producer gives some up (setmaxnreg).
-  static constexpr int kProducerRegisters = 40;
-  static constexpr int kConsumerRegisters = 232;
-  static_assert(register_split_fits(kProducerThreads, kProducerRegisters, kConsumerThreads, kConsumerRegisters),
-                "setmaxnreg within the launch's registers");
 
   // The producer's A copy: 16-byte chunks (8 bf16), 8 per row of a K step; thread t
   // copies chunk t % 8 of rows t / 8 + 16 i, i < 8.

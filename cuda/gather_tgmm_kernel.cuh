@@ -96,27 +96,21 @@ struct GatherTgmmChunks {
 };
 
 // kTransposed: the block is dy^T x[src] (A = dy, B = gathered x), else x[src]^T dy.
+// The warp groups' registers (setmaxnreg): 128 * 72 + 256 * 216 or 128 * 88 + 256 * 208 =
+// 64512, all the launch has (register_split_fits). The producer holds the src entries of
+// two steps (2 each) and the transposed block's producer issues twice the copies (a
+// 256-column x tile); the consumers (128 accumulators) compile without spills down to 208.
 template <bool kTransposed>
-struct GatherTgmmTraits {
+using GatherTgmmWarpGroups = ProducerConsumerWarpGroups<kTransposed ? 88 : 72, kTransposed ? 208 : 216>;
+
+template <bool kTransposed>
+struct GatherTgmmTraits : GatherTgmmWarpGroups<kTransposed> {
   using Element = cutlass::bfloat16_t;
   static constexpr int kTileM = kGatherTgmmTileRows;  // GEMM M: rows of the output block
   static constexpr int kTileN = kGatherTgmmTileCols;  // GEMM N: columns of the output block
   static constexpr int kTileK = kGatherTgmmStepRows;  // GEMM K: rows of the group per step
   static constexpr int kStages = 4;
   static constexpr int kElementBytes = sizeof(Element);
-
-  static constexpr int kProducerThreads = 128;
-  static constexpr int kConsumerThreads = 256;
-  static constexpr int kThreads = kProducerThreads + kConsumerThreads;
-  // Registers per thread after the producer gives some up (setmaxnreg): 128 * 72 + 256 * 216
-  // or 128 * 88 + 256 * 208 = 64512, all the launch has (register_split_fits). The producer
-  // holds the src entries of two steps (2 each) and the transposed block's producer issues
-  // twice the copies (a 256-column x tile); the consumers (128 accumulators) compile
-  // without spills down to 208.
-  static constexpr int kProducerRegisters = kTransposed ? 88 : 72;
-  static constexpr int kConsumerRegisters = kTransposed ? 208 : 216;
-  static_assert(register_split_fits(kProducerThreads, kProducerRegisters, kConsumerThreads, kConsumerRegisters),
-                "setmaxnreg within the launch's registers");
 
   // Columns of x (the gathered operand) and of dy per tile.
   static constexpr int kColsX = kTransposed ? kTileN : kTileM;
@@ -151,7 +145,8 @@ struct GatherTgmmTraits {
   using TiledMma = decltype(cute::make_tiled_mma(
       cute::SM90_64x256x16_F32BF16BF16_SS<cute::GMMA::Major::MN, cute::GMMA::Major::MN>{},
       cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>{}));
-  static_assert(cute::size(TiledMma{}) == kConsumerThreads, "two consumer warp groups");
+  static_assert(cute::size(TiledMma{}) == GatherTgmmWarpGroups<kTransposed>::kConsumerThreads,
+                "two consumer warp groups");
 
   // One TMA box of dy: 64 columns (one swizzle atom wide) by the step's rows, which is one
   // contiguous 8 KiB slice of a stage of either layout; kColsDy / 64 boxes per stage.

@@ -208,6 +208,17 @@ size_t resident_table_bytes(int64_t m, int64_t num_groups) {
                                       detail::kResidentUnitRows);
 }
 
+// The error of a product forced onto the resident-B path that it cannot compute.
+std::string resident_unsupported(const GroupedGemmParams& p) {
+  const char* product = p.layout == GroupedLayout::kGmm    ? "gmm"
+                        : p.layout == GroupedLayout::kTgmm ? "tgmm"
+                                                           : "gmm with rhs [G, N, K]";
+  return "grouped_gemm: the path resident_b64x256 needs gmm with rhs [G, K, N], bf16 in and out, 0 < K <= " +
+         std::to_string(detail::kResidentMaxK) + ", K and N multiples of 8 and 16-byte aligned operands; got " +
+         product + ", " + dtype_name(p.in_dtype) + " -> " + dtype_name(p.out_dtype) + ", M " + std::to_string(p.m) +
+         ", K " + std::to_string(p.k) + ", N " + std::to_string(p.n);
+}
+
 // Rows per group on average from which auto takes the resident-B kernel (see select_path).
 constexpr int64_t kResidentMinAverageRows = 1024;
 
@@ -460,13 +471,7 @@ Status grouped_gemm(const GroupedGemmParams& p, void* workspace, size_t workspac
   const GroupedGemmConfig config = grouped_gemm_select_config(p, sm_count, wanted);
   const GroupedGemmPath path = config.path;
   if (path == GroupedGemmPath::kResidentB64x256 && !grouped_gemm_path_supported(p, path)) {
-    return Status::InvalidArgument(
-        std::string("grouped_gemm: the path resident_b64x256 needs gmm with rhs [G, K, N], bf16 in and out, 0 < K "
-                    "<= ") +
-        std::to_string(detail::kResidentMaxK) + ", K and N multiples of 8 and 16-byte aligned operands; got " +
-        (p.layout == GroupedLayout::kGmm ? "gmm" : p.layout == GroupedLayout::kTgmm ? "tgmm" : "gmm with rhs [G, N, K]") +
-        ", " + dtype_name(p.in_dtype) + " -> " + dtype_name(p.out_dtype) +
-        ", M " + std::to_string(p.m) + ", K " + std::to_string(p.k) + ", N " + std::to_string(p.n));
+    return Status::InvalidArgument(resident_unsupported(p));
   }
   if (!grouped_gemm_path_supported(p, path)) {
     return Status::InvalidArgument(std::string("grouped_gemm: the path ") +
@@ -499,8 +504,9 @@ Status grouped_gemm(const GroupedGemmParams& p, void* workspace, size_t workspac
   if (path == GroupedGemmPath::kResidentB64x256) {
     detail::RowTileTable table;
     const int64_t row_vecs = p.n * static_cast<int64_t>(dtype_bytes(p.out_dtype)) / 16;
-    MOE_XLA_RETURN_IF_ERROR(detail::enqueue_row_tile_table(p.group_sizes, p.num_groups, p.m, detail::kResidentUnitRows,
-                                                           base + off_bytes, p.out, row_vecs, sm_count, stream, &table));
+    MOE_XLA_RETURN_IF_ERROR(detail::enqueue_row_tile_table(p.group_sizes, p.num_groups, p.m,
+                                                           detail::kResidentUnitRows, base + off_bytes, p.out,
+                                                           row_vecs, sm_count, stream, &table));
     return resident_instance_for(p)
         ->run(detail::ResidentBLaunch{&p, table, sm_count, stream})
         .With(std::string("grouped_gemm path ") + grouped_gemm_path_name(path));

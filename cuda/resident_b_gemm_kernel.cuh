@@ -50,7 +50,7 @@ namespace moe_xla {
 namespace cuda {
 namespace detail {
 
-struct ResidentBTraits {
+struct ResidentBTraits : ProducerConsumerWarpGroups<> {
   using Element = cutlass::bfloat16_t;
   using Out = __nv_bfloat16;
   static constexpr int kTileM = 64;  // a sub-tile: one consumer warp group's rows
@@ -58,14 +58,6 @@ struct ResidentBTraits {
   static constexpr int kTileK = 64;  // one 128-byte swizzle row of bf16
   static constexpr int kChunks = kResidentMaxK / kTileK;  // B's stages
   static constexpr int kStagesA = 8;                       // two sub-tiles of K 256 ahead
-
-  static constexpr int kProducerThreads = 128;
-  static constexpr int kConsumerThreads = 256;
-  static constexpr int kThreads = kProducerThreads + kConsumerThreads;
-  static constexpr int kProducerRegisters = 40;
-  static constexpr int kConsumerRegisters = 232;
-  static_assert(register_split_fits(kProducerThreads, kProducerRegisters, kConsumerThreads, kConsumerRegisters),
-                "setmaxnreg within the launch's registers");
 
   using SmemLayoutA = decltype(cute::tile_to_shape(
       cute::GMMA::Layout_K_SW128_Atom<Element>{},

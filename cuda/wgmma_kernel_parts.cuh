@@ -1,9 +1,10 @@
 // Device pieces shared by the hand-written Hopper kernels whose consumer warp groups
 // multiply with wgmma (gather_gemm_kernel.cuh, gather_tgmm_kernel.cuh, whose producer warps
-// gather operands with cp.async, and fp8_wgmma_kernel.cuh): the output element of a DType,
-// the zero-filling 16-byte copy, the shared storage, the consumers' tensors, main loop and
-// output stores (staged, bulk), and the persistent launch. Traits T name the tiles (kTileM,
-// kTileN, SmemLayoutA/B over all stages, TiledMma, SharedStorage, kThreads).
+// gather operands with cp.async, fp8_wgmma_kernel.cuh and resident_b_gemm_kernel.cuh): the
+// output element of a DType, the zero-filling 16-byte copy, the warp groups, the shared
+// storage, the consumers' tensors, main loop and output stores (staged, bulk), and the
+// persistent launch. Traits T name the tiles (kTileM, kTileN, SmemLayoutA/B over all
+// stages, TiledMma, SharedStorage, kThreads).
 #ifndef MOE_XLA_CUDA_WGMMA_KERNEL_PARTS_CUH_
 #define MOE_XLA_CUDA_WGMMA_KERNEL_PARTS_CUH_
 
@@ -49,6 +50,20 @@ constexpr bool register_split_fits(int producer_threads, int producer_registers,
   return producer_threads * producer_registers + consumer_threads * consumer_registers <=
          threads * (65536 / threads / 8 * 8);
 }
+
+// The warp groups of a persistent kernel: warp group 0 the producer, 1 and 2 the consumers,
+// and the registers per thread of each after the producer gives some up (setmaxnreg) and
+// the consumers take them.
+template <int kProducerRegs = 40, int kConsumerRegs = 232>
+struct ProducerConsumerWarpGroups {
+  static constexpr int kProducerThreads = 128;
+  static constexpr int kConsumerThreads = 256;
+  static constexpr int kThreads = kProducerThreads + kConsumerThreads;
+  static constexpr int kProducerRegisters = kProducerRegs;
+  static constexpr int kConsumerRegisters = kConsumerRegs;
+  static_assert(register_split_fits(kProducerThreads, kProducerRegisters, kConsumerThreads, kConsumerRegisters),
+                "setmaxnreg within the launch's registers");
+};
 
 // Shared memory of a kernel: all stages of A and B (1024-byte aligned, as the 128-byte
 // swizzle needs) and the pipeline's barriers.
