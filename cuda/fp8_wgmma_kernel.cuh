@@ -191,13 +191,9 @@ __device__ __forceinline__ void fp8_wgmma_produce(const Fp8WgmmaKernelParams<Out
   prefetch_tma_descriptor(p.tma_a.get_tma_descriptor());
   prefetch_tma_descriptor(p.tma_b.get_tma_descriptor());
   Tensor mA = p.tma_a.get_tma_tensor(make_shape(p.m, p.k));                 // (M, K)
-  Tensor mB = p.tma_b.get_tma_tensor(make_shape(p.n, p.k, p.num_groups));   // (N, K, G)
   Tensor sA = make_tensor(make_smem_ptr(smem.a.data()), typename T::SmemLayoutA{});  // (BLK_M, BLK_K, PIPE)
-  Tensor sB = make_tensor(make_smem_ptr(smem.b.data()), typename T::SmemLayoutB{});  // (BLK_N, BLK_K, PIPE)
-  Tensor gB = local_tile(mB, Shape<Int<T::kTileM>, Int<T::kTileN>, Int<T::kTileK>>{}, make_coord(_, _, _),
-                         Step<X, _1, _1>{});  // (BLK_N, BLK_K, n, k, g)
-  auto [tBgB, tBsB] = tma_partition(p.tma_b, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sB),
-                                    group_modes<0, 2>(gB));  // (TMA, n, k, g), (TMA, PIPE)
+  auto [tBgB, tBsB] = tma_b_partition<T::kTileN, T::kTileK, typename T::SmemLayoutB>(
+      p.tma_b, smem.b.data(), p.n, p.k, p.num_groups);  // (TMA, n, k, g), (TMA, PIPE)
 
   const Fp8UnitWalk walk = fp8_unit_walk();
   constexpr uint16_t kBothCtas = (1u << T::kClusterSize) - 1;
@@ -363,12 +359,8 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   auto& smem = *reinterpret_cast<typename T::SharedStorage*>(smem_raw);
   const bool producer = cutlass::canonical_warp_group_idx() == 0;
 
-  typename T::Pipeline::Params params;
-  params.transaction_bytes = T::kTmaBytes;
-  params.role = producer ? T::Pipeline::ThreadCategory::Producer : T::Pipeline::ThreadCategory::Consumer;
-  params.is_leader = threadIdx.x == 0;
-  params.num_consumers = T::kConsumerThreads;
-  typename T::Pipeline pipeline(smem.pipeline, params, typename T::ClusterShape{});
+  auto pipeline = make_stage_pipeline<typename T::Pipeline>(smem.pipeline, producer, T::kTmaBytes,
+                                                            T::kConsumerThreads, typename T::ClusterShape{});
   // Both CTAs' barriers initialised before any thread of the cluster uses them.
   cute::cluster_arrive_relaxed();
   cute::cluster_wait();

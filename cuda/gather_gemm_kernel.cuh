@@ -264,12 +264,8 @@ __device__ __forceinline__ void gather_gemm_produce(const GatherGemmKernelParams
   if (tma_leader) prefetch_tma_descriptor(p.tma_b.get_tma_descriptor());
 
   using B = GatherBoxes<kTransposedB, kEpilogue>;
-  Tensor mB = p.tma_b.get_tma_tensor(make_shape(p.n, p.k, p.num_groups));  // (N, K, G)
-  Tensor gB = local_tile(mB, Shape<Int<T::kTileM>, Int<B::kBoxN>, Int<T::kTileK>>{}, make_coord(_, _, _),
-                         Step<X, _1, _1>{});  // (BOX_N, BLK_K, n boxes, k, g)
-  Tensor sB = make_tensor(make_smem_ptr(smem.b.data()), typename B::SmemLayout{});
-  auto [tBgB, tBsB] = tma_partition(p.tma_b, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sB),
-                                    group_modes<0, 2>(gB));  // (TMA, n, k, g), (TMA, BOXES * PIPE)
+  auto [tBgB, tBsB] = tma_b_partition<B::kBoxN, T::kTileK, typename B::SmemLayout>(
+      p.tma_b, smem.b.data(), p.n, p.k, p.num_groups);  // (TMA, n boxes, k, g), (TMA, BOXES * PIPE)
 
   const uint32_t smem_a = cast_smem_ptr_to_uint(smem.a.data());
   typename T::PipelineState write = cutlass::make_producer_start_state<typename T::Pipeline>();
@@ -376,14 +372,11 @@ __global__ void __launch_bounds__(GatherGemmTraits<kTransposedB>::kThreads, 1)
   auto& smem = *reinterpret_cast<typename T::SharedStorage*>(smem_raw);
   const bool producer = cutlass::canonical_warp_group_idx() == 0;
 
-  typename T::Pipeline::Params params;
-  params.transaction_bytes = T::kTmaBytesB;
-  params.role = producer ? T::Pipeline::ThreadCategory::Producer
-                         : T::Pipeline::ThreadCategory::Consumer;
-  params.is_leader = threadIdx.x == 0;
-  params.num_consumers = T::kConsumerThreads;
-  params.num_producers = T::kProducerThreads + 1;  // cp.async arrivals + the TMA leader
-  typename T::Pipeline pipeline(smem.pipeline, params, cute::Shape<cute::_1, cute::_1, cute::_1>{});
+  // Producers: the cp.async arrivals and the TMA leader.
+  auto pipeline = make_stage_pipeline<typename T::Pipeline>(smem.pipeline, producer, T::kTmaBytesB,
+                                                            T::kConsumerThreads,
+                                                            cute::Shape<cute::_1, cute::_1, cute::_1>{},
+                                                            T::kProducerThreads + 1);
   __syncthreads();  // barriers initialised before any thread uses them
 
   const int64_t units = p.tile_count->row_tiles * p.n_tiles;

@@ -423,14 +423,11 @@ __global__ void __launch_bounds__(GatherTgmmTraits<kTransposed>::kThreads, 1)
   auto& smem = *reinterpret_cast<typename T::SharedStorage*>(smem_raw);
   const bool producer = cutlass::canonical_warp_group_idx() == 0;
 
-  typename T::Pipeline::Params params;
-  params.transaction_bytes = 0;  // announced per stage by the producer
-  params.role = producer ? T::Pipeline::ThreadCategory::Producer
-                         : T::Pipeline::ThreadCategory::Consumer;
-  params.is_leader = threadIdx.x == 0;
-  params.num_consumers = T::kConsumerThreads;
-  params.num_producers = T::kProducerThreads + 1;  // cp.async arrivals + the TMA leader
-  typename T::Pipeline pipeline(smem.pipeline, params, cute::Shape<cute::_1, cute::_1, cute::_1>{});
+  // Bytes announced per stage by the producer; producers: the cp.async arrivals and the TMA
+  // leader.
+  auto pipeline = make_stage_pipeline<typename T::Pipeline>(smem.pipeline, producer, 0, T::kConsumerThreads,
+                                                            cute::Shape<cute::_1, cute::_1, cute::_1>{},
+                                                            T::kProducerThreads + 1);
   __syncthreads();  // barriers initialised before any thread uses them
 
   if (producer) {

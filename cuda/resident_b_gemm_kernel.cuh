@@ -138,14 +138,10 @@ __device__ __forceinline__ void resident_b_produce(const ResidentBKernelParams<T
   using namespace cute;
   prefetch_tma_descriptor(p.tma_a.get_tma_descriptor());
   prefetch_tma_descriptor(p.tma_b.get_tma_descriptor());
-  Tensor mA = p.tma_a.get_tma_tensor(make_shape(p.m, p.k));                // (M, K)
-  Tensor mB = p.tma_b.get_tma_tensor(make_shape(p.n, p.k, p.num_groups));  // (N, K, G)
+  Tensor mA = p.tma_a.get_tma_tensor(make_shape(p.m, p.k));                 // (M, K)
   Tensor sA = make_tensor(make_smem_ptr(smem.a.data()), typename T::SmemLayoutA{});  // (BLK_M, BLK_K, PIPE)
-  Tensor sB = make_tensor(make_smem_ptr(smem.b.data()), typename T::SmemLayoutB{});  // (BLK_N, BLK_K, CHUNK)
-  Tensor gB = local_tile(mB, Shape<Int<T::kTileM>, Int<T::kTileN>, Int<T::kTileK>>{}, make_coord(_, _, _),
-                         Step<X, _1, _1>{});  // (BLK_N, BLK_K, n, k, g)
-  auto [tBgB, tBsB] = tma_partition(p.tma_b, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sB),
-                                    group_modes<0, 2>(gB));  // (TMA, n, k, g), (TMA, CHUNK)
+  auto [tBgB, tBsB] = tma_b_partition<T::kTileN, T::kTileK, typename T::SmemLayoutB>(
+      p.tma_b, smem.b.data(), p.n, p.k, p.num_groups);  // (TMA, n, k, g), (TMA, CHUNK)
 
   typename T::PipelineA::PipelineState write_a = cutlass::make_producer_start_state<typename T::PipelineA>();
   typename T::PipelineB::PipelineState write_b = cutlass::make_producer_start_state<typename T::PipelineB>();
@@ -259,18 +255,11 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   auto& smem = *reinterpret_cast<typename T::SharedStorage*>(smem_raw);
   const bool producer = cutlass::canonical_warp_group_idx() == 0;
 
-  typename T::PipelineA::Params params_a;
-  params_a.transaction_bytes = T::kBytesA;
-  params_a.role = producer ? T::PipelineA::ThreadCategory::Producer : T::PipelineA::ThreadCategory::Consumer;
-  params_a.is_leader = threadIdx.x == 0;
-  params_a.num_consumers = 128;  // each A stage is read by one warp group
-  typename T::PipelineA pipeline_a(smem.pipeline_a, params_a, cute::Shape<cute::_1, cute::_1, cute::_1>{});
-  typename T::PipelineB::Params params_b;
-  params_b.transaction_bytes = T::kBytesB;
-  params_b.role = producer ? T::PipelineB::ThreadCategory::Producer : T::PipelineB::ThreadCategory::Consumer;
-  params_b.is_leader = threadIdx.x == 0;
-  params_b.num_consumers = T::kConsumerThreads;  // B chunks by both
-  typename T::PipelineB pipeline_b(smem.pipeline_b, params_b, cute::Shape<cute::_1, cute::_1, cute::_1>{});
+  using OneCta = cute::Shape<cute::_1, cute::_1, cute::_1>;
+  // Each A stage is read by one warp group, the B chunks by both.
+  auto pipeline_a = make_stage_pipeline<typename T::PipelineA>(smem.pipeline_a, producer, T::kBytesA, 128, OneCta{});
+  auto pipeline_b =
+      make_stage_pipeline<typename T::PipelineB>(smem.pipeline_b, producer, T::kBytesB, T::kConsumerThreads, OneCta{});
   __syncthreads();  // the barriers initialised before any thread uses them
 
   const int64_t units = p.tile_count->row_tiles * p.n_tiles;

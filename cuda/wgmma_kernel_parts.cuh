@@ -16,9 +16,11 @@
 
 #include "cute/tensor.hpp"  // first: the atoms below rely on its declarations
 #include "cute/algorithm/gemm.hpp"
+#include "cute/atom/copy_traits_sm90_tma.hpp"
 #include "cute/atom/mma_atom.hpp"
 #include "cutlass/arch/barrier.h"
 #include "cutlass/cutlass.h"
+#include "cutlass/pipeline/sm90_pipeline.hpp"
 
 #include "common/grouped_gemm.h"
 #include "common/status.h"
@@ -192,6 +194,40 @@ __device__ __forceinline__ void wgmma_stages(Pipeline& pipeline, PipelineState& 
   warpgroup_wait<0>();
   warpgroup_fence_operand(accum);
   pipeline.consumer_release(release);
+}
+
+// A pipeline of a kernel's stages in `storage` as this thread sees it: the producer warp
+// group (`producer`: this thread is in it; its thread 0, the CTA's, is the leader, which
+// announces `bytes` of TMA loads per stage, 0 when the producer announces them stage by
+// stage) or a consumer; `producers` arrivals fill a stage and `consumers` threads read it.
+// Every thread of the CTA calls it; the barriers it initialises need a CTA (or cluster)
+// barrier before first use.
+template <class Pipeline, class ClusterShape>
+__device__ __forceinline__ Pipeline make_stage_pipeline(typename Pipeline::SharedStorage& storage, bool producer,
+                                                        uint32_t bytes, uint32_t consumers, ClusterShape cluster,
+                                                        uint32_t producers = 1) {
+  typename Pipeline::Params params;
+  params.transaction_bytes = bytes;
+  params.role = producer ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
+  params.is_leader = threadIdx.x == 0;
+  params.num_consumers = consumers;
+  params.num_producers = producers;
+  return Pipeline(storage, params, cluster);
+}
+
+// The producer's tiles of a B operand viewed as (N, K, G) (an expert's weights per g),
+// loaded by `tma_b` in boxes of kBoxN x kTileK into the stages of `smem_b` (SmemLayout:
+// (kBoxN, kTileK, stages)): (TMA, n, k, g) tiles of global memory and (TMA, stage) of
+// shared memory, for copy(tma_b.with(barrier), tiles(_, n, k, g), stages(_, stage)).
+template <int kBoxN, int kTileK, class SmemLayout, class Tma, class Element>
+__device__ __forceinline__ auto tma_b_partition(const Tma& tma_b, Element* smem_b, int32_t n, int32_t k,
+                                                int32_t groups) {
+  using namespace cute;
+  Tensor mB = tma_b.get_tma_tensor(make_shape(n, k, groups));  // (N, K, G)
+  Tensor gB = local_tile(mB, Shape<_1, Int<kBoxN>, Int<kTileK>>{}, make_coord(_, _, _),
+                         Step<X, _1, _1>{});  // (BOX_N, BLK_K, n, k, g)
+  Tensor sB = make_tensor(make_smem_ptr(smem_b), SmemLayout{});
+  return tma_partition(tma_b, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sB), group_modes<0, 2>(gB));
 }
 
 // The identity on float32: the epilogue of a product stored as it is accumulated.
