@@ -470,10 +470,8 @@ Status grouped_gemm(const GroupedGemmParams& p, void* workspace, size_t workspac
 
   const GroupedGemmConfig config = grouped_gemm_select_config(p, sm_count, wanted);
   const GroupedGemmPath path = config.path;
-  if (path == GroupedGemmPath::kResidentB64x256 && !grouped_gemm_path_supported(p, path)) {
-    return Status::InvalidArgument(resident_unsupported(p));
-  }
   if (!grouped_gemm_path_supported(p, path)) {
+    if (path == GroupedGemmPath::kResidentB64x256) return Status::InvalidArgument(resident_unsupported(p));
     return Status::InvalidArgument(std::string("grouped_gemm: the path ") +
                                    grouped_gemm_path_name(path) +
                                    " does not support these dtypes, shapes or alignments");

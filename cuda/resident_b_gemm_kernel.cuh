@@ -57,7 +57,7 @@ struct ResidentBTraits : ProducerConsumerWarpGroups<> {
   static constexpr int kTileN = kResidentTileN;
   static constexpr int kTileK = 64;  // one 128-byte swizzle row of bf16
   static constexpr int kChunks = kResidentMaxK / kTileK;  // B's stages
-  static constexpr int kStagesA = 8;                       // two sub-tiles of K 256 ahead
+  static constexpr int kStagesA = 8;                       // two sub-tiles of K 256 in flight
 
   using SmemLayoutA = decltype(cute::tile_to_shape(
       cute::GMMA::Layout_K_SW128_Atom<Element>{},

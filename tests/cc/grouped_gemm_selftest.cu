@@ -436,10 +436,9 @@ void Runner::check_resident_path_error() {
   p.num_groups = 1;
   GroupedGemmConfig config;
   config.path = GroupedGemmPath::kResidentB64x256;
-  DeviceBuffer ws(moe_xla::cuda::grouped_gemm_workspace_bytes_bound(p.m, p.num_groups, sm_count));
-  const moe_xla::Status status = moe_xla::cuda::grouped_gemm(
-      p, ws.ptr, moe_xla::cuda::grouped_gemm_workspace_bytes_bound(p.m, p.num_groups, sm_count), sm_count, stream,
-      config);
+  const size_t ws_bytes = moe_xla::cuda::grouped_gemm_workspace_bytes_bound(p.m, p.num_groups, sm_count);
+  DeviceBuffer ws(ws_bytes);
+  const moe_xla::Status status = moe_xla::cuda::grouped_gemm(p, ws.ptr, ws_bytes, sm_count, stream, config);
   const std::string message = status.ok() ? "" : status.message();
   const bool ok = !status.ok() && message.find("resident_b64x256 needs gmm with rhs [G, K, N]") != std::string::npos &&
                   message.find("got tgmm, bf16 -> bf16, M 64, K 64, N 64") != std::string::npos;
