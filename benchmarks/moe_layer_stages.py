@@ -67,7 +67,8 @@ _share (that over the untraced t_fb), and
                   into expert order out; g = its product with
                   w_out^T and a in, d_weights out (F wide:
                   moe_xla/product_combine.py)
-Also: kernels_ms (all kernels of a step),
+Also: kernels_ms (all kernels of a step), kernels (every kernel's ms per step, keyed as
+mixed_kernels),
 other_ms / other_share, mixed_ms, fwd_bwd_mem_gib (XLA's compile-time estimate, as
 moe_layer.py), and for the sonicmoe cases fwd/bwd_vs_sonicmoe = our TFLOP/s / SonicMoE's
 published H100 figure (cases.json, read off its paper's Fig. 14). With
@@ -181,22 +182,23 @@ def kernel_stage(found: frozenset):
 
 
 def stage_ms(kernels, scopes: dict, steps: int):
-    """({(stage, direction): kernel ms per step}, mixed, other) of trace kernel events
-    (durations in us), each kernel put in kernel_stage(kernel_scopes(...)). mixed: Counter
-    {kernel: ms per step} of the kernels whose ops name several pairs (counted in the
-    stage kernel_stage picks); other: the same of those that name none. Kernels are keyed
-    by hlo_op, kernel name and the pairs they name."""
-    ms, mixed, other = collections.Counter(), collections.Counter(), collections.Counter()
+    """({(stage, direction): kernel ms per step}, mixed, other, every) of trace kernel
+    events (durations in us), each kernel put in kernel_stage(kernel_scopes(...)). mixed:
+    Counter {kernel: ms per step} of the kernels whose ops name several pairs (counted in
+    the stage kernel_stage picks); other: the same of those that name none; every: the
+    same of all kernels. Kernels are keyed by hlo_op, kernel name and the pairs they name."""
+    ms, mixed, other, every = (collections.Counter() for _ in range(4))
     for e in kernels:
         found = kernel_scopes(e, scopes)
         per_step = e["dur"] / steps / 1e3
         label = (f"{e.get('args', {}).get('hlo_op', '?')} {e['name'][:80]} "
                  f"[{' + '.join(f'{s} {d}' for s, d in sorted(found, key=PROGRAM_ORDER.index)) or 'no stage'}]")
+        every[label] += per_step
         if found:
             ms[kernel_stage(found)] += per_step
         if len(found) != 1:
             (mixed if found else other)[label] += per_step
-    return ms, mixed, other
+    return ms, mixed, other, every
 
 
 # ---------------------------------------------------------------------------- stage work
@@ -229,7 +231,7 @@ def stage_columns(kernels, scopes: dict, steps: int, step_ms: float, dims: dict)
     """The per-stage row entries (module docstring) of one case's trace kernels; None
     everywhere when the trace has no kernels (CPU). dims: t, k, d, n, e and b (bytes of an
     element of x)."""
-    ms, mixed, other = stage_ms(kernels, scopes, steps)
+    ms, mixed, other, every = stage_ms(kernels, scopes, steps)
     traced = bool(kernels)
     row = {}
     for stage in STAGES:
@@ -245,7 +247,8 @@ def stage_columns(kernels, scopes: dict, steps: int, step_ms: float, dims: dict)
     other_ms = sum(other.values())
     row.update(kernels_ms=sum(ms.values()) + other_ms if traced else None, other_ms=other_ms if traced else None,
                other_share=other_ms / step_ms if traced else None, other_kernels=dict(other.most_common()),
-               mixed_ms=sum(mixed.values()) if traced else None, mixed_kernels=dict(mixed.most_common()))
+               mixed_ms=sum(mixed.values()) if traced else None, mixed_kernels=dict(mixed.most_common()),
+               kernels=dict(every.most_common()))
     return row
 
 

@@ -102,12 +102,14 @@ def test_stage_ms_attributes_kernels():
         _kernel("fusion.99", 40.0, name="transpose(jvp(moe_xla/combine))/gather"),
         _kernel(None, 6.0, "memset"),  # no annotation -> other
     ]
-    ms, mixed, other = stages.stage_ms(kernels, scopes, steps=2)
+    ms, mixed, other, every = stages.stage_ms(kernels, scopes, steps=2)
     assert dict(ms) == pytest.approx({("gmm_in", "fwd"): 0.16, ("act", "bwd"): 0.05, ("combine", "bwd"): 0.024})
     assert sorted(mixed.values()) == pytest.approx([0.004, 0.05])
     assert any("loop_fusion" in k and "act fwd + act bwd" in k for k in mixed)
     assert sorted(other.values()) == pytest.approx([0.003, 0.005])
     assert all("no stage" in k for k in other)
+    assert sum(every.values()) == pytest.approx(0.242)
+    assert every[next(k for k in every if "gmm_prep" in k)] == pytest.approx(0.01)
 
 
 def test_compulsory_bytes_and_flops():
