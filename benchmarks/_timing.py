@@ -77,12 +77,13 @@ def normal(key, shape, dtype, scale=1.0):
 def moe_inputs(key, tokens: int, hidden: int, ffn: int, experts: int):
     """((x, router logits, w_in, w_out), ct) for moe_xla.moe and fwd_bwd: x [T, H] bf16 and
     logits [T, E] f32 ~ N(0, 1), w_in [E, H, 2F] and w_out [E, F, H] bf16 ~ N(0, 1/fan_in),
-    the cotangent ct [T, H] f32 ~ N(0, 1)."""
+    the cotangent ct [T, H] bf16 ~ N(0, 1) (the layer's output dtype, as a model's backward
+    hands it over)."""
     keys = jax.random.split(key, 5)
     inputs = (normal(keys[0], (tokens, hidden), jnp.bfloat16), normal(keys[1], (tokens, experts), jnp.float32),
               normal(keys[2], (experts, hidden, 2 * ffn), jnp.bfloat16, 1.0 / math.sqrt(hidden)),
               normal(keys[3], (experts, ffn, hidden), jnp.bfloat16, 1.0 / math.sqrt(ffn)))
-    return inputs, normal(keys[4], (tokens, hidden), jnp.float32)
+    return inputs, normal(keys[4], (tokens, hidden), jnp.bfloat16)
 
 
 def moe_input_shapes(tokens: int, hidden: int, ffn: int, experts: int, sharding):
@@ -93,16 +94,19 @@ def moe_input_shapes(tokens: int, hidden: int, ffn: int, experts: int, sharding)
 
 
 def fwd_bwd(layer, n_inputs: int):
-    """A training step's work: jax.value_and_grad of sum(layer(*inputs).astype(f32) * ct)
-    w.r.t. every input; ct is the last arg. The loss value needs the layer's output, as the
-    next layer of a model does: a gradient alone of this loss (linear in the output) would
-    let XLA drop every forward stage whose output only the value needs."""
+    """A training step's work: (y, the vector-Jacobian product of y = layer(*inputs) with ct
+    w.r.t. the first n_inputs inputs), ct the last arg (cast to y's dtype: moe_inputs makes
+    it so). y is an output, as the next layer of a model reads it, so XLA keeps every forward
+    stage; no loss is reduced, so the step holds the layer's own work alone, like torch's
+    y.backward(ct)."""
 
-    def loss(*args):
+    def step(*args):
         *inputs, ct = args
-        return jnp.sum(layer(*inputs).astype(jnp.float32) * ct)
+        rest = inputs[n_inputs:]
+        y, vjp = jax.vjp(lambda *diff: layer(*diff, *rest), *inputs[:n_inputs])
+        return y, vjp(ct.astype(y.dtype))
 
-    return jax.value_and_grad(loss, argnums=tuple(range(n_inputs)))
+    return step
 
 
 def torch_sync(_=None):

@@ -53,8 +53,8 @@ also with FP8 products (the dispatch's derivative is the straight-through one). 
 layer's psums (tokens_per_expert, [E] int32, and the dispatched-row count) are not counted.
 
 Memory per rank (at the largest --peers): XLA's compile-time memory_analysis() (temp +
-arguments + outputs) of the EP layer's forward and forward+backward (jax.value_and_grad
-of sum(y.astype(f32) * ct), the cotangent ct an f32 argument) programs on the mesh, per device, inputs
+arguments + outputs) of the EP layer's forward and forward+backward (_timing.fwd_bwd:
+y and its vector-Jacobian product with a bf16 cotangent ct, an argument) programs on the mesh, per device, inputs
 split as the layer wants them (tokens and experts over the expert axis), for each
 (dedup, capacity_factor) setting; nothing is run, so full-size cases compile on CPU.
 """

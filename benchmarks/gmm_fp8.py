@@ -21,8 +21,11 @@ on a cooler GPU than the others):
 Backward pair, also in turns: bf16 dgrad (gmm with the weights transposed) + bf16 wgrad
 (tgmm) against the FP8 dgrad (dy quantised inside, pre-quantised weights) + the same bf16
 wgrad (pair_fp8) or + the FP8 wgrad with x and dy quantised in group-column tiles inside
-(pair_fp8_fp8); and the dgrads and wgrads alone (wgrad_fp8: tgmm_fp8 on pre-quantised
-operands; wgrad_fp8_quant: its quantisation included). TFLOP/s count 2 M K N per product. Each forward
+(pair_fp8_fp8); and the dgrads and wgrads alone, each on pre-quantised operands (dgrad_fp8:
+gmm_fp8 of dy's 1 x 128 tiles, as moe()'s backward gets them from the kernel that makes
+dy; wgrad_fp8: tgmm_fp8) and with its quantisation included (dgrad_fp8_quant,
+wgrad_fp8_quant). dy is random (normal, 0.01 scale): constant data would draw less power
+at the cap and run at a higher clock than a step's. TFLOP/s count 2 M K N per product. Each forward
 contender's output is checked against bf16 moe_xla's (<name>_rel_err), so a contender
 that computes something else shows. On an NVIDIA GPU each contender's mean SM clock over
 its turns is reported too (<name>_mhz, NVML samples every 10 ms): these products hold the
@@ -37,7 +40,7 @@ import statistics
 from pathlib import Path
 
 from _gpu_samples import start_sampler
-from _timing import alternating_times, environment, grouped_matmul_inputs, torch_grouped_mm, torch_sync, write_results
+from _timing import alternating_times, environment, grouped_matmul_inputs, normal, torch_grouped_mm, torch_sync, write_results
 
 import jax
 import jax.numpy as jnp
@@ -100,15 +103,17 @@ def _forward_contenders(lhs, rhs, gs, paths=()):
 
 def _backward_contenders(lhs, rhs, gs, wgrad_paths=()):
     wq = moe_xla.quantize_fp8_weights(rhs)
-    dy = jnp.ones((lhs.shape[0], rhs.shape[2]), lhs.dtype) * 0.01
+    dy = normal(jax.random.key(1), (lhs.shape[0], rhs.shape[2]), lhs.dtype, 0.01)
     m = lhs.shape[0]
 
     def dgrad_bf16(dy, w, g):
         return moe_xla.gmm(dy, w, g, transpose_rhs=True)
 
-    def dgrad_fp8(dy, wq, g):
-        q, s = moe_xla.quantize_fp8_rows(dy)
+    def dgrad_fp8(q, s, wq, g):
         return moe_xla.gmm_fp8(q, s, wq.data, jnp.swapaxes(wq.scales, 1, 2), g)
+
+    def dgrad_fp8_quant(dy, wq, g):
+        return dgrad_fp8(*moe_xla.quantize_fp8_rows(dy), wq, g)
 
     def wgrad_bf16(x, dy, g):
         return moe_xla.tgmm(x, dy, g)
@@ -121,11 +126,13 @@ def _backward_contenders(lhs, rhs, gs, wgrad_paths=()):
     def pair(dgrad, wgrad):
         return lambda x, dy, w, g: (dgrad(dy, w, g), wgrad(x, dy, g))
 
-    ops = {"dgrad_bf16": (dgrad_bf16, (dy, rhs, gs)), "dgrad_fp8": (dgrad_fp8, (dy, wq, gs)),
+    ops = {"dgrad_bf16": (dgrad_bf16, (dy, rhs, gs)),
+           "dgrad_fp8": (dgrad_fp8, (*moe_xla.quantize_fp8_rows(dy), wq, gs)),
+           "dgrad_fp8_quant": (dgrad_fp8_quant, (dy, wq, gs)),
            "wgrad_bf16": (wgrad_bf16, (lhs, dy, gs)), "wgrad_fp8_quant": (wgrad_fp8_quant, (lhs, dy, gs)),
            "pair_bf16": (pair(dgrad_bf16, wgrad_bf16), (lhs, dy, rhs, gs)),
-           "pair_fp8": (pair(dgrad_fp8, wgrad_bf16), (lhs, dy, wq, gs)),
-           "pair_fp8_fp8": (pair(dgrad_fp8, wgrad_fp8_quant), (lhs, dy, wq, gs))}
+           "pair_fp8": (pair(dgrad_fp8_quant, wgrad_bf16), (lhs, dy, wq, gs)),
+           "pair_fp8_fp8": (pair(dgrad_fp8_quant, wgrad_fp8_quant), (lhs, dy, wq, gs))}
     quantized = (*moe_xla.quantize_fp8_group_cols(lhs, gs), *moe_xla.quantize_fp8_group_cols(dy, gs))
     for name, path in [("wgrad_fp8", "auto")] + [(f"wgrad_fp8@{p}", p) for p in wgrad_paths]:
         ops[name] = (functools.partial(moe_xla.tgmm_fp8, rows=m, preferred_element_type=jnp.bfloat16, path=path),
@@ -181,6 +188,7 @@ def main():
             row["fp8_vs_torch_fp8"] = row["torch_fp8_ms"] / row["fp8_ms"]
         if not args.skip_backward:
             row["dgrad_fp8_vs_bf16"] = row["dgrad_bf16_ms"] / row["dgrad_fp8_ms"]
+            row["dgrad_fp8_quant_vs_bf16"] = row["dgrad_bf16_ms"] / row["dgrad_fp8_quant_ms"]
             row["pair_fp8_vs_bf16"] = row["pair_bf16_ms"] / row["pair_fp8_ms"]
             row["pair_fp8_fp8_vs_bf16"] = row["pair_bf16_ms"] / row["pair_fp8_fp8_ms"]
             row["wgrad_fp8_vs_bf16"] = row["wgrad_bf16_ms"] / row["wgrad_fp8_ms"]
@@ -191,8 +199,8 @@ def main():
         sampler.stop()
     columns = ["case", "groups", "bf16_tflops", "fp8_tflops", "bf16_mhz", "fp8_mhz", "fp8_quant_tflops",
                "torch_bf16_tflops",
-               "torch_fp8_tflops", "fp8_rel_err", "torch_bf16_rel_err", "torch_fp8_rel_err", "fp8_vs_bf16", "fp8_quant_vs_bf16", "fp8_vs_torch_fp8", "dgrad_fp8_vs_bf16",
-               "pair_fp8_vs_bf16", "pair_fp8_fp8_vs_bf16", "wgrad_bf16_tflops", "wgrad_fp8_tflops",
+               "torch_fp8_tflops", "fp8_rel_err", "torch_bf16_rel_err", "torch_fp8_rel_err", "fp8_vs_bf16", "fp8_quant_vs_bf16", "fp8_vs_torch_fp8",
+               "dgrad_bf16_tflops", "dgrad_fp8_tflops", "dgrad_fp8_vs_bf16", "dgrad_fp8_quant_vs_bf16", "pair_fp8_vs_bf16", "pair_fp8_fp8_vs_bf16", "wgrad_bf16_tflops", "wgrad_fp8_tflops",
                "wgrad_fp8_vs_bf16", "wgrad_fp8_quant_vs_bf16"] + \
         [f"fp8@{path}_{v}" for path in args.paths for v in ("tflops", "mhz")] + \
         [f"wgrad_fp8@{path}_tflops" for path in args.wgrad_paths]

@@ -19,8 +19,9 @@ relative error against the bf16 layer (fp8_rel_err) and fp8_*_speedup = bf16 / f
     python benchmarks/moe_layer.py [--out benchmarks/results] [--cases NAME ...] [--t-scale 1.0]
                                    [--skip fp8 ragged_dot capacity dense] [--reps N]
 
-Forward+backward is jax.value_and_grad of sum(y.astype(f32) * ct) w.r.t. x, router_logits,
-w_in and w_out (the value keeps every forward stage in the program). TFLOP/s count 6*T*k*H*F forward and 3x that forward+backward for every
+Forward+backward is _timing.fwd_bwd: y and its vector-Jacobian product with a bf16
+cotangent ct w.r.t. x, router_logits, w_in and w_out (y is an output, so every forward
+stage stays in the program; no loss reduction is timed). TFLOP/s count 6*T*k*H*F forward and 3x that forward+backward for every
 implementation (useful FLOPs, not what a baseline executes), so a TFLOP/s ratio is a time
 ratio. Ratios: *_vs_<baseline> = baseline time / moe_xla time; fraction_of_dense_* =
 moe_xla TFLOP/s / dense TFLOP/s. Memory (*_mem_gib) is XLA's compile-time estimate,

@@ -15,9 +15,9 @@ expert FFN width (F), E experts, K = top_k, TK = T*K routed rows, b = 2 bytes (b
 
 Timing (benchmarks/_timing.time_jax, wall ms per call of back-to-back jitted calls):
   t_f   the forward, y = moe(x, logits, w_in, w_out);
-  t_fb  one forward+backward step, _timing.fwd_bwd: jax.value_and_grad of
-        sum(y.astype(f32) * ct) w.r.t. x, router logits, w_in and w_out (the value keeps
-        every forward stage in the program, as a model's next layer would).
+  t_fb  one forward+backward step, _timing.fwd_bwd: y and the vector-Jacobian product of
+        y with a bf16 cotangent ct w.r.t. x, router logits, w_in and w_out (y is an output,
+        as a model's next layer reads it; no loss reduction is timed).
   fwd TFLOP/s = 6 T K d n / t_f  (gmm_in 2 TK d 2n + gmm_out 2 TK n d),
   bwd TFLOP/s = 12 T K d n / (t_fb - t_f)  (each product's dgrad and wgrad),
   fwd+bwd TFLOP/s = 18 T K d n / t_fb (moe_layer.py times the same step).
@@ -45,8 +45,8 @@ broadcasts or the forward activation the backward recomputes, into a later stage
 kernel) goes to the latest of them in program order (forward route ... combine, then
 backward combine ... route), the only place it can run; these are listed with the pairs
 they name in the JSON (mixed_kernels, total mixed_ms). A kernel whose ops name no stage
-goes to "other" (other_kernels, other_ms): ops outside the scopes, e.g. the cast of ct
-to bf16 under "transpose(jvp())", and any kernel without an hlo_op or op names.
+goes to "other" (other_kernels, other_ms): ops outside the scopes, such as a cast XLA
+adds between them, and any kernel without an hlo_op or op names.
 On CPU the trace has no GPU kernels: the stage columns stay empty (None) and a note is
 printed.
 
