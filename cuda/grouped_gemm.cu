@@ -251,30 +251,28 @@ int64_t column_tiles_256(const GroupedGemmParams& p) { return (p.n + 255) / 256;
 //    sonicmoe n256 down product, K 256, N 4096). With fewer rows per group its B block would
 //    be reloaded for a few rows; with N < 1024 a partial 256-column tile is a large share
 //    of the work and with K <= 128 the stores are; both unmeasured, so left to CUTLASS.
-//  - tgmm (ragged K): pingpong 64x256 when G >= 16, else cooperative 128x256 cluster 2x1
-//    (with few groups, the larger tiles of the cooperative kernel win).
+//  - tgmm (ragged K): cooperative 128x256 cluster 2x1 ("large"). Pingpong 64x256 reads
+//    each group's dy rows for twice as many output tiles; on the H200 the two were even
+//    (geometric mean over the cases), on the H100 the cooperative kernel wins by up to 26%
+//    and loses by at most 2% (docs/performance.md).
 GroupedGemmPath select_path(const GroupedGemmParams& p, int sm_count) {
   if (!cutlass_supported(p, GroupedGemmPath::kCutlassLarge)) return GroupedGemmPath::kFallback;
   if (!cutlass_supported(p, GroupedGemmPath::kCutlassSmall)) return GroupedGemmPath::kCutlassLarge;
-  bool small;
-  GroupedGemmPath tuned;
   if (p.layout == GroupedLayout::kTgmm) {
     const int64_t large_tiles = p.num_groups * ((p.k + 127) / 128) * ((p.n + 255) / 256);
-    small = p.k <= 128 || p.n <= 128 || large_tiles < std::max(sm_count, 1);
-    tuned = p.num_groups >= 16 ? GroupedGemmPath::kCutlassPingpong64x256Cluster2x1 : GroupedGemmPath::kCutlassLarge;
-  } else {
-    const int64_t avg_rows = p.m / p.num_groups;
-    if (p.layout == GroupedLayout::kGmm && avg_rows >= kResidentMinAverageRows && p.k > 128 && p.n >= 1024 &&
-        resident_instance_for(p) != nullptr) {
-      return GroupedGemmPath::kResidentB64x256;
-    }
-    small = avg_rows <= 128 || p.n <= 128;
-    const bool column_tile_pairs = column_tiles_256(p) % 2 == 0;
-    tuned = p.k > 256 && p.k <= 1024 ? GroupedGemmPath::kCutlassPingpong64x256Cluster2x1
-            : column_tile_pairs        ? GroupedGemmPath::kCutlassCoop128x256Cluster1x2
-                                       : GroupedGemmPath::kCutlassCoop128x256Cluster1x1;
+    const bool small = p.k <= 128 || p.n <= 128 || large_tiles < std::max(sm_count, 1);
+    return small ? GroupedGemmPath::kCutlassSmall : GroupedGemmPath::kCutlassLarge;
   }
-  if (small) return GroupedGemmPath::kCutlassSmall;
+  const int64_t avg_rows = p.m / p.num_groups;
+  if (p.layout == GroupedLayout::kGmm && avg_rows >= kResidentMinAverageRows && p.k > 128 && p.n >= 1024 &&
+      resident_instance_for(p) != nullptr) {
+    return GroupedGemmPath::kResidentB64x256;
+  }
+  if (avg_rows <= 128 || p.n <= 128) return GroupedGemmPath::kCutlassSmall;
+  const bool column_tile_pairs = column_tiles_256(p) % 2 == 0;
+  const GroupedGemmPath tuned = p.k > 256 && p.k <= 1024 ? GroupedGemmPath::kCutlassPingpong64x256Cluster2x1
+                                : column_tile_pairs        ? GroupedGemmPath::kCutlassCoop128x256Cluster1x2
+                                                           : GroupedGemmPath::kCutlassCoop128x256Cluster1x1;
   return cutlass_supported(p, tuned) ? tuned : GroupedGemmPath::kCutlassLarge;
 }
 
