@@ -151,7 +151,7 @@ def test_stage_columns():
 
 
 def test_scopes_of_a_compiled_step():
-    """The op names JAX and XLA give a real step (its loss value needs y) carry every stage,
+    """The op names JAX and XLA give a real step (y is one of its outputs) carry every stage,
     the forward's every forward stage, and every op a trace names is in the module (the CPU
     trace's thunks carry hlo_op as GPU kernels do)."""
     layer = stages.moe_xla_layer({"top_k": 2, "score": "softmax"})
@@ -164,6 +164,25 @@ def test_scopes_of_a_compiled_step():
     assert frozenset().union(*fwd_scopes.values()) == {p for p in every if p[1] == "fwd"}
     thunks = [e for e in trace_events(step, inputs + (ct,), 1) if "hlo_op" in e.get("args", {})]
     assert thunks and all(e["args"]["hlo_op"] in scopes for e in thunks)
+
+
+def test_fwd_bwd_is_y_and_its_vjp():
+    """_timing.fwd_bwd(layer, n): y and the gradients of <y, ct> w.r.t. the first n inputs
+    (here against jax.grad of the f32 inner product), the others held fixed, ct cast to
+    y's dtype; no loss value."""
+    def layer(a, b, c):
+        return (jax.numpy.tanh(a @ b) * c).astype(jax.numpy.bfloat16)
+
+    keys = jax.random.split(jax.random.key(3), 4)
+    a, b, c = (jax.random.normal(k, s, jax.numpy.float32) for k, s in zip(keys, [(4, 3), (3, 5), (4, 5)]))
+    ct = jax.random.normal(keys[3], (4, 5), jax.numpy.float32)
+    y, grads = jax.jit(fwd_bwd(layer, 2))(a, b, c, ct)
+    assert y.dtype == jax.numpy.bfloat16 and len(grads) == 2
+    np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(layer(a, b, c), np.float32))
+    ct_used = ct.astype(jax.numpy.bfloat16).astype(jax.numpy.float32)
+    inner = lambda a, b: jax.numpy.vdot(jax.numpy.tanh(a @ b) * c, ct_used)  # noqa: E731
+    for got, want in zip(grads, jax.grad(inner, argnums=(0, 1))(a, b)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
 
 
 def test_main_on_shrunk_cases(tmp_path, monkeypatch, capsys):
