@@ -3,7 +3,7 @@ layer, for bf16 and each FP8 quantization, on the moe_layer cases of cases.json.
 
     python benchmarks/fp8_accuracy.py [--out benchmarks/results] [--cases NAME ...] [--t-scale 0.25]
 
-Inputs as benchmarks/moe_layer.py makes them (x, weights bf16; logits f32; cotangent
+Inputs as benchmarks/moe_layer.py makes them (x, weights and cotangent bf16; logits
 f32). The truth is the same layer on those values in float32 (moe_xla's f32 kernels).
 For each of "bf16" (quantization None), and the FP8 quantizations ("fp8_blockwise": bf16
 wgrad; "fp8_blockwise_fp8_wgrad"), the relative Frobenius error
