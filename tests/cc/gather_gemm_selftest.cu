@@ -241,12 +241,16 @@ struct Runner : gather_selftest::RunnerBase {
       const int64_t r = i / cols;
       const int32_t s = src[static_cast<size_t>(r)];
       const bool zero_row = group[static_cast<size_t>(r)] < 0 || s < 0 || s >= cs.tokens;
-      char where[160];
-      std::snprintf(where, sizeof(where), " at row %lld col %lld: out %g ref %g",
-                    static_cast<long long>(r), static_cast<long long>(i % cols), o, ref[static_cast<size_t>(i)]);
-      if (std::isnan(o)) return std::string("NaN (unwritten?)") + where;
-      if (zero_row && o != 0.0f) return std::string("nonzero in a zero row") + where;
-      if (std::fabs(o - ref[static_cast<size_t>(i)]) > tol) return std::string("error above tolerance") + where;
+      const char* why = std::isnan(o)                                       ? "NaN (unwritten?)"
+                        : zero_row && o != 0.0f                              ? "nonzero in a zero row"
+                        : std::fabs(o - ref[static_cast<size_t>(i)]) > tol   ? "error above tolerance"
+                                                                             : nullptr;
+      if (why != nullptr) {  // formatted only on failure
+        char where[160];
+        std::snprintf(where, sizeof(where), " at row %lld col %lld: out %g ref %g", static_cast<long long>(r),
+                      static_cast<long long>(i % cols), o, ref[static_cast<size_t>(i)]);
+        return std::string(why) + where;
+      }
     }
     return "";
   }
