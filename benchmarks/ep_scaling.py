@@ -7,14 +7,14 @@ communication time without waits for late peers, host synchronisations); memory 
         [--transports padded ragged] [--chunks 1] [--check-capacity-factor 0.25] [--capacity-factor 1.25]
         [--reps 20] [--scale 1.0] [--out DIR] [--skip check scaling memory] [--redundant-experts S]
 
-Inputs (_timing.moe_inputs, key 0): x bf16, w_in / w_out ~ N(0, 1/fan_in) bf16, the f32
+Inputs (_timing.moe_inputs, key 0): x bf16, w_in / w_out ~ N(0, 1/fan_in) bf16, the bf16
 cotangent ct, router logits of the routings of ep_exchange.py: "balanced" (every expert
 equally likely) and "skewed" (expert e's popularity falls as a power of e). On P devices
 tokens and experts are split over the expert axis; rank p owns experts [p E/P, (p+1) E/P).
 --scale shrinks H and F (multiples of 8) for smoke runs; without XLA_FLAGS the script makes
 8 CPU devices; on GPUs NCCL's NVLink multicast stays off (NCCL_NVLS_ENABLE=0 unless set).
-A step is forward and backward in one program: y, and the gradients of sum(y * ct) w.r.t.
-x, router logits, w_in and w_out. Each program is compiled once per shape and options and
+A step is forward and backward in one program (_timing.fwd_bwd): y, and the gradients of
+<y, ct> w.r.t. x, router logits, w_in and w_out. Each program is compiled once per shape and options and
 runs both routings. XLA:CPU has no ragged_all_to_all: there the layer's ragged transport
 runs its all_to_all stand-in, which `check` checks and `scaling` does not time.
 
@@ -102,7 +102,7 @@ if "--help" not in sys.argv and "-h" not in sys.argv:
 
 from pathlib import Path  # noqa: E402
 
-from _timing import (CASES, compiled_memory_bytes, environment, gib, gpu_kernels, host_syncs,  # noqa: E402
+from _timing import (CASES, compiled_memory_bytes, environment, fwd_bwd, gib, gpu_kernels, host_syncs,  # noqa: E402
                      moe_input_shapes, moe_inputs, routing_options, time_jax_batched, trace_events, write_results)
 from ep_exchange import (ACT_BYTES, MIB, ROUTINGS, ideal_bytes, imbalance, redundant_placement, route_ids,  # noqa: E402
                          routing_logits, sent_bytes)
@@ -169,17 +169,6 @@ def _slots(placement):
     return 0 if placement is None else len(placement[0])
 
 
-def _step(layer):
-    """Forward and backward in one program: (y, the gradients of sum(y.astype(f32) * ct)
-    w.r.t. the four inputs), ct the last argument."""
-
-    def step(x, logits, w_in, w_out, ct):
-        y, vjp = jax.vjp(layer, x, logits, w_in, w_out)
-        return y, vjp(ct.astype(y.dtype))
-
-    return step
-
-
 _PROGRAMS = {}
 
 
@@ -194,7 +183,7 @@ def _program(case, peers, kind, like, options=None):
             layer = lambda *a: moe_xla.moe(*a, **kw)  # noqa: E731
         else:
             layer = lambda *a: moe_xla.moe(*a, mesh=_mesh(peers), expert_axis="ep", **kw, **options)  # noqa: E731
-        fn, args = (layer, like[:4]) if kind == "fwd" else (_step(layer), like)
+        fn, args = (layer, like[:4]) if kind == "fwd" else (fwd_bwd(layer, 4), like)
         _PROGRAMS[key] = jax.jit(fn).lower(*args).compile()
     return _PROGRAMS[key]
 

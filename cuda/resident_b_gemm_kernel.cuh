@@ -257,7 +257,8 @@ __global__ void __launch_bounds__(T::kThreads, 1)
 
   using OneCta = cute::Shape<cute::_1, cute::_1, cute::_1>;
   // Each A stage is read by one warp group, the B chunks by both.
-  auto pipeline_a = make_stage_pipeline<typename T::PipelineA>(smem.pipeline_a, producer, T::kBytesA, 128, OneCta{});
+  auto pipeline_a = make_stage_pipeline<typename T::PipelineA>(smem.pipeline_a, producer, T::kBytesA,
+                                                                T::kConsumerThreads / 2, OneCta{});
   auto pipeline_b =
       make_stage_pipeline<typename T::PipelineB>(smem.pipeline_b, producer, T::kBytesB, T::kConsumerThreads, OneCta{});
   __syncthreads();  // the barriers initialised before any thread uses them

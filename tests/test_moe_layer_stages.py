@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -171,16 +172,16 @@ def test_fwd_bwd_is_y_and_its_vjp():
     (here against jax.grad of the f32 inner product), the others held fixed, ct cast to
     y's dtype; no loss value."""
     def layer(a, b, c):
-        return (jax.numpy.tanh(a @ b) * c).astype(jax.numpy.bfloat16)
+        return (jnp.tanh(a @ b) * c).astype(jnp.bfloat16)
 
     keys = jax.random.split(jax.random.key(3), 4)
-    a, b, c = (jax.random.normal(k, s, jax.numpy.float32) for k, s in zip(keys, [(4, 3), (3, 5), (4, 5)]))
-    ct = jax.random.normal(keys[3], (4, 5), jax.numpy.float32)
+    a, b, c = (jax.random.normal(k, s, jnp.float32) for k, s in zip(keys, [(4, 3), (3, 5), (4, 5)]))
+    ct = jax.random.normal(keys[3], (4, 5), jnp.float32)
     y, grads = jax.jit(fwd_bwd(layer, 2))(a, b, c, ct)
-    assert y.dtype == jax.numpy.bfloat16 and len(grads) == 2
+    assert y.dtype == jnp.bfloat16 and len(grads) == 2
     np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(layer(a, b, c), np.float32))
-    ct_used = ct.astype(jax.numpy.bfloat16).astype(jax.numpy.float32)
-    inner = lambda a, b: jax.numpy.vdot(jax.numpy.tanh(a @ b) * c, ct_used)  # noqa: E731
+    ct_used = ct.astype(jnp.bfloat16).astype(jnp.float32)
+    inner = lambda a, b: jnp.vdot(jnp.tanh(a @ b) * c, ct_used)  # noqa: E731
     for got, want in zip(grads, jax.grad(inner, argnums=(0, 1))(a, b)):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
 
