@@ -61,6 +61,7 @@
 #include "common/status.h"
 #include "cuda/fp8_wgmma_internal.h"
 #include "cuda/fp8_wgmma_scales.cuh"
+#include "cuda/fp8_wgmma_tiles.cuh"
 #include "cuda/row_tiles.h"
 #include "cuda/wgmma_kernel_parts.cuh"
 
@@ -68,71 +69,29 @@ namespace moe_xla {
 namespace cuda {
 namespace detail {
 
-// CTAs per cluster (Fp8WgmmaTraits).
-constexpr int kFp8ClusterSize = 2;
+// The stages that fit beside a tile's staging buffers in 227 KiB of shared memory.
+constexpr int fp8_wgmma_stages(Fp8WgmmaTile tile) {
+  return tile == Fp8WgmmaTile::kN192Bulk ? 4 : tile == Fp8WgmmaTile::kN128 ? 6 : 5;
+}
 
 template <Fp8WgmmaTile kTile, class Out>
-struct Fp8WgmmaTraits : ProducerConsumerWarpGroups<> {
-  using Element = cutlass::float_e4m3_t;
-  static constexpr int kTileM = kFp8WgmmaTileM;
-  static constexpr int kTileN = fp8_wgmma_columns(kTile);
-  static constexpr int kTileK = fp8::kTile;  // one scale block, one 128-byte swizzle row
-  static_assert(kTileN == fp8::kTile || kTileN == 3 * fp8::kTile / 2, "128 or 192 columns");
+struct Fp8WgmmaTraits : Fp8WgmmaTiles<fp8_wgmma_columns(kTile), fp8_wgmma_stages(kTile)> {
+  using Base = Fp8WgmmaTiles<fp8_wgmma_columns(kTile), fp8_wgmma_stages(kTile)>;
+  static_assert(Base::kTileM == kFp8WgmmaTileM, "the row-tile table's tiles");
   // A 128-column tile is one scale column block of rhs and has registers for two
   // accumulator sets; a 192-column tile spans two blocks and has one set.
-  static constexpr bool kTwoAccumulators = kTileN == fp8::kTile;
+  static constexpr bool kTwoAccumulators = Base::kTileN == fp8::kTile;
   // The output store: store_accumulators_bulk (whole bf16 rows) or _staged.
   static constexpr bool kBulkStore = kTile == Fp8WgmmaTile::kN192Bulk;
   static_assert(!kBulkStore || std::is_same_v<Out, __nv_bfloat16>, "the bulk store's buffers fit bf16 tiles");
-  // As many stages as fit beside the staging buffers in 227 KiB of shared memory.
-  static constexpr int kStages = kBulkStore ? 4 : kTwoAccumulators ? 6 : 5;
-  // Two CTAs per cluster compute column tiles 2p and 2p + 1 of one row tile: each loads
-  // half of the A tile's rows and multicasts it to both.
-  static constexpr int kClusterSize = kFp8ClusterSize;
-  using ClusterShape = cute::Shape<cute::Int<kClusterSize>, cute::_1, cute::_1>;
-
-  // Both operands K-major (FP8 wgmma takes no other), 128-byte swizzle.
-  using SmemLayoutA = decltype(cute::tile_to_shape(
-      cute::GMMA::Layout_K_SW128_Atom<Element>{},
-      cute::make_shape(cute::Int<kTileM>{}, cute::Int<kTileK>{}, cute::Int<kStages>{})));
-  using SmemLayoutB = decltype(cute::tile_to_shape(
-      cute::GMMA::Layout_K_SW128_Atom<Element>{},
-      cute::make_shape(cute::Int<kTileN>{}, cute::Int<kTileK>{}, cute::Int<kStages>{})));
-
-  // Two consumer warp groups along M, each 64 x kTileN.
-  using MmaAtom = std::conditional_t<kTwoAccumulators, cute::SM90_64x128x32_F32E4M3E4M3_SS_TN<>,
-                                     cute::SM90_64x192x32_F32E4M3E4M3_SS_TN<>>;
-  using TiledMma = decltype(cute::make_tiled_mma(MmaAtom{}, cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>{}));
-  static_assert(cute::size(TiledMma{}) == kConsumerThreads, "two consumer warp groups");
-
-  using Pipeline = cutlass::PipelineTmaAsync<kStages>;
-  using PipelineState = typename Pipeline::PipelineState;
-  static constexpr uint32_t kTmaBytes = (kTileM + kTileN) * kTileK * sizeof(Element);
+  static constexpr uint32_t kTmaBytes = Base::kOperandBytes;
 
   using SharedStorage =
-      WgmmaStagedSharedStorage<Element, SmemLayoutA, SmemLayoutB, Pipeline,
-                               kBulkStore ? 64 * bulk_staging_stride<Out, kTileN>() : kStagingBytes>;
+      WgmmaStagedSharedStorage<typename Base::Element, typename Base::SmemLayoutA, typename Base::SmemLayoutB,
+                               typename Base::Pipeline,
+                               kBulkStore ? 64 * bulk_staging_stride<Out, Base::kTileN>() : kStagingBytes>;
   static_assert(sizeof(SharedStorage) <= 232448, "an H100 / H200 CTA's shared memory");
 };
-
-// The TMA loads: lhs viewed as (M, K), rhs as (N, K, G), both K contiguous, into one stage
-// of the A and B layouts.
-template <class T>
-auto make_fp8_tma_a(const cutlass::float_e4m3_t* lhs, int32_t m, int32_t k) {
-  auto tensor = cute::make_tensor(cute::make_gmem_ptr(lhs), cute::make_shape(m, k),
-                                  cute::make_stride(int64_t{k}, cute::_1{}));
-  return cute::make_tma_copy(cute::SM90_TMA_LOAD_MULTICAST{}, tensor,
-                             typename T::SmemLayoutA{}(cute::_, cute::_, cute::Int<0>{}),
-                             cute::make_shape(cute::Int<T::kTileM>{}, cute::Int<T::kTileK>{}),
-                             cute::Int<T::kClusterSize>{});
-}
-template <class T>
-auto make_fp8_tma_b(const cutlass::float_e4m3_t* rhs, int32_t n, int32_t k, int32_t groups) {
-  auto tensor = cute::make_tensor(cute::make_gmem_ptr(rhs), cute::make_shape(n, k, groups),
-                                  cute::make_stride(int64_t{k}, cute::_1{}, int64_t{n} * k));
-  return cute::make_tma_copy(cute::SM90_TMA_LOAD{}, tensor, typename T::SmemLayoutB{}(cute::_, cute::_, cute::Int<0>{}),
-                             cute::make_shape(cute::Int<T::kTileN>{}, cute::Int<T::kTileK>{}), cute::Int<1>{});
-}
 
 template <class Out, class T>
 struct Fp8WgmmaKernelParams {
@@ -149,36 +108,17 @@ struct Fp8WgmmaKernelParams {
   int32_t n_pairs;            // ceil(n_tiles / 2): the column-tile pairs of a cluster's units
 };
 
-// The work units of this CTA: u = cluster, + clusters, ... < units, each a row tile and
-// a pair of column tiles (one per CTA of the cluster).
-struct Fp8UnitWalk {
-  int64_t first, stride;
-  int32_t rank;  // in the cluster: which column tile of the pair
-};
-__device__ __forceinline__ Fp8UnitWalk fp8_unit_walk() {
-  const uint32_t rank = cute::block_rank_in_cluster();
-  return Fp8UnitWalk{blockIdx.x / kFp8ClusterSize, gridDim.x / kFp8ClusterSize, static_cast<int32_t>(rank)};
-}
-
-// Row tiles per band of the unit order below.
-constexpr int kFp8BandTiles = 16;
-
 // Unit u's row tile and column tile. A group of R row tiles owns units [first P,
-// (first + R) P) (P = n_pairs), so u / P is one of its row tiles. Inside the group the
-// units go band by band (kFp8BandTiles row tiles), and in a band column pair by column pair
-// over its row tiles: the clusters running at once share each B tile across a band's row
-// tiles (the expert's weights are read from memory about once per band) while the band's
-// A rows stay in L2 from one column pair to the next.
+// (first + R) P) (P = n_pairs), so u / P is one of its row tiles; inside the group the
+// units go in fp8_band_place's order.
 __device__ __forceinline__ RowTile fp8_unit_tile(const RowTile* row_tiles, int64_t unit, int32_t n_pairs,
                                                 int32_t rank, int32_t* n_tile) {
   const int64_t t0 = unit / n_pairs;
   const RowTile any = row_tiles[t0];
-  const int64_t local = unit - static_cast<int64_t>(any.group_first) * n_pairs;
-  const int64_t band = local / (static_cast<int64_t>(kFp8BandTiles) * n_pairs);
-  const int64_t within = local - band * kFp8BandTiles * n_pairs;
-  const int64_t band_tiles = std::min<int64_t>(kFp8BandTiles, any.group_tiles - band * kFp8BandTiles);
-  const int64_t t = any.group_first + band * kFp8BandTiles + within % band_tiles;
-  *n_tile = static_cast<int32_t>(within / band_tiles) * kFp8ClusterSize + rank;
+  int64_t within;
+  fp8_band_place(unit - static_cast<int64_t>(any.group_first) * n_pairs, any.group_tiles, n_pairs, rank, &within,
+                 n_tile);
+  const int64_t t = any.group_first + within;
   return t == t0 ? any : row_tiles[t];
 }
 
@@ -218,23 +158,6 @@ __device__ __forceinline__ void fp8_wgmma_produce(const Fp8WgmmaKernelParams<Out
   }
   // Stay until the consumers have freed every stage.
   pipeline.producer_tail(write);
-}
-
-// The wgmma of one stage into `acc` (overwritten: the 128-deep block sum P of the stage),
-// committed as one batch and left in flight.
-template <class TiledMma, class FragA, class FragB, class Accum>
-__device__ __forceinline__ void fp8_issue_stage(TiledMma& mma, const FragA& tCrA, const FragB& tCrB, Accum& acc,
-                                                int stage) {
-  using namespace cute;
-  warpgroup_fence_operand(acc);
-  warpgroup_arrive();
-  mma.accumulate_ = GMMA::ScaleOut::Zero;
-  CUTLASS_PRAGMA_UNROLL
-  for (int k_block = 0; k_block < size<2>(tCrA); ++k_block) {
-    gemm(mma, tCrA(_, _, k_block, stage), tCrB(_, _, k_block, stage), acc);
-    mma.accumulate_ = GMMA::ScaleOut::One;
-  }
-  warpgroup_commit_batch();
 }
 
 // Warp groups 1 and 2 (see the header comment).

@@ -1,6 +1,7 @@
 // Dispatcher of the FP8 wgrad (cuda/fp8_wgrad.h): argument checks, path choice, the
-// CUTLASS instantiations of the wgrad table in cuda/BUILD.bazel, and the SIMT kernel that
-// computes the contract's order exactly.
+// CUTLASS instantiations and those of our kernel (fp8_wgrad_wgmma_kernel.cuh) of the wgrad
+// tables in cuda/BUILD.bazel, and the SIMT kernel that computes the contract's order
+// exactly.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -13,6 +14,7 @@
 #include "cuda/device.h"
 #include "cuda/fp8_grouped_gemm_internal.h"
 #include "cuda/fp8_wgrad.h"
+#include "cuda/fp8_wgrad_wgmma_internal.h"
 #include "cuda/group_offsets.cuh"
 
 namespace moe_xla {
@@ -69,6 +71,41 @@ const CutlassWgradInstance* cutlass_instance_for(const Fp8WgradParams& p, Fp8Wgr
   if (p.n % out_vec != 0) return nullptr;
   if (!aligned16(p.lhs_t) || !aligned16(p.rhs_t) || !aligned16(p.out)) return nullptr;
   for (const CutlassWgradInstance& inst : kCutlassWgradInstances) {
+    if (inst.out_dtype == p.out_dtype && inst.tile == tile) return &inst;
+  }
+  return nullptr;
+}
+
+struct WgmmaWgradInstance {
+  DType out_dtype;
+  detail::Fp8WgradTile tile;
+  Status (*run)(const detail::Fp8WgradWgmmaLaunch& launch);
+};
+
+#define MOE_XLA_CUTLASS_INSTANCE(DTYPE, TILE) \
+  WgmmaWgradInstance{DType::DTYPE, detail::Fp8WgradTile::TILE, &detail::fp8_wgrad_wgmma_run<DType::DTYPE, detail::Fp8WgradTile::TILE>},
+
+constexpr WgmmaWgradInstance kWgmmaWgradInstances[] = {
+// One MOE_XLA_CUTLASS_INSTANCE(dtype, tile) line per entry of the table, written by the
+// build (cutlass_instances in bazel/cuda.bzl).
+#include "cuda/fp8_wgrad_wgmma_kernels.inc"
+};
+#undef MOE_XLA_CUTLASS_INSTANCE
+
+// Our kernel's instantiation that computes this wgrad, or nullptr when none can: TMA
+// needs 16-byte aligned bases and row strides (the scales' rows are K and N floats), the
+// staged store whole 16-byte chunks of N.
+const WgmmaWgradInstance* wgmma_instance_for(const Fp8WgradParams& p, Fp8WgradPath path) {
+  if (path != Fp8WgradPath::kWgmma128x128 && path != Fp8WgradPath::kWgmma128x192) return nullptr;
+  const detail::Fp8WgradTile tile =
+      path == Fp8WgradPath::kWgmma128x128 ? detail::Fp8WgradTile::kN128 : detail::Fp8WgradTile::kN192;
+  if (!sizes_in_range(p) || p.k <= 0 || p.n <= 0 || p.num_groups <= 0) return nullptr;
+  if (p.k % 4 != 0 || p.n % 8 != 0) return nullptr;
+  if (!aligned16(p.lhs_t) || !aligned16(p.rhs_t) || !aligned16(p.out) || !aligned16(p.lhs_scales) ||
+      !aligned16(p.rhs_scales)) {
+    return nullptr;
+  }
+  for (const WgmmaWgradInstance& inst : kWgmmaWgradInstances) {
     if (inst.out_dtype == p.out_dtype && inst.tile == tile) return &inst;
   }
   return nullptr;
@@ -141,6 +178,8 @@ const char* path_name(Fp8WgradPath path) {
     case Fp8WgradPath::kSimt: return "simt";
     case Fp8WgradPath::kCutlass: return "cutlass";
     case Fp8WgradPath::kPingpong: return "pingpong";
+    case Fp8WgradPath::kWgmma128x128: return "wgmma128x128";
+    case Fp8WgradPath::kWgmma128x192: return "wgmma128x192";
   }
   return "unknown";
 }
@@ -180,6 +219,7 @@ Status fp8_wgrad(const Fp8WgradParams& p, void* workspace, size_t workspace_byte
     return Status::FailedPrecondition(device_support_error(cc_major, cc_minor, DeviceSupport::kFull, what.c_str()));
   }
   const CutlassWgradInstance* inst = cutlass_instance_for(p, path);
+  const WgmmaWgradInstance* wgmma = wgmma_instance_for(p, path);
 
   const size_t out_bytes = static_cast<size_t>(p.num_groups * p.k * p.n) * dtype_bytes(p.out_dtype);
   if (out_bytes == 0) return Status();
@@ -199,6 +239,12 @@ Status fp8_wgrad(const Fp8WgradParams& p, void* workspace, size_t workspace_byte
   const size_t usable = workspace_bytes - (aligned - raw);
 
   if (path == Fp8WgradPath::kSimt) return simt_run(p, reinterpret_cast<int64_t*>(base), stream).With("fp8_wgrad path simt");
+  if (wgmma != nullptr) {
+    int64_t* tiles = reinterpret_cast<int64_t*>(base);
+    wgrad_tiles_kernel<<<1, kScanThreads, 0, stream>>>(p.group_sizes, p.num_groups, p.m, tiles);
+    MOE_XLA_RETURN_IF_CUDA_ERROR(cudaGetLastError());
+    return wgmma->run(detail::Fp8WgradWgmmaLaunch{&p, tiles, stream}).With(std::string("fp8_wgrad path ") + path_name(path));
+  }
   if (inst == nullptr) {
     return Status::InvalidArgument(std::string("fp8_wgrad: the path ") + path_name(path) +
                                    " does not support this output dtype, shape or alignment");

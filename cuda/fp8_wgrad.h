@@ -6,9 +6,9 @@
 // Everything is enqueued on the given stream: group sizes stay on the device (no copy to
 // the host, no synchronisation), so the launch can be captured into a CUDA graph.
 //
-// Paths: CUTLASS's sm90 blockwise-scaled ptr-array grouped GEMM (scale granularity 1 x 1
-// x 128: per row of A, per column of B, per 128-deep step; two tile shapes) on compute
-// capability 9.0 when
+// Paths: our Hopper kernel (fp8_wgrad_wgmma_kernel.cuh; two tile widths) and CUTLASS's
+// sm90 blockwise-scaled ptr-array grouped GEMM (scale granularity 1 x 1 x 128: per row of
+// A, per column of B, per 128-deep step; two tile shapes) on compute capability 9.0 when
 // N is a multiple of 8 (bf16 out) or 4 (f32 out) and the pointers are 16-byte aligned; a
 // SIMT kernel in the contract's order (bitwise the CPU kernel's) everywhere else.
 #ifndef MOE_XLA_CUDA_FP8_WGRAD_H_
@@ -28,10 +28,18 @@ namespace cuda {
 // Which kernel computes the wgrad: the values of tgmm_fp8's `path` attribute
 // (primitives/tgmm_fp8.py lists the names in this order). kCutlass is the cooperative
 // 128 x 128 tile with a 1 x 2 cluster, kPingpong the pingpong 64 x 128 tile (one consumer
-// warp group's epilogue under the other's mainloop). A forced path that cannot compute the
-// product fails with an error naming it.
-enum class Fp8WgradPath : int32_t { kAuto = 0, kSimt = 1, kCutlass = 2, kPingpong = 3 };
-inline constexpr int32_t kFp8WgradPathCount = 4;
+// warp group's epilogue under the other's mainloop), kWgmma128x128 / kWgmma128x192 our
+// kernel (fp8_wgrad_wgmma_kernel.cuh) with 128 x 128 / 128 x 192 tiles (K % 4 == 0 and
+// N % 8 == 0). A forced path that cannot compute the product fails with an error naming it.
+enum class Fp8WgradPath : int32_t {
+  kAuto = 0,
+  kSimt = 1,
+  kCutlass = 2,
+  kPingpong = 3,
+  kWgmma128x128 = 4,
+  kWgmma128x192 = 5,
+};
+inline constexpr int32_t kFp8WgradPathCount = 6;
 
 // An upper bound of the device scratch fp8_wgrad needs for `num_groups` groups, any shape
 // and dtype, on GPUs with at most `max_sm_count` SMs.

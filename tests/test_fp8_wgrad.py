@@ -12,8 +12,10 @@ either; the reference's fma against exact rational arithmetic, and the reference
 a process whose XLA uses no FMA instruction (XLA:CPU contracts a * b + c where it may, which
 would hide a reference that leans on it); the product against the float64 product of the
 dequantised operands; empty groups and tiles outside every group; on the GPU, the SIMT
-path bitwise and the CUTLASS path within the bound its docstring states. Rules: vmap against a loop, sharding along K (and N) against one device, errors
-naming the argument, in Python and in the FFI handlers.
+path bitwise, and the tensor-core paths (CUTLASS's and our kernel) within the bound their
+test states and bitwise where the tensor cores add exactly. Rules: vmap against a loop,
+sharding along K (and N) against one device, errors naming the argument, in Python and in
+the FFI handlers.
 """
 
 from __future__ import annotations
@@ -268,8 +270,12 @@ def test_empty_groups_are_zero_and_other_tiles_take_no_part(rng, out_dtype):
 
 # --- on the GPU ---------------------------------------------------------------------------
 
-# (M, K, N, group sizes): the CUTLASS path's shapes (N a multiple of 8) and eligible ones.
-GPU_CASES = [(4096, 1024, 256, [1000, 0, 2000, 1096]), (1000, 512, 384, EDGES + [100]), (700, 272, 136, EDGES)]
+# (M, K, N, group sizes): the TMA paths' shapes (N a multiple of 8, K of 4) and eligible
+# ones; tails of K and N (272, 136), an odd number of column tiles (384 in 128, 136 and 200
+# in 192), two bands of our kernel's unit order (K 2304: 18 row tiles), empty groups.
+GPU_CASES = [(4096, 1024, 256, [1000, 0, 2000, 1096]), (1000, 512, 384, EDGES + [100]), (700, 272, 136, EDGES),
+             (1500, 2304, 200, [300, 0, 700, 0, 0, 500])]
+TMA_PATHS = ["cutlass", "pingpong", "wgmma128x128", "wgmma128x192"]
 
 
 @requires_gpu
@@ -283,9 +289,9 @@ def test_gpu_simt_path_is_the_cpu_bitwise(rng, case, out_dtype):
 
 
 @requires_gpu
-@pytest.mark.parametrize("path", ["auto", "cutlass", "pingpong"])
+@pytest.mark.parametrize("path", ["auto"] + TMA_PATHS)
 @pytest.mark.parametrize("case", GPU_CASES, ids=_case_ids)
-def test_gpu_cutlass_path_against_the_cpu(rng, case, path):
+def test_gpu_tma_path_against_the_cpu(rng, case, path):
     """Hopper's FP8 tensor cores add each 32-deep chunk of products aligned to the largest
     exponent and keep about 13 bits below it, so a 128-deep tile sum is off by up to
     32 * 2^-13 = 2^-8 of its terms' magnitudes before CUTLASS promotes it to float32: per
@@ -303,9 +309,9 @@ def test_gpu_cutlass_path_against_the_cpu(rng, case, path):
 
 
 @requires_gpu
-@pytest.mark.parametrize("path", ["cutlass", "pingpong"])
+@pytest.mark.parametrize("path", TMA_PATHS)
 @pytest.mark.parametrize("case", GPU_CASES, ids=_case_ids)
-def test_gpu_cutlass_path_is_exact_on_small_integers(rng, case, path):
+def test_gpu_tma_path_is_exact_on_small_integers(rng, case, path):
     """Integers in -3 .. 3 quantised with power-of-two scales are exact in E4M3 (q = x * 2^7
     or x * 2^8), every product is a multiple of 2^14 below 2^20 and every tile sum needs at
     most 11 significant bits: the tensor cores add them exactly, so the CUTLASS path must equal
@@ -325,8 +331,8 @@ def test_gpu_cutlass_path_is_exact_on_small_integers(rng, case, path):
 
 
 @requires_gpu
-@pytest.mark.parametrize("path", ["cutlass", "pingpong"])
-def test_gpu_forced_cutlass_path_that_cannot_compute_names_itself(rng, path):
+@pytest.mark.parametrize("path", TMA_PATHS)
+def test_gpu_forced_tma_path_that_cannot_compute_names_itself(rng, path):
     """N = 5 (not a multiple of 8 for bf16 output) is not eligible for the TMA paths."""
     ops = _operands(rng, 300, 128, 5, [100, 200])
     with pytest.raises(Exception, match=f"the path {path} does not support"):
@@ -441,7 +447,7 @@ def _bad_tgmm_calls():
         (call(4, ops[4].astype(jnp.float32)), "expected int32 group_sizes, got float32"),
         (call(4, ops[4][None]), r"expected group_sizes of rank 1 \[G\]"),
         (call(preferred_element_type=jnp.float16), "expected preferred_element_type bfloat16 or float32, got float16"),
-        (call(path="fast"), r"expected path in \('auto', 'simt', 'cutlass', 'pingpong'\), got 'fast'"),
+        (call(path="fast"), r"expected path in \('auto', 'simt', 'cutlass', 'pingpong', 'wgmma128x128', 'wgmma128x192'\), got 'fast'"),
         (call(rows=-1), "expected rows to be a non-negative Python int .* got -1"),
         (call(rows=200.0), "expected rows to be a non-negative Python int .* got 200.0"),
     ]
