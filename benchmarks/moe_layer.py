@@ -14,10 +14,12 @@ baselines measured in the same run on the same device:
               @ [F, H]), the same FLOPs as the layer with no routing and no grouping.
 And moe_xla.moe(..., quantization="fp8_blockwise") (fp8: both expert products in FP8
 blockwise, quantisation of rows and weights included, bf16 wgrad), with its output's
-relative error against the bf16 layer (fp8_rel_err) and fp8_*_speedup = bf16 / fp8 time.
+relative error against the bf16 layer (fp8_rel_err) and fp8_*_speedup = bf16 / fp8 time;
+fp8_wgrad: quantization="fp8_blockwise_fp8_wgrad" (the weight gradients in FP8 too, x and
+dy quantised in group-column tiles inside), fp8_wgrad_*_speedup likewise.
 
     python benchmarks/moe_layer.py [--out benchmarks/results] [--cases NAME ...] [--t-scale 1.0]
-                                   [--skip fp8 ragged_dot capacity dense] [--reps N]
+                                   [--skip fp8 fp8_wgrad ragged_dot capacity dense] [--reps N]
 
 Forward+backward is _timing.fwd_bwd: y and its vector-Jacobian product with a bf16
 cotangent ct w.r.t. x, router_logits, w_in and w_out (y is an output, so every forward
@@ -45,7 +47,7 @@ import jax.numpy as jnp
 import moe_xla
 from moe_xla import reference
 
-BASELINES = ("fp8", "ragged_dot", "capacity", "dense")
+BASELINES = ("fp8", "fp8_wgrad", "ragged_dot", "capacity", "dense")
 F32 = jnp.float32
 DTYPE = jnp.bfloat16
 MEMORY_METRIC = "compiled memory_analysis(): temp + argument + output bytes (estimate, aliasing not subtracted)"
@@ -250,6 +252,11 @@ def main():
                 diff = jnp.linalg.norm((y_fp8.astype(F32) - y_ref.astype(F32)).ravel())
                 row["fp8_rel_err"] = float(diff / jnp.linalg.norm(y_ref.astype(F32).ravel()))
             del y_fp8
+        if "fp8_wgrad" in args.skip:
+            _fill_skipped(row, "fp8_wgrad", "skipped")
+        else:
+            _bench("fp8_wgrad", functools.partial(moe_xla_layer(case), quantization="fp8_blockwise_fp8_wgrad"), inputs,
+                   ct, flops, reps, inner_fast, row)
 
         if "ragged_dot" in args.skip:
             _fill_skipped(row, "ragged_dot", "skipped")
@@ -292,11 +299,13 @@ def main():
             row[f"{tag}_vs_capacity"] = _ratio(row["capacity_" + tag + "_ms"], mine)
             row[f"fraction_of_dense_{tag}"] = _ratio(row["dense_" + tag + "_ms"], mine)  # = TFLOP/s ratio
             row[f"fp8_{tag}_speedup"] = _ratio(mine, row["fp8_" + tag + "_ms"])
+            row[f"fp8_wgrad_{tag}_speedup"] = _ratio(mine, row["fp8_wgrad_" + tag + "_ms"])
         rows.append(row)
         print(row, flush=True)
 
     columns = ["case", "T", "check_rel_err_vs_ragged_dot", "moe_xla_fwd_ms", "moe_xla_fwd_tflops", "moe_xla_fwd_bwd_ms", "moe_xla_fwd_bwd_tflops",
                "fp8_fwd_tflops", "fp8_fwd_bwd_tflops", "fp8_fwd_speedup", "fp8_fwd_bwd_speedup", "fp8_rel_err",
+               "fp8_wgrad_fwd_bwd_tflops", "fp8_wgrad_fwd_bwd_speedup",
                "moe_xla_fwd_bwd_mem_gib", "ragged_dot_fwd_bwd_ms", "ragged_dot_fwd_bwd_mem_gib", "fwd_vs_ragged_dot",
                "fwd_bwd_vs_ragged_dot", "capacity_fwd_bwd_ms", "capacity_fwd_bwd_mem_gib", "capacity_dropped_frac",
                "fwd_vs_capacity", "fwd_bwd_vs_capacity", "dense_fwd_tflops", "dense_fwd_bwd_tflops",
