@@ -210,9 +210,16 @@ Status fp8_wgrad(const Fp8WgradParams& p, void* workspace, size_t workspace_byte
     return Status::FailedPrecondition(device_support_error(cc_major, cc_minor, DeviceSupport::kSimt, "fp8_wgrad"));
   }
   if (path == Fp8WgradPath::kAuto) {
-    path = support == DeviceSupport::kFull && cutlass_instance_for(p, Fp8WgradPath::kCutlass) != nullptr
-               ? Fp8WgradPath::kCutlass
-               : Fp8WgradPath::kSimt;
+    // Our 128 x 192 kernel where it can run, else CUTLASS's cooperative tile, else SIMT
+    // (the ranking: benchmarks/results/LOG.md, session 43).
+    path = Fp8WgradPath::kSimt;
+    if (support == DeviceSupport::kFull) {
+      if (wgmma_instance_for(p, Fp8WgradPath::kWgmma128x192) != nullptr) {
+        path = Fp8WgradPath::kWgmma128x192;
+      } else if (cutlass_instance_for(p, Fp8WgradPath::kCutlass) != nullptr) {
+        path = Fp8WgradPath::kCutlass;
+      }
+    }
   }
   if (path != Fp8WgradPath::kSimt && support != DeviceSupport::kFull) {
     const std::string what = std::string("fp8_wgrad path ") + path_name(path);

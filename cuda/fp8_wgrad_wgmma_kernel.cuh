@@ -103,7 +103,7 @@ struct Fp8WgradKernelParams {
 // What a work unit computes: out[group] rows row0 .., columns col0 .., from `steps` tiles
 // starting at `first`; k_tile and n_tile are row0 / 128 and col0 / kTileN.
 struct Fp8WgradUnit {
-  int64_t first, steps;
+  int32_t first, steps;  // below T, in int32 (the dispatcher's range check)
   int32_t group, k_tile, n_tile;
 };
 
@@ -116,8 +116,8 @@ __device__ __forceinline__ Fp8WgradUnit fp8_wgrad_unit(const Fp8WgradKernelParam
   int64_t k_tile;
   fp8_band_place(unit - u.group * per_group, p.k_tiles, p.n_pairs, rank, &k_tile, &u.n_tile);
   u.k_tile = static_cast<int32_t>(k_tile);
-  u.first = p.group_tiles[2 * u.group];
-  u.steps = p.group_tiles[2 * u.group + 1];
+  u.first = static_cast<int32_t>(p.group_tiles[2 * u.group]);
+  u.steps = static_cast<int32_t>(p.group_tiles[2 * u.group + 1]);
   return u;
 }
 
@@ -154,8 +154,8 @@ __device__ __forceinline__ void fp8_wgrad_produce(const Fp8WgradKernelParams<Out
   typename T::PipelineState write = cutlass::make_producer_start_state<typename T::Pipeline>();
   for (int64_t unit = walk.first; unit < units; unit += walk.stride) {
     const Fp8WgradUnit u = fp8_wgrad_unit(p, unit, walk.rank);
-    for (int64_t step = 0; step < u.steps; ++step) {
-      const int32_t t = static_cast<int32_t>(u.first + step);
+    for (int32_t step = 0; step < u.steps; ++step) {
+      const int32_t t = u.first + step;
       pipeline.producer_acquire(write);  // and expects the stage's kTmaBytes (both halves of A)
       const int stage = write.index();
       auto* barrier = pipeline.producer_get_barrier(write);
@@ -243,7 +243,7 @@ __device__ __forceinline__ void fp8_wgrad_consume(const Fp8WgradKernelParams<Out
       issue();
       turn_over();
       retire();
-      for (int64_t step = 1; step < u.steps; ++step) {
+      for (int32_t step = 1; step < u.steps; ++step) {
         issue();
         retire();
       }
