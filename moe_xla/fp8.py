@@ -28,16 +28,19 @@ Backward, the straight-through estimate (quantisation's derivative taken as 1):
     d w   = wgrad="bf16" (the default): tgmm(lhs, dy) in lhs's dtype (bf16 for a bf16 model)
             with float32 accumulation;
             wgrad="fp8": tgmm_fp8 of lhs and dy quantised in 128-row column tiles that
-            restart at every group (quantize_fp8_group_cols, written transposed: CUTLASS's
-            FP8 grouped kernel has no k-grouped form, so each group is a problem whose
-            depth is its rows), one scale per column of each operand per tile.
-The default is the bf16 wgrad because it is the faster one on an H200 and the more
-accurate (benchmarks/results/LOG.md, session 12): the FP8 wgrad GEMM runs 0.97-1.03x the
-bf16 tgmm on the qwen3 and deepseek cases (1.18x on mixtral), its two column quantisations
-cost more than that saves (a backward pair of FP8 dgrad + FP8 wgrad at 0.60-1.05x bf16's,
-against 0.88-1.14x with the bf16 wgrad), and against a float32 layer its weight gradients
-are off by 6.3-6.5% (relative Frobenius error, bf16 inputs) where the bf16 wgrad's are off
-by 5.3-5.5% (both dominated by the FP8 forward's error in dy; the bf16 layer's: 0.4%).
+            restart at every group (quantize_fp8_group_cols, written transposed so that
+            each group is a K-major product whose depth is its rows), one scale per column
+            of each operand per tile.
+The default is the bf16 wgrad because it is the more accurate: against a float32 layer the
+FP8 wgrad's weight gradients are off by 6.3-6.5% (relative Frobenius error, bf16 inputs)
+where the bf16 wgrad's are off by 5.3-5.5% (both dominated by the FP8 forward's error in
+dy; the bf16 layer's: 0.4%; benchmarks/results/LOG.md, session 12). It is no longer the
+faster one everywhere: with our wgrad kernel (session 43, H100) the FP8 wgrad GEMM runs
+1.24-1.34x the bf16 tgmm, a backward pair of FP8 dgrad + FP8 wgrad (quantisations
+included) 1.11-1.31x bf16's on the deepseek-v3 and mixtral cases, and the layer's
+forward+backward 1.15x / 1.31x bf16's on deepseek-v3-like / mixtral against 1.15x / 1.23x
+with the bf16 wgrad; on qwen3-30b-a3b (K 2048 and 768) the two group-column quantisations
+cost more than the GEMM saves (layer 0.96x against 1.03x).
 moe_xla.gmm / moe() select it with quantization="fp8_blockwise_fp8_wgrad".
 Pre-quantised weights (an Fp8Weights as rhs) get no gradient. To quantise weights once and
 still train them (e.g. once per optimizer step for several micro-batches), pass the array
