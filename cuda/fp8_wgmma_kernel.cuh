@@ -51,7 +51,6 @@
 #include "cute/atom/copy_traits_sm90_tma.hpp"
 #include "cute/atom/mma_atom.hpp"
 #include "cutlass/arch/barrier.h"
-#include "cutlass/arch/reg_reconfig.h"
 #include "cutlass/cutlass.h"
 #include "cutlass/numeric_types.h"
 #include "cutlass/pipeline/sm90_pipeline.hpp"
@@ -279,23 +278,10 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     fp8_wgmma_kernel(const __grid_constant__ Fp8WgmmaKernelParams<Out, T> p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ __align__(1024) char smem_raw[];  // the 128-byte swizzle needs 1024
-  auto& smem = *reinterpret_cast<typename T::SharedStorage*>(smem_raw);
-  const bool producer = cutlass::canonical_warp_group_idx() == 0;
-
-  auto pipeline = make_stage_pipeline<typename T::Pipeline>(smem.pipeline, producer, T::kTmaBytes,
-                                                            T::kConsumerThreads, typename T::ClusterShape{});
-  // Both CTAs' barriers initialised before any thread of the cluster uses them.
-  cute::cluster_arrive_relaxed();
-  cute::cluster_wait();
-
   const int64_t units = p.tile_count->row_tiles * p.n_pairs;
-  if (producer) {
-    cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegisters>();
-    if (threadIdx.x == 0) fp8_wgmma_produce(p, smem, pipeline, units);
-  } else {
-    cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegisters>();
-    fp8_wgmma_consume(p, smem, pipeline, units);
-  }
+  fp8_warp_groups<T>(
+      smem_raw, [&](auto& smem, auto& pipeline) { fp8_wgmma_produce(p, smem, pipeline, units); },
+      [&](auto& smem, auto& pipeline) { fp8_wgmma_consume(p, smem, pipeline, units); });
 #endif
 }
 

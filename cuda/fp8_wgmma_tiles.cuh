@@ -3,7 +3,7 @@
 // (each loads half of its rows and multicasts them to both) and compute a pair of column
 // tiles of one 128-row tile, in 128-deep steps (one FP8 scale block, one 128-byte swizzle
 // row) of K-major operands through a TMA pipeline; the walk over work units and their band
-// order; the wgmma of one stage.
+// order; the wgmma of one stage; the kernel body that splits the warp groups.
 #ifndef MOE_XLA_CUDA_FP8_WGMMA_TILES_CUH_
 #define MOE_XLA_CUDA_FP8_WGMMA_TILES_CUH_
 
@@ -18,6 +18,7 @@
 #include "cute/arch/cluster_sm90.hpp"
 #include "cute/atom/copy_traits_sm90_tma.hpp"
 #include "cute/atom/mma_atom.hpp"
+#include "cutlass/arch/reg_reconfig.h"
 #include "cutlass/cutlass.h"
 #include "cutlass/numeric_types.h"
 #include "cutlass/pipeline/sm90_pipeline.hpp"
@@ -128,6 +129,29 @@ __device__ __forceinline__ void fp8_issue_stage(TiledMma& mma, const FragA& tCrA
     mma.accumulate_ = GMMA::ScaleOut::One;
   }
   warpgroup_commit_batch();
+}
+
+// The body of a kernel of traits T (kTmaBytes per stage, SharedStorage with the pipeline's
+// barriers in `pipeline`) in dynamic shared memory `smem_raw`: sets up the stage pipeline
+// of the cluster, then warp group 0 gives up registers and its thread 0 runs
+// produce(smem, pipeline), the consumer warp groups take them and run consume(smem,
+// pipeline).
+template <class T, class Produce, class Consume>
+__device__ __forceinline__ void fp8_warp_groups(char* smem_raw, const Produce& produce, const Consume& consume) {
+  auto& smem = *reinterpret_cast<typename T::SharedStorage*>(smem_raw);
+  const bool producer = cutlass::canonical_warp_group_idx() == 0;
+  auto pipeline = make_stage_pipeline<typename T::Pipeline>(smem.pipeline, producer, T::kTmaBytes,
+                                                            T::kConsumerThreads, typename T::ClusterShape{});
+  // Both CTAs' barriers initialised before any thread of the cluster uses them.
+  cute::cluster_arrive_relaxed();
+  cute::cluster_wait();
+  if (producer) {
+    cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegisters>();
+    if (threadIdx.x == 0) produce(smem, pipeline);
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegisters>();
+    consume(smem, pipeline);
+  }
 }
 
 }  // namespace detail
