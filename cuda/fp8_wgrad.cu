@@ -111,7 +111,7 @@ const WgmmaWgradInstance* wgmma_instance_for(const Fp8WgradParams& p, Fp8WgradPa
   return nullptr;
 }
 
-// Workspace of the SIMT path: first tile and tile count of every group.
+// Workspace of the SIMT and wgmma paths: first tile and tile count of every group.
 size_t tiles_bytes(int64_t num_groups) {
   return align_up(static_cast<size_t>(2 * num_groups) * sizeof(int64_t), kWorkspaceAlign);
 }
@@ -156,9 +156,16 @@ __global__ void __launch_bounds__(kSimtThreads)
   }
 }
 
-Status simt_run(const Fp8WgradParams& p, int64_t* tiles, cudaStream_t stream) {
+// Enqueues the kernel that writes each group's first tile and tile count into `tiles`
+// (the SIMT and wgmma paths read them).
+Status enqueue_group_tiles(const Fp8WgradParams& p, int64_t* tiles, cudaStream_t stream) {
   wgrad_tiles_kernel<<<1, kScanThreads, 0, stream>>>(p.group_sizes, p.num_groups, p.m, tiles);
   MOE_XLA_RETURN_IF_CUDA_ERROR(cudaGetLastError());
+  return Status();
+}
+
+Status simt_run(const Fp8WgradParams& p, int64_t* tiles, cudaStream_t stream) {
+  MOE_XLA_RETURN_IF_ERROR(enqueue_group_tiles(p, tiles, stream));
   if (p.k > 65535) return Status::InvalidArgument("fp8_wgrad path simt: K above 65535");
   const int64_t width = fp8::kTile * group_col_tiles(p.m, p.num_groups);
   const dim3 grid(static_cast<unsigned>((p.n + kSimtThreads - 1) / kSimtThreads), static_cast<unsigned>(p.k),
@@ -248,8 +255,7 @@ Status fp8_wgrad(const Fp8WgradParams& p, void* workspace, size_t workspace_byte
   if (path == Fp8WgradPath::kSimt) return simt_run(p, reinterpret_cast<int64_t*>(base), stream).With("fp8_wgrad path simt");
   if (wgmma != nullptr) {
     int64_t* tiles = reinterpret_cast<int64_t*>(base);
-    wgrad_tiles_kernel<<<1, kScanThreads, 0, stream>>>(p.group_sizes, p.num_groups, p.m, tiles);
-    MOE_XLA_RETURN_IF_CUDA_ERROR(cudaGetLastError());
+    MOE_XLA_RETURN_IF_ERROR(enqueue_group_tiles(p, tiles, stream));
     return wgmma->run(detail::Fp8WgradWgmmaLaunch{&p, tiles, stream}).With(std::string("fp8_wgrad path ") + path_name(path));
   }
   if (inst == nullptr) {
