@@ -6,7 +6,10 @@ y = -x, this benchmark's baseline until session 21, moves only about 0.8 of its 
 Ops: rows (quantize_fp8_rows), blocks (quantize_fp8_blocks), weights
 (quantize_fp8_weights: the blocks in both layouts, q and q transposed, from one kernel),
 group_cols (quantize_fp8_group_cols of the activations with the case's G uniform groups:
-the FP8 wgrad's 128-row column tiles, written transposed), and on the gate_up cases'
+the FP8 wgrad's 128-row column tiles, written transposed), rows_group_cols
+(quantize_fp8_rows_group_cols: both from one read, what gmm's FP8 wgrad runs on x and dy)
+and rows_then_group_cols (the two kernels one after the other; the same compulsory bytes
+counted), and on the gate_up cases'
 products h [M, N] = gate | up: swiglu_rows (activate_quantize_fp8: swiglu and its row
 quantisation in one kernel, what the FP8 expert MLP runs) and swiglu_then_rows (XLA's
 swiglu, then quantize_fp8_rows of it); their routing-weighted backward with g [M, N/2] and
@@ -109,13 +112,15 @@ def main():
         m, g, k, n = case["M"], case["G"], case["K"], case["N"]
         gs = jnp.full((g,), m // g, jnp.int32)
         ops_here = dict(ops)
-        if not args.ops or "group_cols" in args.ops:
-            ops_here["group_cols"] = lambda x: moe_xla.quantize_fp8_group_cols(x, gs)
+        cols = {"group_cols": lambda x: moe_xla.quantize_fp8_group_cols(x, gs),
+                "rows_group_cols": lambda x: moe_xla.quantize_fp8_rows_group_cols(x, gs),
+                "rows_then_group_cols": lambda x: (*moe_xla.quantize_fp8_rows(x), *moe_xla.quantize_fp8_group_cols(x, gs))}
+        ops_here.update({name: fn for name, fn in cols.items() if not args.ops or name in args.ops})
         for kind in ops_here:
             swiglu = kind.startswith("swiglu")
             if swiglu and not case["name"].endswith("gate_up"):
                 continue
-            activation = kind in ("rows", "group_cols", "expand_rows", "expand_then_rows")
+            activation = kind in ("rows", "expand_rows", "expand_then_rows", *cols)
             shape = (m, k) if activation else (m, n) if swiglu else (g, k, n)
             x = normal(jax.random.fold_in(jax.random.key(1), 3 * i + (kind != "rows") + swiglu), shape, jnp.bfloat16)
             elems = x.size
@@ -130,6 +135,8 @@ def main():
                 nbytes = 2 * tokens * k + 2 * elems + elems + elems // 128 * 4
             elif swiglu:  # h read, a written, a's q and scales written
                 nbytes = 2 * elems + 2 * (elems // 2) + elems // 2 + elems // 2 // 128 * 4
+            elif kind in ("rows_group_cols", "rows_then_group_cols"):  # x read, q and q_t with their scales written
+                nbytes = 2 * elems + 2 * elems + 2 * (elems // 128) * 4
             else:
                 tiles = elems // 128 if activation else elems // (128 * 128)
                 nbytes = elems * 2 + elems * (1 if kind in ("rows", "blocks", "group_cols") else 2) + tiles * 4

@@ -226,6 +226,11 @@ struct Fp8QuantizeParams {
 // tile and a row tile of the same 128 values quantise alike. Group g's rows start at
 // column 128 first_tile(g) of q_t (a 128-byte aligned offset: what TMA needs) and fill
 // ceil(len_g / 128) whole tiles, zero past the group.
+// With q given, the kernels also write x's 1 x 128 row tiles as Fp8QuantizeParams does
+// (tile_rows 1), from the same read of x:
+//   q          [rows, cols]              float8_e4m3fn bits
+//   row_scales [rows, ceil(cols / 128)]  float32
+// so that the FP8 dgrad's and the FP8 wgrad's operands of one x come from one pass.
 struct Fp8GroupColsParams {
   const void* x;               // [rows, cols]
   DType dtype;                 // of x: f32, bf16 or f16
@@ -233,6 +238,8 @@ struct Fp8GroupColsParams {
   int64_t num_groups;
   uint8_t* q_t;                // [cols, 128 T]
   float* scales;               // [T, cols]
+  uint8_t* q;                  // [rows, cols], or null: no row tiles (then row_scales is null too)
+  float* row_scales;           // [rows, ceil(cols / 128)]
   int64_t rows;
   int64_t cols;
   bool pow2_scale;

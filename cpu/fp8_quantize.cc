@@ -108,6 +108,7 @@ void fp8_expand_quantize(const Fp8ExpandQuantizeParams& p) {
 }
 
 void fp8_quantize_group_cols(const Fp8GroupColsParams& p) {
+  if (p.q != nullptr) quantize_stored_rows(p.x, p.dtype, p.rows, p.cols, p.q, p.row_scales, p.pow2_scale);
   const int64_t tile_count = group_col_tiles(p.rows, p.num_groups), width = fp8::kTile * tile_count;
   std::fill(p.q_t, p.q_t + p.cols * width, uint8_t{0});         // columns of no row
   std::fill(p.scales, p.scales + tile_count * p.cols, 1.0f);    // tiles of no row

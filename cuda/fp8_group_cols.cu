@@ -1,6 +1,6 @@
 // CUDA FP8 quantisation in 128 x 1 column tiles that restart at every group boundary,
 // written transposed (common/fp8_blockwise.h, Fp8GroupColsParams): the operands of the
-// FP8 wgrad.
+// FP8 wgrad; with q given, the 1 x 128 row tiles of the same x too, from the same read.
 //
 // One CTA per (tile, run of kBlocksPerCta column blocks of 128). The CTA first finds its
 // tile's rows from the group sizes (a block scan, amortised over the run), then per
@@ -8,13 +8,16 @@
 // loads issued before any is used, as the row-tile kernels do); the column amax goes
 // through warp shuffles and shared memory. A thread's 8 rows of one column are 8
 // consecutive bytes of a q_t row, so it stores them directly: the 4 threads of a warp
-// that share a column write 32 consecutive bytes (whole sectors). Scale and elements go
-// through common/fp8_blockwise.h like the CPU kernel, the elements by its division-free
-// quotient where it gives the same codes (cuda/fp8_tile_codes.cuh); max is exact in any
-// order, so the results are bitwise those of the CPU.
+// that share a column write 32 consecutive bytes (whole sectors). A row tile is the 8
+// columns of 16 threads: the 8 lanes of a row group in each of two warps (shuffles, then
+// shared memory). The segments cover every row, so every row tile is written once. Scale
+// and elements go through common/fp8_blockwise.h like the CPU kernel, the elements by its
+// division-free quotient where it gives the same codes (cuda/fp8_tile_codes.cuh); max is
+// exact in any order, so the results are bitwise those of the CPU.
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "common/fp8_blockwise.h"
 #include "common/status.h"
@@ -52,11 +55,62 @@ constexpr int kBlocksPerCta = 4;  // column blocks per CTA (one scan each)
 // 16-bit kernels spilled and took 3% longer over the benchmark cases; LOG.md, session 24).
 constexpr int kMinCtas = 2;
 
+// The row tiles of a thread's 8 rows (rows `row` .. `row` + 7 of the tile, columns `col` ..
+// `col` + 7 of the block): each row's 128 columns are the 8 lanes of its row group (lanes
+// differing in their low 3 bits) in warps 2w and 2w + 1. The amax as the row-tile kernels
+// take it (max.NaN of |x|, then max m(x) for a tile with an inf or NaN: row_tile_coder),
+// then the codes and the scales of the rows inside the tile. Every thread calls it.
 template <DType D, bool kVec>
+__device__ __forceinline__ void store_row_tiles(const Lane<typename Elem<D>::Bits> (&raw)[kRowRuns], int64_t first_row,
+                                                int nrows, int64_t c, int valid, int64_t block, int64_t col_blocks,
+                                                int64_t cols, bool pow2, uint8_t* __restrict__ q,
+                                                float* __restrict__ row_scales) {
+  __shared__ float partner[kWarps][kWarpRowGroups * kRowRuns];  // each warp's half-row amaxes
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int slot = lane / kWarpColLanes * kRowRuns;
+  // Per row, the amax of the thread's half row, then of the whole row.
+  auto row_amax = [&](auto magnitude, auto max2, float (&amax)[kRowRuns]) {
+#pragma unroll
+    for (int i = 0; i < kRowRuns; ++i) {
+      float a = 0.0f;
+#pragma unroll
+      for (int j = 0; j < kLaneCols; ++j) a = max2(a, magnitude(Elem<D>::to_float(raw[i].get(j))));
+#pragma unroll
+      for (int offset = kWarpColLanes / 2; offset > 0; offset /= 2) {
+        a = max2(a, __shfl_xor_sync(detail::kFullWarp, a, offset));
+      }
+      amax[i] = a;
+      if (lane % kWarpColLanes == 0) partner[warp][slot + i] = a;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < kRowRuns; ++i) amax[i] = max2(amax[i], partner[warp ^ 1][slot + i]);
+    __syncthreads();  // partner is rewritten by the exact pass
+  };
+  float amax[kRowRuns], exact[kRowRuns] = {};
+  row_amax([](float v) { return fabsf(v); }, detail::max_nan, amax);
+  bool nonfinite = false;
+#pragma unroll
+  for (int i = 0; i < kRowRuns; ++i) nonfinite |= !detail::finite_amax(amax[i]);
+  if (__syncthreads_or(nonfinite)) row_amax(fp8::tile_magnitude, fmaxf, exact);  // the same for the whole CTA
+#pragma unroll
+  for (int i = 0; i < kRowRuns; ++i) {
+    const bool finite = detail::finite_amax(amax[i]);
+    const TileCoder coder = TileCoder::of(finite ? amax[i] : exact[i], pow2, finite);
+    if (i >= nrows || valid == 0) continue;
+    const int64_t r = first_row + i;
+    store_lane<kVec>(q + r * cols + c, coder.template codes<D>(raw[i]), valid);
+    if (warp % 2 == 0 && lane % kWarpColLanes == 0) row_scales[r * col_blocks + block] = coder.scale;
+  }
+}
+
+// kRows: q and row_scales get the row tiles too (store_row_tiles).
+template <DType D, bool kVec, bool kRows>
 __global__ void __launch_bounds__(kThreads, kMinCtas)
     quantize_group_cols_kernel(const typename Elem<D>::Bits* __restrict__ x, const int32_t* __restrict__ group_sizes,
                                int64_t num_groups, uint8_t* __restrict__ q_t, float* __restrict__ scales,
-                               int64_t rows, int64_t cols, bool pow2) {
+                               uint8_t* __restrict__ q, float* __restrict__ row_scales, int64_t rows, int64_t cols,
+                               bool pow2) {
   using Bits = typename Elem<D>::Bits;
   __shared__ int64_t tile_rows[2];  // first row, rows of this CTA's tile
   __shared__ float warp_amax[kWarps / 2][fp8::kTile];
@@ -148,6 +202,10 @@ __global__ void __launch_bounds__(kThreads, kMinCtas)
       const Lane<uint8_t> out = col_coder[col + j].codes(v);
       store_lane<true>(q_t + (c + j) * width + tile * fp8::kTile + row, out, kLaneCols);
     }
+    if constexpr (kRows) {
+      store_row_tiles<D, kVec>(raw, r0 + row, static_cast<int>(nrows - row), c, valid, cb, col_blocks, cols, pow2, q,
+                               row_scales);
+    }
     __syncthreads();  // col_coder is rewritten by the next block
   }
 }
@@ -160,12 +218,16 @@ cudaError_t launch(const Fp8GroupColsParams& p, cudaStream_t stream) {
   if (tiles > 0x7fffffff || runs > 65535) return cudaErrorInvalidConfiguration;
   const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(runs));
   const auto* x = static_cast<const Bits*>(p.x);
-  if (p.cols % kLaneCols == 0 && aligned(p.x, sizeof(Lane<Bits>))) {
-    quantize_group_cols_kernel<D, true><<<grid, kThreads, 0, stream>>>(x, p.group_sizes, p.num_groups, p.q_t,
-                                                                      p.scales, p.rows, p.cols, p.pow2_scale);
+  const bool rows = p.q != nullptr;
+  const bool vector = p.cols % kLaneCols == 0 && aligned(p.x, sizeof(Lane<Bits>)) && (!rows || aligned(p.q, kLaneCols));
+  auto run = [&](auto vec, auto with_rows) {
+    quantize_group_cols_kernel<D, decltype(vec)::value, decltype(with_rows)::value><<<grid, kThreads, 0, stream>>>(
+        x, p.group_sizes, p.num_groups, p.q_t, p.scales, p.q, p.row_scales, p.rows, p.cols, p.pow2_scale);
+  };
+  if (rows) {
+    vector ? run(std::true_type{}, std::true_type{}) : run(std::false_type{}, std::true_type{});
   } else {
-    quantize_group_cols_kernel<D, false><<<grid, kThreads, 0, stream>>>(x, p.group_sizes, p.num_groups, p.q_t,
-                                                                       p.scales, p.rows, p.cols, p.pow2_scale);
+    vector ? run(std::true_type{}, std::false_type{}) : run(std::false_type{}, std::false_type{});
   }
   return cudaGetLastError();
 }
@@ -179,6 +241,9 @@ Status fp8_quantize_group_cols(const Fp8GroupColsParams& p, cudaStream_t stream)
   }
   if (p.cols == 0 || group_col_tiles(p.rows, p.num_groups) == 0) return Status();
   if (!aligned(p.q_t, kRowRuns)) return Status::InvalidArgument("fp8 quantize group cols: q_t is not 8-byte aligned");
+  if ((p.q == nullptr) != (p.row_scales == nullptr)) {
+    return Status::InvalidArgument("fp8 quantize group cols: q and row_scales must be given together");
+  }
   if (p.num_groups > 0 && p.group_sizes == nullptr) {
     return Status::InvalidArgument("fp8 quantize group cols: null group_sizes");
   }

@@ -38,7 +38,8 @@ size_t fp8_expand_workspace_bytes(const Fp8ExpandQuantizeParams& p);
 
 // Fills p.q_t and p.scales (device memory): x quantised in 128 x 1 column tiles that
 // restart at every group boundary, transposed (common/fp8_blockwise.h,
-// Fp8GroupColsParams). Group sizes stay on the device.
+// Fp8GroupColsParams), and with p.q given p.q and p.row_scales: x's 1 x 128 row tiles,
+// from the same read. Group sizes stay on the device.
 Status fp8_quantize_group_cols(const Fp8GroupColsParams& p, cudaStream_t stream);
 
 // Fills p.dh, p.q and p.scales (device memory): the activation's backward from p.h and

@@ -1,7 +1,7 @@
 // Decodes and validates the buffers and attributes of the quantize_fp8_rows /
 // quantize_fp8_blocks / quantize_fp8_weights FFI calls into the framework-free
-// Fp8QuantizeParams of common/fp8_blockwise.h, those of quantize_fp8_group_cols into its
-// Fp8GroupColsParams, those of activate_quantize_fp8 / activate_grad_quantize_fp8 into the
+// Fp8QuantizeParams of common/fp8_blockwise.h, those of quantize_fp8_group_cols and
+// quantize_fp8_rows_group_cols into its Fp8GroupColsParams, those of activate_quantize_fp8 / activate_grad_quantize_fp8 into the
 // Fp8ActivateQuantizeParams / Fp8ActivateGradQuantizeParams of common/expert_activation.h,
 // and those of expand_quantize_fp8_rows into its Fp8ExpandQuantizeParams, for both the
 // CPU and the CUDA handlers. Every error names the argument, what was expected and what
@@ -120,6 +120,24 @@ inline ffi::ErrorOr<Fp8GroupColsParams> decode_fp8_group_cols(ffi::AnyBuffer x, 
   p.q_t = static_cast<uint8_t*>(q_t.untyped_data());
   p.scales = scales.typed_data();
   p.pow2_scale = pow2_scale;
+  return p;
+}
+
+// decode_fp8_group_cols with x's row tiles too: q [M, K] float8_e4m3fn and row_scales
+// [M, ceil(K/128)] f32.
+inline ffi::ErrorOr<Fp8GroupColsParams> decode_fp8_rows_group_cols(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> group_sizes,
+                                                                   ffi::AnyBuffer q, ffi::Buffer<ffi::F32> row_scales,
+                                                                   ffi::AnyBuffer q_t, ffi::Buffer<ffi::F32> scales,
+                                                                   bool pow2_scale) {
+  auto p = decode_fp8_group_cols(x, group_sizes, q_t, scales, pow2_scale);
+  if (p.has_error()) return p;
+  if (auto e = expect_fp8("q", q); e.failure()) return ffi::Unexpected<ffi::Error>(std::move(e));
+  for (auto e : {expect_shape("q", q.dimensions(), {p->rows, p->cols}),
+                 expect_shape("row_scales", row_scales.dimensions(), {p->rows, fp8::tiles(p->cols)})}) {
+    if (e.failure()) return ffi::Unexpected<ffi::Error>(std::move(e));
+  }
+  p->q = static_cast<uint8_t*>(q.untyped_data());
+  p->row_scales = row_scales.typed_data();
   return p;
 }
 
@@ -292,6 +310,19 @@ auto bind_fp8_group_cols(Binding&& binding) {
   return std::move(binding)
       .template Arg<ffi::AnyBuffer>()          // x [M, K]
       .template Arg<ffi::Buffer<ffi::S32>>()   // group_sizes [G]
+      .template Ret<ffi::AnyBuffer>()          // q_t [K, 128 T], float8_e4m3fn
+      .template Ret<ffi::Buffer<ffi::F32>>()   // scales [T, K]
+      .template Attr<bool>("pow2_scale");
+}
+
+// The operands and attributes of the quantize_fp8_rows_group_cols handlers, appended to `binding`.
+template <class Binding>
+auto bind_fp8_rows_group_cols(Binding&& binding) {
+  return std::move(binding)
+      .template Arg<ffi::AnyBuffer>()          // x [M, K]
+      .template Arg<ffi::Buffer<ffi::S32>>()   // group_sizes [G]
+      .template Ret<ffi::AnyBuffer>()          // q [M, K], float8_e4m3fn
+      .template Ret<ffi::Buffer<ffi::F32>>()   // row_scales [M, ceil(K/128)]
       .template Ret<ffi::AnyBuffer>()          // q_t [K, 128 T], float8_e4m3fn
       .template Ret<ffi::Buffer<ffi::F32>>()   // scales [T, K]
       .template Attr<bool>("pow2_scale");

@@ -1,7 +1,8 @@
 // XLA FFI handlers of quantize_fp8_rows (1 x 128 row tiles), quantize_fp8_blocks
 // (128 x 128 blocks), quantize_fp8_weights (the blocks in both layouts, q and q
 // transposed), quantize_fp8_group_cols (the wgrad's 128 x 1 column tiles per group,
-// transposed), activate_quantize_fp8 (the expert activation and its row quantisation),
+// transposed), quantize_fp8_rows_group_cols (those and the row tiles of the same x),
+// activate_quantize_fp8 (the expert activation and its row quantisation),
 // activate_grad_quantize_fp8 (its backward and the row quantisation of d h) and
 // expand_quantize_fp8_rows (token rows expanded into the rows of their pairs, scaled, and
 // their row quantisation) on the host platform. One quantisation function for rows, blocks and
@@ -38,6 +39,15 @@ ffi::Error quantize_weights(ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> q, ffi
 ffi::Error quantize_group_cols(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> q_t,
                                ffi::ResultBuffer<ffi::F32> scales, bool pow2_scale) {
   auto p = ffi_args::decode_fp8_group_cols(x, group_sizes, *q_t, *scales, pow2_scale);
+  if (p.has_error()) return p.error();
+  cpu::fp8_quantize_group_cols(*p);
+  return ffi::Error::Success();
+}
+
+ffi::Error quantize_rows_group_cols(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> q,
+                                    ffi::ResultBuffer<ffi::F32> row_scales, ffi::Result<ffi::AnyBuffer> q_t,
+                                    ffi::ResultBuffer<ffi::F32> scales, bool pow2_scale) {
+  auto p = ffi_args::decode_fp8_rows_group_cols(x, group_sizes, *q, *row_scales, *q_t, *scales, pow2_scale);
   if (p.has_error()) return p.error();
   cpu::fp8_quantize_group_cols(*p);
   return ffi::Error::Success();
@@ -88,6 +98,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaActivateQuantizeFp8Cpu, moe_xla::activate_qu
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaQuantizeFp8GroupColsCpu, moe_xla::quantize_group_cols,
                               moe_xla::ffi_args::bind_fp8_group_cols(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaQuantizeFp8RowsGroupColsCpu, moe_xla::quantize_rows_group_cols,
+                              moe_xla::ffi_args::bind_fp8_rows_group_cols(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaActivateGradQuantizeFp8Cpu, moe_xla::activate_grad_quantize,
                               moe_xla::ffi_args::bind_fp8_activate_grad_quantize(ffi::Ffi::Bind()));
 

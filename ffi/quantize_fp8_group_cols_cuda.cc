@@ -1,6 +1,7 @@
-// XLA FFI handler of quantize_fp8_group_cols (the FP8 wgrad operands: 128 x 1 column tiles
-// that restart at every group boundary, written transposed) on CUDA: decode, validate and
-// enqueue cuda::fp8_quantize_group_cols on XLA's stream. Group sizes stay on the device; no
+// XLA FFI handlers of quantize_fp8_group_cols (the FP8 wgrad operands: 128 x 1 column tiles
+// that restart at every group boundary, written transposed) and quantize_fp8_rows_group_cols
+// (those and the 1 x 128 row tiles of the same x) on CUDA: decode, validate and enqueue
+// cuda::fp8_quantize_group_cols on XLA's stream. Group sizes stay on the device; no
 // host sync, no scratch: command-buffer compatible.
 #include <cuda_runtime_api.h>
 
@@ -22,10 +23,23 @@ ffi::Error quantize_group_cols_cuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::
   return ffi_args::to_error(cuda::fp8_quantize_group_cols(*p, stream), "quantize_fp8_group_cols");
 }
 
+ffi::Error quantize_rows_group_cols_cuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> group_sizes,
+                                         ffi::Result<ffi::AnyBuffer> q, ffi::ResultBuffer<ffi::F32> row_scales,
+                                         ffi::Result<ffi::AnyBuffer> q_t, ffi::ResultBuffer<ffi::F32> scales,
+                                         bool pow2_scale) {
+  auto p = ffi_args::decode_fp8_rows_group_cols(x, group_sizes, *q, *row_scales, *q_t, *scales, pow2_scale);
+  if (p.has_error()) return p.error();
+  return ffi_args::to_error(cuda::fp8_quantize_group_cols(*p, stream), "quantize_fp8_rows_group_cols");
+}
+
 }  // namespace
 }  // namespace moe_xla
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaQuantizeFp8GroupColsCuda, moe_xla::quantize_group_cols_cuda,
                               moe_xla::ffi_args::bind_fp8_group_cols(
+                                  ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaQuantizeFp8RowsGroupColsCuda, moe_xla::quantize_rows_group_cols_cuda,
+                              moe_xla::ffi_args::bind_fp8_rows_group_cols(
                                   ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});

@@ -14,6 +14,7 @@ from moe_xla.primitives.permute import permute
 from moe_xla.primitives.quantize_fp8_blocks import quantize_fp8_blocks
 from moe_xla.primitives.quantize_fp8_group_cols import quantize_fp8_group_cols
 from moe_xla.primitives.quantize_fp8_rows import quantize_fp8_rows
+from moe_xla.primitives.quantize_fp8_rows_group_cols import quantize_fp8_rows_group_cols
 from moe_xla.primitives.ragged_dot import ragged_dot
 from moe_xla.primitives.route import route
 from moe_xla.primitives.tgmm import tgmm
@@ -23,7 +24,8 @@ from moe_xla.routing_bias import update_routing_bias
 
 __all__ = ["Fp8Weights", "MoeAux", "dequantize_fp8_rows", "gather_gmm", "gather_gmm_activate", "gather_tgmm", "gmm",
            "gmm_fp8", "moe", "permute", "quantize_fp8_blocks", "quantize_fp8_group_cols", "quantize_fp8_rows",
-           "quantize_fp8_weights", "ragged_dot", "route", "tgmm", "tgmm_fp8", "unpermute", "update_routing_bias"]
+           "quantize_fp8_rows_group_cols", "quantize_fp8_weights", "ragged_dot", "route", "tgmm", "tgmm_fp8",
+           "unpermute", "update_routing_bias"]
 
 
 def __getattr__(name):

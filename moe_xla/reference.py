@@ -302,6 +302,8 @@ def moe(x, router_logits, w_in, w_out, *, top_k, activation="swiglu", score="sof
 #   quantize_fp8_group_cols  128 x 1 tiles along M of [M, K] that restart at every group
 #                            boundary, written transposed: x and dy of the FP8 wgrad
 #                            tgmm_fp8 (the contraction is M, per group).
+#   quantize_fp8_rows_group_cols  quantize_fp8_rows and quantize_fp8_group_cols of one x
+#                            (the kernels read x once for both).
 
 FP8_TILE = 128
 FP8_MAX = 448.0
@@ -524,6 +526,13 @@ def quantize_fp8_group_cols(x, group_sizes, *, pow2_scale=False):
     scales = fp8_scale(amax, pow2_scale)
     q = fp8_quantize(x, scales[tile])
     return jnp.zeros((k, FP8_TILE * t), q.dtype).at[:, cols].set(q.T), scales
+
+
+def quantize_fp8_rows_group_cols(x, group_sizes, *, pow2_scale=False):
+    """x [M, K], group_sizes [G] -> quantize_fp8_rows(x) + quantize_fp8_group_cols(x,
+    group_sizes): (q, row_scales, q_t, scales), both tilings of one operand."""
+    return (*quantize_fp8_rows(x, pow2_scale=pow2_scale),
+            *quantize_fp8_group_cols(x, group_sizes, pow2_scale=pow2_scale))
 
 
 def dequantize_fp8_rows(q, scales, dtype=jnp.float32):

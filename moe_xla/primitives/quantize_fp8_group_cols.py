@@ -54,10 +54,17 @@ def _abstract_eval(x, group_sizes, *, pow2_scale):
 def _batch(args, dims, *, pow2_scale):
     (x, group_sizes), b = _batching.all_to_front(args, dims)
     _, m, k = x.shape
-    g = group_sizes.shape[1]
-    t = _fp8.tiles(m) + g
     folded = _batching.folded_group_sizes(group_sizes, m)  # [B * (G + 1)]: the segments
     q_t, scales = quantize_fp8_group_cols_p.bind(x.reshape(b * m, k), folded, pow2_scale=pow2_scale)
+    return list(unfold_tiles(q_t, scales, folded, b, m)), [0, 0]
+
+
+def unfold_tiles(q_t, scales, folded, b: int, m: int):
+    """The batched (q_t [B, K, 128 T], scales [B, T, K]) from those of the folded rows
+    [B * M, K] in the segments `folded` [B * (G + 1)] (each element's G groups, then a
+    spacer over its remaining rows), T = ceil(M/128) + G."""
+    g = folded.shape[0] // b - 1
+    t = _fp8.tiles(m) + g
     # Element i's tiles: `used[i]` (at most T) from `first[i]`. Padding past the end keeps
     # every slice of T tiles in bounds; tiles past used[i] become tiles of no row.
     used = jnp.sum((-(-folded // _fp8.TILE)).reshape(b, g + 1), axis=1)
@@ -68,7 +75,7 @@ def _batch(args, dims, *, pow2_scale):
     scales = jax.vmap(lambda f: jax.lax.dynamic_slice_in_dim(scales, f, t, axis=0))(first)
     mine = jnp.arange(t)[None, :] < used[:, None]  # [B, T]
     q_t = jnp.where(jnp.repeat(mine, _fp8.TILE, axis=1)[:, None, :], q_t, jnp.zeros((), q_t.dtype))
-    return [q_t, jnp.where(mine[:, :, None], scales, 1.0)], [0, 0]
+    return q_t, jnp.where(mine[:, :, None], scales, 1.0)
 
 
 def _specs(arg_axes, **_):
