@@ -98,21 +98,20 @@ def test_not_differentiable():
         jax.grad(lambda x: moe_xla.quantize_fp8_rows_group_cols(x, gs)[1].sum())(jnp.ones((200, 8)))
 
 
-@pytest.mark.parametrize("call, message", [
-    (lambda: moe_xla.quantize_fp8_rows_group_cols(jnp.zeros((4, 8), jnp.int32), jnp.zeros(2, jnp.int32)),
-     "quantize_fp8_rows_group_cols: expected x of dtype float32, bfloat16, float16, got int32"),
-    (lambda: moe_xla.quantize_fp8_rows_group_cols(jnp.zeros((2, 4, 8)), jnp.zeros(2, jnp.int32)),
-     r"expected x of rank 2 \[M, K\], got shape \(2, 4, 8\)"),
-    (lambda: moe_xla.quantize_fp8_rows_group_cols(jnp.zeros((4, 8)), jnp.zeros((1, 2), jnp.int32)),
-     r"expected group_sizes of rank 1 \[G\], got shape \(1, 2\)"),
-    (lambda: moe_xla.quantize_fp8_rows_group_cols(jnp.zeros((4, 8)), jnp.zeros(2, jnp.float32)),
-     "expected int32 group_sizes, got float32"),
-    (lambda: moe_xla.quantize_fp8_rows_group_cols(jnp.zeros((4, 8)), jnp.zeros(2, jnp.int32), pow2_scale=1),
-     "expected pow2_scale to be a Python bool"),
+@pytest.mark.parametrize("op", ["quantize_fp8_group_cols", "quantize_fp8_rows_group_cols"])
+@pytest.mark.parametrize("args, kw, message", [
+    ((jnp.zeros((4, 8), jnp.int32), jnp.zeros(2, jnp.int32)), {},
+     "{op}: expected x of dtype float32, bfloat16, float16, got int32"),
+    ((jnp.zeros((2, 4, 8)), jnp.zeros(2, jnp.int32)), {}, r"expected x of rank 2 \[M, K\], got shape \(2, 4, 8\)"),
+    ((jnp.zeros((4, 8)), jnp.zeros((1, 2), jnp.int32)), {}, r"expected group_sizes of rank 1 \[G\], got shape \(1, 2\)"),
+    ((jnp.zeros((4, 8)), jnp.zeros(2, jnp.float32)), {}, "expected int32 group_sizes, got float32"),
+    ((jnp.zeros((4, 8)), jnp.zeros(2, jnp.uint32)), {}, "expected int32 group_sizes, got uint32"),
+    ((jnp.zeros((4, 8)), jnp.zeros(2, jnp.int32)), {"pow2_scale": 1}, "expected pow2_scale to be a Python bool"),
 ])
-def test_bad_inputs_raise_at_trace_time(call, message):
-    with pytest.raises((TypeError, ValueError), match=message):
-        jax.eval_shape(call)
+def test_bad_inputs_raise_at_trace_time(op, args, kw, message):
+    """Both quantisations of the wgrad's operands (this op and quantize_fp8_group_cols)."""
+    with pytest.raises((TypeError, ValueError), match=message.format(op=op)):
+        jax.eval_shape(lambda *a: getattr(moe_xla, op)(*a, **kw), *args)
 
 
 # On 200 rows, K 8 and 2 groups: q [200, 8], row_scales [200, 1], q_t [8, 512], scales [4, 8].
