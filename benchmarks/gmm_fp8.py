@@ -133,7 +133,7 @@ def _backward_contenders(lhs, rhs, gs, wgrad_paths=()):
     def train_fwd(quantization):
         # The forward of a training step through the library: the output and the residuals
         # its backward keeps (vjp's function is a pytree of them); weights pre-quantised.
-        kw = {} if quantization is None else {"quantization": quantization, "rhs_quantized": wq}
+        kw = {} if quantization is None else {"quantization": quantization, "quantized_rhs": wq}
         return lambda x, w, g: jax.vjp(lambda x, w: moe_xla.gmm(x, w, g, **kw), x, w)
 
     def backward(vjp_fn, dy):
