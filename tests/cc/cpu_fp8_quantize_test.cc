@@ -226,7 +226,8 @@ void test_group_cols() {
   const int32_t group_sizes[] = {0, 130, -4, 3};
   std::vector<uint8_t> q_t(cols * width, 0xAA);
   std::vector<float> scales(tiles * cols, -1.0f);
-  Fp8GroupColsParams p{x.data(), DType::kF32, group_sizes, 4, q_t.data(), scales.data(), rows, cols, false};
+  Fp8GroupColsParams p{x.data(), DType::kF32, group_sizes, 4, q_t.data(), scales.data(), nullptr, nullptr, rows, cols,
+                       false};  // no row tiles
   cpu::fp8_quantize_group_cols(p);
   std::vector<bool> written(cols * width, false), scaled(tiles, false);
   const int64_t segments[][3] = {{0, 130, 0}, {130, 3, 2}, {133, 167, 3}};
