@@ -21,11 +21,12 @@ on a cooler GPU than the others):
 Backward pair, also in turns: bf16 dgrad (gmm with the weights transposed) + bf16 wgrad
 (tgmm) against the FP8 dgrad (dy quantised inside, pre-quantised weights) + the same bf16
 wgrad (pair_fp8) or + the FP8 wgrad with x and dy quantised in group-column tiles inside
-(pair_fp8_fp8, three quantisation passes); the library's own backward, vjp_bf16 and
-vjp_fp8_fp8 (gmm with quantization="fp8_blockwise_fp8_wgrad", pre-quantised weights: dy's
-row and column tiles from one read, x's column tiles made by the forward), with their
-forwards train_fwd_bf16 / train_fwd_fp8_fp8 (the output and the residuals kept:
-train_fp8_fp8_vs_bf16 compares forward + backward); and the dgrads and wgrads alone, each on pre-quantised operands (dgrad_fp8:
+(pair_fp8_fp8, three quantisation passes); the library's own training step, train_bf16 and
+train_fp8_fp8 (forward and backward of gmm, with quantization="fp8_blockwise_fp8_wgrad"
+and pre-quantised weights: x's row and column tiles from one read in the forward, the
+column tiles kept; dy's likewise in the backward), its forward alone train_fwd_* (output
+and residuals), and the backward as their difference, vjp_* (vjp_fp8_fp8_vs_bf16 is the
+library's pair against bf16's); and the dgrads and wgrads alone, each on pre-quantised operands (dgrad_fp8:
 gmm_fp8 of dy's 1 x 128 tiles, as moe()'s backward gets them from the kernel that makes
 dy; wgrad_fp8: tgmm_fp8) and with its quantisation included (dgrad_fp8_quant,
 wgrad_fp8_quant). dy is random (normal, 0.01 scale): constant data would draw less power
@@ -130,20 +131,22 @@ def _backward_contenders(lhs, rhs, gs, wgrad_paths=()):
     def pair(dgrad, wgrad):
         return lambda x, dy, w, g: (dgrad(dy, w, g), wgrad(x, dy, g))
 
-    def train_fwd(quantization):
-        # The forward of a training step through the library: the output and the residuals
-        # its backward keeps (vjp's function is a pytree of them); weights pre-quantised.
+    def train(quantization, backward=True):
+        # A training step's product through the library, weights pre-quantised: the forward
+        # (its output and the residuals its backward keeps: vjp's function is a pytree of
+        # them), or the forward and the backward of dy.
         kw = {} if quantization is None else {"quantization": quantization, "quantized_rhs": wq}
-        return lambda x, w, g: jax.vjp(lambda x, w: moe_xla.gmm(x, w, g, **kw), x, w)
 
-    def backward(vjp_fn, dy):
-        return vjp_fn(dy)
+        def step(x, w, dy, g):
+            out, vjp_fn = jax.vjp(lambda x, w: moe_xla.gmm(x, w, g, **kw), x, w)
+            return vjp_fn(dy) if backward else (out, vjp_fn)
+        return step
 
-    residuals = {q: jax.jit(train_fwd(q))(lhs, rhs, gs)[1] for q in (None, "fp8_blockwise_fp8_wgrad")}
-    ops = {"train_fwd_bf16": (train_fwd(None), (lhs, rhs, gs)),
-           "train_fwd_fp8_fp8": (train_fwd("fp8_blockwise_fp8_wgrad"), (lhs, rhs, gs)),
-           "vjp_bf16": (backward, (residuals[None], dy)),
-           "vjp_fp8_fp8": (backward, (residuals["fp8_blockwise_fp8_wgrad"], dy)),
+    fp8_fp8 = "fp8_blockwise_fp8_wgrad"
+    ops = {"train_fwd_bf16": (train(None, False), (lhs, rhs, dy, gs)),
+           "train_fwd_fp8_fp8": (train(fp8_fp8, False), (lhs, rhs, dy, gs)),
+           "train_bf16": (train(None), (lhs, rhs, dy, gs)),
+           "train_fp8_fp8": (train(fp8_fp8), (lhs, rhs, dy, gs)),
            "dgrad_bf16": (dgrad_bf16, (dy, rhs, gs)),
            "dgrad_fp8": (dgrad_fp8, (*moe_xla.quantize_fp8_rows(dy), wq, gs)),
            "dgrad_fp8_quant": (dgrad_fp8_quant, (dy, wq, gs)),
@@ -195,7 +198,7 @@ def main():
             times, spans = alternating_times(impls, args.turn_seconds, args.rounds)
             for name, ts in times.items():
                 t = statistics.median(ts)
-                products = 2 if name.startswith(("pair", "vjp")) else 1
+                products = 2 if name.startswith("pair") else 3 if name in ("train_bf16", "train_fp8_fp8") else 1
                 row[f"{name}_ms"] = t * 1e3
                 row[f"{name}_tflops"] = products * flops / t / 1e12
                 if sampler is not None:
@@ -209,9 +212,10 @@ def main():
             row["dgrad_fp8_quant_vs_bf16"] = row["dgrad_bf16_ms"] / row["dgrad_fp8_quant_ms"]
             row["pair_fp8_vs_bf16"] = row["pair_bf16_ms"] / row["pair_fp8_ms"]
             row["pair_fp8_fp8_vs_bf16"] = row["pair_bf16_ms"] / row["pair_fp8_fp8_ms"]
+            for q in ("bf16", "fp8_fp8"):  # the backward alone: the step less its forward
+                row[f"vjp_{q}_ms"] = row[f"train_{q}_ms"] - row[f"train_fwd_{q}_ms"]
             row["vjp_fp8_fp8_vs_bf16"] = row["vjp_bf16_ms"] / row["vjp_fp8_fp8_ms"]
-            row["train_fp8_fp8_vs_bf16"] = ((row["train_fwd_bf16_ms"] + row["vjp_bf16_ms"])
-                                            / (row["train_fwd_fp8_fp8_ms"] + row["vjp_fp8_fp8_ms"]))
+            row["train_fp8_fp8_vs_bf16"] = row["train_bf16_ms"] / row["train_fp8_fp8_ms"]
             row["wgrad_fp8_vs_bf16"] = row["wgrad_bf16_ms"] / row["wgrad_fp8_ms"]
             row["wgrad_fp8_quant_vs_bf16"] = row["wgrad_bf16_ms"] / row["wgrad_fp8_quant_ms"]
         rows.append(row)
