@@ -133,13 +133,14 @@ def _backward_contenders(lhs, rhs, gs, wgrad_paths=()):
 
     def train(quantization, backward=True):
         # A training step's product through the library, weights pre-quantised: the forward
-        # (its output and the residuals its backward keeps: vjp's function is a pytree of
-        # them), or the forward and the backward of dy.
+        # as a step runs it (for the FP8 wgrad with x's column tiles, which the backward
+        # takes), and with backward the step's output and gradients. Both return what a step
+        # returns, so that XLA drops nothing a step computes and copies no residual out.
         kw = {} if quantization is None else {"quantization": quantization, "quantized_rhs": wq}
 
         def step(x, w, dy, g):
             out, vjp_fn = jax.vjp(lambda x, w: moe_xla.gmm(x, w, g, **kw), x, w)
-            return vjp_fn(dy) if backward else (out, vjp_fn)
+            return (out, vjp_fn(dy)) if backward else out
         return step
 
     fp8_fp8 = "fp8_blockwise_fp8_wgrad"
