@@ -42,7 +42,8 @@ faster one everywhere: with our wgrad kernel (session 43, H100) the FP8 wgrad GE
 included) 1.11-1.31x bf16's on the deepseek-v3 and mixtral cases, and the layer's
 forward+backward 1.15x / 1.31x bf16's on deepseek-v3-like / mixtral against 1.15x / 1.23x
 with the bf16 wgrad; on qwen3-30b-a3b (K 2048 and 768) the two group-column quantisations
-cost more than the GEMM saves (layer 0.96x against 1.03x).
+cost more than the GEMM saves (layer 0.96x against 1.03x); gmm's backward, with dy's two
+tilings from one read (session 44), 1.19x / 1.02x bf16's on those products.
 moe_xla.gmm / moe() select it with quantization="fp8_blockwise_fp8_wgrad".
 Pre-quantised weights (an Fp8Weights as rhs) get no gradient. To quantise weights once and
 still train them (e.g. once per optimizer step for several micro-batches), pass the array
