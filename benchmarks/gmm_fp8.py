@@ -221,6 +221,9 @@ def main():
             row["wgrad_fp8_quant_vs_bf16"] = row["wgrad_bf16_ms"] / row["wgrad_fp8_quant_ms"]
         rows.append(row)
         print(row, flush=True)
+        # This case's operands and executables go before the next case's are made (a large
+        # case's torch buffers left torch's FP8 contender out of memory on the next one).
+        del sections, impls, lhs, rhs
     if sampler is not None:
         sampler.stop()
     columns = ["case", "groups", "bf16_tflops", "fp8_tflops", "bf16_mhz", "fp8_mhz", "fp8_quant_tflops",
