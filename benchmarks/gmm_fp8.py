@@ -24,9 +24,10 @@ wgrad (pair_fp8) or + the FP8 wgrad with x and dy quantised in group-column tile
 (pair_fp8_fp8, three quantisation passes); the library's own training step, train_bf16 and
 train_fp8_fp8 (forward and backward of gmm, with quantization="fp8_blockwise_fp8_wgrad"
 and pre-quantised weights: x's row and column tiles from one read in the forward, the
-column tiles kept; dy's likewise in the backward), its forward alone train_fwd_* (output
-and residuals), and the backward as their difference, vjp_* (vjp_fp8_fp8_vs_bf16 is the
-library's pair against bf16's); and the dgrads and wgrads alone, each on pre-quantised operands (dgrad_fp8:
+column tiles kept; dy's likewise in the backward), its forward alone train_fwd_* (the
+output: what a step's forward runs), and the backward as their difference, vjp_*
+(vjp_fp8_fp8_vs_bf16 is the library's pair against bf16's); and the dgrads and wgrads
+alone, each on pre-quantised operands (dgrad_fp8:
 gmm_fp8 of dy's 1 x 128 tiles, as moe()'s backward gets them from the kernel that makes
 dy; wgrad_fp8: tgmm_fp8) and with its quantisation included (dgrad_fp8_quant,
 wgrad_fp8_quant). dy is random (normal, 0.01 scale): constant data would draw less power

@@ -241,7 +241,8 @@ Status fp8_quantize_group_cols(const Fp8GroupColsParams& p, cudaStream_t stream)
   }
   if (p.cols == 0 || group_col_tiles(p.rows, p.num_groups) == 0) return Status();
   if (!aligned(p.q_t, kRowRuns)) return Status::InvalidArgument("fp8 quantize group cols: q_t is not 8-byte aligned");
-  if ((p.q == nullptr) != (p.row_scales == nullptr)) {
+  // Empty buffers may come as null pointers: with no rows there is no row tile to write.
+  if (p.rows > 0 && (p.q == nullptr) != (p.row_scales == nullptr)) {
     return Status::InvalidArgument("fp8 quantize group cols: q and row_scales must be given together");
   }
   if (p.num_groups > 0 && p.group_sizes == nullptr) {

@@ -43,7 +43,8 @@ included) 1.11-1.31x bf16's on the deepseek-v3 and mixtral cases, and the layer'
 forward+backward 1.15x / 1.31x bf16's on deepseek-v3-like / mixtral against 1.15x / 1.23x
 with the bf16 wgrad; on qwen3-30b-a3b (K 2048 and 768) the two group-column quantisations
 cost more than the GEMM saves (layer 0.96x against 1.03x); gmm's backward, with dy's two
-tilings from one read (session 44), 1.19x / 1.02x bf16's on those products.
+tilings from one read and x's column tiles made by the forward (session 44; not counting
+that forward pass), 1.19x / 1.02x bf16's on those products.
 moe_xla.gmm / moe() select it with quantization="fp8_blockwise_fp8_wgrad".
 Pre-quantised weights (an Fp8Weights as rhs) get no gradient. To quantise weights once and
 still train them (e.g. once per optimizer step for several micro-batches), pass the array
@@ -199,7 +200,9 @@ _PRODUCT, _ACT, _PRODUCT_OUT, _COMBINE = "moe_xla/gmm_in", "moe_xla/act", "moe_x
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
 def _gmm_act(lhs, lhs_q, w, weights, group_sizes, activation, wgrad):
-    return _gmm_act_fwd(lhs, lhs_q, w, weights, group_sizes, activation, wgrad)[0]
+    # Without a derivative no wgrad operand is needed: the forward of the bf16 wgrad (the
+    # same output) makes none.
+    return _gmm_act_fwd(lhs, lhs_q, w, weights, group_sizes, activation, "bf16")[0]
 
 
 def _gmm_act_fwd(lhs, lhs_q, w, weights, group_sizes, activation, wgrad):
@@ -226,7 +229,7 @@ _gmm_act.defvjp(_gmm_act_fwd, _gmm_act_bwd)
 def _mlp_combine(x, x_q, w_in, q_in, w_out, q_out, group_sizes, row_map, route_weights, row_pairs, activation,
                  wgrad):
     return _mlp_combine_fwd(x, x_q, w_in, q_in, w_out, q_out, group_sizes, row_map, route_weights, row_pairs,
-                            activation, wgrad)[0]
+                            activation, "bf16")[0]  # as _gmm_act: no wgrad operand without a derivative
 
 
 def _mlp_combine_fwd(x, x_q, w_in, q_in, w_out, q_out, group_sizes, row_map, route_weights, row_pairs, activation,
@@ -328,7 +331,8 @@ def mlp_combine_fp8(x, w_in, w_out, group_sizes, row_map, weights, row_pairs, ac
         d weights[t, j] = d omega[row_map[t*k + j]]
     One pass over dy writes omega c (for the wgrad) and the FP8 rows of c
     (expand_quantize_fp8_rows). Neither the product's output nor a weighted copy of g is
-    kept or written: a step saves h, a and the weights' layouts. The FP8 dgrad multiplies
+    kept or written: a step saves h, a (with the FP8 wgrad the column tiles of x and a
+    instead of x and a) and the weights' layouts. The FP8 dgrad multiplies
     Q_rows(c), not Q_rows(omega c) as the unfused rule would (the same up to the
     quantisation's rounding)."""
     _check_wgrad("mlp_combine_fp8", wgrad)

@@ -5,9 +5,9 @@ The kernels bitwise against the reference on the CPU (the CPU kernel everywhere,
 kernel where there is a GPU), on tricky data laid along rows (a zero row tile, subnormal,
 NaN / inf rows: the row tiles' exact pass) and along columns (the column tiles'), with the
 group edges of test_fp8_wgrad, K of several column-block runs, K tails and K below 8.
-The reference itself against its two parts. Rules: vmap against a loop, a sharded x against
-one device, the lowering's target, errors naming the argument in
-Python and in the FFI handlers. gmm(quantization="fp8_blockwise_fp8_wgrad"), which
+Rules: vmap against a loop (and with no rows), a sharded x against one device, the
+lowering's target, errors naming the argument in Python and in the FFI handlers.
+gmm(quantization="fp8_blockwise_fp8_wgrad"), which
 quantises x and dy with it, is tested in test_gmm_fp8.
 """
 
@@ -52,13 +52,6 @@ def test_kernel_is_the_reference_bitwise(rng, case, dtype, pow2, along, platform
                    "the reference on the CPU")
 
 
-def test_reference_is_its_two_parts(rng):
-    x, gs = tricky(rng, (300, 200), jnp.bfloat16), jnp.asarray([100, 0, 129], jnp.int32)
-    both = reference.quantize_fp8_rows_group_cols(x, gs, pow2_scale=True)
-    assert_bitwise(both[:2], reference.quantize_fp8_rows(x, pow2_scale=True), "quantize_fp8_rows")
-    assert_bitwise(both[2:], reference.quantize_fp8_group_cols(x, gs, pow2_scale=True), "quantize_fp8_group_cols")
-
-
 def test_vmap_equals_a_loop(rng):
     b, m, k = 3, 300, 136
     sizes = np.array([[0, 129, 100], [300, 0, 0], [-2, 1, 500]], np.int32)
@@ -69,8 +62,13 @@ def test_vmap_equals_a_loop(rng):
                        f"element {i}")
     # group_sizes shared by the batch
     out = jax.vmap(moe_xla.quantize_fp8_rows_group_cols, in_axes=(0, None))(x, jnp.asarray(sizes[0]))
-    assert_bitwise([o[2] for o in out], moe_xla.quantize_fp8_rows_group_cols(x[2], jnp.asarray(sizes[0])),
-                   "element 2, shared sizes")
+    for i in range(b):
+        assert_bitwise([o[i] for o in out], moe_xla.quantize_fp8_rows_group_cols(x[i], jnp.asarray(sizes[0])),
+                       f"element {i}, shared sizes")
+    # no rows (the batching rules of both row quantisers)
+    out = jax.vmap(moe_xla.quantize_fp8_rows_group_cols)(jnp.zeros((b, 0, k)), jnp.asarray(sizes))
+    assert [o.shape for o in out] == [(b, 0, k), (b, 0, 2), (b, k, 128 * 3), (b, 3, k)]
+    assert [o.shape for o in jax.vmap(moe_xla.quantize_fp8_rows)(jnp.zeros((b, 0, k)))] == [(b, 0, k), (b, 0, 2)]
 
 
 def test_sharded_x_gives_the_one_device_result(rng):

@@ -53,7 +53,7 @@ def _batch(args, dims, *, pow2_scale):
     (x,), _ = _batching.batched_to_front(args, dims)
     b, m, k = x.shape
     q, scales = quantize_fp8_rows_p.bind(x.reshape(b * m, k), pow2_scale=pow2_scale)
-    return [q.reshape(b, m, k), scales.reshape(b, m, -1)], [0, 0]
+    return [q.reshape(b, m, k), scales.reshape(b, m, _fp8.tiles(k))], [0, 0]
 
 
 def _specs(arg_axes, **_):

@@ -54,7 +54,7 @@ def _batch(args, dims, *, pow2_scale):
     folded = _batching.folded_group_sizes(group_sizes, m)  # [B * (G + 1)]: the segments
     q, row_scales, q_t, scales = quantize_fp8_rows_group_cols_p.bind(x.reshape(b * m, k), folded,
                                                                      pow2_scale=pow2_scale)
-    return [q.reshape(b, m, k), row_scales.reshape(b, m, -1), *unfold_tiles(q_t, scales, folded, b, m)], [0] * 4
+    return [q.reshape(b, m, k), row_scales.reshape(b, m, _fp8.tiles(k)), *unfold_tiles(q_t, scales, folded, b, m)], [0] * 4
 
 
 def _specs(arg_axes, **_):
