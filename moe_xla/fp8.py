@@ -121,45 +121,41 @@ def _kernel_dtype(dtype):
 
 
 def _product(rows, data, scales, group_sizes, out_dtype):
-    """gmm_fp8 of rows (an array, quantised here in 1 x 128 tiles, or its (q, scales))."""
-    q, s = quantize_fp8_rows(rows) if not isinstance(rows, tuple) else rows
+    """gmm_fp8 of FP8 rows (q, scales) (_operands)."""
+    q, s = rows
     return gmm_fp8(q, s, data, scales, group_sizes, preferred_element_type=_kernel_dtype(out_dtype)).astype(out_dtype)
 
 
-def _group_cols(v, group_sizes):
-    """The FP8 wgrad's operand: v's 128-row column tiles per group, (q_t, scales) as made
-    elsewhere or, for an array, quantised here."""
-    return v if isinstance(v, tuple) else quantize_fp8_group_cols(v, group_sizes)
+def _operands(v, v_q, group_sizes, fp8_wgrad):
+    """(v's FP8 rows, what the wgrad takes of v) for an operand v of a product: the rows
+    as given (v_q) or made here; for the FP8 wgrad v's column tiles (q_t, scales) instead
+    of v, from the same read of v as the rows where those are made here."""
+    if not fp8_wgrad:
+        return (tuple(quantize_fp8_rows(v)) if v_q is None else v_q), v
+    if v_q is None:
+        q, s, q_t, s_t = quantize_fp8_rows_group_cols(v, group_sizes)
+        return (q, s), (q_t, s_t)
+    return v_q, tuple(quantize_fp8_group_cols(v, group_sizes))
 
 
 def _wgrad(lhs, dy, group_sizes, rows, w_dtype, wgrad):
     """d w[g] = lhs[rows of g]^T @ dy[rows of g] over `rows` rows: FP8 over 128-row tiles
-    of each group ("fp8"; lhs and dy as arrays or as their column tiles, _group_cols), or
-    tgmm in lhs's dtype with float32 accumulation ("bf16")."""
+    of each group ("fp8"; lhs and dy as their column tiles, _operands), or tgmm in lhs's
+    dtype with float32 accumulation ("bf16")."""
     if wgrad == "bf16":
         return tgmm(lhs, dy.astype(lhs.dtype), group_sizes, preferred_element_type=w_dtype)
-    return tgmm_fp8(*_group_cols(lhs, group_sizes), *_group_cols(dy, group_sizes), group_sizes, rows=rows,
-                    preferred_element_type=_kernel_dtype(w_dtype)).astype(w_dtype)
+    return tgmm_fp8(*lhs, *dy, group_sizes, rows=rows, preferred_element_type=_kernel_dtype(w_dtype)).astype(w_dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
 def _gmm(lhs, lhs_q, w, weights, group_sizes, out_dtype, wgrad):
-    return _product(lhs if lhs_q is None else lhs_q, weights.data_t, weights.scales, group_sizes, out_dtype)
+    return _product(_operands(lhs, lhs_q, group_sizes, False)[0], weights.data_t, weights.scales, group_sizes,
+                    out_dtype)
 
 
 def _gmm_fwd(lhs, lhs_q, w, weights, group_sizes, out_dtype, wgrad):
-    lhs_wgrad = lhs  # what the wgrad takes of lhs (None: no wgrad)
-    if w is None:
-        lhs_wgrad = None
-    elif wgrad == "fp8":
-        # lhs's column tiles, made now and kept instead of lhs; without lhs_q with the rows
-        # the product takes, from one read of lhs.
-        if lhs_q is None:
-            q, s, q_t, s_t = quantize_fp8_rows_group_cols(lhs, group_sizes)
-            lhs_q, lhs_wgrad = (q, s), (q_t, s_t)
-        else:
-            lhs_wgrad = tuple(quantize_fp8_group_cols(lhs, group_sizes))
-    out = _product(lhs if lhs_q is None else lhs_q, weights.data_t, weights.scales, group_sizes, out_dtype)
+    rows, lhs_wgrad = _operands(lhs, lhs_q, group_sizes, w is not None and wgrad == "fp8")
+    out = _product(rows, weights.data_t, weights.scales, group_sizes, out_dtype)
     # Residuals are arrays: dtypes ride along as empty arrays.
     lhs_dtype = jnp.zeros((0,), lhs.dtype)
     wgrad = None if w is None else (lhs_wgrad, jnp.zeros((0,), w.dtype))
@@ -172,12 +168,8 @@ def _grads(dy, dy_quantized, residuals, wgrad_kind):
     through the weights' blocks transposed, d w as _wgrad says. The quantised operands
     get no cotangent (None: zeros, nothing kept for them)."""
     weights, group_sizes, lhs_dtype, wgrad = residuals
-    dy_wgrad = dy
-    if wgrad is not None and wgrad_kind == "fp8" and dy_quantized is None:
-        q, s, q_t, s_t = quantize_fp8_rows_group_cols(dy, group_sizes)
-        dy_quantized, dy_wgrad = (q, s), (q_t, s_t)
-    d_lhs = _product(dy if dy_quantized is None else dy_quantized, weights.data, jnp.swapaxes(weights.scales, 1, 2),
-                     group_sizes, lhs_dtype.dtype)
+    rows, dy_wgrad = _operands(dy, dy_quantized, group_sizes, wgrad is not None and wgrad_kind == "fp8")
+    d_lhs = _product(rows, weights.data, jnp.swapaxes(weights.scales, 1, 2), group_sizes, lhs_dtype.dtype)
     d_w = None
     if wgrad is not None:
         lhs, w_dtype = wgrad
