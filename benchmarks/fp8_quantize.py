@@ -91,7 +91,9 @@ def main():
         return (a, *moe_xla.quantize_fp8_rows(a))
 
     def swiglu_grad_then_rows(h, g, omega):
-        dh, d_omega = jax.vjp(lambda v, w: w[:, None] * activate(v, "swiglu"), h, omega)[1](g)
+        # The weighted activation in h's dtype, as the layer stores it (and as g comes).
+        weighted = lambda v, w: (w[:, None] * activate(v, "swiglu")).astype(v.dtype)
+        dh, d_omega = jax.vjp(weighted, h, omega)[1](g)
         return (dh, *moe_xla.quantize_fp8_rows(dh), d_omega)
 
     def expand_then_rows(values, slots, factor):

@@ -96,9 +96,13 @@ constexpr WgmmaWgradInstance kWgmmaWgradInstances[] = {
 // needs 16-byte aligned bases and row strides (the scales' rows are K and N floats), the
 // staged store whole 16-byte chunks of N.
 const WgmmaWgradInstance* wgmma_instance_for(const Fp8WgradParams& p, Fp8WgradPath path) {
-  if (path != Fp8WgradPath::kWgmma128x128 && path != Fp8WgradPath::kWgmma128x192) return nullptr;
-  const detail::Fp8WgradTile tile =
-      path == Fp8WgradPath::kWgmma128x128 ? detail::Fp8WgradTile::kN128 : detail::Fp8WgradTile::kN192;
+  detail::Fp8WgradTile tile;
+  switch (path) {
+    case Fp8WgradPath::kWgmma128x128: tile = detail::Fp8WgradTile::kN128; break;
+    case Fp8WgradPath::kWgmma128x192: tile = detail::Fp8WgradTile::kN192; break;
+    case Fp8WgradPath::kWgmma128x192Bulk: tile = detail::Fp8WgradTile::kN192Bulk; break;
+    default: return nullptr;
+  }
   if (!sizes_in_range(p) || p.k <= 0 || p.n <= 0 || p.num_groups <= 0) return nullptr;
   if (p.k % 4 != 0 || p.n % 8 != 0) return nullptr;
   if (!aligned16(p.lhs_t) || !aligned16(p.rhs_t) || !aligned16(p.out) || !aligned16(p.lhs_scales) ||
@@ -187,6 +191,7 @@ const char* path_name(Fp8WgradPath path) {
     case Fp8WgradPath::kPingpong: return "pingpong";
     case Fp8WgradPath::kWgmma128x128: return "wgmma128x128";
     case Fp8WgradPath::kWgmma128x192: return "wgmma128x192";
+    case Fp8WgradPath::kWgmma128x192Bulk: return "wgmma128x192_bulk";
   }
   return "unknown";
 }

@@ -30,7 +30,8 @@ namespace cuda {
 // 128 x 128 tile with a 1 x 2 cluster, kPingpong the pingpong 64 x 128 tile (one consumer
 // warp group's epilogue under the other's mainloop), kWgmma128x128 / kWgmma128x192 our
 // kernel (fp8_wgrad_wgmma_kernel.cuh) with 128 x 128 / 128 x 192 tiles (K % 4 == 0 and
-// N % 8 == 0). A forced path that cannot compute the product fails with an error naming it.
+// N % 8 == 0), kWgmma128x192Bulk the 128 x 192 tile stored by bulk copies (bf16 output).
+// A forced path that cannot compute the product fails with an error naming it.
 enum class Fp8WgradPath : int32_t {
   kAuto = 0,
   kSimt = 1,
@@ -38,8 +39,9 @@ enum class Fp8WgradPath : int32_t {
   kPingpong = 3,
   kWgmma128x128 = 4,
   kWgmma128x192 = 5,
+  kWgmma128x192Bulk = 6,
 };
-inline constexpr int32_t kFp8WgradPathCount = 6;
+inline constexpr int32_t kFp8WgradPathCount = 7;
 
 // An upper bound of the device scratch fp8_wgrad needs for `num_groups` groups, any shape
 // and dtype, on GPUs with at most `max_sm_count` SMs.

@@ -70,10 +70,13 @@ def test_paths_name_the_cuda_kernels_in_attribute_order():
 
 
 def test_wgrad_paths_name_the_cuda_enum_in_value_order():
-    """tgmm_fp8's PATHS[i] is cuda::Fp8WgradPath value i (cuda/fp8_wgrad.h), named by its
-    enumerator without the k, and kFp8WgradPathCount (the handler's range) counts them all."""
-    header = (Path(__file__).resolve().parents[1] / "cuda" / "fp8_wgrad.h").read_text()
+    """tgmm_fp8's PATHS[i] is cuda::Fp8WgradPath value i (cuda/fp8_wgrad.h), named by
+    path_name's string (fp8_wgrad.cu, the name its errors give), and kFp8WgradPathCount
+    (the handler's range) counts them all."""
+    cuda = Path(__file__).resolve().parents[1] / "cuda"
+    header = (cuda / "fp8_wgrad.h").read_text()
     body = header[header.index("enum class Fp8WgradPath"):]
-    values = {int(v): name.lower() for name, v in re.findall(r"\bk(\w+) = (\d+)", body[:body.index("};")])}
-    assert tgmm_fp8_module.PATHS == tuple(values[i] for i in range(len(values)))
+    values = {int(v): name for name, v in re.findall(r"\b(k\w+) = (\d+)", body[:body.index("};")])}
+    names = dict(re.findall(r'case Fp8WgradPath::(k\w+): return "(\w+)";', (cuda / "fp8_wgrad.cu").read_text()))
+    assert tgmm_fp8_module.PATHS == tuple(names[values[i]] for i in range(len(values)))
     assert int(re.search(r"kFp8WgradPathCount = (\d+);", header).group(1)) == len(tgmm_fp8_module.PATHS)
