@@ -21,7 +21,9 @@ on a cooler GPU than the others):
 Backward pair, also in turns: bf16 dgrad (gmm with the weights transposed) + bf16 wgrad
 (tgmm) against the FP8 dgrad (dy quantised inside, pre-quantised weights) + the same bf16
 wgrad (pair_fp8) or + the FP8 wgrad with x and dy quantised in group-column tiles inside
-(pair_fp8_fp8, three quantisation passes); the library's own training step, train_bf16 and
+(pair_fp8_fp8, three quantisation passes), and the two FP8 GEMMs alone on pre-quantised
+operands (pair_fp8_fp8_pre: dy's rows and x's and dy's column tiles made beforehand, as
+the forward's fp8 is timed); the library's own training step, train_bf16 and
 train_fp8_fp8 (forward and backward of gmm, with quantization="fp8_blockwise_fp8_wgrad"
 and pre-quantised weights: x's row and column tiles from one read in the forward, the
 column tiles kept; dy's likewise in the backward), its forward alone train_fwd_* (the
@@ -162,9 +164,13 @@ def _backward_contenders(lhs, rhs, gs, wgrad_paths=(), keep=lambda name: True):
            "pair_fp8": (pair(dgrad_fp8_quant, wgrad_bf16), (lhs, dy, wq, gs)),
            "pair_fp8_fp8": (pair(dgrad_fp8_quant, wgrad_fp8_quant), (lhs, dy, wq, gs))}
     quantized = (*moe_xla.quantize_fp8_group_cols(lhs, gs), *moe_xla.quantize_fp8_group_cols(dy, gs))
+    wgrad_fp8 = functools.partial(moe_xla.tgmm_fp8, rows=m, preferred_element_type=jnp.bfloat16)
     for name, path in [("wgrad_fp8", "auto")] + [(f"wgrad_fp8@{p}", p) for p in wgrad_paths]:
-        ops[name] = (functools.partial(moe_xla.tgmm_fp8, rows=m, preferred_element_type=jnp.bfloat16, path=path),
-                     (*quantized, gs))
+        ops[name] = (functools.partial(wgrad_fp8, path=path), (*quantized, gs))
+    # The two FP8 GEMMs of the backward on pre-quantised operands (dy's rows for the dgrad,
+    # x's and dy's column tiles for the wgrad), as the forward's fp8 contender is timed.
+    ops["pair_fp8_fp8_pre"] = (lambda rows, cols, wq, g: (dgrad_fp8(*rows, wq, g), wgrad_fp8(*cols, g)),
+                               (tuple(moe_xla.quantize_fp8_rows(dy)), quantized, wq, gs))
     block = jax.block_until_ready
     impls = {}
     for name, (fn, args) in ops.items():
@@ -225,6 +231,7 @@ def main():
                   "fp8_vs_torch_fp8": ("torch_fp8", "fp8"), "dgrad_fp8_vs_bf16": ("dgrad_bf16", "dgrad_fp8"),
                   "dgrad_fp8_quant_vs_bf16": ("dgrad_bf16", "dgrad_fp8_quant"),
                   "pair_fp8_vs_bf16": ("pair_bf16", "pair_fp8"), "pair_fp8_fp8_vs_bf16": ("pair_bf16", "pair_fp8_fp8"),
+                  "pair_fp8_fp8_pre_vs_bf16": ("pair_bf16", "pair_fp8_fp8_pre"),
                   "vjp_fp8_fp8_vs_bf16": ("vjp_bf16", "vjp_fp8_fp8"),
                   "train_fp8_fp8_vs_bf16": ("train_bf16", "train_fp8_fp8"),
                   "wgrad_fp8_vs_bf16": ("wgrad_bf16", "wgrad_fp8"),
@@ -242,7 +249,7 @@ def main():
     columns = ["case", "groups", "bf16_tflops", "fp8_tflops", "bf16_mhz", "fp8_mhz", "fp8_quant_tflops",
                "torch_bf16_tflops",
                "torch_fp8_tflops", "fp8_rel_err", "torch_bf16_rel_err", "torch_fp8_rel_err", "fp8_vs_bf16", "fp8_quant_vs_bf16", "fp8_vs_torch_fp8",
-               "dgrad_bf16_tflops", "dgrad_fp8_tflops", "dgrad_fp8_vs_bf16", "dgrad_fp8_quant_vs_bf16", "pair_fp8_vs_bf16", "pair_fp8_fp8_vs_bf16", "vjp_fp8_fp8_vs_bf16",
+               "dgrad_bf16_tflops", "dgrad_fp8_tflops", "dgrad_fp8_vs_bf16", "dgrad_fp8_quant_vs_bf16", "pair_fp8_vs_bf16", "pair_fp8_fp8_vs_bf16", "pair_fp8_fp8_pre_vs_bf16", "vjp_fp8_fp8_vs_bf16",
                "train_fp8_fp8_vs_bf16", "wgrad_bf16_tflops", "wgrad_fp8_tflops",
                "wgrad_fp8_vs_bf16", "wgrad_fp8_quant_vs_bf16"] + \
         [f"fp8@{path}_{v}" for path in args.paths for v in ("tflops", "mhz")] + \
