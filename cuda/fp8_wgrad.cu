@@ -96,13 +96,9 @@ constexpr WgmmaWgradInstance kWgmmaWgradInstances[] = {
 // needs 16-byte aligned bases and row strides (the scales' rows are K and N floats), the
 // staged store whole 16-byte chunks of N.
 const WgmmaWgradInstance* wgmma_instance_for(const Fp8WgradParams& p, Fp8WgradPath path) {
-  detail::Fp8WgradTile tile;
-  switch (path) {
-    case Fp8WgradPath::kWgmma128x128: tile = detail::Fp8WgradTile::kN128; break;
-    case Fp8WgradPath::kWgmma128x192: tile = detail::Fp8WgradTile::kN192; break;
-    case Fp8WgradPath::kWgmma128x192Bulk: tile = detail::Fp8WgradTile::kN192Bulk; break;
-    default: return nullptr;
-  }
+  if (path != Fp8WgradPath::kWgmma128x128 && path != Fp8WgradPath::kWgmma128x192) return nullptr;
+  const detail::Fp8WgradTile tile =
+      path == Fp8WgradPath::kWgmma128x128 ? detail::Fp8WgradTile::kN128 : detail::Fp8WgradTile::kN192;
   if (!sizes_in_range(p) || p.k <= 0 || p.n <= 0 || p.num_groups <= 0) return nullptr;
   if (p.k % 4 != 0 || p.n % 8 != 0) return nullptr;
   if (!aligned16(p.lhs_t) || !aligned16(p.rhs_t) || !aligned16(p.out) || !aligned16(p.lhs_scales) ||
@@ -191,12 +187,28 @@ const char* path_name(Fp8WgradPath path) {
     case Fp8WgradPath::kPingpong: return "pingpong";
     case Fp8WgradPath::kWgmma128x128: return "wgmma128x128";
     case Fp8WgradPath::kWgmma128x192: return "wgmma128x192";
-    case Fp8WgradPath::kWgmma128x192Bulk: return "wgmma128x192_bulk";
   }
   return "unknown";
 }
 
+// Whether our 128 x 192 tiles beat 128 x 128 ones: unless the clusters' pairs of
+// 192-column tiles put more than 8% of the columns they compute past N. On the H200 they
+// ran 5-6% more useful TFLOP/s where they compute at most 3% past N (about 8% more per
+// computed column), and 2% fewer at N 2048 (12.5% past N).
+bool wide_tiles_pay(const Fp8WgradParams& p) {
+  constexpr int64_t kPair = 2 * 192;
+  const int64_t columns = (p.n + kPair - 1) / kPair * kPair;
+  return (columns - p.n) * 100 <= columns * 8;
+}
+
 }  // namespace
+
+Fp8WgradPath fp8_wgrad_select_path(const Fp8WgradParams& p) {
+  const Fp8WgradPath ours = wide_tiles_pay(p) ? Fp8WgradPath::kWgmma128x192 : Fp8WgradPath::kWgmma128x128;
+  if (wgmma_instance_for(p, ours) != nullptr) return ours;
+  if (cutlass_instance_for(p, Fp8WgradPath::kCutlass) != nullptr) return Fp8WgradPath::kCutlass;
+  return Fp8WgradPath::kSimt;
+}
 
 size_t fp8_wgrad_workspace_bytes_bound(int64_t num_groups, int max_sm_count) {
   size_t cutlass_bytes = 0;
@@ -222,16 +234,7 @@ Status fp8_wgrad(const Fp8WgradParams& p, void* workspace, size_t workspace_byte
     return Status::FailedPrecondition(device_support_error(cc_major, cc_minor, DeviceSupport::kSimt, "fp8_wgrad"));
   }
   if (path == Fp8WgradPath::kAuto) {
-    // Our 128 x 192 kernel where it can run, else CUTLASS's cooperative tile, else SIMT
-    // (the ranking: benchmarks/results/LOG.md, session 43).
-    path = Fp8WgradPath::kSimt;
-    if (support == DeviceSupport::kFull) {
-      if (wgmma_instance_for(p, Fp8WgradPath::kWgmma128x192) != nullptr) {
-        path = Fp8WgradPath::kWgmma128x192;
-      } else if (cutlass_instance_for(p, Fp8WgradPath::kCutlass) != nullptr) {
-        path = Fp8WgradPath::kCutlass;
-      }
-    }
+    path = support == DeviceSupport::kFull ? fp8_wgrad_select_path(p) : Fp8WgradPath::kSimt;
   }
   if (path != Fp8WgradPath::kSimt && support != DeviceSupport::kFull) {
     const std::string what = std::string("fp8_wgrad path ") + path_name(path);

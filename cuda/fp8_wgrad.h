@@ -30,8 +30,7 @@ namespace cuda {
 // 128 x 128 tile with a 1 x 2 cluster, kPingpong the pingpong 64 x 128 tile (one consumer
 // warp group's epilogue under the other's mainloop), kWgmma128x128 / kWgmma128x192 our
 // kernel (fp8_wgrad_wgmma_kernel.cuh) with 128 x 128 / 128 x 192 tiles (K % 4 == 0 and
-// N % 8 == 0), kWgmma128x192Bulk the 128 x 192 tile stored by bulk copies (bf16 output).
-// A forced path that cannot compute the product fails with an error naming it.
+// N % 8 == 0). A forced path that cannot compute the product fails with an error naming it.
 enum class Fp8WgradPath : int32_t {
   kAuto = 0,
   kSimt = 1,
@@ -39,9 +38,15 @@ enum class Fp8WgradPath : int32_t {
   kPingpong = 3,
   kWgmma128x128 = 4,
   kWgmma128x192 = 5,
-  kWgmma128x192Bulk = 6,
 };
-inline constexpr int32_t kFp8WgradPathCount = 7;
+inline constexpr int32_t kFp8WgradPathCount = 6;
+
+// The path kAuto takes on a GPU with Hopper's FP8 tensor cores (host only: it reads the
+// shapes, dtype and pointers): our kernel where it can compute the product, with 128 x 192
+// tiles unless their cluster pairs compute more than 8% of their columns past N (then
+// 128 x 128; the ranking: benchmarks/results/LOG.md, sessions 43 and 45), else CUTLASS's
+// cooperative tile, else SIMT.
+Fp8WgradPath fp8_wgrad_select_path(const Fp8WgradParams& p);
 
 // An upper bound of the device scratch fp8_wgrad needs for `num_groups` groups, any shape
 // and dtype, on GPUs with at most `max_sm_count` SMs.

@@ -15,9 +15,8 @@ namespace moe_xla {
 namespace cuda {
 namespace detail {
 
-// Columns of the kernel's 128-row output tile; kN192Bulk is kN192 with the whole tile
-// staged in shared memory and written by bulk copies (bf16 output only).
-enum class Fp8WgradTile : int32_t { kN128, kN192, kN192Bulk };
+// Columns of the kernel's 128-row output tile.
+enum class Fp8WgradTile : int32_t { kN128, kN192 };
 
 struct Fp8WgradWgmmaLaunch {
   const Fp8WgradParams* params;

@@ -24,9 +24,6 @@
 //     promotes, the other's wgmma runs. After a unit's last step the next unit's first
 //     wgmma is issued before the tile is stored (store_accumulators_staged, rows past K and
 //     columns past N left alone), so the tensor cores work through the store.
-//     Fp8WgradTile::kN192Bulk instead stages the warp group's whole 64 x 192 bf16 tile and
-//     writes it with one bulk copy per row (store_accumulators_bulk), which runs on
-//     through the next unit; its buffers leave room for four stages instead of five.
 #ifndef MOE_XLA_CUDA_FP8_WGRAD_WGMMA_KERNEL_CUH_
 #define MOE_XLA_CUDA_FP8_WGRAD_WGMMA_KERNEL_CUH_
 
@@ -34,7 +31,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <type_traits>
 
 #include "cute/tensor.hpp"  // first: the atoms below rely on its declarations
 #include "cute/algorithm/gemm.hpp"
@@ -59,19 +55,13 @@ namespace detail {
 constexpr int fp8_wgrad_columns(Fp8WgradTile tile) { return tile == Fp8WgradTile::kN128 ? 128 : 192; }
 
 // As many stages as fit beside the scales and the staging buffers in 227 KiB.
-constexpr int fp8_wgrad_stages(Fp8WgradTile tile) {
-  return tile == Fp8WgradTile::kN192Bulk ? 4 : tile == Fp8WgradTile::kN128 ? 6 : 5;
-}
+constexpr int fp8_wgrad_stages(Fp8WgradTile tile) { return tile == Fp8WgradTile::kN128 ? 6 : 5; }
 
-template <Fp8WgradTile kTile, class Out>
+template <Fp8WgradTile kTile>
 struct Fp8WgradTraits : Fp8WgmmaTiles<fp8_wgrad_columns(kTile), fp8_wgrad_stages(kTile)> {
   using Base = Fp8WgmmaTiles<fp8_wgrad_columns(kTile), fp8_wgrad_stages(kTile)>;
   // A stage: the operand tiles and the step's scales of the tile's rows and columns.
   static constexpr uint32_t kTmaBytes = Base::kOperandBytes + (Base::kTileM + Base::kTileN) * sizeof(float);
-  // The output store: store_accumulators_bulk (whole bf16 rows) or _staged.
-  static constexpr bool kBulkStore = kTile == Fp8WgradTile::kN192Bulk;
-  static_assert(!kBulkStore || std::is_same_v<Out, __nv_bfloat16>, "the bulk store's buffers fit bf16 tiles");
-  static constexpr int kStoreBytes = kBulkStore ? 64 * bulk_staging_stride<Out, Base::kTileN>() : kStagingBytes;
 
   // The fields in this order waste no padding: the 192-column tile's five stages fit.
   struct SharedStorage {
@@ -80,7 +70,7 @@ struct Fp8WgradTraits : Fp8WgmmaTiles<fp8_wgrad_columns(kTile), fp8_wgrad_stages
     alignas(128) float scale_a[Base::kStages][Base::kTileM];
     alignas(128) float scale_b[Base::kStages][Base::kTileN];
     typename Base::Pipeline::SharedStorage pipeline;
-    alignas(16) char staging[2][kStoreBytes];
+    alignas(16) char staging[2][kStagingBytes];
   };
   static_assert(sizeof(SharedStorage) <= 232448, "an H100 / H200 CTA's shared memory");
 };
@@ -224,11 +214,7 @@ __device__ __forceinline__ void fp8_wgrad_consume(const Fp8WgradKernelParams<Out
   };
   auto store = [&](const Fp8WgradUnit& u) {
     Out* out = p.out + static_cast<int64_t>(u.group) * p.k * p.n;
-    if constexpr (T::kBulkStore) {
-      store_accumulators_bulk(out, p.n, u.k_tile * T::kTileM, p.k, u.n_tile * T::kTileN, total, coord, place);
-    } else {
-      store_accumulators_staged(out, p.n, u.k_tile * T::kTileM, p.k, u.n_tile * T::kTileN, total, coord, place);
-    }
+    store_accumulators_staged(out, p.n, u.k_tile * T::kTileM, p.k, u.n_tile * T::kTileN, total, coord, place);
   };
 
   // The unit after the current one is read one unit ahead: its first wgmma is issued
@@ -267,7 +253,6 @@ __device__ __forceinline__ void fp8_wgrad_consume(const Fp8WgradKernelParams<Out
     stored = false;
   }
   if (!stored) store(previous);
-  if constexpr (T::kBulkStore) bulk_store_drain(place);
 }
 
 template <class Out, class T>
@@ -285,7 +270,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
 template <DType kOut, Fp8WgradTile kTile>
 Status fp8_wgrad_wgmma_run(const Fp8WgradWgmmaLaunch& launch) {
   using Out = typename OutElement<kOut>::type;
-  using T = Fp8WgradTraits<kTile, Out>;
+  using T = Fp8WgradTraits<kTile>;
   const Fp8WgradParams& p = *launch.params;
   const int64_t tiles = group_col_tiles(p.m, p.num_groups);
   Fp8WgradKernelParams<Out, T> kp;

@@ -275,9 +275,7 @@ def test_empty_groups_are_zero_and_other_tiles_take_no_part(rng, out_dtype):
 # in 192), two bands of our kernel's unit order (K 2304: 18 row tiles), empty groups.
 GPU_CASES = [(4096, 1024, 256, [1000, 0, 2000, 1096]), (1000, 512, 384, EDGES + [100]), (700, 272, 136, EDGES),
              (1500, 2304, 200, [300, 0, 700, 0, 0, 500])]
-TMA_PATHS = ["cutlass", "pingpong", "wgmma128x128", "wgmma128x192", "wgmma128x192_bulk"]
-# The paths with bf16 output only.
-BF16_PATHS = {"wgmma128x192_bulk"}
+TMA_PATHS = ["cutlass", "pingpong", "wgmma128x128", "wgmma128x192"]
 
 
 @requires_gpu
@@ -304,9 +302,8 @@ def test_gpu_tma_path_against_the_cpu(rng, case, path):
     ops = _operands(rng, m, k, n, sizes)
     cpu = _tgmm("cpu", ops, m).astype(np.float64)
     _, magnitude = _dequantised_products(ops, sizes, m)
-    if path not in BF16_PATHS:
-        gpu = _tgmm("gpu", ops, m, jnp.float32, path).astype(np.float64)
-        assert np.all(np.abs(gpu - cpu) <= 2.0 ** -8 * magnitude), np.max(np.abs(gpu - cpu) / np.maximum(magnitude, 1e-30))
+    gpu = _tgmm("gpu", ops, m, jnp.float32, path).astype(np.float64)
+    assert np.all(np.abs(gpu - cpu) <= 2.0 ** -8 * magnitude), np.max(np.abs(gpu - cpu) / np.maximum(magnitude, 1e-30))
     bf16 = _tgmm("gpu", ops, m, jnp.bfloat16, path).astype(np.float64)
     assert np.all(np.abs(bf16 - cpu) <= 2.0 ** -8 * np.abs(cpu) + 2.0 ** -8 * magnitude)
 
@@ -318,8 +315,7 @@ def test_gpu_tma_path_is_exact_on_small_integers(rng, case, path):
     """Integers in -3 .. 3 quantised with power-of-two scales are exact in E4M3 (q = x * 2^7
     or x * 2^8), every product is a multiple of 2^14 below 2^20 and every tile sum needs at
     most 11 significant bits: the tensor cores add them exactly, so the CUTLASS path must equal
-    the CPU bitwise (a bf16-only path: the CPU's float32 sums rounded once to bf16, as the
-    GPU rounds its exact ones). A dropped or repeated row, tile, scale or group shows here."""
+    the CPU bitwise. A dropped or repeated row, tile, scale or group shows here."""
     m, k, n, sizes = case
     gs = jnp.asarray(sizes, jnp.int32)
     x = jnp.asarray(rng.integers(-3, 4, (m, k)).astype(np.float32))
@@ -327,31 +323,11 @@ def test_gpu_tma_path_is_exact_on_small_integers(rng, case, path):
     quantize = functools.partial(_on, "cpu", moe_xla.quantize_fp8_group_cols, pow2_scale=True)
     ops = (*quantize(x, gs), *quantize(dy, gs), gs)
     cpu = _tgmm("cpu", ops, m)
-    out_dtype = jnp.bfloat16 if path in BF16_PATHS else jnp.float32
-    np.testing.assert_array_equal(_bits(_tgmm("gpu", ops, m, out_dtype, path)), _bits(_tgmm("cpu", ops, m, out_dtype)))
+    np.testing.assert_array_equal(_bits(_tgmm("gpu", ops, m, jnp.float32, path)), _bits(cpu))
     exact = np.zeros((len(sizes), k, n))
     for g, (start, rows, _) in enumerate(_segments(sizes, m)):
         exact[g] = np.asarray(x, np.float64)[start:start + rows].T @ np.asarray(dy, np.float64)[start:start + rows]
     np.testing.assert_array_equal(cpu, exact)
-
-
-@requires_gpu
-@pytest.mark.parametrize("case", GPU_CASES, ids=_case_ids)
-def test_gpu_bulk_store_is_the_staged_store_bitwise(rng, case):
-    """wgmma128x192_bulk runs wgmma128x192's main loop and writes the same rounded tile
-    through another store: every element equal, tails of K and N and empty groups
-    included (a row or column written past the tile, or a tile left unwritten, shows)."""
-    m, k, n, sizes = case
-    ops = _operands(rng, m, k, n, sizes)
-    staged = _tgmm("gpu", ops, m, jnp.bfloat16, "wgmma128x192")
-    np.testing.assert_array_equal(_bits(_tgmm("gpu", ops, m, jnp.bfloat16, "wgmma128x192_bulk")), _bits(staged))
-
-
-@requires_gpu
-def test_gpu_bulk_path_with_float32_output_names_itself(rng):
-    ops = _operands(rng, 300, 128, 8, [100, 200])
-    with pytest.raises(Exception, match="the path wgmma128x192_bulk does not support"):
-        _tgmm("gpu", ops, 300, jnp.float32, "wgmma128x192_bulk")
 
 
 @requires_gpu
@@ -471,7 +447,7 @@ def _bad_tgmm_calls():
         (call(4, ops[4].astype(jnp.float32)), "expected int32 group_sizes, got float32"),
         (call(4, ops[4][None]), r"expected group_sizes of rank 1 \[G\]"),
         (call(preferred_element_type=jnp.float16), "expected preferred_element_type bfloat16 or float32, got float16"),
-        (call(path="fast"), r"expected path in \('auto', 'simt', 'cutlass', 'pingpong', 'wgmma128x128', 'wgmma128x192', 'wgmma128x192_bulk'\), got 'fast'"),
+        (call(path="fast"), r"expected path in \('auto', 'simt', 'cutlass', 'pingpong', 'wgmma128x128', 'wgmma128x192'\), got 'fast'"),
         (call(rows=-1), "expected rows to be a non-negative Python int .* got -1"),
         (call(rows=200.0), "expected rows to be a non-negative Python int .* got 200.0"),
     ]

@@ -18,8 +18,7 @@ group_sizes: the tiles of group g are where quantize_fp8_group_cols put its rows
 bitwise the CPU kernel), "cutlass" or "pingpong" (Hopper's FP8 tensor cores, whose tile
 sums round in their own order: CUTLASS's cooperative 128 x 128 tile, or its pingpong
 64 x 128 tile), "wgmma128x128" or "wgmma128x192" (our Hopper kernel with 128 x 128 or
-128 x 192 tiles; K % 4 == 0, N % 8 == 0), "wgmma128x192_bulk" (the second with its tiles
-written by bulk copies; bf16 output); a forced path that cannot compute the product
+128 x 192 tiles; K % 4 == 0, N % 8 == 0); a forced path that cannot compute the product
 fails at run time naming it. The CPU has one kernel and ignores it.
 
 A primitive on quantised data, so not differentiable (see _fp8). vmap folds the batch
@@ -43,7 +42,7 @@ from moe_xla.primitives import _batching, _checks, _fp8, _impl, _lowering, _shar
 tgmm_fp8_p = Primitive("moe_xla_tgmm_fp8")
 
 # The kernels by their attribute value (cuda::Fp8WgradPath in cuda/fp8_wgrad.h).
-PATHS = ("auto", "simt", "cutlass", "pingpong", "wgmma128x128", "wgmma128x192", "wgmma128x192_bulk")
+PATHS = ("auto", "simt", "cutlass", "pingpong", "wgmma128x128", "wgmma128x192")
 
 
 def tgmm_fp8(lhs_t, lhs_scales, rhs_t, rhs_scales, group_sizes, *, rows, preferred_element_type=jnp.float32,
