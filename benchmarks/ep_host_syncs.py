@@ -23,8 +23,8 @@ count the host pays to update and launch every step.
 The batch's final block_until_ready is outside the steps and not counted. And the host's
 time per step (host_ms: the median over --host-reps batches of the wall time to enqueue
 --steps back-to-back steps, divided by the steps; the device drained before each batch, so
-the host enqueues ahead of it and waits only on itself), with its ratio to moe()'s
-(host_vs_moe): a step that the host drives iteration by iteration, or that reads back a
+the host enqueues ahead of it and waits only on itself; the layers take turns, a batch
+each, so that they share the host's drift), with its ratio to moe()'s (host_vs_moe): a step that the host drives iteration by iteration, or that reads back a
 predicate, costs host time here even where the trace shows no copy. temp_mib: the compiled
 step's temporary buffers (XLA's memory analysis). With --graph-loops every
 step is also built with while loops and conditionals in XLA:GPU's command buffers (column
@@ -90,18 +90,26 @@ def count_syncs(fn, args, steps: int) -> dict:
     return host_syncs(trace_events(fn, args, steps), steps)
 
 
-def host_ms(fn, args, steps: int, reps: int) -> float:
-    """Median wall milliseconds per step for the host to enqueue `steps` calls of fn
-    (returning before the device finishes), the device drained before each batch."""
-    jax.block_until_ready(fn(*args))
-    times = []
+def host_ms(calls: dict, steps: int, reps: int) -> dict:
+    """{name: median wall milliseconds per step for the host to enqueue `steps` calls of
+    fn(*args)} for calls {name: (fn, args)} (returning before the device finishes), the
+    device drained before each batch. The layers take turns, one batch each, in an order
+    reversed every rep (A B C, C B A, ...), so a drift of the host's speed over the run
+    (its clock, other processes) reaches every layer alike instead of whichever ran last."""
+    for fn, args in calls.values():
+        jax.block_until_ready(fn(*args))
+    times = {name: [] for name in calls}
+    order = list(calls)
     for _ in range(reps):
-        start = time.perf_counter()
-        for _ in range(steps):
-            out = fn(*args)  # earlier steps' outputs freed as they finish: the last one's wait covers all
-        times.append((time.perf_counter() - start) / steps * 1e3)
-        jax.block_until_ready(out)
-    return float(np.median(times))
+        for name in order:
+            fn, args = calls[name]
+            start = time.perf_counter()
+            for _ in range(steps):
+                out = fn(*args)  # earlier steps' outputs freed as they finish: the last one's wait covers all
+            times[name].append((time.perf_counter() - start) / steps * 1e3)
+            jax.block_until_ready(out)
+        order.reverse()
+    return {name: float(np.median(ts)) for name, ts in times.items()}
 
 
 def positive_int(text: str) -> int:
@@ -133,19 +141,20 @@ def main():
     builds = {"default": {}}
     if args.graph_loops:
         builds["+while,conditional"] = {"xla_gpu_enable_command_buffer": GRAPH_LOOPS}
-    rows = []
+    rows, steps = [], {}
     for (name, extra), (build, options) in itertools.product(layers.items(), builds.items()):
         layer = lambda *a, extra=extra: moe_xla.moe(*a, **opts, **extra)  # noqa: E731
         step = jax.jit(fwd_bwd(layer, 4)).lower(*inputs, ct).compile(compiler_options=options)
         hlo = step.as_text()
-        row = {"layer": name, "command_buffers": build, "case": case["name"], "tokens": args.tokens,
-               "while_loops": len(re.findall(r"\swhile\(", hlo)), "launches": launches(hlo),
-               **count_syncs(step, (*inputs, ct), args.steps),
-               "host_ms": host_ms(step, (*inputs, ct), args.steps, args.host_reps),
-               "temp_mib": step.memory_analysis().temp_size_in_bytes / 2 ** 20}
-        moe_row = next(r for r in rows + [row] if r["layer"] == "moe()" and r["command_buffers"] == build)
-        row["host_vs_moe"] = row["host_ms"] / moe_row["host_ms"]
-        rows.append(row)
+        rows.append({"layer": name, "command_buffers": build, "case": case["name"], "tokens": args.tokens,
+                     "while_loops": len(re.findall(r"\swhile\(", hlo)), "launches": launches(hlo),
+                     **count_syncs(step, (*inputs, ct), args.steps),
+                     "temp_mib": step.memory_analysis().temp_size_in_bytes / 2 ** 20})
+        steps[name, build] = (step, (*inputs, ct))
+    host = host_ms(steps, args.steps, args.host_reps)
+    for row in rows:
+        row["host_ms"] = host[row["layer"], row["command_buffers"]]
+        row["host_vs_moe"] = row["host_ms"] / host["moe()", row["command_buffers"]]
         print(row, flush=True)
     env = environment()
     env["steps"] = args.steps
