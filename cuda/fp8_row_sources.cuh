@@ -23,17 +23,15 @@ namespace cuda {
 namespace detail {
 
 // What a kernel quantises, as a thread's 8 elements of row r from column c (valid of them
-// inside the matrix, r inside it): x itself ...
+// inside the matrix, r inside it): x itself, whose words are its elements
+// (kWordsAreElements: the kernel loads them with load(), no fetch / value step) ...
 template <DType D, bool kVec>
 struct Stored {
   using Bits = typename Elem<D>::Bits;
-  static constexpr bool kVector = kVec, kRowDots = false;
+  static constexpr bool kVector = kVec, kRowDots = false, kWordsAreElements = true;
   const Bits* __restrict__ x;
   int64_t rows, cols;
 
-  struct Words {
-    Lane<Bits> x;
-  };
   // x's 8 elements of row r of batch entry b; zeros past the row's end.
   __device__ __forceinline__ Lane<Bits> load(int64_t b, int64_t r, int64_t c, int valid) const {
     const Bits* src = x + (b * rows + r) * cols + c;
@@ -43,10 +41,6 @@ struct Stored {
     for (int j = 0; j < kLaneCols; ++j) out.set(j, j < valid ? src[j] : Bits{0});
     return out;
   }
-  __device__ __forceinline__ Words fetch(int64_t b, int64_t r, int64_t c, int valid) const {
-    return {load(b, r, c, valid)};
-  }
-  __device__ __forceinline__ Lane<Bits> value(const Words& w, int64_t, int) const { return w.x; }
   __device__ __forceinline__ void keep(int64_t, int64_t, const Lane<Bits>&, int) const {}
 };
 
@@ -55,7 +49,7 @@ struct Stored {
 template <DType D, bool kVec>
 struct Activated {
   using Bits = typename Elem<D>::Bits;
-  static constexpr bool kVector = kVec, kRowDots = false;
+  static constexpr bool kVector = kVec, kRowDots = false, kWordsAreElements = false;
   const Bits* __restrict__ h;
   Bits* __restrict__ a;
   int64_t cols;
@@ -101,7 +95,7 @@ struct Activated {
 template <DType D, bool kVec>
 struct ActivationGrad {
   using Bits = typename Elem<D>::Bits;
-  static constexpr bool kVector = kVec, kRowDots = true;
+  static constexpr bool kVector = kVec, kRowDots = true, kWordsAreElements = false;
   const Bits* __restrict__ h;
   const Bits* __restrict__ g;
   const float* __restrict__ omega;
