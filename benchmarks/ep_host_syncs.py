@@ -24,8 +24,9 @@ The batch's final block_until_ready is outside the steps and not counted. And th
 time per step (host_ms: the median over --host-reps batches of the wall time to enqueue
 --steps back-to-back steps, divided by the steps; the device drained before each batch, so
 the host enqueues ahead of it and waits only on itself; the layers take turns, a batch
-each, so that they share the host's drift), with its ratio to moe()'s (host_vs_moe): a step that the host drives iteration by iteration, or that reads back a
-predicate, costs host time here even where the trace shows no copy. temp_mib: the compiled
+each, so that they share the host's drift), with its ratio to moe()'s (host_vs_moe): a
+step that the host drives iteration by iteration, or that reads back a predicate, costs
+host time here even where the trace shows no copy. temp_mib: the compiled
 step's temporary buffers (XLA's memory analysis). With --graph-loops every
 step is also built with while loops and conditionals in XLA:GPU's command buffers (column
 command_buffers), which runs a loop of known trip count without the host.

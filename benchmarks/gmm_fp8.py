@@ -93,22 +93,20 @@ def _torch_scaled_grouped_mm(lhs, rhs, gs):
     return call
 
 
-def _forward_contenders(lhs, rhs, gs, paths=()):
+def _forward_contenders(lhs, rhs, gs, paths=(), keep=lambda name: True):
+    """The forward contenders that `keep` names, and bf16 (every rel_err's reference)."""
     wq = moe_xla.quantize_fp8_weights(rhs)
     qx, sx = jax.jit(moe_xla.quantize_fp8_rows)(lhs)
-    bf16 = jax.jit(moe_xla.gmm).lower(lhs, rhs, gs).compile()
-    fp8 = jax.jit(moe_xla.gmm_fp8).lower(qx, sx, wq.data_t, wq.scales, gs).compile()
-    quant = jax.jit(lambda a, w, g: moe_xla.gmm(a, w, g, quantization="fp8_blockwise")).lower(lhs, rhs, gs).compile()
-    block = jax.block_until_ready
-    impls = {"bf16": (lambda: bf16(lhs, rhs, gs), block),
-             "fp8": (lambda: fp8(qx, sx, wq.data_t, wq.scales, gs), block),
-             "fp8_quant": (lambda: quant(lhs, rhs, gs), block)}
-    for path in paths:
-        forced = jax.jit(functools.partial(moe_xla.gmm_fp8, path=path)).lower(
-            qx, sx, wq.data_t, wq.scales, gs).compile()
-        impls[f"fp8@{path}"] = (functools.partial(forced, qx, sx, wq.data_t, wq.scales, gs), block)
+    fp8_ops = (qx, sx, wq.data_t, wq.scales, gs)
+    ops = {"bf16": (moe_xla.gmm, (lhs, rhs, gs)), "fp8": (moe_xla.gmm_fp8, fp8_ops),
+           "fp8_quant": (lambda a, w, g: moe_xla.gmm(a, w, g, quantization="fp8_blockwise"), (lhs, rhs, gs))}
+    ops.update({f"fp8@{path}": (functools.partial(moe_xla.gmm_fp8, path=path), fp8_ops) for path in paths})
+    impls = {}
+    for name, (fn, args) in ops.items():
+        if name == "bf16" or keep(name):
+            impls[name] = (functools.partial(jax.jit(fn).lower(*args).compile(), *args), jax.block_until_ready)
     for name, make in (("torch_bf16", torch_grouped_mm), ("torch_fp8", _torch_scaled_grouped_mm)):
-        call = make(lhs, rhs, gs)
+        call = make(lhs, rhs, gs) if keep(name) else None
         if call is not None:
             impls[name] = (call, torch_sync)
     return impls
@@ -205,8 +203,7 @@ def main():
         (m, k), n = lhs.shape, rhs.shape[2]
         flops = 2.0 * m * k * n
         row = {"case": case["name"], "groups": kind, "M": m, "K": k, "N": n, "G": rhs.shape[0]}
-        forward = _forward_contenders(lhs, rhs, gs, args.paths)
-        sections = [("fwd", {name: impl for name, impl in forward.items() if name == "bf16" or keep(name)})]
+        sections = [("fwd", _forward_contenders(lhs, rhs, gs, args.paths, keep))]
         if not args.skip_backward:
             sections.append(("bwd", _backward_contenders(lhs, rhs, gs, args.wgrad_paths, keep)))
         ref = np.asarray(sections[0][1]["bf16"][0](), np.float32)
@@ -215,6 +212,8 @@ def main():
             out = np.asarray(out.float().cpu() if hasattr(out, "cpu") else out, np.float32)
             row[f"{name}_rel_err"] = float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
         for _, impls in sections:
+            if not impls:  # --only kept none of this section's contenders
+                continue
             times, spans = alternating_times(impls, args.turn_seconds, args.rounds)
             for name, ts in times.items():
                 t = statistics.median(ts)
@@ -243,7 +242,7 @@ def main():
         print(row, flush=True)
         # This case's operands and executables go before the next case's are made (a large
         # case's torch buffers left torch's FP8 contender out of memory on the next one).
-        del sections, forward, impls, lhs, rhs
+        del sections, impls, call, out, lhs, rhs
     if sampler is not None:
         sampler.stop()
     columns = ["case", "groups", "bf16_tflops", "fp8_tflops", "bf16_mhz", "fp8_mhz", "fp8_quant_tflops",

@@ -175,7 +175,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtas)
   [[maybe_unused]] float dots[kPasses];
   if constexpr (Source::kWordsAreElements) {
     // x itself: its words are the elements, loaded straight into raw (a second array of
-    // them made the bf16 blocks kernels spill 72-80 bytes and run 15-25% slower).
+    // them made the bf16 blocks kernels spill 72-80 bytes at their 64 registers).
 #pragma unroll
     for (int i = 0; i < kPasses; ++i) {
       const int64_t r = reg.row0 + first + i * kRows;

@@ -1,6 +1,7 @@
 // The row sources of the CUDA quantisation kernel (cuda/fp8_quantize.cu): what it
 // quantises, as a thread's 8 elements of row r from column c (valid of them inside the
-// matrix, r inside it). Each source reads in two steps so that the kernel can issue the
+// matrix, r inside it). x itself (Stored) is loaded straight into the elements; each fused
+// source reads in two steps so that the kernel can issue the
 // loads of all of a thread's rows before it computes with any of them: fetch() loads the
 // row's words from memory and nothing else, value() computes the 8 elements from them
 // (loaded and computed in one call, each row's arithmetic, which waits for its load, came

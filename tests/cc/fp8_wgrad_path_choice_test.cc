@@ -48,7 +48,7 @@ int main() {
   const Fp8WgradPath narrow = Fp8WgradPath::kWgmma128x128;
   // The weight gradients of the grouped_matmul cases of cases.json: d w [G, K, N].
   expect_auto("qwen3 gate_up (N 1536: four whole pairs)", wgrad(131072, 128, 2048, 1536), wide);
-  expect_auto("qwen3 down (N 2048: 12.5% of the pairs' columns past N)", wgrad(131072, 128, 768, 2048), narrow);
+  expect_auto("qwen3 down (N 2048: 11% of the pairs' 2304 columns past N)", wgrad(131072, 128, 768, 2048), narrow);
   expect_auto("deepseek gate_up (N 4096: 3%)", wgrad(32768, 32, 7168, 4096), wide);
   expect_auto("deepseek down (N 7168: 1.8%)", wgrad(32768, 32, 2048, 7168), wide);
   expect_auto("mixtral gate_up (N 28672: 0.4%)", wgrad(32768, 8, 4096, 28672), wide);
