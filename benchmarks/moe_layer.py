@@ -16,10 +16,15 @@ And moe_xla.moe(..., quantization="fp8_blockwise") (fp8: both expert products in
 blockwise, quantisation of rows and weights included, bf16 wgrad), with its output's
 relative error against the bf16 layer (fp8_rel_err) and fp8_*_speedup = bf16 / fp8 time;
 fp8_wgrad: quantization="fp8_blockwise_fp8_wgrad" (the weight gradients in FP8 too, x and
-dy quantised in group-column tiles inside), fp8_wgrad_*_speedup likewise.
+dy quantised in group-column tiles inside), fp8_wgrad_*_speedup likewise;
+fp8_wgrad_prequant: the same with the weights' FP8 layouts made outside the timed step
+(moe's quantized_weights, as when they are quantised once per optimizer step for several
+micro-batches; w_in and w_out still get their gradients): fp8_wgrad's time less the
+weight quantisation, a kernel bound by its 4 bytes moved per weight.
 
     python benchmarks/moe_layer.py [--out benchmarks/results] [--cases NAME ...] [--t-scale 1.0]
-                                   [--skip fp8 fp8_wgrad ragged_dot capacity dense] [--reps N]
+                                   [--skip fp8 fp8_wgrad fp8_wgrad_prequant ragged_dot
+                                          capacity dense] [--reps N]
 
 Forward+backward is _timing.fwd_bwd: y and its vector-Jacobian product with a bf16
 cotangent ct w.r.t. x, router_logits, w_in and w_out (y is an output, so every forward
@@ -47,7 +52,7 @@ import jax.numpy as jnp
 import moe_xla
 from moe_xla import reference
 
-BASELINES = ("fp8", "fp8_wgrad", "ragged_dot", "capacity", "dense")
+BASELINES = ("fp8", "fp8_wgrad", "fp8_wgrad_prequant", "ragged_dot", "capacity", "dense")
 F32 = jnp.float32
 DTYPE = jnp.bfloat16
 MEMORY_METRIC = "compiled memory_analysis(): temp + argument + output bytes (estimate, aliasing not subtracted)"
@@ -179,18 +184,19 @@ def _measure(fn, args, reps: int, inner: int) -> dict:
     return {"ms": ms, "mem_gib": gib(mem)}
 
 
-def _bench(name, layer, inputs, ct, flops, reps, inner, row, keep_output=False):
-    """Times layer forward and forward+backward; fills row[name_*]; returns the forward
-    output when keep_output (and it ran)."""
-    fwd = _measure(layer, inputs, reps, inner)
-    bwd = _measure(fwd_bwd(layer, len(inputs)), inputs + (ct,), reps, inner)
+def _bench(name, layer, inputs, ct, flops, reps, inner, row, keep_output=False, fixed=()):
+    """Times layer forward and forward+backward (differentiated w.r.t. inputs, not the
+    fixed arguments that follow them); fills row[name_*]; returns the forward output when
+    keep_output (and it ran)."""
+    fwd = _measure(layer, inputs + fixed, reps, inner)
+    bwd = _measure(fwd_bwd(layer, len(inputs)), inputs + fixed + (ct,), reps, inner)
     for tag, res, fl in (("fwd", fwd, flops), ("fwd_bwd", bwd, 3 * flops)):
         row[f"{name}_{tag}_ms"] = res["ms"]
         row[f"{name}_{tag}_tflops"] = fl / res["ms"] / 1e9 if isinstance(res["ms"], float) else res["ms"]
         row[f"{name}_{tag}_mem_gib"] = res["mem_gib"]
     print(f"  {row['case']} {name}: fwd {_show(fwd['ms'])} ms, fwd+bwd {_show(bwd['ms'])} ms", flush=True)
     if keep_output and isinstance(fwd["ms"], float):
-        return jax.jit(layer)(*inputs)
+        return jax.jit(layer)(*inputs, *fixed)
     return None
 
 
@@ -257,6 +263,15 @@ def main():
         else:
             _bench("fp8_wgrad", functools.partial(moe_xla_layer(case), quantization="fp8_blockwise_fp8_wgrad"), inputs,
                    ct, flops, reps, inner_fast, row)
+        if "fp8_wgrad_prequant" in args.skip:
+            _fill_skipped(row, "fp8_wgrad_prequant", "skipped")
+        else:
+            layer = moe_xla_layer(case)
+            quantized = tuple(jax.jit(moe_xla.quantize_fp8_weights)(w) for w in inputs[2:])
+            _bench("fp8_wgrad_prequant", lambda *a: layer(*a[:4], quantization="fp8_blockwise_fp8_wgrad",
+                                                         quantized_weights=a[4:]),
+                   inputs, ct, flops, reps, inner_fast, row, fixed=quantized)
+            del quantized
 
         if "ragged_dot" in args.skip:
             _fill_skipped(row, "ragged_dot", "skipped")
@@ -300,12 +315,14 @@ def main():
             row[f"fraction_of_dense_{tag}"] = _ratio(row["dense_" + tag + "_ms"], mine)  # = TFLOP/s ratio
             row[f"fp8_{tag}_speedup"] = _ratio(mine, row["fp8_" + tag + "_ms"])
             row[f"fp8_wgrad_{tag}_speedup"] = _ratio(mine, row["fp8_wgrad_" + tag + "_ms"])
+            row[f"fp8_wgrad_prequant_{tag}_speedup"] = _ratio(mine, row["fp8_wgrad_prequant_" + tag + "_ms"])
         rows.append(row)
         print(row, flush=True)
 
     columns = ["case", "T", "check_rel_err_vs_ragged_dot", "moe_xla_fwd_ms", "moe_xla_fwd_tflops", "moe_xla_fwd_bwd_ms", "moe_xla_fwd_bwd_tflops",
                "fp8_fwd_tflops", "fp8_fwd_bwd_tflops", "fp8_fwd_speedup", "fp8_fwd_bwd_speedup", "fp8_rel_err",
-               "fp8_wgrad_fwd_bwd_tflops", "fp8_wgrad_fwd_bwd_speedup",
+               "fp8_wgrad_fwd_bwd_tflops", "fp8_wgrad_fwd_bwd_speedup", "fp8_wgrad_prequant_fwd_bwd_tflops",
+               "fp8_wgrad_prequant_fwd_bwd_speedup",
                "moe_xla_fwd_bwd_mem_gib", "ragged_dot_fwd_bwd_ms", "ragged_dot_fwd_bwd_mem_gib", "fwd_vs_ragged_dot",
                "fwd_bwd_vs_ragged_dot", "capacity_fwd_bwd_ms", "capacity_fwd_bwd_mem_gib", "capacity_dropped_frac",
                "fwd_vs_capacity", "fwd_bwd_vs_capacity", "dense_fwd_tflops", "dense_fwd_bwd_tflops",
