@@ -124,9 +124,11 @@ def _round(cfg: EpConfig, sizes: ExchangeSizes, r, floats: RoundFloats, ints: Ro
         slots = chunk_link.slots(ints.dest, ints.row, r)
         row_slots, num_rows = slots.reshape(slots.size, 1), sizes.peers * sizes.rows
         # What sits at each place of the send buffer: row (t, c) flattened, or past the
-        # rows (-1, or T*n for a grouped row no pair sends); its token t = (t, c) // n.
+        # rows (-1, or T*n for a grouped row no pair sends); its token t = (t, c) // n, -1
+        # for none: pair_sources, as the combine's transpose computes it from the same
+        # sources (unpermute with row_pairs=sources), so XLA computes the array once.
         sources = chunk_link.sources(ints.source, r)
-        tokens = jnp.where((sources >= 0) & (sources < slots.size), sources // slots.shape[1], -1)
+        tokens = pair_sources(sources, slots.shape)[0]
         # The token rows' path, every array it reads in `arrays` (fp8_dispatch.sent_tokens).
         send = lambda rows, arrays: link(cfg, sizes.rows, arrays[2]).send(  # noqa: E731
             pack(rows, arrays[0], num_rows, sources=arrays[1]), 0, r)
