@@ -113,8 +113,9 @@ def imbalance(ids, peers: int, num_experts: int, placement=None) -> float:
     rank of the replica that serves it (moe_xla.ep.placement.expert_slots)."""
     placement = ((),) * peers if placement is None else placement
     per_rank = jnp.asarray(ids).reshape(peers, -1, ids.shape[-1])
-    dest = jax.vmap(lambda i: expert_slots(i, placement, num_experts)[0])(per_rank)
-    pairs = np.bincount(np.asarray(dest).reshape(-1), minlength=peers)
+    slots = jax.vmap(lambda i: expert_slots(i, placement, num_experts))(per_rank)
+    dest = np.asarray(slots).reshape(-1) // (num_experts // peers + len(placement[0]))  # slots per rank
+    pairs = np.bincount(dest, minlength=peers)
     return float(pairs.max() / pairs.mean())
 
 

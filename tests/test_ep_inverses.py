@@ -33,14 +33,13 @@ def _inverse(slots, num_places):
     return out
 
 
-def _routing(rng, tokens, top_k, experts, peers):
-    """weights [T, k] float32, dest and lid [T, k] int32 of a skewed top-k routing over
-    `experts` experts split evenly over `peers` ranks (distinct experts per token)."""
+def _routing(rng, tokens, top_k, experts):
+    """weights [T, k] float32 and expert ids [T, k] int32 (the slots of experts split evenly
+    over the ranks, placement.expert_slots) of a skewed top-k routing (distinct experts per token)."""
     p = np.arange(experts, 0, -1, dtype=np.float64) ** 2
     ids = np.stack([rng.choice(experts, top_k, replace=False, p=p / p.sum()) for _ in range(tokens)])
-    local = experts // peers
     weights = rng.random((tokens, top_k)).astype(np.float32)
-    return jnp.asarray(weights), jnp.asarray(ids // local, jnp.int32), jnp.asarray(ids % local, jnp.int32)
+    return jnp.asarray(weights), jnp.asarray(ids, jnp.int32)
 
 
 @pytest.mark.parametrize("t,k,p,local,mult", [(29, 6, 4, 5, 3), (17, 8, 1, 16, 8), (11, 4, 8, 2, 2), (0, 4, 2, 3, 2)])
@@ -58,9 +57,9 @@ def test_weight_sources_invert_the_weight_slots(rng, t, k, p, local, mult):
 ])
 def test_link_sources_invert_the_send_slots(rng, tokens, top_k, experts, peers, dedup, cf):
     # Every round's send buffer, with overflow rounds (cf) and without dedup.
-    weights, dest, lid = _routing(rng, tokens, top_k, experts, peers)
+    weights, ids = _routing(rng, tokens, top_k, experts)
     sizes = exchange_sizes(tokens, top_k, experts, peers, dedup=dedup, capacity_factor=cf)
-    rows = rows_by_destination(weights, dest, lid, sizes, dedup)
+    rows = rows_by_destination(weights, ids, sizes, dedup)
     link = Padded(None, sizes.rows, round_starts(rows.counts, rows.pairs, sizes))
     num_places = sizes.peers * sizes.rows
     seen = 0

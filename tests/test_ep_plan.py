@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from moe_xla import reference
 from moe_xla._lib import target_name
-from moe_xla.ep.rows import rows_by_destination
+from moe_xla.ep.rows import local_slots, rows_by_destination
 from moe_xla.ep.sizing import exchange_sizes
 from moe_xla.primitives.ep_dedup_rows import ep_dedup_rows
 from moe_xla.primitives.ep_row_places import ep_row_places
@@ -290,7 +290,8 @@ def test_rows_by_destination_is_the_one_hot_plan(rng, dedup):
     dest, lid = ids // (experts // p), ids % (experts // p)
     weights = jnp.asarray(rng.uniform(0.1, 1.0, (t, k)), jnp.float32)
     sizes = exchange_sizes(t, k, experts, p, dedup=dedup, capacity_factor=None, extra_slots=0)
-    rows = rows_by_destination(weights, dest, lid, sizes, dedup)
+    rows = rows_by_destination(weights, ids, sizes, dedup)
+    lids = np.asarray(local_slots(rows.lids, sizes))  # the rows' slots on their ranks
     n = min(k, p) if dedup else k
     sent = np.asarray(rows.dest).reshape(-1) < p
     if dedup:
@@ -298,14 +299,15 @@ def test_rows_by_destination_is_the_one_hot_plan(rng, dedup):
         # (never sent); now they ask for nothing.
         want = _one_hot_plan(weights, dest, lid, p, sizes.local_experts, sizes.mult)
         for name, value in want.items():
-            got, value = np.asarray(getattr(rows, name)), np.asarray(value)
+            got, value = lids if name == "lids" else np.asarray(getattr(rows, name)), np.asarray(value)
             if name in ("lids", "w"):
                 got, value = got[sent], value[sent]
             np.testing.assert_array_equal(got, value, err_msg=name)
-        np.testing.assert_array_equal(np.asarray(rows.lids)[~sent], sizes.local_experts)
+        np.testing.assert_array_equal(np.asarray(rows.lids)[~sent], sizes.peers * sizes.local_experts)
+        np.testing.assert_array_equal(lids[~sent], sizes.local_experts)
         np.testing.assert_array_equal(np.asarray(rows.w)[~sent], 0)
         probe = jnp.asarray(rng.standard_normal((t * n, sizes.mult)) * sent[:, None], jnp.float32)
-        grad = jax.grad(lambda w: jnp.sum(rows_by_destination(w, dest, lid, sizes, dedup).w * probe))(weights)
+        grad = jax.grad(lambda w: jnp.sum(rows_by_destination(w, ids, sizes, dedup).w * probe))(weights)
         grad_want = jax.grad(lambda w: jnp.sum(_one_hot_plan(w, dest, lid, p, sizes.local_experts,
                                                              sizes.mult)["w"] * probe))(weights)
         np.testing.assert_array_equal(np.asarray(grad), np.asarray(grad_want))
@@ -314,7 +316,6 @@ def test_rows_by_destination_is_the_one_hot_plan(rng, dedup):
     assert sorted(row[sent]) == list(range(int(np.sum(rows.counts))))
     np.testing.assert_array_equal(source[row[sent]], np.flatnonzero(sent))
     assert np.all(source[int(np.sum(rows.counts)):] == t * n)
-    lids = np.asarray(rows.lids)
     np.testing.assert_array_equal(np.asarray(rows.pairs)[row[sent]], np.sum(lids < sizes.local_experts, -1)[sent])
 
 

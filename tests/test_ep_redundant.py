@@ -39,7 +39,7 @@ def test_placement_follows_the_greedy_rule_by_hand():
 def test_replica_choice_is_token_index_mod_replicas():
     placement = ((4, 5), (1, 0), (0, 1), (0, 2))  # 4 ranks of 4 experts: e0 on ranks 0, 1, 2, 3
     ids = jnp.array([[0, 1], [0, 5], [0, 15], [2, 0], [0, 3]])
-    dest, slot = expert_slots(ids, placement, 16)
+    dest, slot = np.divmod(np.asarray(expert_slots(ids, placement, 16)), 16 // 4 + 2)  # 6 slots per rank
     # (rank, slot) of the replicas: e0 (0, 0), (1, 5), (2, 4), (3, 4); e1 (0, 1), (2, 5);
     # e2 (0, 2), (3, 5); e5 (1, 1), (0, 5); e15 (3, 3) alone; token t takes replica t mod n_e
     np.testing.assert_array_equal(dest, [[0, 0], [1, 0], [2, 3], [3, 3], [0, 0]])
@@ -47,13 +47,13 @@ def test_replica_choice_is_token_index_mod_replicas():
 
 
 def test_without_replicas_slots_are_the_replica_table_of_owners_alone():
-    """No replicas: the shortcut (ids // E_l, ids % E_l) is the table's owner entries."""
+    """No replicas: the shortcut, slots numbered as the ids, is the table's owner entries."""
     from moe_xla.ep.placement import replica_table
 
     ids = jnp.array([[0, 15], [7, 4], [8, 3]])
     table, count = replica_table(((),) * 4, 16)
     assert np.all(count == 1)
-    dest, slot = expert_slots(ids, ((),) * 4, 16)
+    dest, slot = np.divmod(np.asarray(expert_slots(ids, ((),) * 4, 16)), 16 // 4)
     np.testing.assert_array_equal(np.stack([dest, slot], -1), table[np.asarray(ids), 0])
 
 
@@ -95,8 +95,8 @@ def _skewed(rng):
 
 def _pairs_per_rank(ids, placement):
     """[P] pairs each rank serves, the P ranks' tokens ids [P T_r, k] in order."""
-    dest, _ = jax.vmap(lambda i: expert_slots(i, placement, E))(ids.reshape(8, -1, K))
-    return np.bincount(np.asarray(dest).reshape(-1), minlength=8)
+    slots = jax.vmap(lambda i: expert_slots(i, placement, E))(ids.reshape(8, -1, K))
+    return np.bincount(np.asarray(slots).reshape(-1) // (E // 8 + len(placement[0])), minlength=8)
 
 
 @requires_8_devices

@@ -9,14 +9,16 @@ all_to_all (or ragged_all_to_all) over the expert axis: no rank gathers weights 
 Per rank, for each of `chunks` slices of its tokens (independent of each other, so XLA
 may run the dispatch of one chunk while the grouped GEMMs of another run):
 
-  route     weights, ids = route(logits)                [T, k]; dest = ids // E_l, lid = ids % E_l
-            (with redundant experts, the rank and slot of one of the expert's replicas,
-            placement.py; the rank's weights then gain its S replica slots, replicas.py)
+  route     weights, ids = route(logits)                [T, k]; slot = ids, dest = slot // E_l
+            (slots numbered over all ranks, rank d's local slot lid is d E_l + lid; with
+            redundant experts the slot of one of the expert's replicas, placement.py; the
+            rank's weights then gain its S replica slots, replicas.py)
   rows      one row per (token, j) without dedup; with dedup one row per (token,
             destination), sent once however many of the token's experts live there:
               _, counts, row_map = permute(zeros [T, 0], row_dest, P)   their order, grouped by destination
-            each row carries the local experts it asks for, lids [mult] (E_l = none,
-            mult = min(k, E_l) with dedup, else 1) and, with dedup, their routing weights
+            each row carries the local experts it asks for, lids [mult] (slot % E_l, taken
+            as the send buffer is packed; E_l = none, mult = min(k, E_l) with dedup, else 1)
+            and, with dedup, their routing weights
   dispatch  the rows of destination d go to rank d (a transport, in rounds), packed
             straight from the tokens into the send slabs (ep_expand: no [T*k, H] rows);
             with FP8 expert products the tokens' FP8 rows and scales travel instead,

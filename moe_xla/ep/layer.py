@@ -18,7 +18,7 @@ from moe_xla.ep.fp8_dispatch import quantized_tokens, sent_tokens
 from moe_xla.ep.placement import expert_slots
 from moe_xla.ep.replicas import with_replicas
 from moe_xla.ep.rounds import RoundFloats, RoundInts, add_later_rounds, round_starts
-from moe_xla.ep.rows import rows_by_destination
+from moe_xla.ep.rows import local_slots, rows_by_destination
 from moe_xla.ep.sizing import ExchangeSizes, exchange_sizes
 from moe_xla.ep.transports import link, link_arrays, pack
 from moe_xla.experts import expert_mlp, shared_mlp
@@ -67,11 +67,11 @@ def _layer(cfg: EpConfig, x, logits, w_in, w_out, bias, shared):
     with jax.named_scope("moe_xla/route"):
         weights, ids = route(logits, cfg.top_k, bias=bias, **cfg.routing)
     with jax.named_scope("moe_xla/dispatch"):
-        dest, lid = expert_slots(ids, cfg.placement, cfg.experts)
+        slot = expert_slots(ids, cfg.placement, cfg.experts)
         w_in, w_out = (with_replicas(w, cfg.placement, cfg.axis) for w in (w_in, w_out))
     size, extra = divmod(x.shape[0], cfg.chunks)
     bounds = [c * size + min(c, extra) for c in range(cfg.chunks + 1)]
-    outs = [_chunk(cfg, x[a:b], weights[a:b], dest[a:b], lid[a:b], w_in, w_out) for a, b in zip(bounds, bounds[1:])]
+    outs = [_chunk(cfg, x[a:b], weights[a:b], slot[a:b], w_in, w_out) for a, b in zip(bounds, bounds[1:])]
     y = jnp.concatenate([o.y for o in outs])
     if shared is not None:
         y = y + shared_mlp(x, shared, cfg.activation)
@@ -85,12 +85,12 @@ class _ChunkOut(NamedTuple):
     dispatched: jax.Array   # int32 rows the chunk sent over the expert axis
 
 
-def _chunk(cfg: EpConfig, x, weights, dest, lid, w_in, w_out) -> _ChunkOut:
-    """One chunk of one rank's tokens, pair (t, j) served by slot lid[t, j] of rank dest[t, j]."""
+def _chunk(cfg: EpConfig, x, weights, slot, w_in, w_out) -> _ChunkOut:
+    """One chunk of one rank's tokens, pair (t, j) served by slot[t, j] (placement.expert_slots)."""
     sizes = exchange_sizes(x.shape[0], cfg.top_k, cfg.experts, cfg.peers, dedup=cfg.dedup,
                            capacity_factor=cfg.capacity_factor, extra_slots=len(cfg.placement[0]))
     with jax.named_scope("moe_xla/dispatch"):
-        rows = rows_by_destination(weights, dest, lid, sizes, cfg.dedup)
+        rows = rows_by_destination(weights, slot, sizes, cfg.dedup)
         starts = round_starts(rows.counts, rows.pairs, sizes)
         arrays = link_arrays(cfg, starts)
     floats = RoundFloats(x, rows.w, w_in, w_out)
@@ -137,7 +137,8 @@ def _round(cfg: EpConfig, sizes: ExchangeSizes, r, floats: RoundFloats, ints: Ro
             x_recv, x_fp8 = send(floats.x, arrays), None
         else:
             x_recv, *x_fp8 = sent_tokens(send, arrays, floats.x, *ints.x_fp8)
-        lids = chunk_link.send(pack(ints.lids, row_slots, num_rows, sizes.local_experts, sources), sizes.local_experts, r)
+        numbered = pack(ints.lids, row_slots, num_rows, sizes.peers * sizes.local_experts, sources)
+        lids = chunk_link.send(local_slots(numbered, sizes), sizes.local_experts, r)
         w = None if floats.w is None else chunk_link.send(pack(floats.w, row_slots, num_rows, sources=sources), 0, r)
     y = _experts(x_recv, x_fp8, lids, w, floats.w_in, floats.w_out, sizes, cfg.activation, cfg.quantization)
     with jax.named_scope("moe_xla/combine"):

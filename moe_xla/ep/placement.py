@@ -106,13 +106,13 @@ def replica_table(placement: tuple, experts: int):
 
 
 def expert_slots(ids, placement: tuple, experts: int):
-    """(dest, slot), [T, k] int32 each: the rank and slot that serve pair (t, j) of a rank's
-    tokens routed to ids [T, k], replica c = t mod n_e (module docstring). Without replicas
-    dest = ids // E_l and slot = ids % E_l."""
+    """[T, k] int32: the slot that serves pair (t, j) of a rank's tokens routed to ids
+    [T, k], replica c = t mod n_e (module docstring), numbered over all ranks: rank d's
+    slot s is d L + s, L = E / P + S its slots, so the pair goes to rank slot // L, slot
+    slot % L there. Without replicas (L = E / P) that is ids itself: nothing computed."""
     if not placement[0]:
-        local = experts // len(placement)
-        return ids // local, ids % local
+        return ids
     table, count = replica_table(placement, experts)
+    numbered = table[..., 0] * (experts // len(placement) + len(placement[0])) + table[..., 1]
     choice = jnp.arange(ids.shape[0], dtype=jnp.int32)[:, None] % jnp.asarray(count)[ids]
-    picked = jnp.asarray(table)[ids, choice]
-    return picked[..., 0], picked[..., 1]
+    return jnp.asarray(numbered)[ids, choice]

@@ -49,7 +49,7 @@ class RoundFloats(NamedTuple):
 class RoundInts(NamedTuple):
     """What a round reads but does not differentiate in."""
 
-    lids: jax.Array        # [T*n, mult] int32 the local slots the token's rows ask for; E_l = E / P + S: none
+    lids: jax.Array        # [T*n, mult] int32 the slots the token's rows ask for, numbered over all ranks (rows.Rows)
     dest: jax.Array        # [T, n] int32 the ranks of the token's rows (P: none; rows.Rows)
     row: jax.Array         # [T, n] int32 their places among the rows grouped by destination
     source: jax.Array      # [T*k] int32 grouped row -> (t, c) flattened (T*n: none)

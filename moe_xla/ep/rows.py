@@ -31,36 +31,48 @@ class Rows(NamedTuple):
 
     dest: jax.Array     # [T, n] int32 the rank row (t, c) goes to; P: no such row (the token has fewer)
     row: jax.Array      # [T, n] int32 its place among the rows grouped by destination (T*k: none)
-    lids: jax.Array     # [T*n, mult] int32 the local slots row (t, c) asks for; E_l = E / P + S: none
+    lids: jax.Array     # [T*n, mult] int32 the slots row (t, c) asks for, numbered over all ranks
+    #                     (placement.expert_slots); P E_l: none (E_l = E / P + S; local_slots)
     w: jax.Array | None  # [T*n, mult] float32 their routing weights (dedup), else None
     source: jax.Array   # [T*k] int32 grouped row -> its (t, c) flattened (T*n: none, a row no pair sends)
-    pairs: jax.Array    # [T*k] int32 number of lids < E_l of each grouped row
+    pairs: jax.Array    # [T*k] int32 number of slots each grouped row asks for
     counts: jax.Array   # [P] int32 rows per destination
     row_map: jax.Array  # [T*k] int32 (token, j) -> grouped row (permute's)
     row_pairs: jax.Array  # [T*k] int32 grouped row -> (token, j), row_map's inverse (permute's)
     combine: jax.Array  # [T, k] float32 weights of the final unpermute
 
 
-def rows_by_destination(weights, dest, lid, sizes: ExchangeSizes, dedup: bool) -> Rows:
-    """Rows of the pairs (t, j), of routing weights [T, k], that go to slot lid [T, k] of
-    rank dest [T, k] (placement.expert_slots).
+def rows_by_destination(weights, slot, sizes: ExchangeSizes, dedup: bool) -> Rows:
+    """Rows of the pairs (t, j), of routing weights [T, k], that go to slot [T, k], numbered
+    over all ranks (placement.expert_slots): rank dest = slot // E_l.
 
     Three kernels: ep_dedup_rows (with dedup) picks each token's rows, permute (no
     columns) groups them by destination, ep_row_places says where each row went. The
-    routing weights reach their rows' places by ep_expand, whose transpose is a gather:
-    no scatter-add in the backward."""
-    t, k = dest.shape
-    local, mult, peers = sizes.local_experts, sizes.mult, sizes.peers
+    rows carry their slots as numbered (the kernels copy them and fill P E_l, past every
+    slot, where none): the send buffer takes their local numbers (local_slots) in the
+    fusion that packs them, so no [T, k] array of local slots is written. The routing
+    weights reach their rows' places by ep_expand, whose transpose is a gather: no
+    scatter-add in the backward."""
+    t, k = slot.shape
+    mult, peers, none = sizes.mult, sizes.peers, sizes.peers * sizes.local_experts
+    dest = jax.lax.div(slot, sizes.local_experts)  # slot >= 0
     if dedup:
         n = min(k, peers)
-        row_dest, lids, weight_slot, weight_sources = ep_dedup_rows(dest, lid, peers=peers, local=local, mult=mult)
+        row_dest, lids, weight_slot, weight_sources = ep_dedup_rows(dest, slot, peers=peers, local=none, mult=mult)
         w = expand(weights.reshape(t * k, 1), weight_slot.reshape(t * k, 1), num_pairs=t * n * mult,
                    sources=weight_sources)
         w, combine = w.reshape(t * n, mult), (row_dest < peers).astype(jnp.float32)
     else:
-        n, row_dest, lids, w, combine = k, dest, lid.reshape(t * k, 1), None, weights
+        n, row_dest, lids, w, combine = k, dest, slot.reshape(t * k, 1), None, weights
     _, counts, row_map, row_pairs = permute(jnp.zeros((t, 0), jnp.float32), row_dest, peers, return_row_pairs=True)
-    dest_rows, row, source, pairs = ep_row_places(row_dest, row_map, lids, peers=peers, local=local,
+    dest_rows, row, source, pairs = ep_row_places(row_dest, row_map, lids, peers=peers, local=none,
                                                   rows_per_token=n)
     return Rows(dest_rows, row, lids, w, source, pairs, counts, row_map, row_pairs, combine)
+
+
+def local_slots(lids, sizes: ExchangeSizes):
+    """The slots on their rank of lids numbered over all ranks (Rows.lids): lids % E_l, and
+    E_l (none) for P E_l (none)."""
+    local = sizes.local_experts
+    return jnp.where(lids < sizes.peers * local, jax.lax.rem(lids, local), local)
 
