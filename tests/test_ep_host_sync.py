@@ -15,6 +15,10 @@ and a fill on XLA:GPU): every inverse map comes from a kernel (permute's row_pai
 ep_row_places) and is read by gathers; with redundant experts the replicas' weight
 gradients sum into their owners' by a gather and a fixed-order sum (primitives/select_rows.py),
 where a scatter-add's atomics would add them in a different order from run to run.
+
+And two launches the step does without: the rows' plan reads route's expert ids as their
+slots (no [T, k] array of local slots), and the send buffer's forward and backward
+gathers share one index array.
 """
 
 from __future__ import annotations
@@ -123,3 +127,39 @@ def test_rounds_loops_run_rounds_minus_one_times(transport, dedup, capacity_fact
     assert sizes.rounds > 2  # the overflow rounds are a loop of more than one iteration
     loops, _ = loops_and_conditionals(step_hlo(transport, dedup, capacity_factor, redundant_experts))
     assert sorted(trips for _, trips in loops) == [sizes.rounds - 1, sizes.rounds - 1, sizes.rounds], loops
+
+
+def _defining_line(hlo: str, name: str) -> str:
+    """The line of HLO text that defines instruction `name`."""
+    return next(line for line in hlo.splitlines() if re.match(rf"\s*(ROOT )?%?{re.escape(name)} = ", line))
+
+
+@pytest.mark.parametrize("dedup", [True, False], ids=["dedup", "no_dedup"])
+def test_rows_take_the_routed_ids_as_their_slots(dedup):
+    # The pairs' slots are numbered over all ranks (placement.expert_slots): without
+    # replicas they are route's expert ids as they are, so the kernel that plans the rows
+    # (ep_dedup_rows, or ep_row_places without dedup) reads route's ids and no [T, k]
+    # array of local slots ids % E_l is computed for it (one launch less on XLA:GPU).
+    hlo = step_hlo("padded", dedup, None, None)
+    target = "moe_xla_ep_dedup_rows" if dedup else "moe_xla_ep_row_places"
+    plan = next(line for line in hlo.splitlines() if f'custom_call_target="{target}_' in line)
+    operands = re.search(r"custom-call\(([^)]*)\)", plan).group(1).split(", ")
+    slots = operands[1] if dedup else operands[2]  # (dest, lid) / (row_dest, row_map, lids)
+    line = _defining_line(hlo, slots.lstrip("%"))
+    if not dedup:  # lids [T*k, 1] is the ids reshaped: a bitcast of them
+        line = _defining_line(hlo, re.search(r"bitcast\(%?([\w.-]+)\)", line).group(1))
+    route = re.search(r"get-tuple-element\(%?([\w.-]+)\), index=1", line)
+    assert route, line
+    assert 'custom_call_target="moe_xla_route_' in _defining_line(hlo, route.group(1)), line
+
+
+def test_send_buffer_gathers_share_one_index_array():
+    # The tokens' rows are packed into the send buffer (forward) and the combine's cotangent
+    # is gathered into its layout (backward) through the same places' tokens, computed one
+    # way (_rows.pair_sources of the places' sources), so XLA computes the index array once.
+    sizes = exchange_sizes(T // 8, K, E, 8)
+    shape = f"[{sizes.peers * sizes.rows},{H}]"
+    gathers = [line for line in step_hlo("padded", True, None, None).splitlines()
+               if 'custom_call_target="moe_xla_gather_rows_' in line and f" f32{shape}" in line]
+    indices = {re.search(r"custom-call\(%?[\w.-]+, %?([\w.-]+)\)", line).group(1) for line in gathers}
+    assert len(gathers) == 2 and len(indices) == 1, gathers
