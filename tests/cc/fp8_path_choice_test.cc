@@ -28,12 +28,11 @@ T* stand_in(uintptr_t i) {
   return reinterpret_cast<T*>(i << 20);
 }
 
-// A product of m rows in `groups` groups, [m, k] x [groups, n, k].
-Fp8GroupedGemmParams product(int64_t m, int64_t groups, int64_t k, int64_t n, DType out = DType::kBF16) {
-  Fp8GroupedGemmParams p{};
-  p.lhs = stand_in<const uint8_t>(1);
+// The fields the grouped GEMM's and the wgrad's parameters share: stand-in scales, group
+// sizes and output, the output dtype and the shape (m rows in `groups` groups, k, n).
+template <class Params>
+Params with_shape(Params p, int64_t m, int64_t groups, int64_t k, int64_t n, DType out) {
   p.lhs_scales = stand_in<const float>(2);
-  p.rhs = stand_in<const uint8_t>(3);
   p.rhs_scales = stand_in<const float>(4);
   p.group_sizes = stand_in<const int32_t>(5);
   p.out = stand_in<void>(6);
@@ -43,6 +42,14 @@ Fp8GroupedGemmParams product(int64_t m, int64_t groups, int64_t k, int64_t n, DT
   p.n = n;
   p.num_groups = groups;
   return p;
+}
+
+// A product of m rows in `groups` groups, [m, k] x [groups, n, k].
+Fp8GroupedGemmParams product(int64_t m, int64_t groups, int64_t k, int64_t n, DType out = DType::kBF16) {
+  Fp8GroupedGemmParams p{};
+  p.lhs = stand_in<const uint8_t>(1);
+  p.rhs = stand_in<const uint8_t>(3);
+  return with_shape(p, m, groups, k, n, out);
 }
 
 void expect_auto(const char* what, const Fp8GroupedGemmParams& p, Fp8GemmPath want) {
@@ -62,17 +69,8 @@ void expect_supported(const char* what, const Fp8GroupedGemmParams& p, Fp8GemmPa
 Fp8WgradParams wgrad(int64_t m, int64_t groups, int64_t k, int64_t n, DType out = DType::kBF16) {
   Fp8WgradParams p{};
   p.lhs_t = stand_in<const uint8_t>(1);
-  p.lhs_scales = stand_in<const float>(2);
   p.rhs_t = stand_in<const uint8_t>(3);
-  p.rhs_scales = stand_in<const float>(4);
-  p.group_sizes = stand_in<const int32_t>(5);
-  p.out = stand_in<void>(6);
-  p.out_dtype = out;
-  p.m = m;
-  p.k = k;
-  p.n = n;
-  p.num_groups = groups;
-  return p;
+  return with_shape(p, m, groups, k, n, out);
 }
 
 void expect_wgrad_auto(const char* what, const Fp8WgradParams& p, Fp8WgradPath want) {
