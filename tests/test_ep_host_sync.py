@@ -16,9 +16,10 @@ ep_row_places) and is read by gathers; with redundant experts the replicas' weig
 gradients sum into their owners' by a gather and a fixed-order sum (primitives/select_rows.py),
 where a scatter-add's atomics would add them in a different order from run to run.
 
-And two launches the step does without: the rows' plan reads route's expert ids as their
+And two arrays the step does without: the rows' plan reads route's expert ids as their
 slots (no [T, k] array of local slots), and the send buffer's forward and backward
-gathers share one index array.
+gathers share one index array (two launches fewer on XLA:CPU; XLA:GPU had fused both
+into other kernels already: LOG.md, session 46).
 """
 
 from __future__ import annotations
@@ -139,7 +140,7 @@ def test_rows_take_the_routed_ids_as_their_slots(dedup):
     # The pairs' slots are numbered over all ranks (placement.expert_slots): without
     # replicas they are route's expert ids as they are, so the kernel that plans the rows
     # (ep_dedup_rows, or ep_row_places without dedup) reads route's ids and no [T, k]
-    # array of local slots ids % E_l is computed for it (one launch less on XLA:GPU).
+    # array of local slots ids % E_l is computed for it.
     hlo = step_hlo("padded", dedup, None, None)
     target = "moe_xla_ep_dedup_rows" if dedup else "moe_xla_ep_row_places"
     plan = next(line for line in hlo.splitlines() if f'custom_call_target="{target}_' in line)
