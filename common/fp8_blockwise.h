@@ -231,8 +231,17 @@ struct Fp8QuantizeParams {
 //   q          [rows, cols]              float8_e4m3fn bits
 //   row_scales [rows, ceil(cols / 128)]  float32
 // so that the FP8 dgrad's and the FP8 wgrad's operands of one x come from one pass.
+// With sources given, the rows are gathered from token rows x [values_rows, cols] and
+// nothing else is read: the expansion of Fp8ExpandQuantizeParams with the rows named by
+// their sources instead of by slots, fused with the column tiles of its output,
+//   w[r]  = x[sources[r]] if 0 <= sources[r] < values_rows, else a row of +0
+//   row tiles    of u[r, c] = rnd(scaled_element(1, w[r, c]))
+//   column tiles of v[r, c] = rnd(scaled_element(factor[r], w[r, c]))   (factor null: v = u)
+// rnd the one rounding to dtype, so with each row named once the result is bitwise that
+// of Fp8ExpandQuantizeParams' (q, scales) and of the column tiles of its out: the FP8
+// wgrad's operands of permuted rows without the permuted copy in memory.
 struct Fp8GroupColsParams {
-  const void* x;               // [rows, cols]
+  const void* x;               // [rows, cols], or [values_rows, cols] with sources
   DType dtype;                 // of x: f32, bf16 or f16
   const int32_t* group_sizes;  // [num_groups]; device memory for CUDA kernels
   int64_t num_groups;
@@ -243,6 +252,9 @@ struct Fp8GroupColsParams {
   int64_t rows;
   int64_t cols;
   bool pow2_scale;
+  const int32_t* sources = nullptr;  // [rows], or null: row r is x[r]; device memory for CUDA kernels
+  const float* factor = nullptr;     // [rows], or null: every factor 1; with sources only
+  int64_t values_rows = 0;           // x's rows, with sources
 };
 
 // T of Fp8GroupColsParams: the number of 128-row tiles the q_t / scales arrays hold.

@@ -5,7 +5,9 @@
 // fp8::scaled_element, whose product is flush-mode proof too), rounded to the dtype, and
 // quantise them as stored through the row tiles (the expansion quantises its rows with
 // factor 1, then writes them scaled); the group column
-// form takes its tiles from cpu/fp8_group_tiles.h and writes them transposed. The
+// form takes its tiles from cpu/fp8_group_tiles.h and writes them transposed (with sources,
+// of rows first gathered as gather_rows stores them: with factor 1 for the row tiles, with
+// the factors for the column tiles). The
 // operations are integer ones and single float32 divisions of normal numbers
 // (common/fp8_blockwise.h), so XLA's flush-to-zero mode on its CPU threads changes nothing.
 #include "cpu/fp8_quantize.h"
@@ -107,7 +109,44 @@ void fp8_expand_quantize(const Fp8ExpandQuantizeParams& p) {
   gather_rows(GatherRowsParams{p.values, p.dtype, src.data(), scale.data(), p.num_values, p.out, p.rows, p.cols});
 }
 
+namespace {
+
+// The rows p.sources names gathered from p.x with each row's factor, as gather_rows stores
+// them (rnd(scaled_element(factor[r], x[sources[r]])), zero rows where the source names no row).
+std::vector<char> gathered_rows(const Fp8GroupColsParams& p, const float* factor) {
+  std::vector<char> rows(static_cast<size_t>(p.rows * p.cols) * dtype_bytes(p.dtype));
+  gather_rows(GatherRowsParams{p.x, p.dtype, p.sources, factor, p.values_rows, rows.data(), p.rows, p.cols});
+  return rows;
+}
+
+// With sources: the rows u (factor 1) and v (p.factor; u without one) written out, then
+// u's row tiles and v's column tiles as of rows in memory.
+void quantize_gathered_group_cols(const Fp8GroupColsParams& p) {
+  const std::vector<float> ones(static_cast<size_t>(p.rows), 1.0f);
+  const std::vector<char> u = gathered_rows(p, ones.data());
+  Fp8GroupColsParams stored = p;
+  stored.sources = nullptr;
+  stored.factor = nullptr;
+  stored.x = u.data();
+  if (p.factor == nullptr) {
+    fp8_quantize_group_cols(stored);
+    return;
+  }
+  if (p.q != nullptr) quantize_stored_rows(u.data(), p.dtype, p.rows, p.cols, p.q, p.row_scales, p.pow2_scale);
+  const std::vector<char> v = gathered_rows(p, p.factor);
+  stored.x = v.data();
+  stored.q = nullptr;
+  stored.row_scales = nullptr;
+  fp8_quantize_group_cols(stored);
+}
+
+}  // namespace
+
 void fp8_quantize_group_cols(const Fp8GroupColsParams& p) {
+  if (p.sources != nullptr) {
+    quantize_gathered_group_cols(p);
+    return;
+  }
   if (p.q != nullptr) quantize_stored_rows(p.x, p.dtype, p.rows, p.cols, p.q, p.row_scales, p.pow2_scale);
   const int64_t tile_count = group_col_tiles(p.rows, p.num_groups), width = fp8::kTile * tile_count;
   std::fill(p.q_t, p.q_t + p.cols * width, uint8_t{0});         // columns of no row

@@ -41,6 +41,7 @@ using detail::Elem;
 using detail::kLaneCols;
 using detail::Lane;
 using detail::round_lane;
+using detail::scaled_element_ftz;
 using detail::row_tile_coder;
 using detail::store_lane;
 using detail::TileCoder;
@@ -55,18 +56,6 @@ constexpr int kStepThreads = 256;                          // claim and settle
 
 constexpr size_t kAlign = 256;
 constexpr size_t round_up(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
-
-// fp8::scaled_element(k, x), bitwise, in fewer instructions: mul.ftz flushes float32
-// subnormal operands and results to zeros of their sign, and a result of magnitude exactly
-// 2^-126 is made one too. A product the contract zeroes (at most 2^-126 after rounding with
-// gradual underflow) is then zero whether the hardware flushes before or after rounding
-// (either way what it keeps is at least 2^-126, and rounds to 2^-126 where gradual underflow
-// does); every larger product rounds alike in both.
-__device__ __forceinline__ float scaled_element_ftz(float k, float x) {
-  float p;
-  asm("mul.rn.ftz.f32 %0, %1, %2;" : "=f"(p) : "f"(k), "f"(x));
-  return fabsf(p) == 0x1p-126f ? fp8::bits_float(fp8::float_bits(p) & 0x80000000u) : p;
-}
 
 __global__ void claim_rows(const int32_t* __restrict__ slots, int64_t pairs, int64_t rows, int32_t* __restrict__ owner) {
   for (int64_t p = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; p < pairs; p += int64_t{gridDim.x} * blockDim.x) {

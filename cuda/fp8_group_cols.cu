@@ -1,6 +1,8 @@
 // CUDA FP8 quantisation in 128 x 1 column tiles that restart at every group boundary,
 // written transposed (common/fp8_blockwise.h, Fp8GroupColsParams): the operands of the
-// FP8 wgrad; with q given, the 1 x 128 row tiles of the same x too, from the same read.
+// FP8 wgrad; with q given, the 1 x 128 row tiles of the same x too, from the same read;
+// with sources given, of rows gathered from token rows (and scaled by factor for the
+// column tiles) as they are read.
 //
 // One CTA per (tile, run of kBlocksPerCta column blocks of 128). The CTA first finds its
 // tile's rows from the group sizes (a block scan, amortised over the run), then per
@@ -10,7 +12,13 @@
 // consecutive bytes of a q_t row, so it stores them directly: the 4 threads of a warp
 // that share a column write 32 consecutive bytes (whole sectors). A row tile is the 8
 // columns of 16 threads: the 8 lanes of a row group in each of two warps (shuffles, then
-// shared memory). The segments cover every row, so every row tile is written once. Scale
+// shared memory). The segments cover every row, so every row tile is written once.
+// Gathered rows: the CTA reads its tile's sources (and factors) into shared memory once;
+// a thread loads its 8 rows from their tokens (zeros for a source outside the tokens), the
+// column tiles code rnd(scaled_element(factor, x)) recomputed where used (no second copy
+// of the rows in registers), and the row tiles then code the rows flushed in place,
+// rnd(scaled_element(1, x)): the products of the expansion kernel (fp8_expand_rows.cu),
+// so the codes are bitwise those of its output quantised by this kernel. Scale
 // and elements go through common/fp8_blockwise.h like the CPU kernel, the elements by its
 // division-free quotient where it gives the same codes (cuda/fp8_tile_codes.cuh); max is
 // exact in any order, so the results are bitwise those of the CPU.
@@ -54,6 +62,10 @@ constexpr int kBlocksPerCta = 4;  // column blocks per CTA (one scan each)
 // the column amax's second, exact pass without spilling (at 3 CTAs, 80 registers, the
 // 16-bit kernels spilled and took 3% longer over the benchmark cases; LOG.md, session 24).
 constexpr int kMinCtas = 2;
+
+// Where a CTA's rows come from (Fp8GroupColsParams): x's rows in place, or gathered through
+// sources with every factor 1, or gathered and scaled by factor in the column tiles.
+enum class Source { kStored, kGathered, kScaled };
 
 // The row tiles of a thread's 8 rows (rows `row` .. `row` + 7 of the tile, columns `col` ..
 // `col` + 7 of the block): each row's 128 columns are the 8 lanes of its row group (lanes
@@ -104,15 +116,37 @@ __device__ __forceinline__ void store_row_tiles(const Lane<typename Elem<D>::Bit
   }
 }
 
-// kRows: q and row_scales get the row tiles too (store_row_tiles).
-template <DType D, bool kVec, bool kRows>
+// The float value of a lane element, rounded to D after scaling by k: the expansion's
+// rnd(scaled_element(k, x)) (exact for k = 1 past the flush).
+template <DType D>
+__device__ __forceinline__ float scaled_value(float k, typename Elem<D>::Bits x) {
+  return Elem<D>::to_float(Elem<D>::from_float(detail::scaled_element_ftz(k, Elem<D>::to_float(x))));
+}
+
+// The lane's elements as scaled_value(1, x): the flush of magnitudes at most 2^-126.
+template <DType D>
+__device__ __forceinline__ Lane<typename Elem<D>::Bits> flushed(const Lane<typename Elem<D>::Bits>& raw) {
+  float v[kLaneCols];
+#pragma unroll
+  for (int j = 0; j < kLaneCols; ++j) v[j] = detail::scaled_element_ftz(1.0f, Elem<D>::to_float(raw.get(j)));
+  return detail::round_lane<D>(v);
+}
+
+// kRows: q and row_scales get the row tiles too (store_row_tiles); always with a gathered
+// source. sources, factor and values_rows are read for gathered sources only.
+template <DType D, bool kVec, bool kRows, Source kSource>
 __global__ void __launch_bounds__(kThreads, kMinCtas)
     quantize_group_cols_kernel(const typename Elem<D>::Bits* __restrict__ x, const int32_t* __restrict__ group_sizes,
                                int64_t num_groups, uint8_t* __restrict__ q_t, float* __restrict__ scales,
                                uint8_t* __restrict__ q, float* __restrict__ row_scales, int64_t rows, int64_t cols,
-                               bool pow2) {
+                               bool pow2, const int32_t* __restrict__ sources, const float* __restrict__ factor,
+                               int64_t values_rows) {
   using Bits = typename Elem<D>::Bits;
+  constexpr bool kGather = kSource != Source::kStored;
+  static_assert(kRows || !kGather, "gathered rows come with their row tiles");
   __shared__ int64_t tile_rows[2];  // first row, rows of this CTA's tile
+  __shared__ int32_t row_source[kGather ? fp8::kTile : 1];  // the tile's token rows (-1: none)
+  __shared__ float row_factor[kSource == Source::kScaled ? fp8::kTile : 1];
   __shared__ float warp_amax[kWarps / 2][fp8::kTile];
   __shared__ TileCoder col_coder[fp8::kTile];
 
@@ -136,6 +170,22 @@ __global__ void __launch_bounds__(kThreads, kMinCtas)
   if (t == 0) claim(covered, rows, group_tiles);
   __syncthreads();
   const int64_t r0 = tile_rows[0], nrows = tile_rows[1];
+  if constexpr (kGather) {
+    if (t < fp8::kTile) {
+      int32_t src = -1;
+      float k = 1.0f;  // a zero row stays +0 whatever its factor's sign
+      if (t < nrows) {
+        const int32_t s = sources[r0 + t];
+        if (s >= 0 && s < values_rows) {
+          src = s;
+          if constexpr (kSource == Source::kScaled) k = factor[r0 + t];
+        }
+      }
+      row_source[t] = src;
+      if constexpr (kSource == Source::kScaled) row_factor[t] = k;
+    }
+    __syncthreads();
+  }
 
   const int col = ((warp % 2) * kWarpColLanes + lane % kWarpColLanes) * kLaneCols;  // in the block
   const int row = ((warp / 2) * kWarpRowGroups + lane / kWarpColLanes) * kRowRuns;   // in the tile
@@ -148,8 +198,10 @@ __global__ void __launch_bounds__(kThreads, kMinCtas)
 #pragma unroll
     for (int i = 0; i < kRowRuns; ++i) {
       raw[i] = Lane<Bits>{};
-      if (row + i < nrows && valid > 0) {
-        const Bits* src = x + (r0 + row + i) * cols + c;
+      int64_t source = row + i < nrows ? r0 + row + i : -1;
+      if constexpr (kGather) source = row_source[row + i];  // -1 past the tile's rows too
+      if (source >= 0 && valid > 0) {
+        const Bits* src = x + source * cols + c;
         if constexpr (kVec) {
           raw[i] = *reinterpret_cast<const Lane<Bits>*>(src);
         } else {
@@ -158,6 +210,15 @@ __global__ void __launch_bounds__(kThreads, kMinCtas)
         }
       }
     }
+    if constexpr (kSource == Source::kGathered) {
+#pragma unroll
+      for (int i = 0; i < kRowRuns; ++i) raw[i] = flushed<D>(raw[i]);
+    }
+    // Element j of the thread's row i as the column tiles take it.
+    auto col_value = [&](int i, int j) {
+      if constexpr (kSource == Source::kScaled) return scaled_value<D>(row_factor[row + i], raw[i].get(j));
+      return Elem<D>::to_float(raw[i].get(j));
+    };
     // Column amax: over the thread's rows, the warp's row groups (lanes l, l + 8, l + 16,
     // l + 24 share columns), then the warps of the same column half. First as the row
     // tiles do it, max.NaN of |x| (one instruction per element): for finite elements it is
@@ -172,7 +233,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas)
       for (int j = 0; j < kLaneCols; ++j) {
         float amax = 0.0f;
 #pragma unroll
-        for (int i = 0; i < kRowRuns; ++i) amax = max2(amax, magnitude(Elem<D>::to_float(raw[i].get(j))));
+        for (int i = 0; i < kRowRuns; ++i) amax = max2(amax, magnitude(col_value(i, j)));
         nonfinite |= !detail::finite_amax(amax);
         amax = max2(amax, __shfl_xor_sync(detail::kFullWarp, amax, kWarpColLanes));
         amax = max2(amax, __shfl_xor_sync(detail::kFullWarp, amax, 2 * kWarpColLanes));
@@ -198,9 +259,13 @@ __global__ void __launch_bounds__(kThreads, kMinCtas)
       if (j >= valid) break;
       float v[kRowRuns];  // rows row .. row + 7 of column c + j
 #pragma unroll
-      for (int i = 0; i < kRowRuns; ++i) v[i] = Elem<D>::to_float(raw[i].get(j));
+      for (int i = 0; i < kRowRuns; ++i) v[i] = col_value(i, j);
       const Lane<uint8_t> out = col_coder[col + j].codes(v);
       store_lane<true>(q_t + (c + j) * width + tile * fp8::kTile + row, out, kLaneCols);
+    }
+    if constexpr (kSource == Source::kScaled) {
+#pragma unroll
+      for (int i = 0; i < kRowRuns; ++i) raw[i] = flushed<D>(raw[i]);  // the row tiles' unscaled rows
     }
     if constexpr (kRows) {
       store_row_tiles<D, kVec>(raw, r0 + row, static_cast<int>(nrows - row), c, valid, cb, col_blocks, cols, pow2, q,
@@ -220,15 +285,22 @@ cudaError_t launch(const Fp8GroupColsParams& p, cudaStream_t stream) {
   const auto* x = static_cast<const Bits*>(p.x);
   const bool rows = p.q != nullptr;
   const bool vector = p.cols % kLaneCols == 0 && aligned(p.x, sizeof(Lane<Bits>)) && (!rows || aligned(p.q, kLaneCols));
-  auto run = [&](auto vec, auto with_rows) {
-    quantize_group_cols_kernel<D, decltype(vec)::value, decltype(with_rows)::value><<<grid, kThreads, 0, stream>>>(
-        x, p.group_sizes, p.num_groups, p.q_t, p.scales, p.q, p.row_scales, p.rows, p.cols, p.pow2_scale);
+  auto run = [&](auto vec, auto with_rows, auto source) {
+    quantize_group_cols_kernel<D, decltype(vec)::value, decltype(with_rows)::value, decltype(source)::value>
+        <<<grid, kThreads, 0, stream>>>(x, p.group_sizes, p.num_groups, p.q_t, p.scales, p.q, p.row_scales, p.rows,
+                                        p.cols, p.pow2_scale, p.sources, p.factor, p.values_rows);
   };
-  if (rows) {
-    vector ? run(std::true_type{}, std::true_type{}) : run(std::false_type{}, std::true_type{});
-  } else {
-    vector ? run(std::true_type{}, std::false_type{}) : run(std::false_type{}, std::false_type{});
-  }
+  auto with_source = [&](auto vec) {
+    using Stored = std::integral_constant<Source, Source::kStored>;
+    if (p.sources == nullptr) {
+      rows ? run(vec, std::true_type{}, Stored{}) : run(vec, std::false_type{}, Stored{});
+    } else if (p.factor == nullptr) {
+      run(vec, std::true_type{}, std::integral_constant<Source, Source::kGathered>{});
+    } else {
+      run(vec, std::true_type{}, std::integral_constant<Source, Source::kScaled>{});
+    }
+  };
+  vector ? with_source(std::true_type{}) : with_source(std::false_type{});
   return cudaGetLastError();
 }
 
@@ -247,6 +319,15 @@ Status fp8_quantize_group_cols(const Fp8GroupColsParams& p, cudaStream_t stream)
   }
   if (p.num_groups > 0 && p.group_sizes == nullptr) {
     return Status::InvalidArgument("fp8 quantize group cols: null group_sizes");
+  }
+  if (p.sources == nullptr && p.factor != nullptr) {
+    return Status::InvalidArgument("fp8 quantize group cols: factor needs sources");
+  }
+  if (p.sources != nullptr && p.rows > 0 && p.q == nullptr) {
+    return Status::InvalidArgument("fp8 quantize group cols: gathered rows need q and row_scales");
+  }
+  if (p.sources != nullptr && p.values_rows < 0) {
+    return Status::InvalidArgument("fp8 quantize group cols: negative values_rows");
   }
   switch (p.dtype) {
     case DType::kF32: MOE_XLA_RETURN_IF_CUDA_ERROR(launch<DType::kF32>(p, stream)); break;

@@ -1,7 +1,8 @@
 // Decodes and validates the buffers and attributes of the quantize_fp8_rows /
 // quantize_fp8_blocks / quantize_fp8_weights FFI calls into the framework-free
-// Fp8QuantizeParams of common/fp8_blockwise.h, those of quantize_fp8_group_cols and
-// quantize_fp8_rows_group_cols into its Fp8GroupColsParams, those of activate_quantize_fp8 / activate_grad_quantize_fp8 into the
+// Fp8QuantizeParams of common/fp8_blockwise.h, those of quantize_fp8_group_cols,
+// quantize_fp8_rows_group_cols and gather_quantize_fp8_group_cols into its
+// Fp8GroupColsParams, those of activate_quantize_fp8 / activate_grad_quantize_fp8 into the
 // Fp8ActivateQuantizeParams / Fp8ActivateGradQuantizeParams of common/expert_activation.h,
 // and those of expand_quantize_fp8_rows into its Fp8ExpandQuantizeParams, for both the
 // CPU and the CUDA handlers. Every error names the argument, what was expected and what
@@ -92,6 +93,39 @@ inline ffi::ErrorOr<Fp8QuantizeParams> decode_fp8_quantize(ffi::AnyBuffer x, ffi
   return p;
 }
 
+// The column tiles' buffers of p.rows x p.cols rows, into p: group_sizes [G] int32, q_t
+// [K, 128 T] float8_e4m3fn and scales [T, K] f32, T = group_col_tiles(M, G).
+inline ffi::Error set_group_col_buffers(Fp8GroupColsParams& p, ffi::Buffer<ffi::S32> group_sizes, ffi::AnyBuffer q_t,
+                                        ffi::Buffer<ffi::F32> scales, bool pow2_scale) {
+  if (group_sizes.dimensions().size() != 1) {
+    return ffi::Error::InvalidArgument("group_sizes: expected rank 1 [G], got shape " +
+                                       shape_string(group_sizes.dimensions()));
+  }
+  p.num_groups = group_sizes.dimensions()[0];
+  const int64_t tiles = group_col_tiles(p.rows, p.num_groups);
+  for (auto e : {expect_fp8("q_t", q_t), expect_shape("q_t", q_t.dimensions(), {p.cols, fp8::kTile * tiles}),
+                 expect_shape("scales", scales.dimensions(), {tiles, p.cols})}) {
+    if (e.failure()) return e;
+  }
+  p.group_sizes = group_sizes.typed_data();
+  p.q_t = static_cast<uint8_t*>(q_t.untyped_data());
+  p.scales = scales.typed_data();
+  p.pow2_scale = pow2_scale;
+  return ffi::Error::Success();
+}
+
+// The row tiles' buffers of p.rows x p.cols rows, into p: q [M, K] float8_e4m3fn and
+// row_scales [M, ceil(K/128)] f32.
+inline ffi::Error set_row_tile_buffers(Fp8GroupColsParams& p, ffi::AnyBuffer q, ffi::Buffer<ffi::F32> row_scales) {
+  for (auto e : {expect_fp8("q", q), expect_shape("q", q.dimensions(), {p.rows, p.cols}),
+                 expect_shape("row_scales", row_scales.dimensions(), {p.rows, fp8::tiles(p.cols)})}) {
+    if (e.failure()) return e;
+  }
+  p.q = static_cast<uint8_t*>(q.untyped_data());
+  p.row_scales = row_scales.typed_data();
+  return ffi::Error::Success();
+}
+
 // x [M, K] of f32 / bf16 / f16; group_sizes [G] int32; q_t [K, 128 T] float8_e4m3fn and
 // scales [T, K] f32, T = group_col_tiles(M, G).
 inline ffi::ErrorOr<Fp8GroupColsParams> decode_fp8_group_cols(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> group_sizes,
@@ -99,27 +133,16 @@ inline ffi::ErrorOr<Fp8GroupColsParams> decode_fp8_group_cols(ffi::AnyBuffer x, 
                                                               bool pow2_scale) {
   const auto dims = x.dimensions();
   if (dims.size() != 2) return invalid("x: expected rank 2 [M, K], got shape " + shape_string(dims));
-  if (group_sizes.dimensions().size() != 1) {
-    return invalid("group_sizes: expected rank 1 [G], got shape " + shape_string(group_sizes.dimensions()));
-  }
   auto dtype = to_dtype(x.element_type(), "x");
   if (dtype.has_error()) return ffi::Unexpected<ffi::Error>(dtype.error());
-  if (auto e = expect_fp8("q_t", q_t); e.failure()) return ffi::Unexpected<ffi::Error>(std::move(e));
   Fp8GroupColsParams p{};
-  p.rows = dims[0];
-  p.cols = dims[1];
-  p.num_groups = group_sizes.dimensions()[0];
-  const int64_t tiles = group_col_tiles(p.rows, p.num_groups);
-  for (auto e : {expect_shape("q_t", q_t.dimensions(), {p.cols, fp8::kTile * tiles}),
-                 expect_shape("scales", scales.dimensions(), {tiles, p.cols})}) {
-    if (e.failure()) return ffi::Unexpected<ffi::Error>(std::move(e));
-  }
   p.x = x.untyped_data();
   p.dtype = *dtype;
-  p.group_sizes = group_sizes.typed_data();
-  p.q_t = static_cast<uint8_t*>(q_t.untyped_data());
-  p.scales = scales.typed_data();
-  p.pow2_scale = pow2_scale;
+  p.rows = dims[0];
+  p.cols = dims[1];
+  if (auto e = set_group_col_buffers(p, group_sizes, q_t, scales, pow2_scale); e.failure()) {
+    return ffi::Unexpected<ffi::Error>(std::move(e));
+  }
   return p;
 }
 
@@ -131,13 +154,52 @@ inline ffi::ErrorOr<Fp8GroupColsParams> decode_fp8_rows_group_cols(ffi::AnyBuffe
                                                                    bool pow2_scale) {
   auto p = decode_fp8_group_cols(x, group_sizes, q_t, scales, pow2_scale);
   if (p.has_error()) return p;
-  if (auto e = expect_fp8("q", q); e.failure()) return ffi::Unexpected<ffi::Error>(std::move(e));
-  for (auto e : {expect_shape("q", q.dimensions(), {p->rows, p->cols}),
-                 expect_shape("row_scales", row_scales.dimensions(), {p->rows, fp8::tiles(p->cols)})}) {
+  if (auto e = set_row_tile_buffers(*p, q, row_scales); e.failure()) return ffi::Unexpected<ffi::Error>(std::move(e));
+  return p;
+}
+
+// Both tilings of rows gathered from token rows (Fp8GroupColsParams with sources): values
+// [T, K] of f32 / bf16 / f16 (T < 2^31); sources [M] int32 (M < 2^31); group_sizes [G]
+// int32; optionally factor [M] f32 (the handler's remaining operands: none means v = u,
+// p.factor null); q [M, K] float8_e4m3fn; row_scales [M, ceil(K/128)] f32; q_t [K, 128 T']
+// float8_e4m3fn and scales [T', K] f32, T' = group_col_tiles(M, G).
+inline ffi::ErrorOr<Fp8GroupColsParams> decode_fp8_gather_group_cols(
+    ffi::AnyBuffer values, ffi::AnyBuffer sources, ffi::Buffer<ffi::S32> group_sizes, ffi::RemainingArgs rest,
+    ffi::AnyBuffer q, ffi::Buffer<ffi::F32> row_scales, ffi::AnyBuffer q_t, ffi::Buffer<ffi::F32> scales,
+    bool pow2_scale) {
+  const auto dims = values.dimensions();
+  if (dims.size() != 2) return invalid("values: expected rank 2 [T, K], got shape " + shape_string(dims));
+  if (sources.dimensions().size() != 1) {
+    return invalid("sources: expected rank 1 [M], got shape " + shape_string(sources.dimensions()));
+  }
+  auto dtype = to_dtype(values.element_type(), "values");
+  if (dtype.has_error()) return ffi::Unexpected<ffi::Error>(dtype.error());
+  if (sources.element_type() != ffi::DataType::S32) {
+    return invalid("sources: expected dtype int32, got " + type_name(sources.element_type()));
+  }
+  auto factor = optional_f32_operand(rest, "gather_quantize_fp8_group_cols", "group_sizes", "factor", "[M]");
+  if (factor.has_error()) return ffi::Unexpected<ffi::Error>(factor.error());
+  Fp8GroupColsParams p{};
+  p.values_rows = dims[0];
+  p.rows = sources.dimensions()[0];
+  p.cols = dims[1];
+  if (p.values_rows > INT32_MAX) return invalid("values: expected fewer than 2^31 rows, got " + shape_string(dims));
+  if (p.rows > INT32_MAX) {
+    return invalid("sources: expected fewer than 2^31 rows, got " + shape_string(sources.dimensions()));
+  }
+  if (factor->has_value()) {
+    if (auto e = expect_shape("factor", (*factor)->dimensions(), {p.rows}); e.failure()) {
+      return ffi::Unexpected<ffi::Error>(std::move(e));
+    }
+    p.factor = static_cast<const float*>((*factor)->untyped_data());
+  }
+  for (auto e : {set_row_tile_buffers(p, q, row_scales),
+                 set_group_col_buffers(p, group_sizes, q_t, scales, pow2_scale)}) {
     if (e.failure()) return ffi::Unexpected<ffi::Error>(std::move(e));
   }
-  p->q = static_cast<uint8_t*>(q.untyped_data());
-  p->row_scales = row_scales.typed_data();
+  p.x = values.untyped_data();
+  p.dtype = *dtype;
+  p.sources = static_cast<const int32_t*>(sources.untyped_data());
   return p;
 }
 
@@ -290,6 +352,22 @@ auto bind_fp8_expand_quantize(Binding&& binding) {
       .template Ret<ffi::AnyBuffer>()          // rows [R, H], dtype of values
       .template Ret<ffi::AnyBuffer>()          // q [R, H], float8_e4m3fn
       .template Ret<ffi::Buffer<ffi::F32>>();  // scales [R, ceil(H/128)]
+}
+
+// The operands and attributes of the gather_quantize_fp8_group_cols handlers, appended to
+// `binding`.
+template <class Binding>
+auto bind_fp8_gather_group_cols(Binding&& binding) {
+  return std::move(binding)
+      .template Arg<ffi::AnyBuffer>()          // values [T, K]
+      .template Arg<ffi::AnyBuffer>()          // sources [M], int32
+      .template Arg<ffi::Buffer<ffi::S32>>()   // group_sizes [G]
+      .template RemainingArgs()                // factor [M], float32, or none: v = u
+      .template Ret<ffi::AnyBuffer>()          // q [M, K], float8_e4m3fn
+      .template Ret<ffi::Buffer<ffi::F32>>()   // row_scales [M, ceil(K/128)]
+      .template Ret<ffi::AnyBuffer>()          // q_t [K, 128 T], float8_e4m3fn
+      .template Ret<ffi::Buffer<ffi::F32>>()   // scales [T, K]
+      .template Attr<bool>("pow2_scale");
 }
 
 // The operands and attributes of the activate_quantize_fp8 handlers, appended to `binding`.

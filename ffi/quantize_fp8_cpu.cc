@@ -3,10 +3,11 @@
 // transposed), quantize_fp8_group_cols (the wgrad's 128 x 1 column tiles per group,
 // transposed), quantize_fp8_rows_group_cols (those and the row tiles of the same x),
 // activate_quantize_fp8 (the expert activation and its row quantisation),
-// activate_grad_quantize_fp8 (its backward and the row quantisation of d h) and
+// activate_grad_quantize_fp8 (its backward and the row quantisation of d h),
 // expand_quantize_fp8_rows (token rows expanded into the rows of their pairs, scaled, and
-// their row quantisation) on the host platform. One quantisation function for rows, blocks and
-// weights, the tile height fixed per symbol.
+// their row quantisation) and gather_quantize_fp8_group_cols (both tilings of rows
+// gathered from token rows, the column tiles' scaled) on the host platform. One
+// quantisation function for rows, blocks and weights, the tile height fixed per symbol.
 #include <cstdint>
 
 #include "common/fp8_blockwise.h"
@@ -81,6 +82,17 @@ ffi::Error expand_quantize(ffi::AnyBuffer values, ffi::AnyBuffer slots, ffi::Rem
   return ffi::Error::Success();
 }
 
+ffi::Error gather_quantize_group_cols(ffi::AnyBuffer values, ffi::AnyBuffer sources, ffi::Buffer<ffi::S32> group_sizes,
+                                      ffi::RemainingArgs factor, ffi::Result<ffi::AnyBuffer> q,
+                                      ffi::ResultBuffer<ffi::F32> row_scales, ffi::Result<ffi::AnyBuffer> q_t,
+                                      ffi::ResultBuffer<ffi::F32> scales, bool pow2_scale) {
+  auto p = ffi_args::decode_fp8_gather_group_cols(values, sources, group_sizes, factor, *q, *row_scales, *q_t, *scales,
+                                                  pow2_scale);
+  if (p.has_error()) return p.error();
+  cpu::fp8_quantize_group_cols(*p);
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace moe_xla
 
@@ -100,6 +112,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaQuantizeFp8GroupColsCpu, moe_xla::quantize_g
                               moe_xla::ffi_args::bind_fp8_group_cols(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaQuantizeFp8RowsGroupColsCpu, moe_xla::quantize_rows_group_cols,
                               moe_xla::ffi_args::bind_fp8_rows_group_cols(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaGatherQuantizeFp8GroupColsCpu, moe_xla::gather_quantize_group_cols,
+                              moe_xla::ffi_args::bind_fp8_gather_group_cols(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaActivateGradQuantizeFp8Cpu, moe_xla::activate_grad_quantize,
                               moe_xla::ffi_args::bind_fp8_activate_grad_quantize(ffi::Ffi::Bind()));
 

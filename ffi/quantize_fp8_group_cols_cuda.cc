@@ -1,8 +1,9 @@
 // XLA FFI handlers of quantize_fp8_group_cols (the FP8 wgrad operands: 128 x 1 column tiles
-// that restart at every group boundary, written transposed) and quantize_fp8_rows_group_cols
-// (those and the 1 x 128 row tiles of the same x) on CUDA: decode, validate and enqueue
-// cuda::fp8_quantize_group_cols on XLA's stream. Group sizes stay on the device; no
-// host sync, no scratch: command-buffer compatible.
+// that restart at every group boundary, written transposed), quantize_fp8_rows_group_cols
+// (those and the 1 x 128 row tiles of the same x) and gather_quantize_fp8_group_cols (both
+// of rows gathered from token rows, the column tiles' scaled) on CUDA: decode, validate and
+// enqueue cuda::fp8_quantize_group_cols on XLA's stream. Group sizes and sources stay on
+// the device; no host sync, no scratch: command-buffer compatible.
 #include <cuda_runtime_api.h>
 
 #include "cuda/fp8_quantize.h"
@@ -32,6 +33,17 @@ ffi::Error quantize_rows_group_cols_cuda(cudaStream_t stream, ffi::AnyBuffer x, 
   return ffi_args::to_error(cuda::fp8_quantize_group_cols(*p, stream), "quantize_fp8_rows_group_cols");
 }
 
+ffi::Error gather_quantize_group_cols_cuda(cudaStream_t stream, ffi::AnyBuffer values, ffi::AnyBuffer sources,
+                                           ffi::Buffer<ffi::S32> group_sizes, ffi::RemainingArgs factor,
+                                           ffi::Result<ffi::AnyBuffer> q, ffi::ResultBuffer<ffi::F32> row_scales,
+                                           ffi::Result<ffi::AnyBuffer> q_t, ffi::ResultBuffer<ffi::F32> scales,
+                                           bool pow2_scale) {
+  auto p = ffi_args::decode_fp8_gather_group_cols(values, sources, group_sizes, factor, *q, *row_scales, *q_t, *scales,
+                                                  pow2_scale);
+  if (p.has_error()) return p.error();
+  return ffi_args::to_error(cuda::fp8_quantize_group_cols(*p, stream), "gather_quantize_fp8_group_cols");
+}
+
 }  // namespace
 }  // namespace moe_xla
 
@@ -41,5 +53,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaQuantizeFp8GroupColsCuda, moe_xla::quantize_
                               {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaQuantizeFp8RowsGroupColsCuda, moe_xla::quantize_rows_group_cols_cuda,
                               moe_xla::ffi_args::bind_fp8_rows_group_cols(
+                                  ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaGatherQuantizeFp8GroupColsCuda, moe_xla::gather_quantize_group_cols_cuda,
+                              moe_xla::ffi_args::bind_fp8_gather_group_cols(
                                   ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});

@@ -8,6 +8,7 @@ from moe_xla.grouped import gmm
 from moe_xla.moe import moe
 from moe_xla.primitives.gather_gmm import gather_gmm
 from moe_xla.primitives.gather_gmm_activate import gather_gmm_activate
+from moe_xla.primitives.gather_quantize_fp8_group_cols import gather_quantize_fp8_group_cols
 from moe_xla.primitives.gather_tgmm import gather_tgmm
 from moe_xla.primitives.gmm_fp8 import gmm_fp8
 from moe_xla.primitives.permute import permute
@@ -22,10 +23,10 @@ from moe_xla.primitives.tgmm_fp8 import tgmm_fp8
 from moe_xla.primitives.unpermute import unpermute
 from moe_xla.routing_bias import update_routing_bias
 
-__all__ = ["Fp8Weights", "MoeAux", "dequantize_fp8_rows", "gather_gmm", "gather_gmm_activate", "gather_tgmm", "gmm",
-           "gmm_fp8", "moe", "permute", "quantize_fp8_blocks", "quantize_fp8_group_cols", "quantize_fp8_rows",
-           "quantize_fp8_rows_group_cols", "quantize_fp8_weights", "ragged_dot", "route", "tgmm", "tgmm_fp8",
-           "unpermute", "update_routing_bias"]
+__all__ = ["Fp8Weights", "MoeAux", "dequantize_fp8_rows", "gather_gmm", "gather_gmm_activate",
+           "gather_quantize_fp8_group_cols", "gather_tgmm", "gmm", "gmm_fp8", "moe", "permute", "quantize_fp8_blocks",
+           "quantize_fp8_group_cols", "quantize_fp8_rows", "quantize_fp8_rows_group_cols", "quantize_fp8_weights",
+           "ragged_dot", "route", "tgmm", "tgmm_fp8", "unpermute", "update_routing_bias"]
 
 
 def __getattr__(name):

@@ -304,6 +304,8 @@ def moe(x, router_logits, w_in, w_out, *, top_k, activation="swiglu", score="sof
 #                            tgmm_fp8 (the contraction is M, per group).
 #   quantize_fp8_rows_group_cols  quantize_fp8_rows and quantize_fp8_group_cols of one x
 #                            (the kernels read x once for both).
+#   gather_quantize_fp8_group_cols  both tilings of rows gathered from token rows, the
+#                            column tiles of the rows scaled (the permuted copy never stored).
 
 FP8_TILE = 128
 FP8_MAX = 448.0
@@ -533,6 +535,19 @@ def quantize_fp8_rows_group_cols(x, group_sizes, *, pow2_scale=False):
     group_sizes): (q, row_scales, q_t, scales), both tilings of one operand."""
     return (*quantize_fp8_rows(x, pow2_scale=pow2_scale),
             *quantize_fp8_group_cols(x, group_sizes, pow2_scale=pow2_scale))
+
+
+def gather_quantize_fp8_group_cols(values, sources, factor, group_sizes, *, pow2_scale=False):
+    """values [T, K], sources [M] int32, factor [M] float32 or None, group_sizes [G] ->
+    (q, row_scales, q_t, scales): quantize_fp8_rows(u) and quantize_fp8_group_cols(v,
+    group_sizes) of the rows gathered from values, u = gather_rows(values, sources, 1) (the
+    rows with factor 1: entries of magnitude at most 2^-126 as zeros of their sign) and
+    v = gather_rows(values, sources, factor) (v = u without factor); rows whose source is
+    outside [0, T) are zero rows in both."""
+    u = gather_rows(values, sources, jnp.ones(sources.shape, jnp.float32))
+    v = u if factor is None else gather_rows(values, sources, factor)
+    return (*quantize_fp8_rows(u, pow2_scale=pow2_scale),
+            *quantize_fp8_group_cols(v, group_sizes, pow2_scale=pow2_scale))
 
 
 def dequantize_fp8_rows(q, scales, dtype=jnp.float32):

@@ -50,6 +50,9 @@ _REFERENCE = {
         reference.quantize_fp8_group_cols(x, group_sizes, pow2_scale=pow2_scale)),
     "quantize_fp8_rows_group_cols": lambda x, group_sizes, *, pow2_scale: list(
         reference.quantize_fp8_rows_group_cols(x, group_sizes, pow2_scale=pow2_scale)),
+    "gather_quantize_fp8_group_cols": lambda values, sources, group_sizes, *factor, pow2_scale, has_factor: list(
+        reference.gather_quantize_fp8_group_cols(values, sources, factor[0] if has_factor else None, group_sizes,
+                                                 pow2_scale=pow2_scale)),
     "activate_quantize_fp8": lambda h, **params: list(reference.activate_quantize_fp8(h, **params)),
     "activate_grad_quantize_fp8": lambda h, g, omega, **params: list(
         reference.activate_grad_quantize_fp8(h, g, omega, **params)),

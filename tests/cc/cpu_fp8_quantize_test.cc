@@ -1,6 +1,7 @@
 // The FP8 rules of common/fp8_blockwise.h against brute force, and the CPU kernels' tilings
 // (rows, blocks and their transposed copy, and the wgrad's group column tiles written transposed);
-// the scaled product and the rows of the fused expansion, with factors and without.
+// the scaled product and the rows of the fused expansion, with factors and without, and the
+// group column tiles of gathered rows.
 //
 // e4m3: the 126 positive finite float8_e4m3fn values are written down from the format's
 // definition (ldexp, double precision); for every float32 in [2^-12, 480] (both signs) and
@@ -350,6 +351,54 @@ void test_expand_unit() {
   check(unnamed > 0 && owner[slots[3]] == 7, "the slots leave rows unnamed and name one twice", 0);
 }
 
+// Both tilings of rows gathered from values [3, 130] bf16 by sources {2, -1, 0, 2, 3, 1}
+// (-1 and 3 name no token: zero rows; token 2 named twice) in groups {2, 0, 3} (row 5 past
+// them): the row tiles those of u, the rows with factor 1, the column tiles those of v, the
+// rows scaled, each written out here and quantised by the plain kernel; without factor both
+// of u. Token 1 holds +-2^-126, a zero in u and, times 4, +-2^-124 in v.
+void test_gather_group_cols() {
+  const int64_t t = 3, m = 6, h = 130, g = 3, tiles = 1 + g, width = 128 * tiles;
+  std::vector<uint16_t> values(t * h);
+  for (int64_t i = 0; i < t * h; ++i) values[i] = float_bf16((static_cast<float>((i * 37) % 101) - 50.0f) / 7.0f);
+  values[1 * h + 0] = float_bf16(std::ldexp(1.0f, -126));
+  values[1 * h + 1] = float_bf16(-std::ldexp(1.0f, -126));
+  const int32_t sources[] = {2, -1, 0, 2, 3, 1}, group_sizes[] = {2, 0, 3};
+  const float factor[] = {0.3f, 7.0f, -1e-40f, 2.0f, 1e30f, 4.0f};
+  std::vector<uint16_t> u(m * h, 0), v(m * h, 0);
+  for (int64_t r = 0; r < m; ++r) {
+    if (sources[r] < 0 || sources[r] >= t) continue;
+    for (int64_t c = 0; c < h; ++c) {
+      const float x = bf16_float(values[sources[r] * h + c]);
+      u[r * h + c] = float_bf16(fp8::scaled_element(1.0f, x));
+      v[r * h + c] = float_bf16(fp8::scaled_element(factor[r], x));
+    }
+  }
+  const auto quantized = [&](const float* f, const std::vector<uint16_t>& cols_of) {
+    std::vector<uint8_t> q(m * h, 0xAA), q_t(h * width, 0xAA);
+    std::vector<float> row_scales(m * 2, -1.0f), scales(tiles * h, -1.0f);
+    Fp8GroupColsParams p{values.data(), DType::kBF16, group_sizes, g, q_t.data(), scales.data(), q.data(),
+                         row_scales.data(), m, h, false};
+    p.sources = sources;
+    p.factor = f;
+    p.values_rows = t;
+    cpu::fp8_quantize_group_cols(p);
+    std::vector<uint8_t> q_want(m * h), q_t_want(h * width);
+    std::vector<float> row_scales_want(m * 2), scales_want(tiles * h);
+    cpu::fp8_quantize({u.data(), DType::kBF16, q_want.data(), nullptr, row_scales_want.data(), 1, m, h, 1, false});
+    cpu::fp8_quantize_group_cols({cols_of.data(), DType::kBF16, group_sizes, g, q_t_want.data(), scales_want.data(),
+                                  nullptr, nullptr, m, h, false});
+    check(q == q_want && row_scales == row_scales_want, "gathered row tiles: those of u", 0);
+    check(q_t == q_t_want && scales == scales_want, "gathered column tiles: those of v (u without factor)", 0);
+    check(row_scales[1 * 2] == 1.0f && row_scales[4 * 2 + 1] == 1.0f && q[1 * h] == 0 && q[4 * h + 129] == 0,
+          "a source of no token: a zero row", 0);
+    return scales;
+  };
+  const std::vector<float> scaled = quantized(factor, v);
+  check(scaled[2 * h + 0] == std::ldexp(1.0f, -126), "4 * 2^-126 in v: a tile of scale 2^-126", scaled[2 * h]);
+  const std::vector<float> unscaled = quantized(nullptr, u);
+  check(unscaled != scaled, "the factors change the column tiles", 0);
+}
+
 }  // namespace
 
 int main() {
@@ -366,6 +415,7 @@ int main() {
   test_scaled_element();
   test_expand();
   test_expand_unit();
+  test_gather_group_cols();
   std::printf("%s: %d failures\n", failures ? "FAIL" : "PASS", failures);
   return failures ? 1 : 0;
 }
