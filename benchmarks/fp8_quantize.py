@@ -21,7 +21,13 @@ makes them from M / 8 token rows (each token's 8 rows at random places, or as
 token row read once, its weighted rows and the row quantisation of its unweighted ones
 written, in one kernel, what the FP8 layer's backward runs) and expand_then_rows (XLA's
 weighted and unweighted expansions, _rows.expand_rows, then quantize_fp8_rows of the
-unweighted).
+unweighted); and from the same token rows and slots the FP8 wgrad's operands of the
+rows: gather_group_cols (gather_quantize_fp8_group_cols with each row's weight: every row
+read from its token, the row tiles of the unweighted rows and the column tiles of the
+weighted ones written, no rows; what the FP8-wgrad layer's backward runs), its forward's
+gather_group_cols_unit (no weights) and expand_then_group_cols (expand_quantize_fp8_rows,
+then quantize_fp8_group_cols of its weighted rows: what that layer ran before; the same
+compulsory bytes counted).
 
     python benchmarks/fp8_quantize.py [--out benchmarks/results] [--name fp8_quantize] [--ops rows group_cols ...]
                                        [--row-order random|routed|tokens]
@@ -32,7 +38,8 @@ input read + q written (1 byte per element, 2 with a transposed copy) + scales w
 bytes per tile); for swiglu, h read (2 bytes per element) + a written (2 bytes per
 output element) + q and scales of a; for its backward, h, g and omega read, d h written with its
 q and scales; for the expansions, the M / 8 token rows read once (2 bytes per element),
-the rows written with their q and scales. The copy moves 2 x the input's bytes (h's; the
+the rows written with their q and scales (for the group-column ops: q and q_t with their
+scales, no rows). The copy moves 2 x the input's bytes (h's; the
 expansions: the rows' [M, K]).
 """
 
@@ -101,6 +108,9 @@ def main():
         unweighted = _rows.expand_rows(values, slots, jnp.ones_like(factor), num_pairs=slots.size)
         return (rows, *moe_xla.quantize_fp8_rows(unweighted))
 
+    def sources(slots, factor):  # each row's token and weight
+        return _rows.expansion_sources(slots, factor.reshape(slots.shape), num_pairs=slots.size)
+
     ops = {"rows": moe_xla.quantize_fp8_rows, "blocks": moe_xla.quantize_fp8_blocks,
            "weights": moe_xla.quantize_fp8_weights, "swiglu_rows": lambda h: activate_quantize_fp8(h, "swiglu"),
            "swiglu_then_rows": swiglu_then_rows,
@@ -114,7 +124,12 @@ def main():
         m, g, k, n = case["M"], case["G"], case["K"], case["N"]
         gs = jnp.full((g,), m // g, jnp.int32)
         ops_here = dict(ops)
-        cols = {"group_cols": lambda x: moe_xla.quantize_fp8_group_cols(x, gs),
+        gathered = {
+            "gather_group_cols": lambda v, src, k: moe_xla.gather_quantize_fp8_group_cols(v, src, k, gs),
+            "gather_group_cols_unit": lambda v, src, k: moe_xla.gather_quantize_fp8_group_cols(v, src, None, gs),
+            "expand_then_group_cols": lambda v, s, f: (lambda rows, q, scales: (
+                q, scales, *moe_xla.quantize_fp8_group_cols(rows, gs)))(*expand_quantize_fp8_rows(v, s, f, s.size))}
+        cols = {**gathered, "group_cols": lambda x: moe_xla.quantize_fp8_group_cols(x, gs),
                 "rows_group_cols": lambda x: moe_xla.quantize_fp8_rows_group_cols(x, gs),
                 "rows_then_group_cols": lambda x: (*moe_xla.quantize_fp8_rows(x), *moe_xla.quantize_fp8_group_cols(x, gs))}
         ops_here.update({name: fn for name, fn in cols.items() if not args.ops or name in args.ops})
@@ -123,6 +138,7 @@ def main():
             if swiglu and not case["name"].endswith("gate_up"):
                 continue
             activation = kind in ("rows", "expand_rows", "expand_then_rows", *cols)
+            expansion = kind.startswith("expand") or kind in gathered
             shape = (m, k) if activation else (m, n) if swiglu else (g, k, n)
             x = normal(jax.random.fold_in(jax.random.key(1), 3 * i + (kind != "rows") + swiglu), shape, jnp.bfloat16)
             elems = x.size
@@ -131,10 +147,13 @@ def main():
                 args_of = (x, normal(jax.random.fold_in(jax.random.key(2), i), (m, n // 2), jnp.bfloat16),
                            jax.random.uniform(jax.random.key(3), (m,)))
                 nbytes = 2 * elems + 2 * (elems // 2) + 4 * m + 2 * elems + elems + elems // 128 * 4
-            elif kind.startswith("expand"):  # token rows read, rows written with their q and scales
+            elif expansion:  # token rows read, rows written with their q and scales (or q and q_t)
                 tokens = m // 8
                 args_of = (x[:tokens], row_slots(args.row_order, m, g), jax.random.uniform(jax.random.key(4), (tokens, 8)))
-                nbytes = 2 * tokens * k + 2 * elems + elems + elems // 128 * 4
+                if kind.startswith("gather"):
+                    args_of = (x[:tokens], *sources(*args_of[1:]))
+                nbytes = 2 * tokens * k + elems + elems // 128 * 4  # token rows, q and its scales
+                nbytes += elems + elems // 128 * 4 if kind in gathered else 2 * elems  # q_t and scales, or rows
             elif swiglu:  # h read, a written, a's q and scales written
                 nbytes = 2 * elems + 2 * (elems // 2) + elems // 2 + elems // 2 // 128 * 4
             elif kind in ("rows_group_cols", "rows_then_group_cols"):  # x read, q and q_t with their scales written

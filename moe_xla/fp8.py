@@ -65,6 +65,7 @@ from moe_xla.primitives import _fp8
 from moe_xla.primitives.activate_grad_quantize_fp8 import activate_grad_quantize_fp8
 from moe_xla.primitives.activate_quantize_fp8 import activate_quantize_fp8
 from moe_xla.primitives.expand_quantize_fp8_rows import expand_quantize_fp8_rows
+from moe_xla.primitives.gather_quantize_fp8_group_cols import gather_quantize_fp8_group_cols
 from moe_xla.primitives.gmm_fp8 import gmm_fp8
 from moe_xla.primitives.quantize_fp8_group_cols import quantize_fp8_group_cols
 from moe_xla.primitives.quantize_fp8_rows import quantize_fp8_rows
@@ -129,7 +130,11 @@ def _product(rows, data, scales, group_sizes, out_dtype):
 def _operands(v, v_q, group_sizes, fp8_wgrad):
     """(v's FP8 rows, what the wgrad takes of v) for an operand v of a product: the rows
     as given (v_q) or made here; for the FP8 wgrad v's column tiles (q_t, scales) instead
-    of v, from the same read of v as the rows where those are made here."""
+    of v, from the same read of v as the rows where those are made here. v_q may hold
+    the column tiles too, (q, scales, q_t, scales_t) made where v's rows were gathered
+    (gather_quantize_fp8_group_cols): then v is not read."""
+    if v_q is not None and len(v_q) == 4:
+        return tuple(v_q[:2]), (tuple(v_q[2:]) if fp8_wgrad else v)
     if not fp8_wgrad:
         return (tuple(quantize_fp8_rows(v)) if v_q is None else v_q), v
     if v_q is None:
@@ -164,7 +169,8 @@ def _gmm_fwd(lhs, lhs_q, w, weights, group_sizes, out_dtype, wgrad):
 
 def _grads(dy, dy_quantized, residuals, wgrad_kind):
     """The backward of a product given dy and its FP8 rows (q, scales) (or None: quantised
-    here, with the FP8 wgrad's column tiles from the same read of dy): d lhs in FP8
+    here, with the FP8 wgrad's column tiles from the same read of dy; or with the column
+    tiles, (q, scales, q_t, scales_t), when dy gives its shape alone): d lhs in FP8
     through the weights' blocks transposed, d w as _wgrad says. The quantised operands
     get no cotangent (None: zeros, nothing kept for them)."""
     weights, group_sizes, lhs_dtype, wgrad = residuals
@@ -239,12 +245,20 @@ def _mlp_combine_bwd(activation, wgrad_kind, saved, dy):
     (t, k), m = route_weights.shape, h.shape[0]
     weights32 = route_weights.astype(jnp.float32)
     with jax.named_scope(_COMBINE):
-        # d out[r] = omega[r] dy[t] (unpermute's transpose), each dy row read once; the FP8
-        # rows are those of dy[t] itself, c[r] (the weight enters after the product).
-        d_out, q, scales = expand_quantize_fp8_rows(dy.astype(h.dtype), row_map.reshape(t, k), weights32, m)
-        omega = _rows.pair_sources(row_pairs, (t, k), weights32)[1]
+        # d out[r] = omega[r] dy[t] (unpermute's transpose); the FP8 rows are those of dy[t]
+        # itself, c[r] (the weight enters after the product). For the FP8 wgrad only the
+        # column tiles of d out are needed, gathered from dy with omega (d out never
+        # written); for the bf16 wgrad d out itself, each dy row read once.
+        src, omega = _rows.pair_sources(row_pairs, (t, k), weights32)
+        _, group_sizes, _, out_wgrad = res_out
+        c = dy.astype(h.dtype)
+        if wgrad_kind == "fp8" and out_wgrad is not None:
+            d_out = jax.ShapeDtypeStruct((m, dy.shape[1]), h.dtype)  # _grads reads its shape only
+            d_out_quantized = gather_quantize_fp8_group_cols(c, src, omega, group_sizes)
+        else:
+            d_out, *d_out_quantized = expand_quantize_fp8_rows(c, row_map.reshape(t, k), weights32, m)
     with jax.named_scope(_PRODUCT_OUT):
-        g, _, d_w_out, d_q_out, _ = _grads(d_out, (q, scales), res_out, wgrad_kind)
+        g, _, d_w_out, d_q_out, _ = _grads(d_out, tuple(d_out_quantized), res_out, wgrad_kind)
     with jax.named_scope(_ACT):
         dh, q_h, s_h, d_omega = activate_grad_quantize_fp8(h, g.astype(h.dtype), omega, activation)
     with jax.named_scope(_PRODUCT):

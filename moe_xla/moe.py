@@ -22,14 +22,16 @@ import functools
 import jax
 import jax.numpy as jnp
 
+import moe_xla._rows as _rows
 import moe_xla.first_product as first_product
 from moe_xla.activations import ACTIVATIONS, GATED
 from moe_xla.aux_losses import router_aux
 from moe_xla.ep.layer import moe_ep
 from moe_xla.experts import expert_mlp, shared_mlp
-from moe_xla.fp8 import Fp8Weights
+from moe_xla.fp8 import QUANTIZATION_WGRAD, Fp8Weights
 from moe_xla.grouped import check_quantization, is_fp8
 from moe_xla.primitives.expand_quantize_fp8_rows import expand_quantize_fp8_rows
+from moe_xla.primitives.gather_quantize_fp8_group_cols import gather_quantize_fp8_group_cols
 from moe_xla.primitives import _checks
 from moe_xla.primitives.permute import permute
 from moe_xla.primitives.route import route
@@ -89,7 +91,7 @@ def _check_quantized_weights(w_in, w_out, quantized_weights, quantization):
     return tuple(quantized_weights)
 
 
-def _sorted_rows_fp8(x, expert_ids, num_experts: int):
+def _sorted_rows_fp8(x, expert_ids, num_experts: int, fp8_wgrad=False):
     """permute(x, expert_ids, num_experts, return_row_pairs=True) with quantize_fp8_rows of
     its rows, in one pass over the tokens: (x_sorted, group_sizes, row_map, row_pairs, (q,
     scales)). permute's sort alone (zero-width rows) gives group_sizes, row_map and
@@ -97,12 +99,22 @@ def _sorted_rows_fp8(x, expert_ids, num_experts: int):
     map as slots and no factor (every factor 1) reads each token row once and writes its k
     sorted rows, in x's dtype and quantised (1 x 128 row tiles do not depend on the row
     order). The copy equals permute's except that entries of magnitude at most 2^-126 are
-    zeros, as the quantisation sees them; x_sorted is differentiated as permute's rows in x."""
+    zeros, as the quantisation sees them; x_sorted is differentiated as permute's rows in x.
+    fp8_wgrad: the FP8 wgrad's column tiles of the sorted rows too, (q, scales, q_t,
+    scales_t) from gather_quantize_fp8_group_cols, which reads each sorted row from its
+    token and writes no copy; x_sorted is then permute's rows by a plain gather that the
+    FP8 products never read (XLA drops it from a jitted step)."""
     t, k = expert_ids.shape
     _, group_sizes, row_map, row_pairs = permute(jnp.zeros((t, 0), x.dtype), expert_ids, num_experts,
                                                  return_row_pairs=True)
-    rows, q, scales = expand_quantize_fp8_rows(jax.lax.stop_gradient(x), row_map.reshape(t, k), None, t * k)
-    return _permuted_rows(rows, x, expert_ids, num_experts), group_sizes, row_map, row_pairs, (q, scales)
+    tokens = jax.lax.stop_gradient(x)
+    if fp8_wgrad:
+        src = _rows.pair_sources(row_pairs, (t, k))[0]
+        rows, quantized = _rows.take_rows(tokens, src, x.dtype), gather_quantize_fp8_group_cols(
+            tokens, src, None, group_sizes)
+    else:
+        rows, *quantized = expand_quantize_fp8_rows(tokens, row_map.reshape(t, k), None, t * k)
+    return _permuted_rows(rows, x, expert_ids, num_experts), group_sizes, row_map, row_pairs, tuple(quantized)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(3,))
@@ -179,7 +191,8 @@ def moe(x, router_logits, w_in, w_out, *, top_k, activation="swiglu", score="sof
     with jax.named_scope("moe_xla/dispatch"):
         x_quantized = None
         if is_fp8(quantization):
-            x_sorted, group_sizes, row_map, row_pairs, x_quantized = _sorted_rows_fp8(x2, ids, experts)
+            x_sorted, group_sizes, row_map, row_pairs, x_quantized = _sorted_rows_fp8(
+                x2, ids, experts, QUANTIZATION_WGRAD[quantization] == "fp8")
         elif first_product.choose(x2, w_in, top_k) == "gather":
             x_sorted, group_sizes, row_map, row_pairs = first_product.sorted_rows(x2, ids, experts)  # no copy of x
         else:

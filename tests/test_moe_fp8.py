@@ -351,6 +351,53 @@ def test_the_layer_quantises_each_cotangent_in_the_pass_that_makes_it(rng):
     assert hlo.count("moe_xla_activate_grad_quantize_fp8") == 1
 
 
+def test_the_fp8_wgrad_layer_gathers_its_column_tiles_from_the_tokens(rng):
+    """With the FP8 wgrad the layer makes the column tiles of x's sorted rows (forward) and
+    of d out = omega c (backward) straight from the token rows (gather_quantize_fp8_group_cols),
+    writing neither copy: one forward+backward has two such calls, no expansion, and column
+    tiles of its own made only for a and d h (the products' other operands)."""
+    x, logits, w_in, w_out = _inputs(rng)
+    ct = normal(rng, (T, H), jnp.float32)
+    hlo = jax.jit(jax.grad(_loss("fp8_blockwise_fp8_wgrad"), argnums=(0, 1, 2, 3))).lower(
+        x, logits, w_in, w_out, ct).as_text()
+    assert hlo.count("moe_xla_gather_quantize_fp8_group_cols") == 2
+    assert hlo.count("moe_xla_expand_quantize_fp8_rows") == 0
+    assert hlo.count("moe_xla_quantize_fp8_group_cols") == 2
+    assert hlo.count("moe_xla_quantize_fp8_rows_group_cols") == 0
+
+
+def test_gathered_column_tiles_give_the_layer_of_the_sorted_rows(rng):
+    """The FP8-wgrad layer with x's column tiles gathered from the tokens is bitwise the
+    layer that expands x into its sorted rows (expand_quantize_fp8_rows: entries of
+    magnitude at most 2^-126 flushed, as the gather flushes them) and quantises those:
+    forward and the gradients of x, the logits, w_in and w_out."""
+    from moe_xla.moe import _sorted_rows_fp8
+
+    x, logits, w_in, w_out = _inputs(rng)
+    tiny = jnp.asarray(np.ldexp(np.float32(1.5), -130), jnp.bfloat16)  # flushed by both
+    x = x.at[3, 5].set(tiny).at[7, 200].set(jnp.asarray(-2.0 ** -126, jnp.bfloat16))
+    ct = normal(rng, (T, H), jnp.float32)
+
+    def sorted_rows_layer(x, logits, w_in, w_out):
+        weights, ids = moe_xla.route(logits, K)
+        x_sorted, group_sizes, row_map, row_pairs, x_q = _sorted_rows_fp8(x, ids, E)
+        assert len(x_q) == 2  # the rows' FP8 row tiles alone: the product makes the column tiles
+        return moe_xla.fp8.mlp_combine_fp8(x_sorted, w_in, w_out, group_sizes, row_map, weights, row_pairs,
+                                           "swiglu", x_quantized=x_q, wgrad="fp8")
+
+    def layer(x, logits, w_in, w_out):
+        return moe_xla.moe(x, logits, w_in, w_out, top_k=K, quantization="fp8_blockwise_fp8_wgrad")
+
+    args = (x, logits, w_in, w_out)
+    outs = [jax.jit(f)(*args) for f in (layer, sorted_rows_layer)]
+    np.testing.assert_array_equal(np.asarray(outs[0], np.float32), np.asarray(outs[1], np.float32))
+    grads = [jax.jit(jax.grad(lambda *a, f=f: jnp.sum(f(*a).astype(jnp.float32) * ct), argnums=(0, 1, 2, 3)))(*args)
+             for f in (layer, sorted_rows_layer)]
+    for name, a, b in zip(("x", "logits", "w_in", "w_out"), *grads):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=name)
+        assert np.any(np.asarray(a, np.float32) != 0), name
+
+
 def _expand_operand_producers(hlo):
     """[(operand count, the producers' text with their fused computations)] of every
     expand_quantize_fp8_rows custom call in compiled HLO text."""
