@@ -44,6 +44,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "common/expert_activation.h"
 #include "common/grouped_gemm.h"  // DType, MOE_XLA_HOST_DEVICE
 
 namespace moe_xla {
@@ -240,6 +241,11 @@ struct Fp8QuantizeParams {
 // rnd the one rounding to dtype, so with each row named once the result is bitwise that
 // of Fp8ExpandQuantizeParams' (q, scales) and of the column tiles of its out: the FP8
 // wgrad's operands of permuted rows without the permuted copy in memory.
+// With activated set (and no sources), the rows are the expert activation of h = x
+// [rows, 2 cols] (gated: gate | up) or [rows, cols]: u = v = a, a = rnd(activate(h)) as
+// Fp8ActivateQuantizeParams computes it (common/expert_activation.h), so the result is
+// bitwise that kernel's (q, scales) and the column tiles of its a, with a never written:
+// the FP8 wgrad's operands of the second product's lhs.
 struct Fp8GroupColsParams {
   const void* x;               // [rows, cols], or [values_rows, cols] with sources
   DType dtype;                 // of x: f32, bf16 or f16
@@ -255,6 +261,8 @@ struct Fp8GroupColsParams {
   const int32_t* sources = nullptr;  // [rows], or null: row r is x[r]; device memory for CUDA kernels
   const float* factor = nullptr;     // [rows], or null: every factor 1; with sources only
   int64_t values_rows = 0;           // x's rows, with sources
+  bool activated = false;            // x is h, the rows its activation (q given, no sources)
+  Activation activation = Activation::kSwiglu;
 };
 
 // T of Fp8GroupColsParams: the number of 128-row tiles the q_t / scales arrays hold.

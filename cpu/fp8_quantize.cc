@@ -7,7 +7,8 @@
 // factor 1, then writes them scaled); the group column
 // form takes its tiles from cpu/fp8_group_tiles.h and writes them transposed (with sources,
 // of rows first gathered as gather_rows stores them: with factor 1 for the row tiles, with
-// the factors for the column tiles). The
+// the factors for the column tiles; activated, of the activation written out as the fused
+// activation writes it). The
 // operations are integer ones and single float32 divisions of normal numbers
 // (common/fp8_blockwise.h), so XLA's flush-to-zero mode on its CPU threads changes nothing.
 #include "cpu/fp8_quantize.h"
@@ -68,18 +69,24 @@ void quantize_stored_rows(const void* x, DType dtype, int64_t rows, int64_t cols
   fp8_quantize(p);
 }
 
+// a [rows, cols] = rnd(activate(h)) of h [rows, 2 cols] (gated: gate | up) or [rows, cols],
+// both of dtype (common/expert_activation.h).
+void write_activation(const void* h, DType dtype, Activation activation, int64_t rows, int64_t cols, void* a) {
+  const bool gated = is_gated(activation);
+  const int64_t h_cols = gated ? 2 * cols : cols;
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) {
+      const float gate = load_as_float(h, r * h_cols + c, dtype);
+      const float up = gated ? load_as_float(h, r * h_cols + cols + c, dtype) : 0.0f;
+      store_from_float(a, r * cols + c, dtype, activate(activation, gate, up));
+    }
+  }
+}
+
 }  // namespace
 
 void fp8_activate_quantize(const Fp8ActivateQuantizeParams& p) {
-  const bool gated = is_gated(p.activation);
-  const int64_t h_cols = gated ? 2 * p.cols : p.cols;
-  for (int64_t r = 0; r < p.rows; ++r) {
-    for (int64_t c = 0; c < p.cols; ++c) {
-      const float gate = load_as_float(p.h, r * h_cols + c, p.dtype);
-      const float up = gated ? load_as_float(p.h, r * h_cols + p.cols + c, p.dtype) : 0.0f;
-      store_from_float(p.a, r * p.cols + c, p.dtype, activate(p.activation, gate, up));
-    }
-  }
+  write_activation(p.h, p.dtype, p.activation, p.rows, p.cols, p.a);
   quantize_stored_rows(p.a, p.dtype, p.rows, p.cols, p.q, p.scales, p.pow2_scale);
 }
 
@@ -140,11 +147,26 @@ void quantize_gathered_group_cols(const Fp8GroupColsParams& p) {
   fp8_quantize_group_cols(stored);
 }
 
+// With activated: a = rnd(activate(h)) of h = p.x written out, as fp8_activate_quantize
+// writes it, then both tilings of a as of rows in memory.
+void quantize_activated_group_cols(const Fp8GroupColsParams& p) {
+  std::vector<char> a(static_cast<size_t>(p.rows * p.cols) * dtype_bytes(p.dtype));
+  write_activation(p.x, p.dtype, p.activation, p.rows, p.cols, a.data());
+  Fp8GroupColsParams stored = p;
+  stored.activated = false;
+  stored.x = a.data();
+  fp8_quantize_group_cols(stored);
+}
+
 }  // namespace
 
 void fp8_quantize_group_cols(const Fp8GroupColsParams& p) {
   if (p.sources != nullptr) {
     quantize_gathered_group_cols(p);
+    return;
+  }
+  if (p.activated) {
+    quantize_activated_group_cols(p);
     return;
   }
   if (p.q != nullptr) quantize_stored_rows(p.x, p.dtype, p.rows, p.cols, p.q, p.row_scales, p.pow2_scale);

@@ -14,11 +14,16 @@
 // columns of 16 threads: the 8 lanes of a row group in each of two warps (shuffles, then
 // shared memory). The segments cover every row, so every row tile is written once.
 // Gathered rows: the CTA reads its tile's sources (and factors) into shared memory once;
-// a thread loads its 8 rows from their tokens (zeros for a source outside the tokens), the
-// column tiles code rnd(scaled_element(factor, x)) recomputed where used (no second copy
-// of the rows in registers), and the row tiles then code the rows flushed in place,
-// rnd(scaled_element(1, x)): the products of the expansion kernel (fp8_expand_rows.cu),
-// so the codes are bitwise those of its output quantised by this kernel. Scale
+// a thread loads its 8 rows from their tokens (zeros for a source outside the tokens) and
+// flushes them in place, rnd(scaled_element(1, x)), the row tiles' rows u; with factors it
+// codes the row tiles first, then scales its rows in place into the column tiles' rows
+// rnd(scaled_element(factor, x)), one copy of the rows in registers (x is u except where
+// the flush zeroed it: below 2^-126 a zero gives the same product; a thread with an
+// element equal to +-2^-126, which a factor above 1 keeps, loads its rows again). These are the products of the expansion kernel (fp8_expand_rows.cu), so the
+// codes are bitwise those of its output quantised by this kernel. Activated rows:
+// a thread fetches the gate and up words of its 8 rows of h, then computes their
+// activation (fp8_row_sources.cuh's Activated, the row kernel's own), so the codes are
+// bitwise those of that kernel's a quantised by this one, and a is never written. Scale
 // and elements go through common/fp8_blockwise.h like the CPU kernel, the elements by its
 // division-free quotient where it gives the same codes (cuda/fp8_tile_codes.cuh); max is
 // exact in any order, so the results are bitwise those of the CPU.
@@ -32,6 +37,7 @@
 #include "cuda/device.h"
 #include "cuda/fp8_lanes.cuh"
 #include "cuda/fp8_quantize.h"
+#include "cuda/fp8_row_sources.cuh"
 #include "cuda/fp8_tile_codes.cuh"
 #include "cuda/group_offsets.cuh"
 
@@ -64,8 +70,9 @@ constexpr int kBlocksPerCta = 4;  // column blocks per CTA (one scan each)
 constexpr int kMinCtas = 2;
 
 // Where a CTA's rows come from (Fp8GroupColsParams): x's rows in place, or gathered through
-// sources with every factor 1, or gathered and scaled by factor in the column tiles.
-enum class Source { kStored, kGathered, kScaled };
+// sources with every factor 1, or gathered and scaled by factor in the column tiles, or
+// the expert activation of x = h.
+enum class Source { kStored, kGathered, kScaled, kActivated };
 
 // The row tiles of a thread's 8 rows (rows `row` .. `row` + 7 of the tile, columns `col` ..
 // `col` + 7 of the block): each row's 128 columns are the 8 lanes of its row group (lanes
@@ -116,13 +123,6 @@ __device__ __forceinline__ void store_row_tiles(const Lane<typename Elem<D>::Bit
   }
 }
 
-// The float value of a lane element, rounded to D after scaling by k: the expansion's
-// rnd(scaled_element(k, x)) (exact for k = 1 past the flush).
-template <DType D>
-__device__ __forceinline__ float scaled_value(float k, typename Elem<D>::Bits x) {
-  return Elem<D>::to_float(Elem<D>::from_float(detail::scaled_element_ftz(k, Elem<D>::to_float(x))));
-}
-
 // The lane's elements as scaled_value(1, x): the flush of magnitudes at most 2^-126.
 template <DType D>
 __device__ __forceinline__ Lane<typename Elem<D>::Bits> flushed(const Lane<typename Elem<D>::Bits>& raw) {
@@ -133,17 +133,18 @@ __device__ __forceinline__ Lane<typename Elem<D>::Bits> flushed(const Lane<typen
 }
 
 // kRows: q and row_scales get the row tiles too (store_row_tiles); always with a gathered
-// source. sources, factor and values_rows are read for gathered sources only.
+// or activated source. sources, factor and values_rows are read for gathered sources only,
+// activation for activated ones.
 template <DType D, bool kVec, bool kRows, Source kSource>
 __global__ void __launch_bounds__(kThreads, kMinCtas)
     quantize_group_cols_kernel(const typename Elem<D>::Bits* __restrict__ x, const int32_t* __restrict__ group_sizes,
                                int64_t num_groups, uint8_t* __restrict__ q_t, float* __restrict__ scales,
                                uint8_t* __restrict__ q, float* __restrict__ row_scales, int64_t rows, int64_t cols,
                                bool pow2, const int32_t* __restrict__ sources, const float* __restrict__ factor,
-                               int64_t values_rows) {
+                               int64_t values_rows, Activation activation) {
   using Bits = typename Elem<D>::Bits;
-  constexpr bool kGather = kSource != Source::kStored;
-  static_assert(kRows || !kGather, "gathered rows come with their row tiles");
+  constexpr bool kGather = kSource == Source::kGathered || kSource == Source::kScaled;
+  static_assert(kRows || kSource == Source::kStored, "gathered and activated rows come with their row tiles");
   __shared__ int64_t tile_rows[2];  // first row, rows of this CTA's tile
   __shared__ int32_t row_source[kGather ? fp8::kTile : 1];  // the tile's token rows (-1: none)
   __shared__ float row_factor[kSource == Source::kScaled ? fp8::kTile : 1];
@@ -195,30 +196,66 @@ __global__ void __launch_bounds__(kThreads, kMinCtas)
     const int64_t c = cb * fp8::kTile + col;
     const int valid = static_cast<int>(cols - c <= 0 ? 0 : (cols - c < kLaneCols ? cols - c : kLaneCols));
     Lane<Bits> raw[kRowRuns];  // zero bits outside the tile's rows and the matrix
+    if constexpr (kSource == Source::kActivated) {
+      // Every row's words are fetched before any is used (one load in flight per row).
+      const detail::Activated<D, kVec> act{x, nullptr, cols, activation};
+      typename detail::Activated<D, kVec>::Words words[kRowRuns];
 #pragma unroll
-    for (int i = 0; i < kRowRuns; ++i) {
-      raw[i] = Lane<Bits>{};
-      int64_t source = row + i < nrows ? r0 + row + i : -1;
-      if constexpr (kGather) source = row_source[row + i];  // -1 past the tile's rows too
-      if (source >= 0 && valid > 0) {
-        const Bits* src = x + source * cols + c;
-        if constexpr (kVec) {
-          raw[i] = *reinterpret_cast<const Lane<Bits>*>(src);
-        } else {
+      for (int i = 0; i < kRowRuns; ++i) {
+        words[i] = {};
+        if (row + i < nrows && valid > 0) words[i] = act.fetch(0, r0 + row + i, c, valid);
+      }
 #pragma unroll
-          for (int j = 0; j < kLaneCols; ++j) raw[i].set(j, j < valid ? src[j] : Bits{0});
-        }
+      for (int i = 0; i < kRowRuns; ++i) {
+        raw[i] = row + i < nrows && valid > 0 ? act.value(words[i], c, valid) : Lane<Bits>{};
       }
     }
-    if constexpr (kSource == Source::kGathered) {
+    // The thread's 8 stored or gathered rows.
+    auto load_rows = [&] {
+#pragma unroll
+      for (int i = 0; i < kRowRuns; ++i) {
+        raw[i] = Lane<Bits>{};
+        int64_t source = row + i < nrows ? r0 + row + i : -1;
+        if constexpr (kGather) source = row_source[row + i];  // -1 past the tile's rows too
+        if (source >= 0 && valid > 0) {
+          const Bits* src = x + source * cols + c;
+          if constexpr (kVec) {
+            raw[i] = *reinterpret_cast<const Lane<Bits>*>(src);
+          } else {
+#pragma unroll
+            for (int j = 0; j < kLaneCols; ++j) raw[i].set(j, j < valid ? src[j] : Bits{0});
+          }
+        }
+      }
+    };
+    if constexpr (kSource != Source::kActivated) load_rows();
+    bool smallest = false;  // kScaled: one of the thread's elements is +-2^-126
+    if constexpr (kSource == Source::kScaled) {
+#pragma unroll
+      for (int i = 0; i < kRowRuns; ++i) {
+#pragma unroll
+        for (int j = 0; j < kLaneCols; ++j) smallest |= fabsf(Elem<D>::to_float(raw[i].get(j))) == 0x1p-126f;
+      }
+    }
+    if constexpr (kGather) {
 #pragma unroll
       for (int i = 0; i < kRowRuns; ++i) raw[i] = flushed<D>(raw[i]);
     }
+    if constexpr (kSource == Source::kScaled) {
+      store_row_tiles<D, kVec>(raw, r0 + row, static_cast<int>(nrows - row), c, valid, cb, col_blocks, cols, pow2, q,
+                               row_scales);
+      if (smallest) load_rows();  // rare: the flushed rows lost an element a factor may keep
+#pragma unroll
+      for (int i = 0; i < kRowRuns; ++i) {
+        const float k = row_factor[row + i];
+        float v[kLaneCols];
+#pragma unroll
+        for (int j = 0; j < kLaneCols; ++j) v[j] = detail::scaled_element_ftz(k, Elem<D>::to_float(raw[i].get(j)));
+        raw[i] = detail::round_lane<D>(v);
+      }
+    }
     // Element j of the thread's row i as the column tiles take it.
-    auto col_value = [&](int i, int j) {
-      if constexpr (kSource == Source::kScaled) return scaled_value<D>(row_factor[row + i], raw[i].get(j));
-      return Elem<D>::to_float(raw[i].get(j));
-    };
+    auto col_value = [&](int i, int j) { return Elem<D>::to_float(raw[i].get(j)); };
     // Column amax: over the thread's rows, the warp's row groups (lanes l, l + 8, l + 16,
     // l + 24 share columns), then the warps of the same column half. First as the row
     // tiles do it, max.NaN of |x| (one instruction per element): for finite elements it is
@@ -263,11 +300,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas)
       const Lane<uint8_t> out = col_coder[col + j].codes(v);
       store_lane<true>(q_t + (c + j) * width + tile * fp8::kTile + row, out, kLaneCols);
     }
-    if constexpr (kSource == Source::kScaled) {
-#pragma unroll
-      for (int i = 0; i < kRowRuns; ++i) raw[i] = flushed<D>(raw[i]);  // the row tiles' unscaled rows
-    }
-    if constexpr (kRows) {
+    if constexpr (kRows && kSource != Source::kScaled) {
       store_row_tiles<D, kVec>(raw, r0 + row, static_cast<int>(nrows - row), c, valid, cb, col_blocks, cols, pow2, q,
                                row_scales);
     }
@@ -288,11 +321,13 @@ cudaError_t launch(const Fp8GroupColsParams& p, cudaStream_t stream) {
   auto run = [&](auto vec, auto with_rows, auto source) {
     quantize_group_cols_kernel<D, decltype(vec)::value, decltype(with_rows)::value, decltype(source)::value>
         <<<grid, kThreads, 0, stream>>>(x, p.group_sizes, p.num_groups, p.q_t, p.scales, p.q, p.row_scales, p.rows,
-                                        p.cols, p.pow2_scale, p.sources, p.factor, p.values_rows);
+                                        p.cols, p.pow2_scale, p.sources, p.factor, p.values_rows, p.activation);
   };
   auto with_source = [&](auto vec) {
     using Stored = std::integral_constant<Source, Source::kStored>;
-    if (p.sources == nullptr) {
+    if (p.activated) {
+      run(vec, std::true_type{}, std::integral_constant<Source, Source::kActivated>{});
+    } else if (p.sources == nullptr) {
       rows ? run(vec, std::true_type{}, Stored{}) : run(vec, std::false_type{}, Stored{});
     } else if (p.factor == nullptr) {
       run(vec, std::true_type{}, std::integral_constant<Source, Source::kGathered>{});
@@ -325,6 +360,12 @@ Status fp8_quantize_group_cols(const Fp8GroupColsParams& p, cudaStream_t stream)
   }
   if (p.sources != nullptr && p.rows > 0 && p.q == nullptr) {
     return Status::InvalidArgument("fp8 quantize group cols: gathered rows need q and row_scales");
+  }
+  if (p.activated && (p.sources != nullptr || (p.rows > 0 && p.q == nullptr))) {
+    return Status::InvalidArgument("fp8 quantize group cols: activated rows need q and row_scales and no sources");
+  }
+  if (p.activated && static_cast<uint32_t>(p.activation) >= static_cast<uint32_t>(kNumActivations)) {
+    return Status::InvalidArgument("fp8 quantize group cols: unknown activation");
   }
   if (p.sources != nullptr && p.values_rows < 0) {
     return Status::InvalidArgument("fp8 quantize group cols: negative values_rows");

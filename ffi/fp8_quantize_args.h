@@ -1,12 +1,12 @@
 // Decodes and validates the buffers and attributes of the quantize_fp8_rows /
 // quantize_fp8_blocks / quantize_fp8_weights FFI calls into the framework-free
 // Fp8QuantizeParams of common/fp8_blockwise.h, those of quantize_fp8_group_cols,
-// quantize_fp8_rows_group_cols and gather_quantize_fp8_group_cols into its
-// Fp8GroupColsParams, those of activate_quantize_fp8 / activate_grad_quantize_fp8 into the
-// Fp8ActivateQuantizeParams / Fp8ActivateGradQuantizeParams of common/expert_activation.h,
-// and those of expand_quantize_fp8_rows into its Fp8ExpandQuantizeParams, for both the
-// CPU and the CUDA handlers. Every error names the argument, what was expected and what
-// was passed.
+// quantize_fp8_rows_group_cols, gather_quantize_fp8_group_cols and
+// activate_quantize_fp8_group_cols into its Fp8GroupColsParams, those of
+// activate_quantize_fp8 / activate_grad_quantize_fp8 into the Fp8ActivateQuantizeParams /
+// Fp8ActivateGradQuantizeParams of common/expert_activation.h, and those of
+// expand_quantize_fp8_rows into its Fp8ExpandQuantizeParams, for both the CPU and the CUDA
+// handlers. Every error names the argument, what was expected and what was passed.
 #ifndef MOE_XLA_FFI_FP8_QUANTIZE_ARGS_H_
 #define MOE_XLA_FFI_FP8_QUANTIZE_ARGS_H_
 
@@ -203,6 +203,29 @@ inline ffi::ErrorOr<Fp8GroupColsParams> decode_fp8_gather_group_cols(
   return p;
 }
 
+// Both tilings of the expert activation of h (Fp8GroupColsParams with activated): h
+// [M, 2F] (gated) or [M, F] of f32 / bf16 / f16; group_sizes [G] int32; q [M, F]
+// float8_e4m3fn; row_scales [M, ceil(F/128)] f32; q_t [F, 128 T] float8_e4m3fn and scales
+// [T, F] f32, T = group_col_tiles(M, G).
+inline ffi::ErrorOr<Fp8GroupColsParams> decode_fp8_activate_group_cols(
+    ffi::AnyBuffer h, ffi::Buffer<ffi::S32> group_sizes, ffi::AnyBuffer q, ffi::Buffer<ffi::F32> row_scales,
+    ffi::AnyBuffer q_t, ffi::Buffer<ffi::F32> scales, int32_t activation, bool pow2_scale) {
+  auto in = decode_activation_input(h, activation);
+  if (in.has_error()) return ffi::Unexpected<ffi::Error>(in.error());
+  Fp8GroupColsParams p{};
+  p.activated = true;
+  p.activation = in->activation;
+  p.rows = in->rows;
+  p.cols = is_gated(p.activation) ? in->h_cols / 2 : in->h_cols;
+  for (auto e : {set_row_tile_buffers(p, q, row_scales),
+                 set_group_col_buffers(p, group_sizes, q_t, scales, pow2_scale)}) {
+    if (e.failure()) return ffi::Unexpected<ffi::Error>(std::move(e));
+  }
+  p.x = h.untyped_data();
+  p.dtype = in->dtype;
+  return p;
+}
+
 // h [M, 2F] (gated) or [M, F]; a [M, F] of h's dtype; q [M, F] float8_e4m3fn; scales
 // [M, ceil(F/128)] f32.
 inline ffi::ErrorOr<Fp8ActivateQuantizeParams> decode_fp8_activate_quantize(ffi::AnyBuffer h, ffi::AnyBuffer a,
@@ -367,6 +390,21 @@ auto bind_fp8_gather_group_cols(Binding&& binding) {
       .template Ret<ffi::Buffer<ffi::F32>>()   // row_scales [M, ceil(K/128)]
       .template Ret<ffi::AnyBuffer>()          // q_t [K, 128 T], float8_e4m3fn
       .template Ret<ffi::Buffer<ffi::F32>>()   // scales [T, K]
+      .template Attr<bool>("pow2_scale");
+}
+
+// The operands and attributes of the activate_quantize_fp8_group_cols handlers, appended to
+// `binding`.
+template <class Binding>
+auto bind_fp8_activate_group_cols(Binding&& binding) {
+  return std::move(binding)
+      .template Arg<ffi::AnyBuffer>()          // h [M, 2F] or [M, F]
+      .template Arg<ffi::Buffer<ffi::S32>>()   // group_sizes [G]
+      .template Ret<ffi::AnyBuffer>()          // q [M, F], float8_e4m3fn
+      .template Ret<ffi::Buffer<ffi::F32>>()   // row_scales [M, ceil(F/128)]
+      .template Ret<ffi::AnyBuffer>()          // q_t [F, 128 T], float8_e4m3fn
+      .template Ret<ffi::Buffer<ffi::F32>>()   // scales [T, F]
+      .template Attr<int32_t>("activation")
       .template Attr<bool>("pow2_scale");
 }
 

@@ -62,8 +62,10 @@ import jax.numpy as jnp
 
 import moe_xla._rows as _rows
 from moe_xla.primitives import _fp8
+from moe_xla.primitives._activation import GATED
 from moe_xla.primitives.activate_grad_quantize_fp8 import activate_grad_quantize_fp8
 from moe_xla.primitives.activate_quantize_fp8 import activate_quantize_fp8
+from moe_xla.primitives.activate_quantize_fp8_group_cols import activate_quantize_fp8_group_cols
 from moe_xla.primitives.expand_quantize_fp8_rows import expand_quantize_fp8_rows
 from moe_xla.primitives.gather_quantize_fp8_group_cols import gather_quantize_fp8_group_cols
 from moe_xla.primitives.gmm_fp8 import gmm_fp8
@@ -203,11 +205,19 @@ def _gmm_act(lhs, lhs_q, w, weights, group_sizes, activation, wgrad):
     return _gmm_act_fwd(lhs, lhs_q, w, weights, group_sizes, activation, "bf16")[0]
 
 
-def _gmm_act_fwd(lhs, lhs_q, w, weights, group_sizes, activation, wgrad):
+def _gmm_act_fwd(lhs, lhs_q, w, weights, group_sizes, activation, wgrad, column_tiles=False):
+    """(a, q, scales) and the residuals; with column_tiles (a, q, scales, q_t, scales_t),
+    a's column tiles for the FP8 wgrad of the next product from the same kernel, which then
+    writes no a: a is its shape and dtype alone."""
     with jax.named_scope(_PRODUCT):
         h, residuals = _gmm_fwd(lhs, lhs_q, w, weights, group_sizes, lhs.dtype, wgrad)
     with jax.named_scope(_ACT):
-        out = activate_quantize_fp8(h, activation)
+        if column_tiles:
+            f = h.shape[1] // 2 if activation in GATED else h.shape[1]
+            out = (jax.ShapeDtypeStruct((h.shape[0], f), h.dtype),
+                   *activate_quantize_fp8_group_cols(h, group_sizes, activation))
+        else:
+            out = activate_quantize_fp8(h, activation)
     return out, (h, residuals)
 
 
@@ -232,9 +242,10 @@ def _mlp_combine(x, x_q, w_in, q_in, w_out, q_out, group_sizes, row_map, route_w
 
 def _mlp_combine_fwd(x, x_q, w_in, q_in, w_out, q_out, group_sizes, row_map, route_weights, row_pairs, activation,
                      wgrad):
-    (a, q_a, s_a), (h, res_in) = _gmm_act_fwd(x, x_q, w_in, q_in, group_sizes, activation, wgrad)
+    (a, *a_q), (h, res_in) = _gmm_act_fwd(x, x_q, w_in, q_in, group_sizes, activation, wgrad,
+                                          column_tiles=wgrad == "fp8" and w_out is not None)
     with jax.named_scope(_PRODUCT_OUT):
-        out, res_out = _gmm_fwd(a, (q_a, s_a), w_out, q_out, group_sizes, x.dtype, wgrad)
+        out, res_out = _gmm_fwd(a, tuple(a_q), w_out, q_out, group_sizes, x.dtype, wgrad)
     with jax.named_scope(_COMBINE):
         y = unpermute(out, row_map, route_weights, row_pairs=row_pairs)
     return y, (h, res_in, res_out, row_map, route_weights, row_pairs)
@@ -336,9 +347,12 @@ def mlp_combine_fp8(x, w_in, w_out, group_sizes, row_map, weights, row_pairs, ac
         d w_out = a^T (omega c)                         (bf16 or FP8 wgrad, as gmm_fp8_blockwise's)
         d weights[t, j] = d omega[row_map[t*k + j]]
     One pass over dy writes omega c (for the wgrad) and the FP8 rows of c
-    (expand_quantize_fp8_rows). Neither the product's output nor a weighted copy of g is
-    kept or written: a step saves h, a (with the FP8 wgrad the column tiles of x and a
-    instead of x and a) and the weights' layouts. The FP8 dgrad multiplies
+    (expand_quantize_fp8_rows); with the FP8 wgrad it writes the FP8 rows of c and the
+    column tiles of omega c instead (gather_quantize_fp8_group_cols: omega c never stored),
+    and the activation's kernel writes a's column tiles with its rows
+    (activate_quantize_fp8_group_cols: a never stored). Neither the product's output nor
+    a weighted copy of g is kept or written: a step saves h, a (with the FP8 wgrad the
+    column tiles of x and a instead of x and a) and the weights' layouts. The FP8 dgrad multiplies
     Q_rows(c), not Q_rows(omega c) as the unfused rule would (the same up to the
     quantisation's rounding)."""
     _check_wgrad("mlp_combine_fp8", wgrad)

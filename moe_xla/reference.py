@@ -306,6 +306,8 @@ def moe(x, router_logits, w_in, w_out, *, top_k, activation="swiglu", score="sof
 #                            (the kernels read x once for both).
 #   gather_quantize_fp8_group_cols  both tilings of rows gathered from token rows, the
 #                            column tiles of the rows scaled (the permuted copy never stored).
+#   activate_quantize_fp8_group_cols  both tilings of the expert activation a of h (a
+#                            never stored): the FP8 wgrad's operand of the second product.
 
 FP8_TILE = 128
 FP8_MAX = 448.0
@@ -400,6 +402,16 @@ def activate_quantize_fp8(h, *, activation: str, pow2_scale=False):
     a few ulps before rounding; their q and scales are bitwise quantize_fp8_rows of their a."""
     a = expert_activation(h.astype(jnp.float32), activation).astype(h.dtype)
     return (a, *quantize_fp8_rows(a, pow2_scale=pow2_scale))
+
+
+def activate_quantize_fp8_group_cols(h, group_sizes, activation: str, *, pow2_scale=False):
+    """h [M, 2F] (gated) or [M, F], group_sizes [G] -> (q, row_scales, q_t, scales):
+    quantize_fp8_rows(a) and quantize_fp8_group_cols(a, group_sizes) of a, the expert
+    activation of h rounded to h's dtype as activate_quantize_fp8 returns it (a itself is not
+    returned). The kernels' a may differ from this one by a few ulps before rounding (their
+    exp / tanh); their tilings are bitwise those of their a."""
+    a = activate_quantize_fp8(h, activation=activation)[0]
+    return quantize_fp8_rows_group_cols(a, group_sizes, pow2_scale=pow2_scale)
 
 
 def _activation_grad(h32, da32, activation: str):

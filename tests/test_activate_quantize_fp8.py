@@ -40,6 +40,25 @@ def _h(rng, m, f, activation, dtype):
     return jnp.asarray(h, dtype)
 
 
+def assert_near_the_reference_activation(a, h, activation):
+    """a, a kernel's activation of h, within a few ulps of reference.activate_quantize_fp8's
+    (evaluated on the CPU): the kernels' exp and tanh are their platform's."""
+    f = a.shape[1]
+    want = np.asarray(_reference_on("cpu", reference.activate_quantize_fp8, h, activation=activation)[0], np.float64)
+    got = np.asarray(a, np.float64)
+    # Where the reference is not finite (inf or NaN in h), neither is a: x * sigmoid(x) and
+    # x / (1 + exp(-x)) disagree between inf and NaN at x = +-inf.
+    finite = np.isfinite(want)
+    assert np.array_equal(np.isfinite(got), finite), "finite where the reference is not (or the reverse)"
+    # Relative to a, up to two roundings to the dtype; absolute, a few float32 ulps of the
+    # inputs' magnitude: gelu's 1 + tanh(z) cancels for z << 0, and the platforms' tanh differ.
+    h64 = np.abs(np.asarray(h, np.float64))
+    with np.errstate(invalid="ignore", over="ignore"):
+        size = h64[:, :f] * (h64[:, f:] if activation in GATED else 1.0)
+    err = np.abs(got[finite] - want[finite])
+    assert np.all(err <= 2 * ULP[h.dtype.type] * np.abs(want[finite]) + 2.0 ** -18 * size[finite]), err.max(initial=0)
+
+
 @pytest.mark.parametrize("platform", PLATFORMS)
 @pytest.mark.parametrize("pow2", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -52,19 +71,7 @@ def test_kernel_against_the_reference(rng, shape, activation, dtype, pow2, platf
     a, q, scales = jax.jit(fused)(jax.device_put(h, device))
     assert a.dtype == h.dtype and a.shape == shape and q.shape == shape
     assert scales.shape == (shape[0], -(-shape[1] // 128))
-    want = np.asarray(_reference_on("cpu", reference.activate_quantize_fp8, h, activation=activation)[0], np.float64)
-    got = np.asarray(a, np.float64)
-    # Where the reference is not finite (inf or NaN in h), neither is a: x * sigmoid(x) and
-    # x / (1 + exp(-x)) disagree between inf and NaN at x = +-inf.
-    finite = np.isfinite(want)
-    assert np.array_equal(np.isfinite(got), finite), "finite where the reference is not (or the reverse)"
-    # Relative to a, up to two roundings to the dtype; absolute, a few float32 ulps of the
-    # inputs' magnitude: gelu's 1 + tanh(z) cancels for z << 0, and the platforms' tanh differ.
-    h64 = np.abs(np.asarray(h, np.float64))
-    with np.errstate(invalid="ignore", over="ignore"):
-        size = h64[:, :shape[1]] * (h64[:, shape[1]:] if activation in GATED else 1.0)
-    err = np.abs(got[finite] - want[finite])
-    assert np.all(err <= 2 * ULP[dtype] * np.abs(want[finite]) + 2.0 ** -18 * size[finite]), err.max(initial=0)
+    assert_near_the_reference_activation(a, h, activation)
     assert_bitwise((q, scales), _reference_on("cpu", reference.quantize_fp8_rows, jax.device_get(a), pow2_scale=pow2),
                    "quantize_fp8_rows of the returned a")
 

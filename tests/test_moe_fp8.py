@@ -351,19 +351,23 @@ def test_the_layer_quantises_each_cotangent_in_the_pass_that_makes_it(rng):
     assert hlo.count("moe_xla_activate_grad_quantize_fp8") == 1
 
 
-def test_the_fp8_wgrad_layer_gathers_its_column_tiles_from_the_tokens(rng):
+def test_the_fp8_wgrad_layer_makes_column_tiles_where_it_makes_the_rows(rng):
     """With the FP8 wgrad the layer makes the column tiles of x's sorted rows (forward) and
-    of d out = omega c (backward) straight from the token rows (gather_quantize_fp8_group_cols),
-    writing neither copy: one forward+backward has two such calls, no expansion, and column
-    tiles of its own made only for a and d h (the products' other operands)."""
+    of d out = omega c (backward) straight from the token rows (gather_quantize_fp8_group_cols)
+    and a's in the activation's kernel (activate_quantize_fp8_group_cols), writing none of
+    the three: one forward+backward has two gathers, one activation, no expansion, no
+    activation writing a, and column tiles of their own made only for d h."""
     x, logits, w_in, w_out = _inputs(rng)
     ct = normal(rng, (T, H), jnp.float32)
     hlo = jax.jit(jax.grad(_loss("fp8_blockwise_fp8_wgrad"), argnums=(0, 1, 2, 3))).lower(
         x, logits, w_in, w_out, ct).as_text()
-    assert hlo.count("moe_xla_gather_quantize_fp8_group_cols") == 2
-    assert hlo.count("moe_xla_expand_quantize_fp8_rows") == 0
-    assert hlo.count("moe_xla_quantize_fp8_group_cols") == 2
-    assert hlo.count("moe_xla_quantize_fp8_rows_group_cols") == 0
+    calls = re.findall(r"custom_call @moe_xla_(\w+?)_(?:cpu|cuda)_v\d+\(", hlo)
+    counts = {name: calls.count(name) for name in set(calls)}
+    assert counts.get("gather_quantize_fp8_group_cols") == 2, counts
+    assert counts.get("activate_quantize_fp8_group_cols") == 1, counts
+    assert counts.get("quantize_fp8_group_cols") == 1, counts
+    for name in ("expand_quantize_fp8_rows", "activate_quantize_fp8", "quantize_fp8_rows_group_cols"):
+        assert name not in counts, counts
 
 
 def test_gathered_column_tiles_give_the_layer_of_the_sorted_rows(rng):

@@ -54,6 +54,8 @@ _REFERENCE = {
         reference.gather_quantize_fp8_group_cols(values, sources, factor[0] if has_factor else None, group_sizes,
                                                  pow2_scale=pow2_scale)),
     "activate_quantize_fp8": lambda h, **params: list(reference.activate_quantize_fp8(h, **params)),
+    "activate_quantize_fp8_group_cols": lambda h, group_sizes, *, activation, pow2_scale: list(
+        reference.activate_quantize_fp8_group_cols(h, group_sizes, activation, pow2_scale=pow2_scale)),
     "activate_grad_quantize_fp8": lambda h, g, omega, **params: list(
         reference.activate_grad_quantize_fp8(h, g, omega, **params)),
     "activate_weighted_grad": lambda h, g, omega, **params: list(reference.activate_weighted_grad(h, g, omega, **params)),

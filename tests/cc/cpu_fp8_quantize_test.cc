@@ -1,7 +1,7 @@
 // The FP8 rules of common/fp8_blockwise.h against brute force, and the CPU kernels' tilings
 // (rows, blocks and their transposed copy, and the wgrad's group column tiles written transposed);
 // the scaled product and the rows of the fused expansion, with factors and without, and the
-// group column tiles of gathered rows.
+// group column tiles of gathered rows and of the expert activation.
 //
 // e4m3: the 126 positive finite float8_e4m3fn values are written down from the format's
 // definition (ldexp, double precision); for every float32 in [2^-12, 480] (both signs) and
@@ -399,6 +399,36 @@ void test_gather_group_cols() {
   check(unscaled != scaled, "the factors change the column tiles", 0);
 }
 
+// Both tilings of the activation of h [6, 2 x 130] (gated) or [6, 130] bf16, every activation,
+// in groups {2, 0, 3} (row 5 past them): bitwise fp8_activate_quantize's (q, scales) and the
+// plain kernel's column tiles of its a.
+void test_activate_group_cols() {
+  const int64_t m = 6, f = 130, g = 3, tiles = 1 + g, width = 128 * tiles;
+  const int32_t group_sizes[] = {2, 0, 3};
+  for (int32_t act = 0; act < kNumActivations; ++act) {
+    const Activation activation = static_cast<Activation>(act);
+    const int64_t h_cols = is_gated(activation) ? 2 * f : f;
+    std::vector<uint16_t> h(m * h_cols), a(m * f);
+    for (int64_t i = 0; i < m * h_cols; ++i) {
+      h[i] = float_bf16((static_cast<float>((i * 37 + act) % 101) - 50.0f) / 9.0f);
+    }
+    std::vector<uint8_t> q(m * f, 0xAA), q_t(f * width, 0xAA), q_want(m * f), q_t_want(f * width);
+    std::vector<float> row_scales(m * 2, -1.0f), scales(tiles * f, -1.0f);
+    std::vector<float> row_scales_want(m * 2), scales_want(tiles * f);
+    Fp8GroupColsParams p{h.data(), DType::kBF16, group_sizes, g, q_t.data(), scales.data(), q.data(),
+                         row_scales.data(), m, f, false};
+    p.activated = true;
+    p.activation = activation;
+    cpu::fp8_quantize_group_cols(p);
+    cpu::fp8_activate_quantize({h.data(), DType::kBF16, a.data(), q_want.data(), row_scales_want.data(), m, f,
+                                activation, false});
+    cpu::fp8_quantize_group_cols({a.data(), DType::kBF16, group_sizes, g, q_t_want.data(), scales_want.data(),
+                                  nullptr, nullptr, m, f, false});
+    check(q == q_want && row_scales == row_scales_want, "activated row tiles: fp8_activate_quantize's", act);
+    check(q_t == q_t_want && scales == scales_want, "activated column tiles: those of its a", act);
+  }
+}
+
 }  // namespace
 
 int main() {
@@ -416,6 +446,7 @@ int main() {
   test_expand();
   test_expand_unit();
   test_gather_group_cols();
+  test_activate_group_cols();
   std::printf("%s: %d failures\n", failures ? "FAIL" : "PASS", failures);
   return failures ? 1 : 0;
 }
