@@ -377,19 +377,26 @@ auto bind_fp8_expand_quantize(Binding&& binding) {
       .template Ret<ffi::Buffer<ffi::F32>>();  // scales [R, ceil(H/128)]
 }
 
+// The results of the handlers that write both tilings of one operand [M, K] (row tiles and
+// group column tiles), appended to `binding`.
+template <class Binding>
+auto with_both_tilings(Binding&& binding) {
+  return std::move(binding)
+      .template Ret<ffi::AnyBuffer>()          // q [M, K], float8_e4m3fn
+      .template Ret<ffi::Buffer<ffi::F32>>()   // row_scales [M, ceil(K/128)]
+      .template Ret<ffi::AnyBuffer>()          // q_t [K, 128 T], float8_e4m3fn
+      .template Ret<ffi::Buffer<ffi::F32>>();  // scales [T, K]
+}
+
 // The operands and attributes of the gather_quantize_fp8_group_cols handlers, appended to
 // `binding`.
 template <class Binding>
 auto bind_fp8_gather_group_cols(Binding&& binding) {
-  return std::move(binding)
-      .template Arg<ffi::AnyBuffer>()          // values [T, K]
-      .template Arg<ffi::AnyBuffer>()          // sources [M], int32
-      .template Arg<ffi::Buffer<ffi::S32>>()   // group_sizes [G]
-      .template RemainingArgs()                // factor [M], float32, or none: v = u
-      .template Ret<ffi::AnyBuffer>()          // q [M, K], float8_e4m3fn
-      .template Ret<ffi::Buffer<ffi::F32>>()   // row_scales [M, ceil(K/128)]
-      .template Ret<ffi::AnyBuffer>()          // q_t [K, 128 T], float8_e4m3fn
-      .template Ret<ffi::Buffer<ffi::F32>>()   // scales [T, K]
+  return with_both_tilings(std::move(binding)
+                               .template Arg<ffi::AnyBuffer>()         // values [T, K]
+                               .template Arg<ffi::AnyBuffer>()         // sources [M], int32
+                               .template Arg<ffi::Buffer<ffi::S32>>()  // group_sizes [G]
+                               .template RemainingArgs())              // factor [M], float32, or none: v = u
       .template Attr<bool>("pow2_scale");
 }
 
@@ -397,13 +404,9 @@ auto bind_fp8_gather_group_cols(Binding&& binding) {
 // `binding`.
 template <class Binding>
 auto bind_fp8_activate_group_cols(Binding&& binding) {
-  return std::move(binding)
-      .template Arg<ffi::AnyBuffer>()          // h [M, 2F] or [M, F]
-      .template Arg<ffi::Buffer<ffi::S32>>()   // group_sizes [G]
-      .template Ret<ffi::AnyBuffer>()          // q [M, F], float8_e4m3fn
-      .template Ret<ffi::Buffer<ffi::F32>>()   // row_scales [M, ceil(F/128)]
-      .template Ret<ffi::AnyBuffer>()          // q_t [F, 128 T], float8_e4m3fn
-      .template Ret<ffi::Buffer<ffi::F32>>()   // scales [T, F]
+  return with_both_tilings(std::move(binding)
+                               .template Arg<ffi::AnyBuffer>()          // h [M, 2F] or [M, F]; K = F
+                               .template Arg<ffi::Buffer<ffi::S32>>())  // group_sizes [G]
       .template Attr<int32_t>("activation")
       .template Attr<bool>("pow2_scale");
 }
@@ -434,13 +437,9 @@ auto bind_fp8_group_cols(Binding&& binding) {
 // The operands and attributes of the quantize_fp8_rows_group_cols handlers, appended to `binding`.
 template <class Binding>
 auto bind_fp8_rows_group_cols(Binding&& binding) {
-  return std::move(binding)
-      .template Arg<ffi::AnyBuffer>()          // x [M, K]
-      .template Arg<ffi::Buffer<ffi::S32>>()   // group_sizes [G]
-      .template Ret<ffi::AnyBuffer>()          // q [M, K], float8_e4m3fn
-      .template Ret<ffi::Buffer<ffi::F32>>()   // row_scales [M, ceil(K/128)]
-      .template Ret<ffi::AnyBuffer>()          // q_t [K, 128 T], float8_e4m3fn
-      .template Ret<ffi::Buffer<ffi::F32>>()   // scales [T, K]
+  return with_both_tilings(std::move(binding)
+                               .template Arg<ffi::AnyBuffer>()          // x [M, K]
+                               .template Arg<ffi::Buffer<ffi::S32>>())  // group_sizes [G]
       .template Attr<bool>("pow2_scale");
 }
 
