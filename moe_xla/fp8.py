@@ -133,8 +133,8 @@ def _operands(v, v_q, group_sizes, fp8_wgrad):
     """(v's FP8 rows, what the wgrad takes of v) for an operand v of a product: the rows
     as given (v_q) or made here; for the FP8 wgrad v's column tiles (q_t, scales) instead
     of v, from the same read of v as the rows where those are made here. v_q may hold
-    the column tiles too, (q, scales, q_t, scales_t) made where v's rows were gathered
-    (gather_quantize_fp8_group_cols): then v is not read."""
+    the column tiles too, (q, scales, q_t, scales_t) made by the kernel that made v's rows
+    (gather_quantize_fp8_group_cols, activate_quantize_fp8_group_cols): then v is not read."""
     if v_q is not None and len(v_q) == 4:
         return tuple(v_q[:2]), (tuple(v_q[2:]) if fp8_wgrad else v)
     if not fp8_wgrad:
