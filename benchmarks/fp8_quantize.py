@@ -27,7 +27,11 @@ read from its token, the row tiles of the unweighted rows and the column tiles o
 weighted ones written, no rows; what the FP8-wgrad layer's backward runs), its forward's
 gather_group_cols_unit (no weights) and expand_then_group_cols (expand_quantize_fp8_rows,
 then quantize_fp8_group_cols of its weighted rows: what that layer ran before; the same
-compulsory bytes counted).
+compulsory bytes counted); on the gate_up products with the case's G uniform groups:
+swiglu_group_cols (activate_quantize_fp8_group_cols: a's row and group column tiles from
+one read of h, a never written; what the FP8-wgrad layer's forward runs) and
+swiglu_then_group_cols (activate_quantize_fp8, then quantize_fp8_group_cols of its a: what
+that layer ran before; the same compulsory bytes counted, a's write and read not).
 
     python benchmarks/fp8_quantize.py [--out benchmarks/results] [--name fp8_quantize] [--ops rows group_cols ...]
                                        [--row-order random|routed|tokens]
@@ -131,13 +135,16 @@ def main():
                 q, scales, *moe_xla.quantize_fp8_group_cols(rows, gs)))(*expand_quantize_fp8_rows(v, s, f, s.size))}
         cols = {**gathered, "group_cols": lambda x: moe_xla.quantize_fp8_group_cols(x, gs),
                 "rows_group_cols": lambda x: moe_xla.quantize_fp8_rows_group_cols(x, gs),
-                "rows_then_group_cols": lambda x: (*moe_xla.quantize_fp8_rows(x), *moe_xla.quantize_fp8_group_cols(x, gs))}
+                "rows_then_group_cols": lambda x: (*moe_xla.quantize_fp8_rows(x), *moe_xla.quantize_fp8_group_cols(x, gs)),
+                "swiglu_group_cols": lambda h: moe_xla.activate_quantize_fp8_group_cols(h, gs, "swiglu"),
+                "swiglu_then_group_cols": lambda h: (lambda a, q, scales: (
+                    q, scales, *moe_xla.quantize_fp8_group_cols(a, gs)))(*activate_quantize_fp8(h, "swiglu"))}
         ops_here.update({name: fn for name, fn in cols.items() if not args.ops or name in args.ops})
         for kind in ops_here:
             swiglu = kind.startswith("swiglu")
             if swiglu and not case["name"].endswith("gate_up"):
                 continue
-            activation = kind in ("rows", "expand_rows", "expand_then_rows", *cols)
+            activation = not swiglu and kind in ("rows", "expand_rows", "expand_then_rows", *cols)
             expansion = kind.startswith("expand") or kind in gathered
             shape = (m, k) if activation else (m, n) if swiglu else (g, k, n)
             x = normal(jax.random.fold_in(jax.random.key(1), 3 * i + (kind != "rows") + swiglu), shape, jnp.bfloat16)
@@ -154,6 +161,8 @@ def main():
                     args_of = (x[:tokens], *sources(*args_of[1:]))
                 nbytes = 2 * tokens * k + elems + elems // 128 * 4  # token rows, q and its scales
                 nbytes += elems + elems // 128 * 4 if kind in gathered else 2 * elems  # q_t and scales, or rows
+            elif swiglu and kind.endswith("group_cols"):  # h read, a's q and q_t with their scales written
+                nbytes = 2 * elems + 2 * (elems // 2) + 2 * (elems // 2 // 128) * 4
             elif swiglu:  # h read, a written, a's q and scales written
                 nbytes = 2 * elems + 2 * (elems // 2) + elems // 2 + elems // 2 // 128 * 4
             elif kind in ("rows_group_cols", "rows_then_group_cols"):  # x read, q and q_t with their scales written
