@@ -232,7 +232,7 @@ struct Fp8QuantizeParams {
 //   q          [rows, cols]              float8_e4m3fn bits
 //   row_scales [rows, ceil(cols / 128)]  float32
 // so that the FP8 dgrad's and the FP8 wgrad's operands of one x come from one pass.
-// With sources given, the rows are gathered from token rows x [values_rows, cols] and
+// With source kGathered, the rows are gathered from token rows x [values_rows, cols] and
 // nothing else is read: the expansion of Fp8ExpandQuantizeParams with the rows named by
 // their sources instead of by slots, fused with the column tiles of its output,
 //   w[r]  = x[sources[r]] if 0 <= sources[r] < values_rows, else a row of +0
@@ -241,13 +241,21 @@ struct Fp8QuantizeParams {
 // rnd the one rounding to dtype, so with each row named once the result is bitwise that
 // of Fp8ExpandQuantizeParams' (q, scales) and of the column tiles of its out: the FP8
 // wgrad's operands of permuted rows without the permuted copy in memory.
-// With activated set (and no sources), the rows are the expert activation of h = x
-// [rows, 2 cols] (gated: gate | up) or [rows, cols]: u = v = a, a = rnd(activate(h)) as
+// With source kActivated, the rows are the expert activation of h = x [rows, 2 cols]
+// (gated: gate | up) or [rows, cols]: u = v = a, a = rnd(activate(h)) as
 // Fp8ActivateQuantizeParams computes it (common/expert_activation.h), so the result is
 // bitwise that kernel's (q, scales) and the column tiles of its a, with a never written:
 // the FP8 wgrad's operands of the second product's lhs.
+// With source kActivationGrad, the rows are the routing-weighted activation's backward d h
+// of h = x [rows, cols] (cols = 2F gated, else F), g [rows, F] and omega [rows] as
+// Fp8ActivateGradQuantizeParams computes it (common/expert_activation.h): u = v = d h, so
+// the result is bitwise that kernel's (q, scales) and the column tiles of its d h, with d h
+// never written (the FP8 wgrad's operand of the first product's cotangent), and
+// d_omega_tiles [rows, ceil(F / 128)] as that kernel's (sums in an unspecified order).
+enum class GroupColsRows : int32_t { kStored, kGathered, kActivated, kActivationGrad };
+
 struct Fp8GroupColsParams {
-  const void* x;               // [rows, cols], or [values_rows, cols] with sources
+  const void* x;               // [rows, cols]; [values_rows, cols] gathered; h activated
   DType dtype;                 // of x: f32, bf16 or f16
   const int32_t* group_sizes;  // [num_groups]; device memory for CUDA kernels
   int64_t num_groups;
@@ -258,11 +266,17 @@ struct Fp8GroupColsParams {
   int64_t rows;
   int64_t cols;
   bool pow2_scale;
-  const int32_t* sources = nullptr;  // [rows], or null: row r is x[r]; device memory for CUDA kernels
-  const float* factor = nullptr;     // [rows], or null: every factor 1; with sources only
-  int64_t values_rows = 0;           // x's rows, with sources
-  bool activated = false;            // x is h, the rows its activation (q given, no sources)
-  Activation activation = Activation::kSwiglu;
+  // Where the rows come from; every source but kStored needs q. The fields below are read
+  // for the sources named beside them (device memory for CUDA kernels) and are null
+  // otherwise.
+  GroupColsRows source = GroupColsRows::kStored;
+  const int32_t* sources = nullptr;  // kGathered: [rows]
+  const float* factor = nullptr;     // kGathered: [rows], or null: every factor 1
+  int64_t values_rows = 0;           // kGathered: x's rows
+  Activation activation = Activation::kSwiglu;  // kActivated, kActivationGrad
+  const void* g = nullptr;                      // kActivationGrad: [rows, F] of dtype
+  const float* omega = nullptr;                 // kActivationGrad: [rows]
+  float* d_omega_tiles = nullptr;               // kActivationGrad: [rows, ceil(F / 128)]
 };
 
 // T of Fp8GroupColsParams: the number of 128-row tiles the q_t / scales arrays hold.

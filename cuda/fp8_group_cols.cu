@@ -23,7 +23,12 @@
 // codes are bitwise those of its output quantised by this kernel. Activated rows:
 // a thread fetches the gate and up words of its 8 rows of h, then computes their
 // activation (fp8_row_sources.cuh's Activated, the row kernel's own), so the codes are
-// bitwise those of that kernel's a quantised by this one, and a is never written. Scale
+// bitwise those of that kernel's a quantised by this one, and a is never written. The
+// activation's backward likewise (ActivationGrad): d h's elements from h, g and omega, never
+// written, and the row's d omega terms of the block's gate columns summed over the 16
+// threads of each row (shuffles, then shared memory) into its d omega tile; with F a
+// multiple of 128 a CTA takes gate block j and up block j one after the other, so that the
+// up block's reads of h's gate and of g (the gate block's too) come from L2. Scale
 // and elements go through common/fp8_blockwise.h like the CPU kernel, the elements by its
 // division-free quotient where it gives the same codes (cuda/fp8_tile_codes.cuh); max is
 // exact in any order, so the results are bitwise those of the CPU.
@@ -71,8 +76,8 @@ constexpr int kMinCtas = 2;
 
 // Where a CTA's rows come from (Fp8GroupColsParams): x's rows in place, or gathered through
 // sources with every factor 1, or gathered and scaled by factor in the column tiles, or
-// the expert activation of x = h.
-enum class Source { kStored, kGathered, kScaled, kActivated };
+// the expert activation of x = h, or its routing-weighted backward.
+enum class Source { kStored, kGathered, kScaled, kActivated, kActivationGrad };
 
 // The row tiles of a thread's 8 rows (rows `row` .. `row` + 7 of the tile, columns `col` ..
 // `col` + 7 of the block): each row's 128 columns are the 8 lanes of its row group (lanes
@@ -132,16 +137,45 @@ __device__ __forceinline__ Lane<typename Elem<D>::Bits> flushed(const Lane<typen
   return detail::round_lane<D>(v);
 }
 
+// The d omega tile `tile` of the thread's 8 rows from their dot terms: each row's 128
+// columns are the 8 lanes of its row group in warps 2w and 2w + 1 (as store_row_tiles),
+// summed in a fixed order. Every thread calls it.
+template <DType D, bool kVec>
+__device__ __forceinline__ void store_dot_tiles(const detail::ActivationGrad<D, kVec>& grad, float (&dot)[kRowRuns],
+                                                int64_t first_row, int nrows, int64_t tile) {
+  __shared__ float partner[kWarps][kWarpRowGroups * kRowRuns];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int slot = lane / kWarpColLanes * kRowRuns;
+#pragma unroll
+  for (int i = 0; i < kRowRuns; ++i) {
+#pragma unroll
+    for (int offset = kWarpColLanes / 2; offset > 0; offset /= 2) {
+      dot[i] += __shfl_xor_sync(detail::kFullWarp, dot[i], offset);
+    }
+    if (lane % kWarpColLanes == 0) partner[warp][slot + i] = dot[i];
+  }
+  __syncthreads();
+  if (warp % 2 == 0 && lane % kWarpColLanes == 0) {
+#pragma unroll
+    for (int i = 0; i < kRowRuns; ++i) {
+      if (i < nrows) grad.keep_dot(first_row + i, tile, dot[i] + partner[warp + 1][slot + i]);
+    }
+  }
+  __syncthreads();  // partner is rewritten by the next block
+}
+
 // kRows: q and row_scales get the row tiles too (store_row_tiles); always with a gathered
 // or activated source. sources, factor and values_rows are read for gathered sources only,
-// activation for activated ones.
+// activation for activated ones and their backward, g, omega and d_omega_tiles for the
+// backward (x is h there).
 template <DType D, bool kVec, bool kRows, Source kSource>
 __global__ void __launch_bounds__(kThreads, kMinCtas)
     quantize_group_cols_kernel(const typename Elem<D>::Bits* __restrict__ x, const int32_t* __restrict__ group_sizes,
                                int64_t num_groups, uint8_t* __restrict__ q_t, float* __restrict__ scales,
                                uint8_t* __restrict__ q, float* __restrict__ row_scales, int64_t rows, int64_t cols,
                                bool pow2, const int32_t* __restrict__ sources, const float* __restrict__ factor,
-                               int64_t values_rows, Activation activation) {
+                               int64_t values_rows, Activation activation, const typename Elem<D>::Bits* __restrict__ g,
+                               const float* __restrict__ omega, float* __restrict__ d_omega_tiles) {
   using Bits = typename Elem<D>::Bits;
   constexpr bool kGather = kSource == Source::kGathered || kSource == Source::kScaled;
   static_assert(kRows || kSource == Source::kStored, "gathered and activated rows come with their row tiles");
@@ -191,8 +225,14 @@ __global__ void __launch_bounds__(kThreads, kMinCtas)
   const int col = ((warp % 2) * kWarpColLanes + lane % kWarpColLanes) * kLaneCols;  // in the block
   const int row = ((warp / 2) * kWarpRowGroups + lane / kWarpColLanes) * kRowRuns;   // in the tile
   const int64_t col_blocks = fp8::tiles(cols);
-  const int64_t cb_end = (blockIdx.y + 1) * int64_t{kBlocksPerCta};
-  for (int64_t cb = blockIdx.y * int64_t{kBlocksPerCta}; cb < col_blocks && cb < cb_end; ++cb) {
+  // The backward's gate and up blocks in pairs: k-th block of the CTAs' order is gate block
+  // k / 2 or its up block (F a multiple of 128; else the blocks in column order).
+  const int64_t up_blocks = kSource == Source::kActivationGrad && is_gated(activation) && cols % (2 * fp8::kTile) == 0
+                                ? col_blocks / 2
+                                : 0;
+  const int64_t k_end = (blockIdx.y + 1) * int64_t{kBlocksPerCta};
+  for (int64_t k = blockIdx.y * int64_t{kBlocksPerCta}; k < col_blocks && k < k_end; ++k) {
+    const int64_t cb = up_blocks > 0 ? k / 2 + (k % 2) * up_blocks : k;
     const int64_t c = cb * fp8::kTile + col;
     const int valid = static_cast<int>(cols - c <= 0 ? 0 : (cols - c < kLaneCols ? cols - c : kLaneCols));
     Lane<Bits> raw[kRowRuns];  // zero bits outside the tile's rows and the matrix
@@ -228,7 +268,31 @@ __global__ void __launch_bounds__(kThreads, kMinCtas)
         }
       }
     };
-    if constexpr (kSource != Source::kActivated) load_rows();
+    if constexpr (kSource == Source::kActivationGrad) {
+      const detail::ActivationGrad<D, kVec> grad{x, g, omega, nullptr, d_omega_tiles, cols, activation};
+      // The words of 4 rows (three lanes each) are fetched before any is used: all 8 rows'
+      // spilled at the 128-register cap.
+      constexpr int kFetchRows = kRowRuns / 2;
+      float dot[kRowRuns];
+#pragma unroll
+      for (int i0 = 0; i0 < kRowRuns; i0 += kFetchRows) {
+        typename detail::ActivationGrad<D, kVec>::Words words[kFetchRows];
+#pragma unroll
+        for (int i = 0; i < kFetchRows; ++i) {
+          words[i] = {};
+          if (row + i0 + i < nrows && valid > 0) words[i] = grad.fetch(0, r0 + row + i0 + i, c, valid);
+        }
+#pragma unroll
+        for (int i = 0; i < kFetchRows; ++i) {
+          const bool inside = row + i0 + i < nrows && valid > 0;
+          raw[i0 + i] = inside ? grad.value(words[i], c, valid) : Lane<Bits>{};
+          dot[i0 + i] = inside ? grad.dot(words[i], c, valid) : 0.0f;
+        }
+      }
+      // Blocks of the up half alone hold no d omega term (the same for the whole CTA).
+      if (cb * fp8::kTile < grad.f()) store_dot_tiles(grad, dot, r0 + row, static_cast<int>(nrows - row), cb);
+    }
+    if constexpr (kSource != Source::kActivated && kSource != Source::kActivationGrad) load_rows();
     bool smallest = false;  // kScaled: one of the thread's elements is +-2^-126
     if constexpr (kSource == Source::kScaled) {
 #pragma unroll
@@ -317,22 +381,37 @@ cudaError_t launch(const Fp8GroupColsParams& p, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(runs));
   const auto* x = static_cast<const Bits*>(p.x);
   const bool rows = p.q != nullptr;
-  const bool vector = p.cols % kLaneCols == 0 && aligned(p.x, sizeof(Lane<Bits>)) && (!rows || aligned(p.q, kLaneCols));
+  // The backward's lanes must not cross the gate | up boundary, nor g's rows be misaligned.
+  const int64_t f = is_gated(p.activation) ? p.cols / 2 : p.cols;
+  const bool grad_vector = p.source != GroupColsRows::kActivationGrad ||
+                           (f % kLaneCols == 0 && aligned(p.g, sizeof(Lane<Bits>)));
+  const bool vector = p.cols % kLaneCols == 0 && aligned(p.x, sizeof(Lane<Bits>)) &&
+                      (!rows || aligned(p.q, kLaneCols)) && grad_vector;
   auto run = [&](auto vec, auto with_rows, auto source) {
     quantize_group_cols_kernel<D, decltype(vec)::value, decltype(with_rows)::value, decltype(source)::value>
         <<<grid, kThreads, 0, stream>>>(x, p.group_sizes, p.num_groups, p.q_t, p.scales, p.q, p.row_scales, p.rows,
-                                        p.cols, p.pow2_scale, p.sources, p.factor, p.values_rows, p.activation);
+                                        p.cols, p.pow2_scale, p.sources, p.factor, p.values_rows, p.activation,
+                                        static_cast<const Bits*>(p.g), p.omega, p.d_omega_tiles);
   };
   auto with_source = [&](auto vec) {
     using Stored = std::integral_constant<Source, Source::kStored>;
-    if (p.activated) {
-      run(vec, std::true_type{}, std::integral_constant<Source, Source::kActivated>{});
-    } else if (p.sources == nullptr) {
-      rows ? run(vec, std::true_type{}, Stored{}) : run(vec, std::false_type{}, Stored{});
-    } else if (p.factor == nullptr) {
-      run(vec, std::true_type{}, std::integral_constant<Source, Source::kGathered>{});
-    } else {
-      run(vec, std::true_type{}, std::integral_constant<Source, Source::kScaled>{});
+    switch (p.source) {
+      case GroupColsRows::kStored:
+        rows ? run(vec, std::true_type{}, Stored{}) : run(vec, std::false_type{}, Stored{});
+        break;
+      case GroupColsRows::kGathered:
+        if (p.factor == nullptr) {
+          run(vec, std::true_type{}, std::integral_constant<Source, Source::kGathered>{});
+        } else {
+          run(vec, std::true_type{}, std::integral_constant<Source, Source::kScaled>{});
+        }
+        break;
+      case GroupColsRows::kActivated:
+        run(vec, std::true_type{}, std::integral_constant<Source, Source::kActivated>{});
+        break;
+      case GroupColsRows::kActivationGrad:
+        run(vec, std::true_type{}, std::integral_constant<Source, Source::kActivationGrad>{});
+        break;
     }
   };
   vector ? with_source(std::true_type{}) : with_source(std::false_type{});
@@ -355,20 +434,35 @@ Status fp8_quantize_group_cols(const Fp8GroupColsParams& p, cudaStream_t stream)
   if (p.num_groups > 0 && p.group_sizes == nullptr) {
     return Status::InvalidArgument("fp8 quantize group cols: null group_sizes");
   }
-  if (p.sources == nullptr && p.factor != nullptr) {
-    return Status::InvalidArgument("fp8 quantize group cols: factor needs sources");
+  const bool gathered = p.source == GroupColsRows::kGathered;
+  const bool activation = p.source == GroupColsRows::kActivated || p.source == GroupColsRows::kActivationGrad;
+  const bool grad = p.source == GroupColsRows::kActivationGrad;
+  if (!gathered && !activation && p.source != GroupColsRows::kStored) {
+    return Status::InvalidArgument("fp8 quantize group cols: unknown row source");
   }
-  if (p.sources != nullptr && p.rows > 0 && p.q == nullptr) {
-    return Status::InvalidArgument("fp8 quantize group cols: gathered rows need q and row_scales");
+  if (!gathered && (p.sources != nullptr || p.factor != nullptr)) {
+    return Status::InvalidArgument("fp8 quantize group cols: sources and factor belong to gathered rows");
   }
-  if (p.activated && (p.sources != nullptr || (p.rows > 0 && p.q == nullptr))) {
-    return Status::InvalidArgument("fp8 quantize group cols: activated rows need q and row_scales and no sources");
+  if (!grad && (p.g != nullptr || p.omega != nullptr || p.d_omega_tiles != nullptr)) {
+    return Status::InvalidArgument("fp8 quantize group cols: g, omega and d_omega_tiles belong to the activation's backward");
   }
-  if (p.activated && static_cast<uint32_t>(p.activation) >= static_cast<uint32_t>(kNumActivations)) {
+  if (p.source != GroupColsRows::kStored && p.rows > 0 && p.q == nullptr) {
+    return Status::InvalidArgument("fp8 quantize group cols: gathered and activation rows need q and row_scales");
+  }
+  if (gathered && p.rows > 0 && p.sources == nullptr) {
+    return Status::InvalidArgument("fp8 quantize group cols: gathered rows need sources");
+  }
+  if (gathered && p.values_rows < 0) {
+    return Status::InvalidArgument("fp8 quantize group cols: negative values_rows");
+  }
+  if (activation && static_cast<uint32_t>(p.activation) >= static_cast<uint32_t>(kNumActivations)) {
     return Status::InvalidArgument("fp8 quantize group cols: unknown activation");
   }
-  if (p.sources != nullptr && p.values_rows < 0) {
-    return Status::InvalidArgument("fp8 quantize group cols: negative values_rows");
+  if (grad && is_gated(p.activation) && p.cols % 2 != 0) {
+    return Status::InvalidArgument("fp8 quantize group cols: a gated activation's d h has an even number of columns");
+  }
+  if (grad && p.rows > 0 && (p.g == nullptr || p.omega == nullptr || p.d_omega_tiles == nullptr)) {
+    return Status::InvalidArgument("fp8 quantize group cols: the activation's backward needs g, omega and d_omega_tiles");
   }
   switch (p.dtype) {
     case DType::kF32: MOE_XLA_RETURN_IF_CUDA_ERROR(launch<DType::kF32>(p, stream)); break;

@@ -64,6 +64,7 @@ import moe_xla._rows as _rows
 from moe_xla.primitives import _fp8
 from moe_xla.primitives._activation import GATED
 from moe_xla.primitives.activate_grad_quantize_fp8 import activate_grad_quantize_fp8
+from moe_xla.primitives.activate_grad_quantize_fp8_group_cols import activate_grad_quantize_fp8_group_cols
 from moe_xla.primitives.activate_quantize_fp8 import activate_quantize_fp8
 from moe_xla.primitives.activate_quantize_fp8_group_cols import activate_quantize_fp8_group_cols
 from moe_xla.primitives.expand_quantize_fp8_rows import expand_quantize_fp8_rows
@@ -221,13 +222,28 @@ def _gmm_act_fwd(lhs, lhs_q, w, weights, group_sizes, activation, wgrad, column_
     return out, (h, residuals)
 
 
+def _activation_grad(h, g, omega, residuals, activation, wgrad_kind):
+    """(d h, its FP8 operands for _grads, d omega) of the activation's backward with the
+    routing weights omega, for the first product of residuals. For the FP8 wgrad only d h's
+    column tiles are needed, made with its rows: d h is then never written, its shape and
+    dtype alone (_grads reads nothing else)."""
+    _, group_sizes, _, wgrad = residuals
+    if wgrad_kind == "fp8" and wgrad is not None:
+        *dh_quantized, d_omega_tiles = activate_grad_quantize_fp8_group_cols(h, g.astype(h.dtype), omega,
+                                                                             group_sizes, activation)
+        d_omega = jnp.sum(d_omega_tiles, axis=1)  # as activate_grad_quantize_fp8 adds its tiles
+        return jax.ShapeDtypeStruct(h.shape, h.dtype), tuple(dh_quantized), d_omega
+    dh, *dh_quantized, d_omega = activate_grad_quantize_fp8(h, g.astype(h.dtype), omega, activation)
+    return dh, tuple(dh_quantized), d_omega
+
+
 def _gmm_act_bwd(activation, wgrad_kind, saved, cotangents):
     h, residuals = saved
     with jax.named_scope(_ACT):
         ones = jnp.ones(h.shape[:1], jnp.float32)
-        dh, q, scales, _ = activate_grad_quantize_fp8(h, cotangents[0].astype(h.dtype), ones, activation)
+        dh, dh_quantized, _ = _activation_grad(h, cotangents[0], ones, residuals, activation, wgrad_kind)
     with jax.named_scope(_PRODUCT):
-        return _grads(dh, (q, scales), residuals, wgrad_kind)
+        return _grads(dh, dh_quantized, residuals, wgrad_kind)
 
 
 _gmm_act.defvjp(_gmm_act_fwd, _gmm_act_bwd)
@@ -271,9 +287,9 @@ def _mlp_combine_bwd(activation, wgrad_kind, saved, dy):
     with jax.named_scope(_PRODUCT_OUT):
         g, _, d_w_out, d_q_out, _ = _grads(d_out, tuple(d_out_quantized), res_out, wgrad_kind)
     with jax.named_scope(_ACT):
-        dh, q_h, s_h, d_omega = activate_grad_quantize_fp8(h, g.astype(h.dtype), omega, activation)
+        dh, dh_quantized, d_omega = _activation_grad(h, g, omega, res_in, activation, wgrad_kind)
     with jax.named_scope(_PRODUCT):
-        d_x, d_x_q, d_w_in, d_q_in, _ = _grads(dh, (q_h, s_h), res_in, wgrad_kind)
+        d_x, d_x_q, d_w_in, d_q_in, _ = _grads(dh, dh_quantized, res_in, wgrad_kind)
     with jax.named_scope(_COMBINE):
         # omega's transpose: d weights[t, j] = d omega[row_map[t*k + j]], a gather.
         (d_route,) = jax.linear_transpose(lambda w: _rows.row_weights(row_map, w, m), weights32)(d_omega)
@@ -350,7 +366,9 @@ def mlp_combine_fp8(x, w_in, w_out, group_sizes, row_map, weights, row_pairs, ac
     (expand_quantize_fp8_rows); with the FP8 wgrad it writes the FP8 rows of c and the
     column tiles of omega c instead (gather_quantize_fp8_group_cols: omega c never stored),
     and the activation's kernel writes a's column tiles with its rows
-    (activate_quantize_fp8_group_cols: a never stored). Neither the product's output nor
+    (activate_quantize_fp8_group_cols: a never stored), and the activation's backward d h's
+    column tiles with its rows (activate_grad_quantize_fp8_group_cols: d h never stored).
+    Neither the product's output nor
     a weighted copy of g is kept or written: a step saves h, a (with the FP8 wgrad the
     column tiles of x and a instead of x and a) and the weights' layouts. The FP8 dgrad multiplies
     Q_rows(c), not Q_rows(omega c) as the unfused rule would (the same up to the

@@ -87,3 +87,24 @@ def static_bool(op: str, name: str, value) -> bool:
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{op}: expected {name} to be a Python bool, got {value!r}")
     return bool(value)
+
+
+def activation_grad_operands(op: str, h, g, omega, activation: str, gated: bool) -> tuple[int, int, int]:
+    """(M, C, F) of an activation's backward operands h [M, C] (C = 2F gated, gate | up; else
+    F), g [M, F] of h's float dtype and omega [M] float32, each checked."""
+    rank(op, "h", h, 2, "[M, 2F] or [M, F]")
+    rank(op, "g", g, 2, "[M, F]")
+    rank(op, "omega", omega, 1, "[M]")
+    float_dtype(op, "h", h)
+    same_dtype(op, "h", h, "g", g)
+    if jnp.dtype(omega.dtype) != jnp.float32:
+        raise TypeError(f"{op}: expected float32 omega, got {omega.dtype}")
+    m, c = h.shape
+    if gated and c % 2:
+        raise ValueError(f"{op}: gated activation {activation!r} needs h [M, 2F] (gate | up), got an odd last dim {c}")
+    f = c // 2 if gated else c
+    if tuple(g.shape) != (m, f):
+        raise ValueError(f"{op}: expected g of shape {(m, f)} ([M, F] for h {tuple(h.shape)}), got {tuple(g.shape)}")
+    if tuple(omega.shape) != (m,):
+        raise ValueError(f"{op}: expected omega of shape ({m},) (M of h), got {tuple(omega.shape)}")
+    return m, c, f

@@ -65,21 +65,7 @@ def activate_grad_quantize_fp8(h, g, omega, activation: str, *, pow2_scale=False
 
 
 def _abstract_eval(h, g, omega, *, activation, pow2_scale):
-    _checks.rank(_OP, "h", h, 2, "[M, 2F] or [M, F]")
-    _checks.rank(_OP, "g", g, 2, "[M, F]")
-    _checks.rank(_OP, "omega", omega, 1, "[M]")
-    _checks.float_dtype(_OP, "h", h)
-    _checks.same_dtype(_OP, "h", h, "g", g)
-    if jnp.dtype(omega.dtype) != jnp.float32:
-        raise TypeError(f"{_OP}: expected float32 omega, got {omega.dtype}")
-    m, c = h.shape
-    if activation in GATED and c % 2:
-        raise ValueError(f"{_OP}: gated activation {activation!r} needs h [M, 2F] (gate | up), got an odd last dim {c}")
-    f = c // 2 if activation in GATED else c
-    if tuple(g.shape) != (m, f):
-        raise ValueError(f"{_OP}: expected g of shape {(m, f)} ([M, F] for h {tuple(h.shape)}), got {tuple(g.shape)}")
-    if tuple(omega.shape) != (m,):
-        raise ValueError(f"{_OP}: expected omega of shape ({m},) (M of h), got {tuple(omega.shape)}")
+    m, c, f = _checks.activation_grad_operands(_OP, h, g, omega, activation, activation in GATED)
     q, scales = _fp8.outputs((m, c), (m, _fp8.tiles(c)))
     return [jax.core.ShapedArray((m, c), h.dtype), q, scales, jax.core.ShapedArray((m, _fp8.tiles(f)), jnp.float32)]
 

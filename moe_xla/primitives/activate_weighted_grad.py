@@ -56,21 +56,7 @@ def formula(h, g, omega, activation: str):
 
 
 def _abstract_eval(h, g, omega, *, activation):
-    _checks.rank(OP, "h", h, 2, "[M, 2F] or [M, F]")
-    _checks.rank(OP, "g", g, 2, "[M, F]")
-    _checks.rank(OP, "omega", omega, 1, "[M]")
-    _checks.float_dtype(OP, "h", h)
-    _checks.same_dtype(OP, "h", h, "g", g)
-    if jnp.dtype(omega.dtype) != jnp.float32:
-        raise TypeError(f"{OP}: expected float32 omega, got {omega.dtype}")
-    m, c = h.shape
-    if activation in GATED and c % 2:
-        raise ValueError(f"{OP}: gated activation {activation!r} needs h [M, 2F] (gate | up), got an odd last dim {c}")
-    f = c // 2 if activation in GATED else c
-    if tuple(g.shape) != (m, f):
-        raise ValueError(f"{OP}: expected g of shape {(m, f)} ([M, F] for h {tuple(h.shape)}), got {tuple(g.shape)}")
-    if tuple(omega.shape) != (m,):
-        raise ValueError(f"{OP}: expected omega of shape ({m},) (M of h), got {tuple(omega.shape)}")
+    m, c, _ = _checks.activation_grad_operands(OP, h, g, omega, activation, activation in GATED)
     return [jax.core.ShapedArray((m, c), h.dtype), jax.core.ShapedArray((m,), jnp.float32)]
 
 
