@@ -84,8 +84,8 @@ SHARDING = _sharding.Rule(sharding_rule=lambda **_: "m c -> m f, m f, m t", spec
 
 
 def activation_attributes(*, activation, pow2_scale):
-    """The FFI attributes of this primitive, of activate_grad_quantize_fp8 and of
-    activate_quantize_fp8_group_cols."""
+    """The FFI attributes of this primitive, of activate_grad_quantize_fp8 and of their
+    _group_cols twins."""
     return dict(activation=np.int32(ACTIVATIONS.index(activation)), pow2_scale=pow2_scale)
 
 
