@@ -166,15 +166,17 @@ __device__ __forceinline__ void store_dot_tiles(const detail::ActivationGrad<D, 
 
 // kRows: q and row_scales get the row tiles too (store_row_tiles); always with a gathered
 // or activated source. sources, factor and values_rows are read for gathered sources only,
-// activation for activated ones and their backward, g, omega and d_omega_tiles for the
-// backward (x is h there).
-template <DType D, bool kVec, bool kRows, Source kSource>
+// g, omega and d_omega_tiles for the activation's backward (x is h there). kAct: the
+// activation of the activated sources, a constant so that each element's activation is
+// straight-line code (a switch per element kept the 64 elements of a thread from
+// overlapping: 3-6x the unfused kernels' time, LOG.md session 48).
+template <DType D, bool kVec, bool kRows, Source kSource, Activation kAct>
 __global__ void __launch_bounds__(kThreads, kMinCtas)
     quantize_group_cols_kernel(const typename Elem<D>::Bits* __restrict__ x, const int32_t* __restrict__ group_sizes,
                                int64_t num_groups, uint8_t* __restrict__ q_t, float* __restrict__ scales,
                                uint8_t* __restrict__ q, float* __restrict__ row_scales, int64_t rows, int64_t cols,
                                bool pow2, const int32_t* __restrict__ sources, const float* __restrict__ factor,
-                               int64_t values_rows, Activation activation, const typename Elem<D>::Bits* __restrict__ g,
+                               int64_t values_rows, const typename Elem<D>::Bits* __restrict__ g,
                                const float* __restrict__ omega, float* __restrict__ d_omega_tiles) {
   using Bits = typename Elem<D>::Bits;
   constexpr bool kGather = kSource == Source::kGathered || kSource == Source::kScaled;
@@ -227,7 +229,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas)
   const int64_t col_blocks = fp8::tiles(cols);
   // The backward's gate and up blocks in pairs: k-th block of the CTAs' order is gate block
   // k / 2 or its up block (F a multiple of 128; else the blocks in column order).
-  const int64_t up_blocks = kSource == Source::kActivationGrad && is_gated(activation) && cols % (2 * fp8::kTile) == 0
+  const int64_t up_blocks = kSource == Source::kActivationGrad && is_gated(kAct) && cols % (2 * fp8::kTile) == 0
                                 ? col_blocks / 2
                                 : 0;
   const int64_t k_end = (blockIdx.y + 1) * int64_t{kBlocksPerCta};
@@ -238,7 +240,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas)
     Lane<Bits> raw[kRowRuns];  // zero bits outside the tile's rows and the matrix
     if constexpr (kSource == Source::kActivated) {
       // Every row's words are fetched before any is used (one load in flight per row).
-      const detail::Activated<D, kVec> act{x, nullptr, cols, activation};
+      const detail::Activated<D, kVec> act{x, nullptr, cols, kAct};
       typename detail::Activated<D, kVec>::Words words[kRowRuns];
 #pragma unroll
       for (int i = 0; i < kRowRuns; ++i) {
@@ -269,7 +271,30 @@ __global__ void __launch_bounds__(kThreads, kMinCtas)
       }
     };
     if constexpr (kSource == Source::kActivationGrad) {
-      const detail::ActivationGrad<D, kVec> grad{x, g, omega, nullptr, d_omega_tiles, cols, activation};
+      const detail::ActivationGrad<D, kVec> grad{x, g, omega, nullptr, d_omega_tiles, cols, kAct};
+      // Where the row kernel takes both halves of a gated d h from one read (vector lanes, F
+      // a multiple of 128: activate_grad_pairs), its elements are gated_grad's, which shares
+      // the gate's exp or tanh and may differ from activate_grad's by an ulp: the same
+      // formulas here keep d h bitwise that kernel's. The up half needs no up element.
+      const bool up_half = cb >= up_blocks;
+      auto element_values = [&](const typename detail::ActivationGrad<D, kVec>::Words& w, float& dot) {
+        if constexpr (kVec && (kAct == Activation::kSwiglu || kAct == Activation::kGeglu)) {  // gated
+          if (up_blocks > 0) {
+            float v[kLaneCols], sum = 0.0f;
+#pragma unroll
+            for (int j = 0; j < kLaneCols; ++j) {
+              const float d = Elem<D>::to_float(w.d.get(j));
+              const GatedGrad e = gated_grad(kAct, Elem<D>::to_float(w.x.get(j)), Elem<D>::to_float(w.u.get(j)), w.w * d);
+              v[j] = up_half ? e.d_up : e.d_gate;
+              sum += d * Elem<D>::to_float(Elem<D>::from_float(e.a));
+            }
+            dot = up_half ? 0.0f : sum;
+            return detail::round_lane<D>(v);
+          }
+        }
+        dot = grad.dot(w, c, valid);
+        return grad.value(w, c, valid);
+      };
       // The words of 4 rows (three lanes each) are fetched before any is used: all 8 rows'
       // spilled at the 128-register cap.
       constexpr int kFetchRows = kRowRuns / 2;
@@ -285,8 +310,8 @@ __global__ void __launch_bounds__(kThreads, kMinCtas)
 #pragma unroll
         for (int i = 0; i < kFetchRows; ++i) {
           const bool inside = row + i0 + i < nrows && valid > 0;
-          raw[i0 + i] = inside ? grad.value(words[i], c, valid) : Lane<Bits>{};
-          dot[i0 + i] = inside ? grad.dot(words[i], c, valid) : 0.0f;
+          dot[i0 + i] = 0.0f;
+          raw[i0 + i] = inside ? element_values(words[i], dot[i0 + i]) : Lane<Bits>{};
         }
       }
       // Blocks of the up half alone hold no d omega term (the same for the whole CTA).
@@ -387,30 +412,43 @@ cudaError_t launch(const Fp8GroupColsParams& p, cudaStream_t stream) {
                            (f % kLaneCols == 0 && aligned(p.g, sizeof(Lane<Bits>)));
   const bool vector = p.cols % kLaneCols == 0 && aligned(p.x, sizeof(Lane<Bits>)) &&
                       (!rows || aligned(p.q, kLaneCols)) && grad_vector;
-  auto run = [&](auto vec, auto with_rows, auto source) {
-    quantize_group_cols_kernel<D, decltype(vec)::value, decltype(with_rows)::value, decltype(source)::value>
+  auto run = [&](auto vec, auto with_rows, auto source, auto act) {
+    quantize_group_cols_kernel<D, decltype(vec)::value, decltype(with_rows)::value, decltype(source)::value,
+                               decltype(act)::value>
         <<<grid, kThreads, 0, stream>>>(x, p.group_sizes, p.num_groups, p.q_t, p.scales, p.q, p.row_scales, p.rows,
-                                        p.cols, p.pow2_scale, p.sources, p.factor, p.values_rows, p.activation,
+                                        p.cols, p.pow2_scale, p.sources, p.factor, p.values_rows,
                                         static_cast<const Bits*>(p.g), p.omega, p.d_omega_tiles);
+  };
+  // The activated sources with their activation as a constant (the others ignore it).
+  auto activated = [&](auto vec, auto source) {
+    using A = Activation;
+    switch (p.activation) {
+      case A::kSwiglu: run(vec, std::true_type{}, source, std::integral_constant<A, A::kSwiglu>{}); break;
+      case A::kGeglu: run(vec, std::true_type{}, source, std::integral_constant<A, A::kGeglu>{}); break;
+      case A::kGelu: run(vec, std::true_type{}, source, std::integral_constant<A, A::kGelu>{}); break;
+      case A::kSilu: run(vec, std::true_type{}, source, std::integral_constant<A, A::kSilu>{}); break;
+      case A::kRelu: run(vec, std::true_type{}, source, std::integral_constant<A, A::kRelu>{}); break;
+    }
   };
   auto with_source = [&](auto vec) {
     using Stored = std::integral_constant<Source, Source::kStored>;
+    using Unused = std::integral_constant<Activation, Activation::kSwiglu>;
     switch (p.source) {
       case GroupColsRows::kStored:
-        rows ? run(vec, std::true_type{}, Stored{}) : run(vec, std::false_type{}, Stored{});
+        rows ? run(vec, std::true_type{}, Stored{}, Unused{}) : run(vec, std::false_type{}, Stored{}, Unused{});
         break;
       case GroupColsRows::kGathered:
         if (p.factor == nullptr) {
-          run(vec, std::true_type{}, std::integral_constant<Source, Source::kGathered>{});
+          run(vec, std::true_type{}, std::integral_constant<Source, Source::kGathered>{}, Unused{});
         } else {
-          run(vec, std::true_type{}, std::integral_constant<Source, Source::kScaled>{});
+          run(vec, std::true_type{}, std::integral_constant<Source, Source::kScaled>{}, Unused{});
         }
         break;
       case GroupColsRows::kActivated:
-        run(vec, std::true_type{}, std::integral_constant<Source, Source::kActivated>{});
+        activated(vec, std::integral_constant<Source, Source::kActivated>{});
         break;
       case GroupColsRows::kActivationGrad:
-        run(vec, std::true_type{}, std::integral_constant<Source, Source::kActivationGrad>{});
+        activated(vec, std::integral_constant<Source, Source::kActivationGrad>{});
         break;
     }
   };
