@@ -64,7 +64,6 @@ import moe_xla._rows as _rows
 from moe_xla.primitives import _fp8
 from moe_xla.primitives._activation import GATED
 from moe_xla.primitives.activate_grad_quantize_fp8 import activate_grad_quantize_fp8
-from moe_xla.primitives.activate_grad_quantize_fp8_group_cols import activate_grad_quantize_fp8_group_cols
 from moe_xla.primitives.activate_quantize_fp8 import activate_quantize_fp8
 from moe_xla.primitives.activate_quantize_fp8_group_cols import activate_quantize_fp8_group_cols
 from moe_xla.primitives.expand_quantize_fp8_rows import expand_quantize_fp8_rows
@@ -222,17 +221,11 @@ def _gmm_act_fwd(lhs, lhs_q, w, weights, group_sizes, activation, wgrad, column_
     return out, (h, residuals)
 
 
-def _activation_grad(h, g, omega, residuals, activation, wgrad_kind):
-    """(d h, its FP8 operands for _grads, d omega) of the activation's backward with the
-    routing weights omega, for the first product of residuals. For the FP8 wgrad only d h's
-    column tiles are needed, made with its rows: d h is then never written, its shape and
-    dtype alone (_grads reads nothing else)."""
-    _, group_sizes, _, wgrad = residuals
-    if wgrad_kind == "fp8" and wgrad is not None:
-        *dh_quantized, d_omega_tiles = activate_grad_quantize_fp8_group_cols(h, g.astype(h.dtype), omega,
-                                                                             group_sizes, activation)
-        d_omega = jnp.sum(d_omega_tiles, axis=1)  # as activate_grad_quantize_fp8 adds its tiles
-        return jax.ShapeDtypeStruct(h.shape, h.dtype), tuple(dh_quantized), d_omega
+def _activation_grad(h, g, omega, activation):
+    """(d h, its FP8 rows, d omega) of the activation's backward with the routing weights
+    omega. With the FP8 wgrad, _grads makes d h's column tiles from d h in a pass of its own:
+    activate_grad_quantize_fp8_group_cols, which makes them with the rows and writes no d h,
+    took 1.9-2.1x the two kernels' time on an H100 (LOG.md, session 48), so it is not used."""
     dh, *dh_quantized, d_omega = activate_grad_quantize_fp8(h, g.astype(h.dtype), omega, activation)
     return dh, tuple(dh_quantized), d_omega
 
@@ -241,7 +234,7 @@ def _gmm_act_bwd(activation, wgrad_kind, saved, cotangents):
     h, residuals = saved
     with jax.named_scope(_ACT):
         ones = jnp.ones(h.shape[:1], jnp.float32)
-        dh, dh_quantized, _ = _activation_grad(h, cotangents[0], ones, residuals, activation, wgrad_kind)
+        dh, dh_quantized, _ = _activation_grad(h, cotangents[0], ones, activation)
     with jax.named_scope(_PRODUCT):
         return _grads(dh, dh_quantized, residuals, wgrad_kind)
 
@@ -287,7 +280,7 @@ def _mlp_combine_bwd(activation, wgrad_kind, saved, dy):
     with jax.named_scope(_PRODUCT_OUT):
         g, _, d_w_out, d_q_out, _ = _grads(d_out, tuple(d_out_quantized), res_out, wgrad_kind)
     with jax.named_scope(_ACT):
-        dh, dh_quantized, d_omega = _activation_grad(h, g, omega, res_in, activation, wgrad_kind)
+        dh, dh_quantized, d_omega = _activation_grad(h, g, omega, activation)
     with jax.named_scope(_PRODUCT):
         d_x, d_x_q, d_w_in, d_q_in, _ = _grads(dh, dh_quantized, res_in, wgrad_kind)
     with jax.named_scope(_COMBINE):
@@ -366,9 +359,7 @@ def mlp_combine_fp8(x, w_in, w_out, group_sizes, row_map, weights, row_pairs, ac
     (expand_quantize_fp8_rows); with the FP8 wgrad it writes the FP8 rows of c and the
     column tiles of omega c instead (gather_quantize_fp8_group_cols: omega c never stored),
     and the activation's kernel writes a's column tiles with its rows
-    (activate_quantize_fp8_group_cols: a never stored), and the activation's backward d h's
-    column tiles with its rows (activate_grad_quantize_fp8_group_cols: d h never stored).
-    Neither the product's output nor
+    (activate_quantize_fp8_group_cols: a never stored). Neither the product's output nor
     a weighted copy of g is kept or written: a step saves h, a (with the FP8 wgrad the
     column tiles of x and a instead of x and a) and the weights' layouts. The FP8 dgrad multiplies
     Q_rows(c), not Q_rows(omega c) as the unfused rule would (the same up to the

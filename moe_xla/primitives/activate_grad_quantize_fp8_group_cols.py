@@ -20,7 +20,10 @@ float32 functions, so dh may differ from reference.activate_grad_quantize_fp8_gr
 
 Where activate_grad_quantize_fp8 writes dh for the bf16 weight gradient and its column
 tiles would need a second read of dh, this reads h and g once for both tilings and writes
-no dh. Handlers MoeXlaActivateGradQuantizeFp8GroupCols{Cpu,Cuda} in ffi/quantize_fp8_cpu.cc
+no dh. Its CUDA kernel is not yet the faster: on an H100 it took 1.9-2.1x the time of
+activate_grad_quantize_fp8 followed by quantize_fp8_group_cols (its column-tile kernel
+computes each gated element's derivative once for the gate block and again for the up
+block, at 2 CTAs per SM; LOG.md, session 48), so moe()'s FP8 layer runs that pair. Handlers MoeXlaActivateGradQuantizeFp8GroupCols{Cpu,Cuda} in ffi/quantize_fp8_cpu.cc
 and ffi/quantize_fp8_group_cols_cuda.cc; kernels cpu/fp8_quantize.cc and
 cuda/fp8_group_cols.cu (fp8_quantize_group_cols, kActivationGrad).
 
