@@ -126,16 +126,22 @@ std::vector<char> gathered_rows(const Fp8GroupColsParams& p, const float* factor
   return rows;
 }
 
+// p with its rows stored in `rows` (p.rows x p.cols of p.dtype): the plain kernel's params.
+Fp8GroupColsParams stored_params(const Fp8GroupColsParams& p, const std::vector<char>& rows) {
+  Fp8GroupColsParams stored = p;
+  stored.source = GroupColsRows::kStored;
+  stored.sources = nullptr;
+  stored.factor = nullptr;
+  stored.x = rows.data();
+  return stored;
+}
+
 // With sources: the rows u (factor 1) and v (p.factor; u without one) written out, then
 // u's row tiles and v's column tiles as of rows in memory.
 void quantize_gathered_group_cols(const Fp8GroupColsParams& p) {
   const std::vector<float> ones(static_cast<size_t>(p.rows), 1.0f);
   const std::vector<char> u = gathered_rows(p, ones.data());
-  Fp8GroupColsParams stored = p;
-  stored.source = GroupColsRows::kStored;
-  stored.sources = nullptr;
-  stored.factor = nullptr;
-  stored.x = u.data();
+  Fp8GroupColsParams stored = stored_params(p, u);
   if (p.factor == nullptr) {
     fp8_quantize_group_cols(stored);
     return;
@@ -146,14 +152,6 @@ void quantize_gathered_group_cols(const Fp8GroupColsParams& p) {
   stored.q = nullptr;
   stored.row_scales = nullptr;
   fp8_quantize_group_cols(stored);
-}
-
-// p with its rows stored in `rows` (p.rows x p.cols of p.dtype): the plain kernel's params.
-Fp8GroupColsParams stored_params(const Fp8GroupColsParams& p, const std::vector<char>& rows) {
-  Fp8GroupColsParams stored = p;
-  stored.source = GroupColsRows::kStored;
-  stored.x = rows.data();
-  return stored;
 }
 
 // kActivated: a = rnd(activate(h)) of h = p.x written out, as fp8_activate_quantize writes

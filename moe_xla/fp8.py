@@ -221,22 +221,13 @@ def _gmm_act_fwd(lhs, lhs_q, w, weights, group_sizes, activation, wgrad, column_
     return out, (h, residuals)
 
 
-def _activation_grad(h, g, omega, activation):
-    """(d h, its FP8 rows, d omega) of the activation's backward with the routing weights
-    omega. With the FP8 wgrad, _grads makes d h's column tiles from d h in a pass of its own:
-    activate_grad_quantize_fp8_group_cols, which makes them with the rows and writes no d h,
-    took 1.9-2.1x the two kernels' time on an H100 (LOG.md, session 48), so it is not used."""
-    dh, *dh_quantized, d_omega = activate_grad_quantize_fp8(h, g.astype(h.dtype), omega, activation)
-    return dh, tuple(dh_quantized), d_omega
-
-
 def _gmm_act_bwd(activation, wgrad_kind, saved, cotangents):
     h, residuals = saved
     with jax.named_scope(_ACT):
         ones = jnp.ones(h.shape[:1], jnp.float32)
-        dh, dh_quantized, _ = _activation_grad(h, cotangents[0], ones, activation)
+        dh, q, scales, _ = activate_grad_quantize_fp8(h, cotangents[0].astype(h.dtype), ones, activation)
     with jax.named_scope(_PRODUCT):
-        return _grads(dh, dh_quantized, residuals, wgrad_kind)
+        return _grads(dh, (q, scales), residuals, wgrad_kind)
 
 
 _gmm_act.defvjp(_gmm_act_fwd, _gmm_act_bwd)
@@ -280,9 +271,12 @@ def _mlp_combine_bwd(activation, wgrad_kind, saved, dy):
     with jax.named_scope(_PRODUCT_OUT):
         g, _, d_w_out, d_q_out, _ = _grads(d_out, tuple(d_out_quantized), res_out, wgrad_kind)
     with jax.named_scope(_ACT):
-        dh, dh_quantized, d_omega = _activation_grad(h, g, omega, activation)
+        # With the FP8 wgrad, _grads makes d h's column tiles in a pass of their own:
+        # activate_grad_quantize_fp8_group_cols, which makes them with the rows and writes no
+        # d h, took 1.9-2.1x the two kernels' time on an H100 (LOG.md, session 48).
+        dh, q_h, s_h, d_omega = activate_grad_quantize_fp8(h, g.astype(h.dtype), omega, activation)
     with jax.named_scope(_PRODUCT):
-        d_x, d_x_q, d_w_in, d_q_in, _ = _grads(dh, dh_quantized, res_in, wgrad_kind)
+        d_x, d_x_q, d_w_in, d_q_in, _ = _grads(dh, (q_h, s_h), res_in, wgrad_kind)
     with jax.named_scope(_COMBINE):
         # omega's transpose: d weights[t, j] = d omega[row_map[t*k + j]], a gather.
         (d_route,) = jax.linear_transpose(lambda w: _rows.row_weights(row_map, w, m), weights32)(d_omega)

@@ -357,7 +357,7 @@ def test_the_fp8_wgrad_layer_makes_column_tiles_where_it_makes_the_rows(rng):
     and a's in the activation's kernel (activate_quantize_fp8_group_cols), writing none of
     the three: one forward+backward has two gathers, one activation, no expansion, no
     activation writing a, and column tiles of their own made only for d h (the fused kernel
-    that would make them with d h's rows is slower: fp8._activation_grad)."""
+    that would make them with d h's rows is slower: fp8._mlp_combine_bwd)."""
     x, logits, w_in, w_out = _inputs(rng)
     ct = normal(rng, (T, H), jnp.float32)
     hlo = jax.jit(jax.grad(_loss("fp8_blockwise_fp8_wgrad"), argnums=(0, 1, 2, 3))).lower(
