@@ -95,6 +95,20 @@ class Fp8Weights(NamedTuple):
         return self.data.shape
 
 
+class TokenRows(NamedTuple):
+    """A product's rows named by the token rows they copy, for the product to quantise: row
+    r is tokens[t] for the pair (t, j) that row_pairs[r] names (permute's row_map and
+    row_pairs, T * k pairs). Given as a product's quantised rows (lhs_quantized,
+    x_quantized), it is quantised in one pass over the tokens, by the kernel the product
+    needs: the FP8 rows alone where no derivative is taken (expand_quantize_fp8_rows), the
+    rows and the FP8 wgrad's column tiles where one is (gather_quantize_fp8_group_cols), so
+    a forward alone makes no column tiles."""
+
+    tokens: jax.Array     # [T, H]
+    row_map: jax.Array    # [T * k] int32
+    row_pairs: jax.Array  # [R] int32
+
+
 def quantize_fp8_weights(w, *, pow2_scale=False) -> Fp8Weights:
     """w [G, K, N] -> Fp8Weights (128 x 128 blocks; no gradient flows through): data and
     scales are quantize_fp8_blocks(w), data_t is data with its last two axes swapped, all
@@ -134,7 +148,17 @@ def _operands(v, v_q, group_sizes, fp8_wgrad):
     as given (v_q) or made here; for the FP8 wgrad v's column tiles (q_t, scales) instead
     of v, from the same read of v as the rows where those are made here. v_q may hold
     the column tiles too, (q, scales, q_t, scales_t) made by the kernel that made v's rows
-    (gather_quantize_fp8_group_cols, activate_quantize_fp8_group_cols): then v is not read."""
+    (gather_quantize_fp8_group_cols, activate_quantize_fp8_group_cols): then v is not read;
+    or be TokenRows, quantised here from the tokens."""
+    if isinstance(v_q, TokenRows):
+        t = v_q.tokens.shape[0]
+        k = v_q.row_map.shape[0] // t
+        if fp8_wgrad:
+            src = _rows.pair_sources(v_q.row_pairs, (t, k))[0]
+            q, s, q_t, s_t = gather_quantize_fp8_group_cols(v_q.tokens, src, None, group_sizes)
+            return (q, s), (q_t, s_t)
+        _, q, s = expand_quantize_fp8_rows(v_q.tokens, v_q.row_map.reshape(t, k), None, t * k)
+        return (q, s), v
     if v_q is not None and len(v_q) == 4:
         return tuple(v_q[:2]), (tuple(v_q[2:]) if fp8_wgrad else v)
     if not fp8_wgrad:
@@ -314,7 +338,10 @@ def _check_wgrad(op, wgrad):
 
 
 def _stopped(lhs_quantized):
-    return None if lhs_quantized is None else tuple(jax.lax.stop_gradient(a) for a in lhs_quantized)
+    if lhs_quantized is None:
+        return None
+    kept = lhs_quantized if isinstance(lhs_quantized, TokenRows) else tuple(lhs_quantized)
+    return jax.tree.map(jax.lax.stop_gradient, kept)
 
 
 def gmm_activate_fp8(lhs, rhs, group_sizes, activation: str, *, lhs_quantized=None, rhs_quantized=None, wgrad="bf16"):
@@ -338,7 +365,7 @@ def mlp_combine_fp8(x, w_in, w_out, group_sizes, row_map, weights, row_pairs, ac
     and (a, ...) = gmm_activate_fp8(x, w_in, group_sizes, activation): the FP8 expert MLP on
     rows x [R, H] grouped by expert and its weighted combine into [T, N] (row_map [T*k] names
     each row at most once, row_pairs [R] is its inverse, as permute's are, R = T*k there;
-    weights [T, k]). x_quantized and
+    weights [T, k]). x_quantized (quantize_fp8_rows(x), or TokenRows of x) and
     quantized_weights = (Fp8Weights of w_in or None, of w_out or None) as lhs_quantized and
     rhs_quantized of gmm_fp8_blockwise; wgrad likewise. Differentiable w.r.t. x, array
     weights w_in / w_out and weights, by the rule of product_combine's derivative with the

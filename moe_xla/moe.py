@@ -28,10 +28,9 @@ from moe_xla.activations import ACTIVATIONS, GATED
 from moe_xla.aux_losses import router_aux
 from moe_xla.ep.layer import moe_ep
 from moe_xla.experts import expert_mlp, shared_mlp
-from moe_xla.fp8 import QUANTIZATION_WGRAD, Fp8Weights
+from moe_xla.fp8 import QUANTIZATION_WGRAD, Fp8Weights, TokenRows
 from moe_xla.grouped import check_quantization, is_fp8
 from moe_xla.primitives.expand_quantize_fp8_rows import expand_quantize_fp8_rows
-from moe_xla.primitives.gather_quantize_fp8_group_cols import gather_quantize_fp8_group_cols
 from moe_xla.primitives import _checks
 from moe_xla.primitives.permute import permute
 from moe_xla.primitives.route import route
@@ -100,21 +99,23 @@ def _sorted_rows_fp8(x, expert_ids, num_experts: int, fp8_wgrad=False):
     sorted rows, in x's dtype and quantised (1 x 128 row tiles do not depend on the row
     order). The copy equals permute's except that entries of magnitude at most 2^-126 are
     zeros, as the quantisation sees them; x_sorted is differentiated as permute's rows in x.
-    fp8_wgrad: the FP8 wgrad's column tiles of the sorted rows too, (q, scales, q_t,
-    scales_t) from gather_quantize_fp8_group_cols, which reads each sorted row from its
-    token and writes no copy; x_sorted is then permute's rows by a plain gather that the
-    FP8 products never read (XLA drops it from a jitted step)."""
+    fp8_wgrad: fp8.TokenRows instead of (q, scales), so that the products quantise the
+    tokens as they need them: the FP8 wgrad's column tiles of the sorted rows with their
+    row tiles where a derivative is taken (gather_quantize_fp8_group_cols, which reads each
+    sorted row from its token and writes no copy), the row tiles alone in a forward; x_sorted
+    is then permute's rows by a plain gather that the FP8 products never read (XLA drops it
+    from a jitted step)."""
     t, k = expert_ids.shape
     _, group_sizes, row_map, row_pairs = permute(jnp.zeros((t, 0), x.dtype), expert_ids, num_experts,
                                                  return_row_pairs=True)
     tokens = jax.lax.stop_gradient(x)
     if fp8_wgrad:
         src = _rows.pair_sources(row_pairs, (t, k))[0]
-        rows, quantized = _rows.take_rows(tokens, src, x.dtype), gather_quantize_fp8_group_cols(
-            tokens, src, None, group_sizes)
+        rows, quantized = _rows.take_rows(tokens, src, x.dtype), TokenRows(tokens, row_map, row_pairs)
     else:
-        rows, *quantized = expand_quantize_fp8_rows(tokens, row_map.reshape(t, k), None, t * k)
-    return _permuted_rows(rows, x, expert_ids, num_experts), group_sizes, row_map, row_pairs, tuple(quantized)
+        rows, q, scales = expand_quantize_fp8_rows(tokens, row_map.reshape(t, k), None, t * k)
+        quantized = (q, scales)
+    return _permuted_rows(rows, x, expert_ids, num_experts), group_sizes, row_map, row_pairs, quantized
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(3,))

@@ -362,13 +362,37 @@ def test_the_fp8_wgrad_layer_makes_column_tiles_where_it_makes_the_rows(rng):
     ct = normal(rng, (T, H), jnp.float32)
     hlo = jax.jit(jax.grad(_loss("fp8_blockwise_fp8_wgrad"), argnums=(0, 1, 2, 3))).lower(
         x, logits, w_in, w_out, ct).as_text()
-    calls = re.findall(r"custom_call @moe_xla_(\w+?)_(?:cpu|cuda)_v\d+\(", hlo)
-    counts = {name: calls.count(name) for name in set(calls)}
+    counts = _custom_calls(hlo)
     assert counts.get("gather_quantize_fp8_group_cols") == 2, counts
     assert counts.get("activate_quantize_fp8_group_cols") == 1, counts
     assert counts.get("quantize_fp8_group_cols") == 1, counts
     for name in ("expand_quantize_fp8_rows", "activate_quantize_fp8", "quantize_fp8_rows_group_cols"):
         assert name not in counts, counts
+
+
+def _custom_calls(hlo):
+    """{primitive name: custom calls of it} in a lowered module's text."""
+    calls = re.findall(r"custom_call @moe_xla_(\w+?)_(?:cpu|cuda)_v\d+\(", hlo)
+    return {name: calls.count(name) for name in set(calls)}
+
+
+def test_the_fp8_wgrad_layer_makes_no_column_tiles_in_a_forward_alone(rng):
+    """Without a derivative the FP8-wgrad layer runs the bf16-wgrad layer's forward: x's
+    sorted rows quantised by the expansion, no column tiles of any operand (fp8.TokenRows),
+    and bitwise the same output."""
+    args = _inputs(rng)
+
+    def forward(quantization):
+        return jax.jit(lambda *a: moe_xla.moe(*a, top_k=K, quantization=quantization))
+
+    counts = _custom_calls(forward("fp8_blockwise_fp8_wgrad").lower(*args).as_text())
+    assert counts.get("expand_quantize_fp8_rows") == 1, counts
+    assert counts.get("activate_quantize_fp8") == 1, counts
+    for name in ("gather_quantize_fp8_group_cols", "activate_quantize_fp8_group_cols", "quantize_fp8_group_cols",
+                 "quantize_fp8_rows_group_cols"):
+        assert name not in counts, counts
+    np.testing.assert_array_equal(np.asarray(forward("fp8_blockwise_fp8_wgrad")(*args)),
+                                  np.asarray(forward("fp8_blockwise")(*args)))
 
 
 def test_gathered_column_tiles_give_the_layer_of_the_sorted_rows(rng):
