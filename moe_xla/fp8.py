@@ -108,6 +108,25 @@ class TokenRows(NamedTuple):
     row_map: jax.Array    # [T * k] int32
     row_pairs: jax.Array  # [R] int32
 
+    def _pairs(self):
+        t = self.tokens.shape[0]
+        return t, self.row_map.shape[0] // t
+
+    def sources(self):
+        """[R] the token of each row."""
+        return _rows.pair_sources(self.row_pairs, self._pairs())[0]
+
+    def expand(self):
+        """(rows [T * k, H] in the tokens' dtype, q, scales): the sorted rows and their FP8
+        row tiles (expand_quantize_fp8_rows, every factor 1)."""
+        t, k = self._pairs()
+        return tuple(expand_quantize_fp8_rows(self.tokens, self.row_map.reshape(t, k), None, t * k))
+
+    def rows_and_cols(self, group_sizes):
+        """(q, scales, q_t, scales_t): the rows' FP8 row tiles and the FP8 wgrad's column
+        tiles over group_sizes, with no copy of the rows (gather_quantize_fp8_group_cols)."""
+        return tuple(gather_quantize_fp8_group_cols(self.tokens, self.sources(), None, group_sizes))
+
 
 def quantize_fp8_weights(w, *, pow2_scale=False) -> Fp8Weights:
     """w [G, K, N] -> Fp8Weights (128 x 128 blocks; no gradient flows through): data and
@@ -151,14 +170,10 @@ def _operands(v, v_q, group_sizes, fp8_wgrad):
     (gather_quantize_fp8_group_cols, activate_quantize_fp8_group_cols): then v is not read;
     or be TokenRows, quantised here from the tokens."""
     if isinstance(v_q, TokenRows):
-        t = v_q.tokens.shape[0]
-        k = v_q.row_map.shape[0] // t
         if fp8_wgrad:
-            src = _rows.pair_sources(v_q.row_pairs, (t, k))[0]
-            q, s, q_t, s_t = gather_quantize_fp8_group_cols(v_q.tokens, src, None, group_sizes)
+            q, s, q_t, s_t = v_q.rows_and_cols(group_sizes)
             return (q, s), (q_t, s_t)
-        _, q, s = expand_quantize_fp8_rows(v_q.tokens, v_q.row_map.reshape(t, k), None, t * k)
-        return (q, s), v
+        return v_q.expand()[1:], v
     if v_q is not None and len(v_q) == 4:
         return tuple(v_q[:2]), (tuple(v_q[2:]) if fp8_wgrad else v)
     if not fp8_wgrad:

@@ -30,7 +30,6 @@ from moe_xla.ep.layer import moe_ep
 from moe_xla.experts import expert_mlp, shared_mlp
 from moe_xla.fp8 import QUANTIZATION_WGRAD, Fp8Weights, TokenRows
 from moe_xla.grouped import check_quantization, is_fp8
-from moe_xla.primitives.expand_quantize_fp8_rows import expand_quantize_fp8_rows
 from moe_xla.primitives import _checks
 from moe_xla.primitives.permute import permute
 from moe_xla.primitives.route import route
@@ -105,15 +104,14 @@ def _sorted_rows_fp8(x, expert_ids, num_experts: int, fp8_wgrad=False):
     sorted row from its token and writes no copy), the row tiles alone in a forward; x_sorted
     is then permute's rows by a plain gather that the FP8 products never read (XLA drops it
     from a jitted step)."""
-    t, k = expert_ids.shape
+    t = expert_ids.shape[0]
     _, group_sizes, row_map, row_pairs = permute(jnp.zeros((t, 0), x.dtype), expert_ids, num_experts,
                                                  return_row_pairs=True)
-    tokens = jax.lax.stop_gradient(x)
+    token_rows = TokenRows(jax.lax.stop_gradient(x), row_map, row_pairs)
     if fp8_wgrad:
-        src = _rows.pair_sources(row_pairs, (t, k))[0]
-        rows, quantized = _rows.take_rows(tokens, src, x.dtype), TokenRows(tokens, row_map, row_pairs)
+        rows, quantized = _rows.take_rows(token_rows.tokens, token_rows.sources(), x.dtype), token_rows
     else:
-        rows, q, scales = expand_quantize_fp8_rows(tokens, row_map.reshape(t, k), None, t * k)
+        rows, q, scales = token_rows.expand()
         quantized = (q, scales)
     return _permuted_rows(rows, x, expert_ids, num_experts), group_sizes, row_map, row_pairs, quantized
 

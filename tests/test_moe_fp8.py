@@ -351,6 +351,12 @@ def test_the_layer_quantises_each_cotangent_in_the_pass_that_makes_it(rng):
     assert hlo.count("moe_xla_activate_grad_quantize_fp8") == 1
 
 
+def _custom_calls(hlo):
+    """{primitive name: custom calls of it} in a lowered module's text."""
+    calls = re.findall(r"custom_call @moe_xla_(\w+?)_(?:cpu|cuda)_v\d+\(", hlo)
+    return {name: calls.count(name) for name in set(calls)}
+
+
 def test_the_fp8_wgrad_layer_makes_column_tiles_where_it_makes_the_rows(rng):
     """With the FP8 wgrad the layer makes the column tiles of x's sorted rows (forward) and
     of d out = omega c (backward) straight from the token rows (gather_quantize_fp8_group_cols)
@@ -368,12 +374,6 @@ def test_the_fp8_wgrad_layer_makes_column_tiles_where_it_makes_the_rows(rng):
     assert counts.get("quantize_fp8_group_cols") == 1, counts
     for name in ("expand_quantize_fp8_rows", "activate_quantize_fp8", "quantize_fp8_rows_group_cols"):
         assert name not in counts, counts
-
-
-def _custom_calls(hlo):
-    """{primitive name: custom calls of it} in a lowered module's text."""
-    calls = re.findall(r"custom_call @moe_xla_(\w+?)_(?:cpu|cuda)_v\d+\(", hlo)
-    return {name: calls.count(name) for name in set(calls)}
 
 
 def test_the_fp8_wgrad_layer_makes_no_column_tiles_in_a_forward_alone(rng):
