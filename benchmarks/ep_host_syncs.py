@@ -21,10 +21,10 @@ calls, copies, scatters, ...; not parameters, tuples, bitcasts, constants or the
 loops that only hold others). On XLA:GPU these become the step's CUDA-graph nodes, whose
 count the host pays to update and launch every step.
 The batch's final block_until_ready is outside the steps and not counted. And the host's
-time per step (host_ms: the median over --host-reps batches of the wall time to enqueue
---steps back-to-back steps, divided by the steps; the device drained before each batch, so
-the host enqueues ahead of it and waits only on itself; the layers take turns, a batch
-each, so that they share the host's drift), with its ratio to moe()'s (host_vs_moe): a
+time per step (host_ms: the median, over --host-reps batches of --steps back-to-back steps
+with the device drained before each, of the wall time to enqueue one step, so the host
+waits only on itself (host_ms's docstring); the layers take turns,
+a batch each, so that they share the host's drift), with its ratio to moe()'s (host_vs_moe): a
 step that the host drives iteration by iteration, or that reads back a predicate, costs
 host time here even where the trace shows no copy. temp_mib: the compiled
 step's temporary buffers (XLA's memory analysis). With --graph-loops every
@@ -92,11 +92,16 @@ def count_syncs(fn, args, steps: int) -> dict:
 
 
 def host_ms(calls: dict, steps: int, reps: int) -> dict:
-    """{name: median wall milliseconds per step for the host to enqueue `steps` calls of
-    fn(*args)} for calls {name: (fn, args)} (returning before the device finishes), the
-    device drained before each batch. The layers take turns, one batch each, in an order
-    reversed every rep (A B C, C B A, ...), so a drift of the host's speed over the run
-    (its clock, other processes) reaches every layer alike instead of whichever ran last."""
+    """{name: median wall milliseconds for the host to enqueue one call of fn(*args)} for
+    calls {name: (fn, args)} (a call returns before the device finishes). Each rep enqueues
+    `steps` calls back to back, the device drained before it, and each call is timed on its
+    own: the median over every call of every rep leaves out the host's rare stalls (a
+    garbage collection, a descheduled thread) that a batch's mean keeps. `steps` must stay
+    below the depth of the dispatch queue, or the late calls wait for the device (with 50
+    qwen3-30b-a3b steps at 4096 tokens every layer measured the device's time, LOG.md
+    session 50). The layers take turns, one batch each, in an order reversed every rep
+    (A B C, C B A, ...), so a drift of the host's speed over the run reaches every layer
+    alike instead of whichever ran last."""
     for fn, args in calls.values():
         jax.block_until_ready(fn(*args))
     times = {name: [] for name in calls}
@@ -104,10 +109,10 @@ def host_ms(calls: dict, steps: int, reps: int) -> dict:
     for _ in range(reps):
         for name in order:
             fn, args = calls[name]
-            start = time.perf_counter()
             for _ in range(steps):
+                start = time.perf_counter()
                 out = fn(*args)  # earlier steps' outputs freed as they finish: the last one's wait covers all
-            times[name].append((time.perf_counter() - start) / steps * 1e3)
+                times[name].append((time.perf_counter() - start) * 1e3)
             jax.block_until_ready(out)
         order.reverse()
     return {name: float(np.median(ts)) for name, ts in times.items()}
