@@ -31,12 +31,7 @@ compulsory bytes counted); on the gate_up products with the case's G uniform gro
 swiglu_group_cols (activate_quantize_fp8_group_cols: a's row and group column tiles from
 one read of h, a never written; what the FP8-wgrad layer's forward runs) and
 swiglu_then_group_cols (activate_quantize_fp8, then quantize_fp8_group_cols of its a: what
-that layer ran before; the same compulsory bytes counted, a's write and read not); and
-their backward with g [M, N/2] and omega [M]: swiglu_grad_group_cols
-(activate_grad_quantize_fp8_group_cols: d h's row and group column tiles and d omega from
-one read of h and g, d h never written; the FP8-wgrad layer's backward) and
-swiglu_grad_then_group_cols (activate_grad_quantize_fp8, then quantize_fp8_group_cols of
-its d h; the same compulsory bytes counted).
+that layer ran before; the same compulsory bytes counted, a's write and read not).
 
     python benchmarks/fp8_quantize.py [--out benchmarks/results] [--name fp8_quantize] [--ops rows group_cols ...]
                                        [--row-order random|routed|tokens]
@@ -65,7 +60,6 @@ import jax.numpy as jnp
 import moe_xla
 from moe_xla.activations import activate
 from moe_xla.primitives.activate_grad_quantize_fp8 import activate_grad_quantize_fp8
-from moe_xla.primitives.activate_grad_quantize_fp8_group_cols import activate_grad_quantize_fp8_group_cols
 from moe_xla.primitives.activate_quantize_fp8 import activate_quantize_fp8
 import moe_xla._rows as _rows
 from moe_xla.primitives.expand_quantize_fp8_rows import expand_quantize_fp8_rows
@@ -144,12 +138,7 @@ def main():
                 "rows_then_group_cols": lambda x: (*moe_xla.quantize_fp8_rows(x), *moe_xla.quantize_fp8_group_cols(x, gs)),
                 "swiglu_group_cols": lambda h: moe_xla.activate_quantize_fp8_group_cols(h, gs, "swiglu"),
                 "swiglu_then_group_cols": lambda h: (lambda a, q, scales: (
-                    q, scales, *moe_xla.quantize_fp8_group_cols(a, gs)))(*activate_quantize_fp8(h, "swiglu")),
-                "swiglu_grad_group_cols": lambda h, g, omega: activate_grad_quantize_fp8_group_cols(
-                    h, g, omega, gs, "swiglu"),
-                "swiglu_grad_then_group_cols": lambda h, g, omega: (lambda dh, q, scales, d_omega: (
-                    q, scales, *moe_xla.quantize_fp8_group_cols(dh, gs), d_omega))(
-                        *activate_grad_quantize_fp8(h, g, omega, "swiglu"))}
+                    q, scales, *moe_xla.quantize_fp8_group_cols(a, gs)))(*activate_quantize_fp8(h, "swiglu"))}
         ops_here.update({name: fn for name, fn in cols.items() if not args.ops or name in args.ops})
         for kind in ops_here:
             swiglu = kind.startswith("swiglu")
@@ -165,8 +154,6 @@ def main():
                 args_of = (x, normal(jax.random.fold_in(jax.random.key(2), i), (m, n // 2), jnp.bfloat16),
                            jax.random.uniform(jax.random.key(3), (m,)))
                 nbytes = 2 * elems + 2 * (elems // 2) + 4 * m + 2 * elems + elems + elems // 128 * 4
-                if kind.endswith("group_cols"):  # no d h; its q_t and scales instead
-                    nbytes += elems + elems // 128 * 4 - 2 * elems
             elif expansion:  # token rows read, rows written with their q and scales (or q and q_t)
                 tokens = m // 8
                 args_of = (x[:tokens], row_slots(args.row_order, m, g), jax.random.uniform(jax.random.key(4), (tokens, 8)))

@@ -246,13 +246,7 @@ struct Fp8QuantizeParams {
 // Fp8ActivateQuantizeParams computes it (common/expert_activation.h), so the result is
 // bitwise that kernel's (q, scales) and the column tiles of its a, with a never written:
 // the FP8 wgrad's operands of the second product's lhs.
-// With source kActivationGrad, the rows are the routing-weighted activation's backward d h
-// of h = x [rows, cols] (cols = 2F gated, else F), g [rows, F] and omega [rows] as
-// Fp8ActivateGradQuantizeParams computes it (common/expert_activation.h): u = v = d h, so
-// the result is bitwise that kernel's (q, scales) and the column tiles of its d h, with d h
-// never written (the FP8 wgrad's operand of the first product's cotangent), and
-// d_omega_tiles [rows, ceil(F / 128)] as that kernel's (sums in an unspecified order).
-enum class GroupColsRows : int32_t { kStored, kGathered, kActivated, kActivationGrad };
+enum class GroupColsRows : int32_t { kStored, kGathered, kActivated };
 
 struct Fp8GroupColsParams {
   const void* x;               // [rows, cols]; [values_rows, cols] gathered; h activated
@@ -273,10 +267,7 @@ struct Fp8GroupColsParams {
   const int32_t* sources = nullptr;  // kGathered: [rows]
   const float* factor = nullptr;     // kGathered: [rows], or null: every factor 1
   int64_t values_rows = 0;           // kGathered: x's rows
-  Activation activation = Activation::kSwiglu;  // kActivated, kActivationGrad
-  const void* g = nullptr;                      // kActivationGrad: [rows, F] of dtype
-  const float* omega = nullptr;                 // kActivationGrad: [rows]
-  float* d_omega_tiles = nullptr;               // kActivationGrad: [rows, ceil(F / 128)]
+  Activation activation = Activation::kSwiglu;  // kActivated
 };
 
 // T of Fp8GroupColsParams: the number of 128-row tiles the q_t / scales arrays hold.

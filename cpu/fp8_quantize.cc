@@ -7,8 +7,8 @@
 // factor 1, then writes them scaled); the group column
 // form takes its tiles from cpu/fp8_group_tiles.h and writes them transposed (with sources,
 // of rows first gathered as gather_rows stores them: with factor 1 for the row tiles, with
-// the factors for the column tiles; of the activation or of its backward's d h written out as
-// the fused activation or its backward writes it). The
+// the factors for the column tiles; of the activation written out as the fused activation
+// writes it). The
 // operations are integer ones and single float32 divisions of normal numbers
 // (common/fp8_blockwise.h), so XLA's flush-to-zero mode on its CPU threads changes nothing.
 #include "cpu/fp8_quantize.h"
@@ -162,26 +162,12 @@ void quantize_activated_group_cols(const Fp8GroupColsParams& p) {
   fp8_quantize_group_cols(stored_params(p, a));
 }
 
-// kActivationGrad: d h of h = p.x, p.g and p.omega written out by fp8_activate_grad_quantize,
-// which writes p.q, p.row_scales and p.d_omega_tiles too; then the column tiles of d h as of
-// rows in memory.
-void quantize_activation_grad_group_cols(const Fp8GroupColsParams& p) {
-  std::vector<char> dh(static_cast<size_t>(p.rows * p.cols) * dtype_bytes(p.dtype));
-  fp8_activate_grad_quantize({p.x, p.g, p.omega, p.dtype, dh.data(), p.q, p.row_scales, p.d_omega_tiles, p.rows,
-                              p.cols, p.activation, p.pow2_scale});
-  Fp8GroupColsParams stored = stored_params(p, dh);
-  stored.q = nullptr;
-  stored.row_scales = nullptr;
-  fp8_quantize_group_cols(stored);
-}
-
 }  // namespace
 
 void fp8_quantize_group_cols(const Fp8GroupColsParams& p) {
   switch (p.source) {
     case GroupColsRows::kGathered: quantize_gathered_group_cols(p); return;
     case GroupColsRows::kActivated: quantize_activated_group_cols(p); return;
-    case GroupColsRows::kActivationGrad: quantize_activation_grad_group_cols(p); return;
     case GroupColsRows::kStored: break;
   }
   if (p.q != nullptr) quantize_stored_rows(p.x, p.dtype, p.rows, p.cols, p.q, p.row_scales, p.pow2_scale);

@@ -27,9 +27,7 @@ void fp8_expand_quantize(const Fp8ExpandQuantizeParams& p);
 // restart at every group boundary, transposed; columns of no row 0, scales of no tile 1;
 // with p.q, p.q and p.row_scales: x's 1 x 128 row tiles. By p.source: kGathered, of the
 // rows gathered from x [p.values_rows, cols] (p.sources, p.factor); kActivated, of the
-// activation of h = x [rows, 2 cols] or [rows, cols]; kActivationGrad, of the activation's
-// backward d h of h = x [rows, cols], p.g and p.omega, with p.d_omega_tiles too; all as
-// Fp8GroupColsParams says.
+// activation of h = x [rows, 2 cols] or [rows, cols]; both as Fp8GroupColsParams says.
 // Group sizes are clamped to the rows as common/grouped_gemm.h says.
 void fp8_quantize_group_cols(const Fp8GroupColsParams& p);
 

@@ -23,12 +23,7 @@
 // codes are bitwise those of its output quantised by this kernel. Activated rows:
 // a thread fetches the gate and up words of its 8 rows of h, then computes their
 // activation (fp8_row_sources.cuh's Activated, the row kernel's own), so the codes are
-// bitwise those of that kernel's a quantised by this one, and a is never written. The
-// activation's backward likewise (ActivationGrad): d h's elements from h, g and omega, never
-// written, and the row's d omega terms of the block's gate columns summed over the 16
-// threads of each row (shuffles, then shared memory) into its d omega tile; with F a
-// multiple of 128 a CTA takes gate block j and up block j one after the other, so that the
-// up block's reads of h's gate and of g (the gate block's too) come from L2. Scale
+// bitwise those of that kernel's a quantised by this one, and a is never written. Scale
 // and elements go through common/fp8_blockwise.h like the CPU kernel, the elements by its
 // division-free quotient where it gives the same codes (cuda/fp8_tile_codes.cuh); max is
 // exact in any order, so the results are bitwise those of the CPU.
@@ -76,8 +71,8 @@ constexpr int kMinCtas = 2;
 
 // Where a CTA's rows come from (Fp8GroupColsParams): x's rows in place, or gathered through
 // sources with every factor 1, or gathered and scaled by factor in the column tiles, or
-// the expert activation of x = h, or its routing-weighted backward.
-enum class Source { kStored, kGathered, kScaled, kActivated, kActivationGrad };
+// the expert activation of x = h.
+enum class Source { kStored, kGathered, kScaled, kActivated };
 
 // The row tiles of a thread's 8 rows (rows `row` .. `row` + 7 of the tile, columns `col` ..
 // `col` + 7 of the block): each row's 128 columns are the 8 lanes of its row group (lanes
@@ -137,47 +132,18 @@ __device__ __forceinline__ Lane<typename Elem<D>::Bits> flushed(const Lane<typen
   return detail::round_lane<D>(v);
 }
 
-// The d omega tile `tile` of the thread's 8 rows from their dot terms: each row's 128
-// columns are the 8 lanes of its row group in warps 2w and 2w + 1 (as store_row_tiles),
-// summed in a fixed order. Every thread calls it.
-template <DType D, bool kVec>
-__device__ __forceinline__ void store_dot_tiles(const detail::ActivationGrad<D, kVec>& grad, float (&dot)[kRowRuns],
-                                                int64_t first_row, int nrows, int64_t tile) {
-  __shared__ float partner[kWarps][kWarpRowGroups * kRowRuns];
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int slot = lane / kWarpColLanes * kRowRuns;
-#pragma unroll
-  for (int i = 0; i < kRowRuns; ++i) {
-#pragma unroll
-    for (int offset = kWarpColLanes / 2; offset > 0; offset /= 2) {
-      dot[i] += __shfl_xor_sync(detail::kFullWarp, dot[i], offset);
-    }
-    if (lane % kWarpColLanes == 0) partner[warp][slot + i] = dot[i];
-  }
-  __syncthreads();
-  if (warp % 2 == 0 && lane % kWarpColLanes == 0) {
-#pragma unroll
-    for (int i = 0; i < kRowRuns; ++i) {
-      if (i < nrows) grad.keep_dot(first_row + i, tile, dot[i] + partner[warp + 1][slot + i]);
-    }
-  }
-  __syncthreads();  // partner is rewritten by the next block
-}
-
 // kRows: q and row_scales get the row tiles too (store_row_tiles); always with a gathered
-// or activated source. sources, factor and values_rows are read for gathered sources only,
-// g, omega and d_omega_tiles for the activation's backward (x is h there). kAct: the
-// activation of the activated sources, a constant so that each element's activation is
-// straight-line code (a switch per element kept the 64 elements of a thread from
-// overlapping: 3-6x the unfused kernels' time, LOG.md session 48).
+// or activated source. sources, factor and values_rows are read for gathered sources only.
+// kAct: the activation of the activated source, a constant so that each element's
+// activation is straight-line code (a switch per element kept the 64 elements of a thread
+// from overlapping: 3-6x the unfused kernels' time, LOG.md session 48).
 template <DType D, bool kVec, bool kRows, Source kSource, Activation kAct>
 __global__ void __launch_bounds__(kThreads, kMinCtas)
     quantize_group_cols_kernel(const typename Elem<D>::Bits* __restrict__ x, const int32_t* __restrict__ group_sizes,
                                int64_t num_groups, uint8_t* __restrict__ q_t, float* __restrict__ scales,
                                uint8_t* __restrict__ q, float* __restrict__ row_scales, int64_t rows, int64_t cols,
                                bool pow2, const int32_t* __restrict__ sources, const float* __restrict__ factor,
-                               int64_t values_rows, const typename Elem<D>::Bits* __restrict__ g,
-                               const float* __restrict__ omega, float* __restrict__ d_omega_tiles) {
+                               int64_t values_rows) {
   using Bits = typename Elem<D>::Bits;
   constexpr bool kGather = kSource == Source::kGathered || kSource == Source::kScaled;
   static_assert(kRows || kSource == Source::kStored, "gathered and activated rows come with their row tiles");
@@ -227,14 +193,8 @@ __global__ void __launch_bounds__(kThreads, kMinCtas)
   const int col = ((warp % 2) * kWarpColLanes + lane % kWarpColLanes) * kLaneCols;  // in the block
   const int row = ((warp / 2) * kWarpRowGroups + lane / kWarpColLanes) * kRowRuns;   // in the tile
   const int64_t col_blocks = fp8::tiles(cols);
-  // The backward's gate and up blocks in pairs: k-th block of the CTAs' order is gate block
-  // k / 2 or its up block (F a multiple of 128; else the blocks in column order).
-  const int64_t up_blocks = kSource == Source::kActivationGrad && is_gated(kAct) && cols % (2 * fp8::kTile) == 0
-                                ? col_blocks / 2
-                                : 0;
-  const int64_t k_end = (blockIdx.y + 1) * int64_t{kBlocksPerCta};
-  for (int64_t k = blockIdx.y * int64_t{kBlocksPerCta}; k < col_blocks && k < k_end; ++k) {
-    const int64_t cb = up_blocks > 0 ? k / 2 + (k % 2) * up_blocks : k;
+  const int64_t cb_end = (blockIdx.y + 1) * int64_t{kBlocksPerCta};
+  for (int64_t cb = blockIdx.y * int64_t{kBlocksPerCta}; cb < col_blocks && cb < cb_end; ++cb) {
     const int64_t c = cb * fp8::kTile + col;
     const int valid = static_cast<int>(cols - c <= 0 ? 0 : (cols - c < kLaneCols ? cols - c : kLaneCols));
     Lane<Bits> raw[kRowRuns];  // zero bits outside the tile's rows and the matrix
@@ -270,54 +230,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtas)
         }
       }
     };
-    if constexpr (kSource == Source::kActivationGrad) {
-      const detail::ActivationGrad<D, kVec> grad{x, g, omega, nullptr, d_omega_tiles, cols, kAct};
-      // Where the row kernel takes both halves of a gated d h from one read (vector lanes, F
-      // a multiple of 128: activate_grad_pairs), its elements are gated_grad's, which shares
-      // the gate's exp or tanh and may differ from activate_grad's by an ulp: the same
-      // formulas here keep d h bitwise that kernel's. The up half needs no up element.
-      const bool up_half = cb >= up_blocks;
-      auto element_values = [&](const typename detail::ActivationGrad<D, kVec>::Words& w, float& dot) {
-        if constexpr (kVec && (kAct == Activation::kSwiglu || kAct == Activation::kGeglu)) {  // gated
-          if (up_blocks > 0) {
-            float v[kLaneCols], sum = 0.0f;
-#pragma unroll
-            for (int j = 0; j < kLaneCols; ++j) {
-              const float d = Elem<D>::to_float(w.d.get(j));
-              const GatedGrad e = gated_grad(kAct, Elem<D>::to_float(w.x.get(j)), Elem<D>::to_float(w.u.get(j)), w.w * d);
-              v[j] = up_half ? e.d_up : e.d_gate;
-              sum += d * Elem<D>::to_float(Elem<D>::from_float(e.a));
-            }
-            dot = up_half ? 0.0f : sum;
-            return detail::round_lane<D>(v);
-          }
-        }
-        dot = grad.dot(w, c, valid);
-        return grad.value(w, c, valid);
-      };
-      // The words of 4 rows (three lanes each) are fetched before any is used: all 8 rows'
-      // spilled at the 128-register cap.
-      constexpr int kFetchRows = kRowRuns / 2;
-      float dot[kRowRuns];
-#pragma unroll
-      for (int i0 = 0; i0 < kRowRuns; i0 += kFetchRows) {
-        typename detail::ActivationGrad<D, kVec>::Words words[kFetchRows];
-#pragma unroll
-        for (int i = 0; i < kFetchRows; ++i) {
-          words[i] = {};
-          if (row + i0 + i < nrows && valid > 0) words[i] = grad.fetch(0, r0 + row + i0 + i, c, valid);
-        }
-#pragma unroll
-        for (int i = 0; i < kFetchRows; ++i) {
-          const bool inside = row + i0 + i < nrows && valid > 0;
-          dot[i0 + i] = 0.0f;
-          raw[i0 + i] = inside ? element_values(words[i], dot[i0 + i]) : Lane<Bits>{};
-        }
-      }
-      // Blocks of the up half alone hold no d omega term (the same for the whole CTA).
-      if (cb * fp8::kTile < grad.f()) store_dot_tiles(grad, dot, r0 + row, static_cast<int>(nrows - row), cb);
-    }
-    if constexpr (kSource != Source::kActivated && kSource != Source::kActivationGrad) load_rows();
+    if constexpr (kSource != Source::kActivated) load_rows();
     bool smallest = false;  // kScaled: one of the thread's elements is +-2^-126
     if constexpr (kSource == Source::kScaled) {
 #pragma unroll
@@ -406,28 +319,23 @@ cudaError_t launch(const Fp8GroupColsParams& p, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(runs));
   const auto* x = static_cast<const Bits*>(p.x);
   const bool rows = p.q != nullptr;
-  // The backward's lanes must not cross the gate | up boundary, nor g's rows be misaligned.
-  const int64_t f = is_gated(p.activation) ? p.cols / 2 : p.cols;
-  const bool grad_vector = p.source != GroupColsRows::kActivationGrad ||
-                           (f % kLaneCols == 0 && aligned(p.g, sizeof(Lane<Bits>)));
-  const bool vector = p.cols % kLaneCols == 0 && aligned(p.x, sizeof(Lane<Bits>)) &&
-                      (!rows || aligned(p.q, kLaneCols)) && grad_vector;
+  const bool vector = p.cols % kLaneCols == 0 && aligned(p.x, sizeof(Lane<Bits>)) && (!rows || aligned(p.q, kLaneCols));
   auto run = [&](auto vec, auto with_rows, auto source, auto act) {
     quantize_group_cols_kernel<D, decltype(vec)::value, decltype(with_rows)::value, decltype(source)::value,
                                decltype(act)::value>
         <<<grid, kThreads, 0, stream>>>(x, p.group_sizes, p.num_groups, p.q_t, p.scales, p.q, p.row_scales, p.rows,
-                                        p.cols, p.pow2_scale, p.sources, p.factor, p.values_rows,
-                                        static_cast<const Bits*>(p.g), p.omega, p.d_omega_tiles);
+                                        p.cols, p.pow2_scale, p.sources, p.factor, p.values_rows);
   };
-  // The activated sources with their activation as a constant (the others ignore it).
-  auto activated = [&](auto vec, auto source) {
+  // The activated source with its activation as a constant (the others ignore it).
+  auto activated = [&](auto vec) {
     using A = Activation;
+    using Activated = std::integral_constant<Source, Source::kActivated>;
     switch (p.activation) {
-      case A::kSwiglu: run(vec, std::true_type{}, source, std::integral_constant<A, A::kSwiglu>{}); break;
-      case A::kGeglu: run(vec, std::true_type{}, source, std::integral_constant<A, A::kGeglu>{}); break;
-      case A::kGelu: run(vec, std::true_type{}, source, std::integral_constant<A, A::kGelu>{}); break;
-      case A::kSilu: run(vec, std::true_type{}, source, std::integral_constant<A, A::kSilu>{}); break;
-      case A::kRelu: run(vec, std::true_type{}, source, std::integral_constant<A, A::kRelu>{}); break;
+      case A::kSwiglu: run(vec, std::true_type{}, Activated{}, std::integral_constant<A, A::kSwiglu>{}); break;
+      case A::kGeglu: run(vec, std::true_type{}, Activated{}, std::integral_constant<A, A::kGeglu>{}); break;
+      case A::kGelu: run(vec, std::true_type{}, Activated{}, std::integral_constant<A, A::kGelu>{}); break;
+      case A::kSilu: run(vec, std::true_type{}, Activated{}, std::integral_constant<A, A::kSilu>{}); break;
+      case A::kRelu: run(vec, std::true_type{}, Activated{}, std::integral_constant<A, A::kRelu>{}); break;
     }
   };
   auto with_source = [&](auto vec) {
@@ -445,10 +353,7 @@ cudaError_t launch(const Fp8GroupColsParams& p, cudaStream_t stream) {
         }
         break;
       case GroupColsRows::kActivated:
-        activated(vec, std::integral_constant<Source, Source::kActivated>{});
-        break;
-      case GroupColsRows::kActivationGrad:
-        activated(vec, std::integral_constant<Source, Source::kActivationGrad>{});
+        activated(vec);
         break;
     }
   };
@@ -473,16 +378,12 @@ Status fp8_quantize_group_cols(const Fp8GroupColsParams& p, cudaStream_t stream)
     return Status::InvalidArgument("fp8 quantize group cols: null group_sizes");
   }
   const bool gathered = p.source == GroupColsRows::kGathered;
-  const bool activation = p.source == GroupColsRows::kActivated || p.source == GroupColsRows::kActivationGrad;
-  const bool grad = p.source == GroupColsRows::kActivationGrad;
+  const bool activation = p.source == GroupColsRows::kActivated;
   if (!gathered && !activation && p.source != GroupColsRows::kStored) {
     return Status::InvalidArgument("fp8 quantize group cols: unknown row source");
   }
   if (!gathered && (p.sources != nullptr || p.factor != nullptr)) {
     return Status::InvalidArgument("fp8 quantize group cols: sources and factor belong to gathered rows");
-  }
-  if (!grad && (p.g != nullptr || p.omega != nullptr || p.d_omega_tiles != nullptr)) {
-    return Status::InvalidArgument("fp8 quantize group cols: g, omega and d_omega_tiles belong to the activation's backward");
   }
   if (p.source != GroupColsRows::kStored && p.rows > 0 && p.q == nullptr) {
     return Status::InvalidArgument("fp8 quantize group cols: gathered and activation rows need q and row_scales");
@@ -495,12 +396,6 @@ Status fp8_quantize_group_cols(const Fp8GroupColsParams& p, cudaStream_t stream)
   }
   if (activation && static_cast<uint32_t>(p.activation) >= static_cast<uint32_t>(kNumActivations)) {
     return Status::InvalidArgument("fp8 quantize group cols: unknown activation");
-  }
-  if (grad && is_gated(p.activation) && p.cols % 2 != 0) {
-    return Status::InvalidArgument("fp8 quantize group cols: a gated activation's d h has an even number of columns");
-  }
-  if (grad && p.rows > 0 && (p.g == nullptr || p.omega == nullptr || p.d_omega_tiles == nullptr)) {
-    return Status::InvalidArgument("fp8 quantize group cols: the activation's backward needs g, omega and d_omega_tiles");
   }
   switch (p.dtype) {
     case DType::kF32: MOE_XLA_RETURN_IF_CUDA_ERROR(launch<DType::kF32>(p, stream)); break;

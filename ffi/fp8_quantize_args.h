@@ -1,9 +1,8 @@
 // Decodes and validates the buffers and attributes of the quantize_fp8_rows /
 // quantize_fp8_blocks / quantize_fp8_weights FFI calls into the framework-free
 // Fp8QuantizeParams of common/fp8_blockwise.h, those of quantize_fp8_group_cols,
-// quantize_fp8_rows_group_cols, gather_quantize_fp8_group_cols,
-// activate_quantize_fp8_group_cols and activate_grad_quantize_fp8_group_cols into its
-// Fp8GroupColsParams, those of
+// quantize_fp8_rows_group_cols, gather_quantize_fp8_group_cols and
+// activate_quantize_fp8_group_cols into its Fp8GroupColsParams, those of
 // activate_quantize_fp8 / activate_grad_quantize_fp8 into the Fp8ActivateQuantizeParams /
 // Fp8ActivateGradQuantizeParams of common/expert_activation.h, and those of
 // expand_quantize_fp8_rows into its Fp8ExpandQuantizeParams, for both the CPU and the CUDA
@@ -205,22 +204,20 @@ inline ffi::ErrorOr<Fp8GroupColsParams> decode_fp8_gather_group_cols(
   return p;
 }
 
-// Both tilings of rows made from h [M, 2F] (gated) or [M, F] of f32 / bf16 / f16 by
-// `source` (kActivated: K = F, the activation; kActivationGrad: K = h's last dim, its
-// backward's d h): group_sizes [G] int32; q [M, K] float8_e4m3fn; row_scales
-// [M, ceil(K/128)] f32; q_t [K, 128 T] float8_e4m3fn and scales [T, K] f32,
-// T = group_col_tiles(M, G).
-inline ffi::ErrorOr<Fp8GroupColsParams> decode_activation_rows_group_cols(
-    GroupColsRows source, ffi::AnyBuffer h, ffi::Buffer<ffi::S32> group_sizes, ffi::AnyBuffer q,
-    ffi::Buffer<ffi::F32> row_scales, ffi::AnyBuffer q_t, ffi::Buffer<ffi::F32> scales, int32_t activation,
-    bool pow2_scale) {
+// Both tilings of the expert activation of h (Fp8GroupColsParams, kActivated): h
+// [M, 2F] (gated) or [M, F] of f32 / bf16 / f16; group_sizes [G] int32; q [M, F]
+// float8_e4m3fn; row_scales [M, ceil(F/128)] f32; q_t [F, 128 T] float8_e4m3fn and scales
+// [T, F] f32, T = group_col_tiles(M, G).
+inline ffi::ErrorOr<Fp8GroupColsParams> decode_fp8_activate_group_cols(
+    ffi::AnyBuffer h, ffi::Buffer<ffi::S32> group_sizes, ffi::AnyBuffer q, ffi::Buffer<ffi::F32> row_scales,
+    ffi::AnyBuffer q_t, ffi::Buffer<ffi::F32> scales, int32_t activation, bool pow2_scale) {
   auto in = decode_activation_input(h, activation);
   if (in.has_error()) return ffi::Unexpected<ffi::Error>(in.error());
   Fp8GroupColsParams p{};
-  p.source = source;
+  p.source = GroupColsRows::kActivated;
   p.activation = in->activation;
   p.rows = in->rows;
-  p.cols = source == GroupColsRows::kActivated && is_gated(p.activation) ? in->h_cols / 2 : in->h_cols;
+  p.cols = is_gated(p.activation) ? in->h_cols / 2 : in->h_cols;
   for (auto e : {set_row_tile_buffers(p, q, row_scales),
                  set_group_col_buffers(p, group_sizes, q_t, scales, pow2_scale)}) {
     if (e.failure()) return ffi::Unexpected<ffi::Error>(std::move(e));
@@ -228,15 +225,6 @@ inline ffi::ErrorOr<Fp8GroupColsParams> decode_activation_rows_group_cols(
   p.x = h.untyped_data();
   p.dtype = in->dtype;
   return p;
-}
-
-// Both tilings of the expert activation of h (Fp8GroupColsParams, kActivated): h
-// [M, 2F] (gated) or [M, F]; the rest as decode_activation_rows_group_cols says, K = F.
-inline ffi::ErrorOr<Fp8GroupColsParams> decode_fp8_activate_group_cols(
-    ffi::AnyBuffer h, ffi::Buffer<ffi::S32> group_sizes, ffi::AnyBuffer q, ffi::Buffer<ffi::F32> row_scales,
-    ffi::AnyBuffer q_t, ffi::Buffer<ffi::F32> scales, int32_t activation, bool pow2_scale) {
-  return decode_activation_rows_group_cols(GroupColsRows::kActivated, h, group_sizes, q, row_scales, q_t, scales,
-                                           activation, pow2_scale);
 }
 
 // The buffers of the activation's backward beside h [M, 2F] or [M, F] (decoded; F given):
@@ -251,26 +239,6 @@ inline ffi::Error expect_activation_grad_buffers(ffi::AnyBuffer h, ffi::AnyBuffe
     if (e.failure()) return e;
   }
   return ffi::Error::Success();
-}
-
-// Both tilings of the activation's backward d h (Fp8GroupColsParams, kActivationGrad): h
-// [M, C] (C = 2F gated, else F); g [M, F] of h's dtype; omega [M] f32; d_omega_tiles
-// [M, ceil(F/128)] f32; the rest as decode_activation_rows_group_cols says, K = C.
-inline ffi::ErrorOr<Fp8GroupColsParams> decode_fp8_activate_grad_group_cols(
-    ffi::AnyBuffer h, ffi::AnyBuffer g, ffi::Buffer<ffi::F32> omega, ffi::Buffer<ffi::S32> group_sizes,
-    ffi::AnyBuffer q, ffi::Buffer<ffi::F32> row_scales, ffi::AnyBuffer q_t, ffi::Buffer<ffi::F32> scales,
-    ffi::Buffer<ffi::F32> d_omega_tiles, int32_t activation, bool pow2_scale) {
-  auto p = decode_activation_rows_group_cols(GroupColsRows::kActivationGrad, h, group_sizes, q, row_scales, q_t,
-                                             scales, activation, pow2_scale);
-  if (p.has_error()) return p;
-  const int64_t f = is_gated(p->activation) ? p->cols / 2 : p->cols;
-  if (auto e = expect_activation_grad_buffers(h, g, omega, d_omega_tiles, f); e.failure()) {
-    return ffi::Unexpected<ffi::Error>(std::move(e));
-  }
-  p->g = g.untyped_data();
-  p->omega = omega.typed_data();
-  p->d_omega_tiles = d_omega_tiles.typed_data();
-  return p;
 }
 
 // h [M, 2F] (gated) or [M, F]; a [M, F] of h's dtype; q [M, F] float8_e4m3fn; scales
@@ -447,20 +415,6 @@ auto bind_fp8_activate_group_cols(Binding&& binding) {
   return with_both_tilings(std::move(binding)
                                .template Arg<ffi::AnyBuffer>()          // h [M, 2F] or [M, F]; K = F
                                .template Arg<ffi::Buffer<ffi::S32>>())  // group_sizes [G]
-      .template Attr<int32_t>("activation")
-      .template Attr<bool>("pow2_scale");
-}
-
-// The operands and attributes of the activate_grad_quantize_fp8_group_cols handlers, appended
-// to `binding`: both tilings of d h, then d_omega_tiles.
-template <class Binding>
-auto bind_fp8_activate_grad_group_cols(Binding&& binding) {
-  return with_both_tilings(std::move(binding)
-                               .template Arg<ffi::AnyBuffer>()          // h [M, C], C = 2F or F; K = C
-                               .template Arg<ffi::AnyBuffer>()          // g [M, F], dtype of h
-                               .template Arg<ffi::Buffer<ffi::F32>>()   // omega [M]
-                               .template Arg<ffi::Buffer<ffi::S32>>())  // group_sizes [G]
-      .template Ret<ffi::Buffer<ffi::F32>>()                            // d_omega_tiles [M, ceil(F/128)]
       .template Attr<int32_t>("activation")
       .template Attr<bool>("pow2_scale");
 }

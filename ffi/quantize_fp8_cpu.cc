@@ -6,9 +6,8 @@
 // activate_grad_quantize_fp8 (its backward and the row quantisation of d h),
 // expand_quantize_fp8_rows (token rows expanded into the rows of their pairs, scaled, and
 // their row quantisation), gather_quantize_fp8_group_cols (both tilings of rows
-// gathered from token rows, the column tiles' scaled), activate_quantize_fp8_group_cols
-// (both tilings of the expert activation) and activate_grad_quantize_fp8_group_cols (both
-// tilings of its backward's d h, and d omega's tiles) on the host platform. One
+// gathered from token rows, the column tiles' scaled) and activate_quantize_fp8_group_cols
+// (both tilings of the expert activation) on the host platform. One
 // quantisation function for rows, blocks and weights, the tile height fixed per symbol.
 #include <cstdint>
 
@@ -106,19 +105,6 @@ ffi::Error activate_quantize_group_cols(ffi::AnyBuffer h, ffi::Buffer<ffi::S32> 
   return ffi::Error::Success();
 }
 
-ffi::Error activate_grad_quantize_group_cols(ffi::AnyBuffer h, ffi::AnyBuffer g, ffi::Buffer<ffi::F32> omega,
-                                             ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> q,
-                                             ffi::ResultBuffer<ffi::F32> row_scales, ffi::Result<ffi::AnyBuffer> q_t,
-                                             ffi::ResultBuffer<ffi::F32> scales,
-                                             ffi::ResultBuffer<ffi::F32> d_omega_tiles, int32_t activation,
-                                             bool pow2_scale) {
-  auto p = ffi_args::decode_fp8_activate_grad_group_cols(h, g, omega, group_sizes, *q, *row_scales, *q_t, *scales,
-                                                         *d_omega_tiles, activation, pow2_scale);
-  if (p.has_error()) return p.error();
-  cpu::fp8_quantize_group_cols(*p);
-  return ffi::Error::Success();
-}
-
 }  // namespace
 }  // namespace moe_xla
 
@@ -142,8 +128,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaGatherQuantizeFp8GroupColsCpu, moe_xla::gath
                               moe_xla::ffi_args::bind_fp8_gather_group_cols(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaActivateQuantizeFp8GroupColsCpu, moe_xla::activate_quantize_group_cols,
                               moe_xla::ffi_args::bind_fp8_activate_group_cols(ffi::Ffi::Bind()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaActivateGradQuantizeFp8GroupColsCpu, moe_xla::activate_grad_quantize_group_cols,
-                              moe_xla::ffi_args::bind_fp8_activate_grad_group_cols(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaActivateGradQuantizeFp8Cpu, moe_xla::activate_grad_quantize,
                               moe_xla::ffi_args::bind_fp8_activate_grad_quantize(ffi::Ffi::Bind()));
 

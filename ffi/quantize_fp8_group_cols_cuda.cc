@@ -1,10 +1,9 @@
 // XLA FFI handlers of quantize_fp8_group_cols (the FP8 wgrad operands: 128 x 1 column tiles
 // that restart at every group boundary, written transposed), quantize_fp8_rows_group_cols
 // (those and the 1 x 128 row tiles of the same x), gather_quantize_fp8_group_cols (both
-// of rows gathered from token rows, the column tiles' scaled),
-// activate_quantize_fp8_group_cols (both of the expert activation of h, never written) and
-// activate_grad_quantize_fp8_group_cols (both of its backward's d h, never written, and
-// d omega's tiles) on CUDA: decode, validate and enqueue cuda::fp8_quantize_group_cols on XLA's stream. Group
+// of rows gathered from token rows, the column tiles' scaled) and
+// activate_quantize_fp8_group_cols (both of the expert activation of h, never written) on
+// CUDA: decode, validate and enqueue cuda::fp8_quantize_group_cols on XLA's stream. Group
 // sizes and sources stay on the device; no host sync, no scratch: command-buffer compatible.
 #include <cuda_runtime_api.h>
 
@@ -56,19 +55,6 @@ ffi::Error activate_quantize_group_cols_cuda(cudaStream_t stream, ffi::AnyBuffer
   return ffi_args::to_error(cuda::fp8_quantize_group_cols(*p, stream), "activate_quantize_fp8_group_cols");
 }
 
-ffi::Error activate_grad_quantize_group_cols_cuda(cudaStream_t stream, ffi::AnyBuffer h, ffi::AnyBuffer g,
-                                                  ffi::Buffer<ffi::F32> omega, ffi::Buffer<ffi::S32> group_sizes,
-                                                  ffi::Result<ffi::AnyBuffer> q,
-                                                  ffi::ResultBuffer<ffi::F32> row_scales,
-                                                  ffi::Result<ffi::AnyBuffer> q_t, ffi::ResultBuffer<ffi::F32> scales,
-                                                  ffi::ResultBuffer<ffi::F32> d_omega_tiles, int32_t activation,
-                                                  bool pow2_scale) {
-  auto p = ffi_args::decode_fp8_activate_grad_group_cols(h, g, omega, group_sizes, *q, *row_scales, *q_t, *scales,
-                                                         *d_omega_tiles, activation, pow2_scale);
-  if (p.has_error()) return p.error();
-  return ffi_args::to_error(cuda::fp8_quantize_group_cols(*p, stream), "activate_grad_quantize_fp8_group_cols");
-}
-
 }  // namespace
 }  // namespace moe_xla
 
@@ -86,10 +72,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaGatherQuantizeFp8GroupColsCuda, moe_xla::gat
                               {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaActivateQuantizeFp8GroupColsCuda, moe_xla::activate_quantize_group_cols_cuda,
                               moe_xla::ffi_args::bind_fp8_activate_group_cols(
-                                  ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
-                              {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaActivateGradQuantizeFp8GroupColsCuda,
-                              moe_xla::activate_grad_quantize_group_cols_cuda,
-                              moe_xla::ffi_args::bind_fp8_activate_grad_group_cols(
                                   ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});

@@ -42,9 +42,8 @@ _SYMBOLS.update({
     (op, platform): f"MoeXla{op.title().replace('_', '')}{platform.capitalize()}"
     for op in ("quantize_fp8_rows", "quantize_fp8_blocks", "quantize_fp8_weights", "quantize_fp8_group_cols",
                "quantize_fp8_rows_group_cols", "gather_quantize_fp8_group_cols", "activate_quantize_fp8_group_cols",
-               "activate_grad_quantize_fp8_group_cols", "activate_quantize_fp8", "activate_grad_quantize_fp8",
-               "expand_quantize_fp8_rows", "gmm_fp8", "tgmm_fp8", "gather_rows", "activate_weighted_grad",
-               "ep_dedup_rows", "ep_row_places", "route_grad")
+               "activate_quantize_fp8", "activate_grad_quantize_fp8", "expand_quantize_fp8_rows", "gmm_fp8",
+               "tgmm_fp8", "gather_rows", "activate_weighted_grad", "ep_dedup_rows", "ep_row_places", "route_grad")
     for platform in ("cpu", "cuda")
 })
 

@@ -308,9 +308,6 @@ def moe(x, router_logits, w_in, w_out, *, top_k, activation="swiglu", score="sof
 #                            column tiles of the rows scaled (the permuted copy never stored).
 #   activate_quantize_fp8_group_cols  both tilings of the expert activation a of h (a
 #                            never stored): the FP8 wgrad's operand of the second product.
-#   activate_grad_quantize_fp8_group_cols  both tilings of its backward's d h and d omega's
-#                            tiles (d h never stored): the FP8 dgrad's and wgrad's operands
-#                            of the first product's cotangent.
 
 FP8_TILE = 128
 FP8_MAX = 448.0
@@ -446,17 +443,6 @@ def activate_grad_quantize_fp8(h, g, omega, *, activation: str, pow2_scale=False
     products = jnp.pad(g32 * a, ((0, 0), (0, tiles * FP8_TILE - f)))
     d_omega_tiles = jnp.sum(products.reshape(m, tiles, FP8_TILE), axis=2)
     return (dh, *quantize_fp8_rows(dh, pow2_scale=pow2_scale), d_omega_tiles)
-
-
-def activate_grad_quantize_fp8_group_cols(h, g, omega, group_sizes, activation: str, *, pow2_scale=False):
-    """h [M, 2F] (gated) or [M, F], g [M, F], omega [M] float32, group_sizes [G] -> (q,
-    row_scales, q_t, scales, d_omega_tiles): activate_grad_quantize_fp8's (q, scales,
-    d_omega_tiles) and quantize_fp8_group_cols(dh, group_sizes) of its dh (dh itself is not
-    returned). The kernels' dh may differ from this one by a few ulps before rounding (their
-    exp / tanh); their tilings are bitwise those of their dh."""
-    dh, q, row_scales, d_omega_tiles = activate_grad_quantize_fp8(h, g, omega, activation=activation,
-                                                                  pow2_scale=pow2_scale)
-    return (q, row_scales, *quantize_fp8_group_cols(dh, group_sizes, pow2_scale=pow2_scale), d_omega_tiles)
 
 
 def activate_weighted_grad(h, g, omega, *, activation: str):

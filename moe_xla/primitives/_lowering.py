@@ -58,8 +58,6 @@ _REFERENCE = {
         reference.activate_quantize_fp8_group_cols(h, group_sizes, activation, pow2_scale=pow2_scale)),
     "activate_grad_quantize_fp8": lambda h, g, omega, **params: list(
         reference.activate_grad_quantize_fp8(h, g, omega, **params)),
-    "activate_grad_quantize_fp8_group_cols": lambda h, g, omega, group_sizes, *, activation, pow2_scale: list(
-        reference.activate_grad_quantize_fp8_group_cols(h, g, omega, group_sizes, activation, pow2_scale=pow2_scale)),
     "activate_weighted_grad": lambda h, g, omega, **params: list(reference.activate_weighted_grad(h, g, omega, **params)),
     "gather_rows": lambda values, src, *factor, has_factor, unique_sources: reference.gather_rows(
         values, src, *factor),
