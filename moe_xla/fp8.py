@@ -311,8 +311,8 @@ def _mlp_combine_bwd(activation, wgrad_kind, saved, dy):
         g, _, d_w_out, d_q_out, _ = _grads(d_out, tuple(d_out_quantized), res_out, wgrad_kind)
     with jax.named_scope(_ACT):
         # d h and its row tiles here; with the FP8 wgrad, _grads then makes d h's column tiles
-        # (quantize_fp8_group_cols). The pair is faster than one fused kernel making both
-        # tilings, which measured 1.9-2.4x slower (benchmarks/results/LOG.md, sessions 48, 50).
+        # (quantize_fp8_group_cols): two kernels, faster here than one making both tilings
+        # (docs/performance.md, "FP8 wgrad").
         dh, q_h, s_h, d_omega = activate_grad_quantize_fp8(h, g.astype(h.dtype), omega, activation)
     with jax.named_scope(_PRODUCT):
         d_x, d_x_q, d_w_in, d_q_in, _ = _grads(dh, (q_h, s_h), res_in, wgrad_kind)
