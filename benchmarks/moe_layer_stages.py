@@ -61,7 +61,7 @@ _share (that over the untraced t_fb), and
     dispatch fwd  x, ids in; x_sorted, row_map, group_sizes out  b(Td + TKd) + 8TK + 4E
     dispatch bwd  d_x_sorted, row_map in; d_x out                b(TKd + Td) + 4TK
     act fwd       h [TK, 2n] in; a [TK, n] out                   b(2TKn + TKn) = 3bTKn
-    act bwd       h, d_a in; d_h out                             b(2TKn + TKn + 2TKn) = 5bTKn
+    act bwd       h, d_a in; d_h, omega * a out                  b(2TKn + TKn + 2TKn + TKn) = 6bTKn
     combine fwd   y_sorted, row_map, weights in; y out           b(TKd + Td) + 8TK
     combine bwd   ct (bf16), row_map, weights in; ct gathered    b(Td + TKd + 2TKn) + 12TK
                   into expert order out; g = its product with
@@ -214,7 +214,7 @@ def compulsory_bytes(stage: str, direction: str, t: int, k: int, d: int, n: int,
         ("dispatch", "fwd"): b * (t * d + tk * d) + 8 * tk + 4 * e,
         ("dispatch", "bwd"): b * (tk * d + t * d) + 4 * tk,
         ("act", "fwd"): 3 * b * tk * n,
-        ("act", "bwd"): 5 * b * tk * n,
+        ("act", "bwd"): 6 * b * tk * n,
         ("combine", "fwd"): b * (tk * d + t * d) + 8 * tk,
         ("combine", "bwd"): b * (t * d + tk * d + 2 * tk * n) + 12 * tk,
     }[(stage, direction)]

@@ -155,14 +155,18 @@ struct Fp8ActivateGradQuantizeParams {
 //          (not rounded), rounded to dtype (RNE)
 //   d_omega [rows] float32: sum_f g[r, f] * a[r, f], a = activate(h) rounded to dtype (the a
 //          the forward multiplied), products and sum in float32, summation order unspecified
+//   weighted [rows, F] of dtype: b[r, f] = omega[r] * a[r, f] in float32, rounded to dtype
+//          (the rows the second product's weight gradient reads). It may be g's buffer: each
+//          element of g is read before the element of b at the same place is written.
 // One pass over h and g; rows are independent.
 struct ActivateWeightedGradParams {
   const void* h;
   const void* g;
   const float* omega;
-  DType dtype;  // of h, g and dh
+  DType dtype;  // of h, g, dh and weighted
   void* dh;
   float* d_omega;
+  void* weighted;  // may equal g
   int64_t rows;
   int64_t cols;  // of dh and h
   Activation activation;

@@ -1,5 +1,6 @@
 // CPU backward of the routing-weighted expert activation, row by row: each element of g is
-// used once, for the gate (or h) column, the up column and the row's d omega term.
+// used once, for the gate (or h) column, the up column and the row's d omega term, then b
+// is stored in its place (weighted may be g's buffer).
 #include "cpu/activate_weighted_grad.h"
 
 #include <cstdint>
@@ -21,7 +22,9 @@ void activate_weighted_grad(const ActivateWeightedGradParams& p) {
       const float da = omega * g;
       store_from_float(p.dh, r * p.cols + e, p.dtype, activate_grad(p.activation, false, gate, up, da));
       if (gated) store_from_float(p.dh, r * p.cols + f + e, p.dtype, activate_grad(p.activation, true, gate, up, da));
-      d_omega += g * round_to(activate(p.activation, gate, up), p.dtype);
+      const float a = round_to(activate(p.activation, gate, up), p.dtype);
+      d_omega += g * a;
+      store_from_float(p.weighted, r * f + e, p.dtype, omega * a);
     }
     p.d_omega[r] = d_omega;
   }

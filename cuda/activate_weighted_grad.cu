@@ -1,8 +1,10 @@
 // CUDA backward of the routing-weighted expert activation. One warp per row: each lane
 // takes 8 consecutive columns of the gate (or h), the up half and g at a time, as one
 // aligned access each where F % 8 == 0 (else element by element), computes both halves of
-// d h from one g(gate) and g'(gate), and adds g * a to its part of the row's d omega,
-// which a warp reduction finishes.
+// d h from one g(gate) and g'(gate), adds g * a to its part of the row's d omega, which a
+// warp reduction finishes, and stores b = omega * a where it read g. weighted may be g's
+// buffer (neither pointer is __restrict__): a lane writes only the columns of b it has
+// already read of g.
 #include "cuda/activate_weighted_grad.h"
 
 #include <cuda_runtime.h>
@@ -28,10 +30,10 @@ constexpr int kThreads = 256;
 constexpr int kWarpSize = 32;
 constexpr int kRowsPerCta = kThreads / kWarpSize;
 
-// One element: d gate (or d h), d up (gated only) and the row's d omega term g * a, a
-// rounded to D as the forward stored it.
+// One element: d gate (or d h), d up (gated only) and a, rounded to D as the forward stored
+// it (for the row's d omega term g * a and for b = omega * a).
 struct ElementGrad {
-  float d_gate, d_up, dot;
+  float d_gate, d_up, a;
 };
 
 template <DType D>
@@ -44,14 +46,14 @@ __device__ __forceinline__ ElementGrad element_grad(Activation act, float gate, 
     d.a = activate(act, gate, 0.0f);
     d.d_gate = activate_grad(act, false, gate, 0.0f, da);
   }
-  return {d.d_gate, d.d_up, g * Elem<D>::to_float(Elem<D>::from_float(d.a))};
+  return {d.d_gate, d.d_up, Elem<D>::to_float(Elem<D>::from_float(d.a))};
 }
 
-// kVector: F % 8 == 0 and h, g and dh aligned for Lane accesses.
+// kVector: F % 8 == 0 and h, g, dh and weighted aligned for Lane accesses.
 template <DType D, bool kVector>
 __global__ void __launch_bounds__(kThreads) activate_weighted_grad_rows(
-    const typename Elem<D>::Bits* __restrict__ h, const typename Elem<D>::Bits* __restrict__ g,
-    const float* __restrict__ omega, typename Elem<D>::Bits* __restrict__ dh, float* __restrict__ d_omega,
+    const typename Elem<D>::Bits* __restrict__ h, const typename Elem<D>::Bits* g, const float* __restrict__ omega,
+    typename Elem<D>::Bits* __restrict__ dh, float* __restrict__ d_omega, typename Elem<D>::Bits* weighted,
     int64_t rows, int64_t f, Activation act) {
   using Bits = typename Elem<D>::Bits;
   const int64_t r = static_cast<int64_t>(blockIdx.x) * kRowsPerCta + threadIdx.x / kWarpSize;
@@ -62,6 +64,7 @@ __global__ void __launch_bounds__(kThreads) activate_weighted_grad_rows(
   const Bits* h_row = h + r * cols;
   const Bits* g_row = g + r * f;
   Bits* dh_row = dh + r * cols;
+  Bits* b_row = weighted + r * f;
   const float w = __ldg(omega + r);
   float dot = 0.0f;
   if constexpr (kVector) {
@@ -70,25 +73,29 @@ __global__ void __launch_bounds__(kThreads) activate_weighted_grad_rows(
       const Lane<Bits> gl = *reinterpret_cast<const Lane<Bits>*>(g_row + e);
       Lane<Bits> u{};
       if (gated) u = *reinterpret_cast<const Lane<Bits>*>(h_row + f + e);
-      Lane<Bits> d_gate, d_up;
+      Lane<Bits> d_gate, d_up, b;
 #pragma unroll
       for (int j = 0; j < kLaneCols; ++j) {
-        const ElementGrad d = element_grad<D>(act, Elem<D>::to_float(x.get(j)), Elem<D>::to_float(u.get(j)),
-                                                 Elem<D>::to_float(gl.get(j)), w);
+        const float gj = Elem<D>::to_float(gl.get(j));
+        const ElementGrad d = element_grad<D>(act, Elem<D>::to_float(x.get(j)), Elem<D>::to_float(u.get(j)), gj, w);
         d_gate.set(j, Elem<D>::from_float(d.d_gate));
         d_up.set(j, Elem<D>::from_float(d.d_up));
-        dot += d.dot;
+        b.set(j, Elem<D>::from_float(w * d.a));
+        dot += gj * d.a;
       }
       store_lane<true>(dh_row + e, d_gate, kLaneCols);
       if (gated) store_lane<true>(dh_row + f + e, d_up, kLaneCols);
+      store_lane<true>(b_row + e, b, kLaneCols);
     }
   } else {
     for (int64_t e = lane; e < f; e += kWarpSize) {
       const float up = gated ? Elem<D>::to_float(h_row[f + e]) : 0.0f;
-      const ElementGrad d = element_grad<D>(act, Elem<D>::to_float(h_row[e]), up, Elem<D>::to_float(g_row[e]), w);
+      const float ge = Elem<D>::to_float(g_row[e]);
+      const ElementGrad d = element_grad<D>(act, Elem<D>::to_float(h_row[e]), up, ge, w);
       dh_row[e] = Elem<D>::from_float(d.d_gate);
       if (gated) dh_row[f + e] = Elem<D>::from_float(d.d_up);
-      dot += d.dot;
+      b_row[e] = Elem<D>::from_float(w * d.a);
+      dot += ge * d.a;
     }
   }
 #pragma unroll
@@ -102,12 +109,14 @@ cudaError_t launch(const ActivateWeightedGradParams& p, int64_t f, cudaStream_t 
   const auto* h = static_cast<const Bits*>(p.h);
   const auto* g = static_cast<const Bits*>(p.g);
   auto* dh = static_cast<Bits*>(p.dh);
+  auto* weighted = static_cast<Bits*>(p.weighted);
   const bool vector = f % kLaneCols == 0 && aligned(h, sizeof(Lane<Bits>)) && aligned(g, sizeof(Lane<Bits>)) &&
-                      aligned(dh, sizeof(Lane<Bits>));
+                      aligned(dh, sizeof(Lane<Bits>)) && aligned(weighted, sizeof(Lane<Bits>));
   const int64_t ctas = (p.rows + kRowsPerCta - 1) / kRowsPerCta;
   if (ctas > 0x7fffffff) return cudaErrorInvalidConfiguration;
   const auto kernel = vector ? activate_weighted_grad_rows<D, true> : activate_weighted_grad_rows<D, false>;
-  kernel<<<static_cast<unsigned>(ctas), kThreads, 0, stream>>>(h, g, p.omega, dh, p.d_omega, p.rows, f, p.activation);
+  kernel<<<static_cast<unsigned>(ctas), kThreads, 0, stream>>>(h, g, p.omega, dh, p.d_omega, weighted, p.rows, f,
+                                                                 p.activation);
   return cudaGetLastError();
 }
 

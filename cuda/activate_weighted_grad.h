@@ -2,7 +2,8 @@
 // sum_r <omega[r] act(h[r]), g[r]> (ActivateWeightedGradParams in
 // common/expert_activation.h). Framework-free: no XLA, no Python.
 //
-// One pass: reads h and g once, writes d h and d omega. Only enqueues work on `stream` (no
+// One pass: reads h and g once, writes d h, d omega and b = omega * a (which may take g's
+// place). Only enqueues work on `stream` (no
 // host copy, no synchronisation, no global state: CUDA-graph safe). Runs on compute
 // capability 8.x, 9.0 and 10.0 or later (cuda/device_support.h); an error elsewhere.
 #ifndef MOE_XLA_CUDA_ACTIVATE_WEIGHTED_GRAD_H_
@@ -16,7 +17,7 @@
 namespace moe_xla {
 namespace cuda {
 
-// Fills p.dh and p.d_omega (device memory, as p.h, p.g and p.omega).
+// Fills p.dh, p.d_omega and p.weighted (device memory, as p.h, p.g and p.omega).
 Status activate_weighted_grad(const ActivateWeightedGradParams& p, cudaStream_t stream);
 
 }  // namespace cuda

@@ -56,12 +56,13 @@ inline ffi::Error expect_dtype_of_h(ffi::AnyBuffer h,
   return ffi::Error::Success();
 }
 
-// h [M, 2F] (gated) or [M, F]; g [M, F] and dh [M, C] (C: h's last dim) of h's dtype;
-// omega and d_omega [M] f32.
+// h [M, 2F] (gated) or [M, F]; g [M, F], dh [M, C] (C: h's last dim) and weighted [M, F]
+// of h's dtype; omega and d_omega [M] f32.
 inline ffi::ErrorOr<ActivateWeightedGradParams> decode_activate_weighted_grad(ffi::AnyBuffer h, ffi::AnyBuffer g,
                                                                              ffi::Buffer<ffi::F32> omega,
                                                                              ffi::AnyBuffer dh,
                                                                              ffi::Buffer<ffi::F32> d_omega,
+                                                                             ffi::AnyBuffer weighted,
                                                                              int32_t activation) {
   auto in = decode_activation_input(h, activation);
   if (in.has_error()) return ffi::Unexpected<ffi::Error>(in.error());
@@ -70,10 +71,11 @@ inline ffi::ErrorOr<ActivateWeightedGradParams> decode_activate_weighted_grad(ff
   p.rows = in->rows;
   p.cols = in->h_cols;
   const int64_t f = is_gated(p.activation) ? p.cols / 2 : p.cols;
-  if (auto e = expect_dtype_of_h(h, {{"g", g}, {"dh", dh}}); e.failure()) {
+  if (auto e = expect_dtype_of_h(h, {{"g", g}, {"dh", dh}, {"weighted", weighted}}); e.failure()) {
     return ffi::Unexpected<ffi::Error>(std::move(e));
   }
-  for (auto [name, got, want] : {std::tuple{"g", g.dimensions(), f}, std::tuple{"dh", dh.dimensions(), p.cols}}) {
+  for (auto [name, got, want] : {std::tuple{"g", g.dimensions(), f}, std::tuple{"dh", dh.dimensions(), p.cols},
+                                 std::tuple{"weighted", weighted.dimensions(), f}}) {
     if (auto e = expect_shape(name, got, {p.rows, want}); e.failure()) return ffi::Unexpected<ffi::Error>(std::move(e));
   }
   for (auto [name, got] : {std::pair{"omega", omega.dimensions()}, std::pair{"d_omega", d_omega.dimensions()}}) {
@@ -85,6 +87,7 @@ inline ffi::ErrorOr<ActivateWeightedGradParams> decode_activate_weighted_grad(ff
   p.dtype = in->dtype;
   p.dh = dh.untyped_data();
   p.d_omega = d_omega.typed_data();
+  p.weighted = weighted.untyped_data();
   return p;
 }
 
@@ -98,6 +101,7 @@ auto bind_activate_weighted_grad(Binding&& binding) {
       .template Arg<ffi::Buffer<ffi::F32>>()   // omega [M]
       .template Ret<ffi::AnyBuffer>()          // dh, shape and dtype of h
       .template Ret<ffi::Buffer<ffi::F32>>()   // d_omega [M]
+      .template Ret<ffi::AnyBuffer>()          // weighted [M, F], dtype of h; may alias g
       .template Attr<int32_t>("activation");
 }
 

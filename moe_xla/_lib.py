@@ -74,15 +74,21 @@ _SYMBOLS[("expand_quantize_fp8_rows", "cuda")] = "MoeXlaExpandQuantizeFp8RowsCud
 # gather_gmm_activate (gather_gmm with the expert activation in its epilogue) has a CUDA
 # kernel only; its symbol carries its version from the start.
 _SYMBOLS[("gather_gmm_activate", "cuda")] = "MoeXlaGatherGmmActivateCudaV1"
+# activate_weighted_grad v2 returns weighted (b = omega * a), a third result.
+_SYMBOLS[("activate_weighted_grad", "cpu")] = "MoeXlaActivateWeightedGradCpuV2"
+_SYMBOLS[("activate_weighted_grad", "cuda")] = "MoeXlaActivateWeightedGradCudaV2"
+# `after` (primitives/after.py): one handler for both platforms, launching nothing.
+_SYMBOLS[("after", "cpu")] = _SYMBOLS[("after", "cuda")] = "MoeXlaAfter"
 
 # An op's version rises with each change of its handler's operands or attributes, so that
 # an HLO module written for the old signature fails by name, not by an attribute mismatch.
 # gmm_fp8 v2 takes the `path` attribute, gather_gmm v2 `transpose_rhs`, gather_tgmm v2
 # `transpose_out`, permute v2 returns row_pairs, unpermute v2 takes no weights for weights 1,
 # route v2 no bias operand without a bias, ep_dedup_rows v2 returns weight_sources,
-# expand_quantize_fp8_rows v2 takes no factor for factors 1.
+# expand_quantize_fp8_rows v2 takes no factor for factors 1, activate_weighted_grad v2 returns
+# weighted.
 _VERSIONS = {"gmm_fp8": 2, "gather_gmm": 2, "gather_tgmm": 2, "permute": 2, "unpermute": 2, "route": 2,
-             "ep_dedup_rows": 2, "expand_quantize_fp8_rows": 2}
+             "ep_dedup_rows": 2, "expand_quantize_fp8_rows": 2, "activate_weighted_grad": 2}
 
 
 def target_name(op: str, platform: str) -> str:

@@ -10,7 +10,7 @@ The FP8 expert MLP runs it fused with the row quantisation of its output
 (primitives/activate_grad_quantize_fp8), both through moe_xla.fp8.gmm_activate_fp8. The
 bf16 expert MLP's derivative weights it by the routing weights (weighted_tangent), whose
 transpose is one kernel (primitives/activate_weighted_grad, through
-primitives/activate_weighted_tangent).
+primitives/activate_gmm_combine_tangent).
 """
 
 from __future__ import annotations

@@ -126,8 +126,8 @@ def _gathered_mlp(rows: GatheredRows, w_in, w_out, group_sizes, weights, row_pai
 def _activate_product_combine(h, w_out, group_sizes, row_map, weights, row_pairs, activation: str,
                               gathered_backward: bool):
     """activate_gmm_combine(h, w_out, ...), rematerialised: a step keeps h, which the
-    activation's backward reads anyway, and recomputes omega * a for w_out's gradient (one
-    elementwise pass over h) instead of keeping a [T*k, F] array."""
+    activation's backward reads anyway (its one pass also writes omega * a for w_out's
+    gradient), instead of keeping a [T*k, F] array."""
     return activate_gmm_combine(h, w_out, group_sizes, row_map, weights, row_pairs, activation, gathered_backward)
 
 

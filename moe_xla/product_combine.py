@@ -15,10 +15,13 @@ so its transpose, with c[r] = dy[t] the cotangent gathered unweighted (unpermute
 transpose with weights 1: one gather_rows pass), is
 
     g = c @ w_out[e]^T                    [T*k, F]   (one grouped GEMM)
-    d h = act'(h)^T (omega g),  d omega = <g, a>      (one pass over h and g:
-                                           primitives/activate_weighted_tangent's transpose)
+    d h = act'(h)^T (omega g),  d omega = <g, a>,  b     (one pass over h and g, b written
+                                           where g was: activate_weighted_grad)
     d weights[t, j] = d omega[r]          (F wide; = <dy[t], out[r]>)
-    d w_out[e] = b_e^T c_e                (one tgmm)
+    d w_out[e] = b_e^T c_e                (one tgmm, reading that b)
+
+The tangent is one linear primitive (primitives/activate_gmm_combine_tangent.py) whose
+transpose is this sequence; forward mode evaluates its formula.
 
 With `backward_gathers`, c is never written: the tangent's product and combine are one
 bilinear primitive (primitives/gmm_unpermute.py) whose transposes read dy through the row
@@ -43,11 +46,10 @@ import moe_xla._choice as _choice
 import moe_xla._lib as _lib
 import moe_xla._rows as _rows
 from moe_xla.activations import activate
-from moe_xla.primitives.activate_weighted_tangent import activate_weighted_tangent
+from moe_xla.primitives.activate_gmm_combine_tangent import activate_gmm_combine_tangent
 from moe_xla.primitives.gather_gmm import kernel_supports as gather_gmm_supports
 from moe_xla.primitives.gather_tgmm import kernel_supports as gather_tgmm_supports
 from moe_xla.primitives.gmm import gmm
-from moe_xla.primitives.gmm_unpermute import gmm_unpermute
 from moe_xla.primitives.unpermute import unpermute
 
 MODES = _choice.MODES
@@ -117,15 +119,5 @@ def _activate_gmm_combine_jvp(activation, gathered_backward, primals, tangents):
         # Linear in d_weights, written as the scatter through row_map so that its transpose,
         # the weights' cotangent, is a gather.
         d_omega = _rows.row_weights(row_map, d_weights, h.shape[0])
-    with jax.named_scope("moe_xla/act"):
-        d_rows = activate_weighted_tangent(h, omega, d_h, d_omega, activation)
-        weighted = (omega[:, None] * activate(h, activation).astype(jnp.float32)).astype(h.dtype)
-    if gathered_backward:
-        with jax.named_scope("moe_xla/gmm_out"):
-            slots = row_map.reshape(weights.shape)
-            return y, (gmm_unpermute(d_rows, w_out, group_sizes, slots, src)
-                       + gmm_unpermute(weighted, d_w_out, group_sizes, slots, src))
-    with jax.named_scope("moe_xla/gmm_out"):
-        d_out = gmm(d_rows, w_out, group_sizes) + gmm(weighted, d_w_out, group_sizes)
-    with jax.named_scope("moe_xla/combine"):
-        return y, unpermute(d_out, row_map, top_k=weights.shape[1], row_pairs=row_pairs)
+    return y, activate_gmm_combine_tangent(h, omega, w_out, group_sizes, row_map.reshape(weights.shape), src,
+                                           row_pairs, d_h, d_omega, d_w_out, activation, gathered_backward)

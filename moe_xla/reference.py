@@ -447,14 +447,16 @@ def activate_grad_quantize_fp8(h, g, omega, *, activation: str, pow2_scale=False
 
 def activate_weighted_grad(h, g, omega, *, activation: str):
     """h [M, 2F] (gated) or [M, F], g [M, F], omega [M] float32 -> (dh [M, C] in h's dtype,
-    d_omega [M] float32), the gradients of sum_r omega[r] <act(h[r]), g[r]>: dh = the
-    activation's derivative at da = omega * g (float32, not rounded), rounded to h's dtype;
-    d_omega[r] = sum_f g[r, f] a[r, f] with a = expert_activation(h) rounded to h's dtype.
-    The kernels use their platform's exp / tanh and their own summation order."""
+    d_omega [M] float32, weighted [M, F] in h's dtype), the gradients of
+    sum_r omega[r] <act(h[r]), g[r]> and the weighted activation: dh = the activation's
+    derivative at da = omega * g (float32, not rounded), rounded to h's dtype;
+    d_omega[r] = sum_f g[r, f] a[r, f] with a = expert_activation(h) rounded to h's dtype;
+    weighted = omega * a in float32, rounded to h's dtype. The kernels use their platform's
+    exp / tanh and their own summation order."""
     h32, g32 = h.astype(jnp.float32), g.astype(jnp.float32)
     dh = _activation_grad(h32, omega[:, None] * g32, activation).astype(h.dtype)
     a = expert_activation(h32, activation).astype(h.dtype).astype(jnp.float32)
-    return dh, jnp.sum(g32 * a, axis=1)
+    return dh, jnp.sum(g32 * a, axis=1), (omega[:, None] * a).astype(h.dtype)
 
 
 def fp8_scaled_element(scale, x):

@@ -31,7 +31,7 @@ fi
 cp -r tests "$WORK/tests"
 TESTS=(test_gmm.py test_gmm_autodiff.py test_gmm_errors.py test_gather_gmm.py test_gather_gmm_activate.py test_fused_forward.py test_gather_tgmm.py test_routing.py test_moe.py test_layer_values.py
        test_fp8_quantize.py test_gmm_fp8.py test_fp8_wgrad.py test_moe_fp8.py test_nnx.py
-       test_activate_quantize_fp8.py test_activate_grad_quantize_fp8.py test_expand_quantize_fp8_rows.py test_expand_unit_factor.py test_gather_rows.py test_product_combine.py test_activate_weighted_grad.py test_gmm_unpermute.py
+       test_activate_quantize_fp8.py test_activate_grad_quantize_fp8.py test_expand_quantize_fp8_rows.py test_expand_unit_factor.py test_gather_rows.py test_product_combine.py test_activate_weighted_grad.py test_after.py test_gmm_unpermute.py
        test_ep_plan.py test_route_grad.py test_ep_inverses.py)
 for python in ${PYTHONS:-python3}; do
 for version in "${VERSIONS[@]}"; do

@@ -1,15 +1,18 @@
 """activate_weighted_grad: the backward of the routing-weighted expert activation in one
-pass, and activate_weighted_tangent, the linear primitive it transposes.
+pass, with the weighted activation b = omega * a beside it in g's buffer.
 
 The kernels (CPU everywhere, CUDA where there is a GPU) against jax.vjp of the activation
 of tests/independent.py (its own formulas, not the library's): d h within a few ulps;
-d omega on the CPU against the sum of g times the a the CPU's FP8 activation kernel
-returns (the same activate() of common/expert_activation.h, so only the summation order
-differs), on the GPU within a rounding of a. The tangent primitive's transpose, forward
-mode, second order, vmap, sharding along rows and errors.
+d omega and b on the CPU against the a the CPU's FP8 activation kernel returns (the same
+activate() of common/expert_activation.h, so only d omega's summation order differs), on
+the GPU within a rounding of a. The alias of g and b, forward mode (second order), vmap,
+sharding along rows and errors. The linear primitive whose transpose binds it:
+tests/test_activate_gmm_combine_tangent.py.
 """
 
 from __future__ import annotations
+
+import re
 
 import jax
 import jax.numpy as jnp
@@ -21,10 +24,9 @@ from test_activate_quantize_fp8 import DTYPES, PLATFORMS, SHAPES, ULP, _h
 from test_fp8_quantize import tricky
 
 from moe_xla import reference
-from moe_xla.activations import ACTIVATIONS, GATED, weighted_tangent
+from moe_xla.activations import ACTIVATIONS, GATED
 from moe_xla.primitives.activate_quantize_fp8 import activate_quantize_fp8
 from moe_xla.primitives.activate_weighted_grad import activate_weighted_grad, formula
-from moe_xla.primitives.activate_weighted_tangent import activate_weighted_tangent
 
 
 def _g(rng, m, f, dtype):
@@ -66,10 +68,11 @@ def test_kernel_against_the_derivative(rng, shape, activation, dtype, platform):
     m, f = shape
     h, g, omega = _h(rng, m, f, activation, dtype), _g(rng, m, f, dtype), _omega(rng, m)
     device = jax.devices(platform)[0]
-    dh, d_omega = jax.jit(activate_weighted_grad, static_argnums=3)(
+    dh, d_omega, b = jax.jit(activate_weighted_grad, static_argnums=3)(
         *(jax.device_put(v, device) for v in (h, g, omega)), activation)
     c = h.shape[1]
     assert dh.dtype == h.dtype and dh.shape == (m, c) and d_omega.dtype == jnp.float32 and d_omega.shape == (m,)
+    assert b.dtype == h.dtype and b.shape == (m, f)
 
     with np.errstate(invalid="ignore", over="ignore"):
         want = _vjp_f64(h, g, omega, activation)
@@ -101,6 +104,22 @@ def test_kernel_against_the_derivative(rng, shape, activation, dtype, platform):
     err = np.abs(np.asarray(d_omega, np.float64) - want_omega)
     assert np.all(err[rows] <= bound[rows]), (err - bound)[rows].max(initial=0)
 
+    # b = omega * a rounded to the dtype: on the CPU bitwise that of the CPU's a; elsewhere
+    # within omega times a's error (two roundings of a to the dtype, and gelu's 1 + tanh(z)
+    # cancelling for z << 0, as test_activate_quantize_fp8 allows) and one rounding of b.
+    omega64 = np.asarray(omega, np.float64)[:, None]
+    want_b = np.asarray(jnp.asarray(omega64 * a_cpu, jnp.float32).astype(dtype), np.float64)
+    got_b = np.asarray(b, np.float64)
+    if platform == "cpu":
+        np.testing.assert_array_equal(got_b, want_b)
+    else:
+        ok = np.isfinite(want_b)
+        with np.errstate(invalid="ignore", over="ignore"):
+            size = h64[:, :f] * (h64[:, f:] if activation in GATED else 1.0)
+        bound = (omega64 * (2 * ULP[dtype] * np.abs(a_cpu) + 2.0 ** -18 * size) + ULP[dtype] * np.abs(want_b)
+                 + float(jnp.finfo(dtype).smallest_subnormal))
+        assert np.all(np.abs(got_b - want_b)[ok] <= bound[ok]), (np.abs(got_b - want_b) - bound)[ok].max(initial=0)
+
 
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 def test_reference_and_formula_are_the_derivative(rng, activation):
@@ -109,65 +128,39 @@ def test_reference_and_formula_are_the_derivative(rng, activation):
     omega = _omega(rng, 9)
     want = _vjp_f64(h, g, omega, activation)
     a = np.asarray(activation_fn(activation)(np.asarray(h, np.float64)), np.float32).astype(np.float64)
-    for dh, d_omega in (reference.activate_weighted_grad(h, g, omega, activation=activation),
-                        jax.jit(formula, static_argnums=3)(h, g, omega, activation)):
+    for dh, d_omega, b in (reference.activate_weighted_grad(h, g, omega, activation=activation),
+                           jax.jit(formula, static_argnums=3)(h, g, omega, activation)):
         np.testing.assert_allclose(np.asarray(dh), want, rtol=1e-5, atol=1e-4)
         np.testing.assert_allclose(np.asarray(d_omega), (np.asarray(g, np.float64) * a).sum(axis=1), rtol=1e-5,
                                    atol=1e-4)
+        np.testing.assert_allclose(np.asarray(b), np.asarray(omega, np.float64)[:, None] * a, rtol=1e-5, atol=1e-5)
 
 
-def _tangent_inputs(rng, m=21, f=24, activation="swiglu", dtype=jnp.float32):
-    h = jnp.asarray(rng.standard_normal((m, 2 * f if activation in GATED else f)), dtype)
-    return h, _omega(rng, m), jnp.asarray(rng.standard_normal(h.shape), dtype), jnp.asarray(
-        rng.standard_normal(m), jnp.float32)
-
-
-@pytest.mark.parametrize("activation", ACTIVATIONS)
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_tangent_is_the_formula_and_transposes_to_the_kernel(rng, activation, dtype):
-    h, omega, d_h, d_omega = _tangent_inputs(rng, activation=activation, dtype=dtype)
-    prim = jax.jit(activate_weighted_tangent, static_argnums=4)(h, omega, d_h, d_omega, activation)
-    np.testing.assert_array_equal(np.asarray(prim, np.float32), np.asarray(
-        jax.jit(weighted_tangent, static_argnums=4)(h, omega, d_h, d_omega, activation), np.float32))
-    ct = jnp.asarray(rng.standard_normal(prim.shape), dtype)
-    linear = lambda a, b: activate_weighted_tangent(h, omega, a, b, activation)  # noqa: E731
-    got = jax.jit(lambda c: jax.linear_transpose(linear, d_h, d_omega)(c))(ct)
-    want = activate_weighted_grad(h, ct, omega, activation)
-    for x, y in zip(got, want):
-        np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
-    # The transpose of the jnp formula agrees within its roundings.
-    ref = jax.linear_transpose(lambda a, b: weighted_tangent(h, omega, a, b, activation), d_h, d_omega)(ct)
-    tol = 1e-5 if dtype == jnp.float32 else 2.0 ** -7
-    for x, y in zip(got, ref):
-        np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32), rtol=tol, atol=tol)
-
-
-def test_only_one_of_the_tangents_is_differentiated(rng):
-    h, omega, d_h, d_omega = _tangent_inputs(rng)
-    ct = jnp.asarray(rng.standard_normal((h.shape[0], h.shape[1] // 2)), jnp.float32)
-    want_h, want_omega = activate_weighted_grad(h, ct, omega, "swiglu")
-    got_h = jax.linear_transpose(lambda a: activate_weighted_tangent(h, omega, a, jnp.zeros_like(d_omega), "swiglu"),
-                                 d_h)(ct)[0]
-    got_omega = jax.linear_transpose(lambda b: activate_weighted_tangent(h, omega, jnp.zeros_like(d_h), b, "swiglu"),
-                                     d_omega)(ct)[0]
-    np.testing.assert_array_equal(np.asarray(got_h), np.asarray(want_h))
-    np.testing.assert_array_equal(np.asarray(got_omega), np.asarray(want_omega))
-
-
-def test_derivatives_in_the_point_are_the_formulas(rng):
-    """jvp of both primitives in every operand (h and omega included: second order) equals
-    the jvp of their jnp formulas."""
-    h, omega, d_h, d_omega = _tangent_inputs(rng, activation="geglu")
-    ts = [jnp.asarray(rng.standard_normal(v.shape), v.dtype) for v in (h, omega, d_h, d_omega)]
-    got = jax.jvp(lambda *a: activate_weighted_tangent(*a, "geglu"), (h, omega, d_h, d_omega), tuple(ts))[1]
-    want = jax.jvp(lambda *a: weighted_tangent(*a, "geglu"), (h, omega, d_h, d_omega), tuple(ts))[1]
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
-    g = jnp.asarray(rng.standard_normal((h.shape[0], h.shape[1] // 2)), jnp.float32)
-    tg = (ts[0], jnp.asarray(rng.standard_normal(g.shape), jnp.float32), ts[1])
-    got = jax.jvp(lambda *a: activate_weighted_grad(*a, "geglu"), (h, g, omega), tg)[1]
-    want = jax.jvp(lambda *a: formula(*a, "geglu"), (h, g, omega), tg)[1]
+def test_derivatives_are_the_formulas(rng):
+    """jvp in every operand (second order) equals the jvp of the jnp formula."""
+    h = jnp.asarray(rng.standard_normal((21, 48)), jnp.float32)
+    g, omega = jnp.asarray(rng.standard_normal((21, 24)), jnp.float32), _omega(rng, 21)
+    tangents = tuple(jnp.asarray(rng.standard_normal(v.shape), v.dtype) for v in (h, g, omega))
+    got = jax.jvp(lambda *a: activate_weighted_grad(*a, "geglu"), (h, g, omega), tangents)[1]
+    want = jax.jvp(lambda *a: formula(*a, "geglu"), (h, g, omega), tangents)[1]
+    assert len(got) == len(want) == 3
     for x, y in zip(got, want):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-5)
+
+
+def test_b_takes_the_buffer_of_g(rng):
+    """The call aliases g (operand 1) to b (result 2), and where g is computed inside the
+    program and read by nothing else, XLA adds no copy of it (a copy fused into g's
+    producer, as XLA:CPU makes here, writes g once)."""
+    h = jnp.asarray(rng.standard_normal((64, 96)), jnp.float32)
+    x, omega = jnp.asarray(rng.standard_normal((64, 48)), jnp.float32), _omega(rng, 64)
+    step = jax.jit(lambda h, x, omega: activate_weighted_grad(h, x * 2.0, omega, "swiglu"))
+    assert "output_operand_aliases" in step.lower(h, x, omega).as_text()
+    entry = step.lower(h, x, omega).compile().as_text().split("ENTRY")[1]
+    assert not re.search(r"= \S+ copy\(", entry), entry
+    want = activate_weighted_grad(h, x * 2.0, omega, "swiglu")
+    for a, b in zip(step(h, x, omega), want):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_vmap_folds_into_rows(rng):
@@ -179,6 +172,7 @@ def test_vmap_folds_into_rows(rng):
     want = activate_weighted_grad(h.reshape(15, 80), g.reshape(15, 40), omega.reshape(15), "swiglu")
     np.testing.assert_array_equal(np.asarray(got[0], np.float32).reshape(15, 80), np.asarray(want[0], np.float32))
     np.testing.assert_array_equal(np.asarray(got[1]).reshape(15), np.asarray(want[1]))
+    np.testing.assert_array_equal(np.asarray(got[2], np.float32).reshape(15, 40), np.asarray(want[2], np.float32))
     shared = jax.vmap(lambda a: activate_weighted_grad(a, g[0], omega[0], "swiglu"))(h)  # g, omega not batched
     np.testing.assert_array_equal(np.asarray(shared[1]), np.asarray(activate_weighted_grad(
         h.reshape(15, 80), jnp.tile(g[0], (3, 1)), jnp.tile(omega[0], 3), "swiglu")[1]).reshape(3, 5))
@@ -196,10 +190,6 @@ def test_vmap_folds_into_rows(rng):
     (lambda: activate_weighted_grad(jnp.zeros((4, 8)), jnp.zeros((4, 8)), jnp.zeros(3), "relu"),
      r"expected omega of shape \(4,\)"),
     (lambda: activate_weighted_grad(jnp.zeros((8,)), jnp.zeros((8,)), jnp.zeros(8), "relu"), "expected h of rank 2"),
-    (lambda: activate_weighted_tangent(jnp.zeros((4, 8)), jnp.zeros(4), jnp.zeros((4, 6)), jnp.zeros(4), "relu"),
-     r"expected d_h of h's shape"),
-    (lambda: activate_weighted_tangent(jnp.zeros((4, 8)), jnp.zeros(4), jnp.zeros((4, 8)), jnp.zeros(5), "relu"),
-     "d_omega float32"),
 ])
 def test_bad_inputs_raise_at_trace_time(call, message):
     with pytest.raises((TypeError, ValueError), match=message):
@@ -215,7 +205,8 @@ def test_bad_inputs_raise_at_trace_time(call, message):
 def test_handler_rejects_inconsistent_buffers(g, omega, activation, message):
     from moe_xla import _lib
 
-    results = [jax.ShapeDtypeStruct((4, 16), jnp.float32), jax.ShapeDtypeStruct((4,), jnp.float32)]
+    results = [jax.ShapeDtypeStruct((4, 16), jnp.float32), jax.ShapeDtypeStruct((4,), jnp.float32),
+               jax.ShapeDtypeStruct((4, 8), jnp.float32)]
     call = jax.ffi.ffi_call(_lib.require_kernel("activate_weighted_grad", "cpu"), results)
     with jax.default_device(jax.devices("cpu")[0]), pytest.raises(Exception, match=message):
         jax.block_until_ready(jax.jit(lambda h, a, b: call(h, a, b, activation=np.int32(activation)))(

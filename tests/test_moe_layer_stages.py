@@ -124,7 +124,7 @@ def test_compulsory_bytes_and_flops():
         ("dispatch", "fwd"): x + topk_i32 + rows + topk_i32 + 4 * e,
         ("dispatch", "bwd"): rows + topk_i32 + x,
         ("act", "fwd"): h + a,
-        ("act", "bwd"): h + a + h,
+        ("act", "bwd"): h + a + h + a,  # h, d a in; d h, omega * a out
         ("combine", "fwd"): rows + topk_i32 + topk_f32 + x,
         ("combine", "bwd"): x + topk_i32 + topk_f32 + rows + a + a + topk_f32,  # ct, map, w; c; g, a; d w
     }

@@ -1,5 +1,5 @@
 """The expert activations in jnp, below the layer: the primitives whose rules are written
-with them (activate_weighted_tangent, activate_weighted_grad) import them from here, and
+with them (activate_gmm_combine_tangent, activate_weighted_grad) import them from here, and
 moe_xla.activations, the layer's name for them, re-exports them (its docstring states the
 functions).
 """
@@ -26,6 +26,12 @@ def activate_f32(h32, activation: str):
 def activate(h, activation: str):
     """The expert activation on [rows, 2F] (gated: act(gate) * up) or [rows, F]."""
     return activate_f32(h.astype(jnp.float32), activation).astype(h.dtype)
+
+
+def weighted(h, omega, activation: str):
+    """The routing-weighted activation b[r] = omega[r] * a[r], a = activate(h) (rounded to h's
+    dtype), omega [rows] float32: the product in float32, rounded to h's dtype."""
+    return (omega[:, None] * activate(h, activation).astype(jnp.float32)).astype(h.dtype)
 
 
 def weighted_tangent(h, omega, d_h, d_omega, activation: str):

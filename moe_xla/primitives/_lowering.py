@@ -28,6 +28,7 @@ def _route(logits, *bias, has_bias, **params):
 
 # Each op's definition in reference.py, called with the primitive's operands and params.
 _REFERENCE = {
+    "after": lambda x, dep, **_: x,
     "gmm": reference.gmm,
     "tgmm": reference.tgmm,
     "gather_gmm": lambda x, src, w, group_sizes, *token_slots, transpose_rhs, preferred_element_type, **_: (
@@ -73,7 +74,8 @@ _REFERENCE = {
 
 
 def register(prim, op: str, attributes: Callable[..., dict], cuda_workspace: Callable[..., int] | None = None,
-             sharding=None, kernel_operands: Callable[..., int] | None = None) -> None:
+             sharding=None, kernel_operands: Callable[..., int] | None = None,
+             output_aliases: dict[int, int] | None = None) -> None:
     """Lowers `prim` to the FFI target of `op` on cpu and cuda, and to its reference on
     every platform when MOE_XLA_IMPL=reference.
 
@@ -83,6 +85,8 @@ def register(prim, op: str, attributes: Callable[..., dict], cuda_workspace: Cal
     the primitive's outputs. `sharding`, a `_sharding.Rule`, partitions the call over a
     mesh without gathering (see _sharding). `kernel_operands(**params)`, if given, is the
     number of leading operands the kernel takes; the others serve the primitive's AD rules.
+    `output_aliases` {operand: result}: results written into an operand's buffer (XLA
+    copies the operand first where something else still reads it).
     """
     reference_lowering = mlir.lower_fun(_REFERENCE[op], multiple_results=prim.multiple_results)
     partitioned_lowering = None if sharding is None else _sharding.lowering(prim, sharding)
@@ -99,7 +103,7 @@ def register(prim, op: str, attributes: Callable[..., dict], cuda_workspace: Cal
                 ctx, args = ctx.replace(avals_in=ctx.avals_in[:n]), args[:n]
             workspace = None if _platform != "cuda" or cuda_workspace is None else cuda_workspace(*ctx.avals_in,
                                                                                                    **params)
-            return kernel_call(ctx, op, _platform, args, attributes(**params), workspace)
+            return kernel_call(ctx, op, _platform, args, attributes(**params), workspace, output_aliases)
 
         mlir.register_lowering(prim, lowering, platform=platform)
 
@@ -115,11 +119,13 @@ def register(prim, op: str, attributes: Callable[..., dict], cuda_workspace: Cal
     mlir.register_lowering(prim, no_kernel_lowering)  # platform=None: every platform without its own
 
 
-def kernel_call(ctx, op: str, platform: str, args, attributes: dict, cuda_workspace_bytes: int | None = None):
+def kernel_call(ctx, op: str, platform: str, args, attributes: dict, cuda_workspace_bytes: int | None = None,
+                output_aliases: dict[int, int] | None = None):
     """The FFI call of `op`'s kernel on `platform` with operands `args` (avals ctx.avals_in)
     and typed attributes; on cuda with cuda_workspace_bytes, the handler's uint8 workspace
-    result of that size (ffi/workspace.h) is added last and dropped from the results."""
-    call = jax.ffi.ffi_lowering(_lib.require_kernel(op, platform))
+    result of that size (ffi/workspace.h) is added last and dropped from the results.
+    output_aliases as `register`'s."""
+    call = jax.ffi.ffi_lowering(_lib.require_kernel(op, platform), operand_output_aliases=output_aliases)
     if platform != "cuda" or cuda_workspace_bytes is None:
         return call(ctx, *args, **attributes)
     workspace = jax.core.ShapedArray((max(1, cuda_workspace_bytes),), np.uint8)
