@@ -2,6 +2,9 @@
 // CUDA platform: out = x, out being x's buffer (the call aliases them), once `dep` has been
 // computed. It moves no data and launches nothing: its use is the data dependency on dep,
 // which makes XLA schedule x's consumers after dep's producer.
+// Not marked command-buffer compatible: XLA:GPU would record it into the step's CUDA graph
+// by capturing a stream on which it enqueues nothing, which no GPU run has checked yet; as
+// a thunk of its own it splits the step's command buffer there.
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -21,5 +24,4 @@ ffi::Error after(ffi::AnyBuffer x, ffi::AnyBuffer /*dep*/, ffi::Result<ffi::AnyB
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeXlaAfter, moe_xla::after,
                               xla::ffi::Ffi::Bind().Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>().Ret<
-                                  xla::ffi::AnyBuffer>(),
-                              {xla::ffi::Traits::kCmdBufferCompatible});
+                                  xla::ffi::AnyBuffer>());
