@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moe_xla import _lib
+from moe_xla.activations import ACTIVATIONS
 from moe_xla.primitives.activate_weighted_grad import formula
 
 # (name, M, F)
@@ -41,7 +42,7 @@ def main():
         results = [jax.ShapeDtypeStruct(h.shape, h.dtype), jax.ShapeDtypeStruct(omega.shape, jnp.float32),
                    jax.ShapeDtypeStruct(g.shape, g.dtype)]
         return jax.ffi.ffi_call(_lib.require_kernel("activate_weighted_grad", platform), results)(
-            h, g, omega, activation=np.int32(0))  # swiglu
+            h, g, omega, activation=np.int32(ACTIVATIONS.index("swiglu")))
 
     ops = {
         "kernel": lambda h, g, omega, c: kernel(h, g, omega),

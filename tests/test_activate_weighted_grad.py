@@ -6,8 +6,9 @@ of tests/independent.py (its own formulas, not the library's): d h within a few 
 d omega and b on the CPU against the a the CPU's FP8 activation kernel returns (the same
 activate() of common/expert_activation.h, so only d omega's summation order differs), on
 the GPU within a rounding of a. The alias of g and b, forward mode (second order), vmap,
-sharding along rows and errors. The linear primitive whose transpose binds it:
-tests/test_activate_gmm_combine_tangent.py.
+sharding along rows and errors. The linear primitive whose transpose binds it
+(primitives/activate_gmm_combine_tangent) is tested through moe()'s second product in
+tests/test_product_combine.py.
 """
 
 from __future__ import annotations
@@ -157,6 +158,8 @@ def test_b_takes_the_buffer_of_g(rng):
     step = jax.jit(lambda h, x, omega: activate_weighted_grad(h, x * 2.0, omega, "swiglu"))
     assert "output_operand_aliases" in step.lower(h, x, omega).as_text()
     entry = step.lower(h, x, omega).compile().as_text().split("ENTRY")[1]
+    call = next(line for line in entry.splitlines() if "moe_xla_activate_weighted_grad_cpu_v2" in line)
+    assert "output_to_operand_aliasing={{2}: (1, {})}" in call
     assert not re.search(r"= \S+ copy\(", entry), entry
     want = activate_weighted_grad(h, x * 2.0, omega, "swiglu")
     for a, b in zip(step(h, x, omega), want):

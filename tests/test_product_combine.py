@@ -136,14 +136,19 @@ def test_forward_mode_and_vmap_of_the_gradient(rng, combined):
     check_grads(lambda *x: combined(*x, row_map), primals, order=2, modes=("fwd", "rev"), atol=1e-2, rtol=1e-2)
 
 
-def test_gradient_in_the_weights_alone(rng, combined):
-    """Differentiating only the routing weights (h and w_out constants) gives the same."""
-    h, w_out, weights = _inputs(rng, jnp.float32)
+@pytest.mark.parametrize("argnums", [(2,), (0,), (1,), (0, 2), (1, 2)])
+def test_gradient_in_some_inputs(rng, combined, argnums):
+    """Differentiating only some of h, w_out and the routing weights (the others constants:
+    the tangent's transpose computes only the wanted cotangents) gives the same."""
+    primals = _inputs(rng, jnp.float32)
     row_map = _row_map(rng, "permutation")
     ct = normal(rng, (T, H), jnp.float32)
-    got = jax.jit(jax.grad(lambda w: jnp.sum(combined(h, w_out, w, row_map) * ct)))(weights)
-    want = jax.grad(lambda w: jnp.sum(_dense(h, w_out, w, row_map) * ct))(weights)
-    assert rel_err(got, want) < 1e-5
+
+    def grads(f):
+        return jax.jit(jax.grad(lambda *x: jnp.sum(f(*x, row_map) * ct), argnums=argnums))(*primals)
+
+    for got, want in zip(grads(combined), grads(_dense)):
+        assert rel_err(got, want) < 1e-5
 
 
 def test_gradient_of_the_gradient(rng, combined):

@@ -26,7 +26,10 @@ so the backward reads h once, where transposing the formula reads it for act'(h)
 <g, a> and for b in passes of their own. d h is returned after d w_out (primitives/after):
 left to itself XLA may schedule the weight gradient last, keeping b and c live beside the
 first product's backward.
-The evaluation at a point (forward mode), its derivatives and vmap use the formula.
+The evaluation at a point (forward mode), its derivatives and vmap use the formula (so
+the gradient of a vmapped layer transposes the formula's ops, unfused, while the vmap of
+a gradient batches the fused sequence). Where w_out is not differentiated the kernel still
+writes b, into g's buffer: F columns per row more written, no memory.
 """
 
 from __future__ import annotations
@@ -132,7 +135,8 @@ def _transpose(ct, *args, activation, gathered):
             (d_w_out,) = jax.linear_transpose(functools.partial(second, b),
                                               jax.ShapeDtypeStruct(w_out.shape, w_out.dtype))(c)
         if wanted[0]:
-            d_h = after(d_h, d_w_out)
+            with jax.named_scope("moe_xla/gmm_out"):
+                d_h = after(d_h, d_w_out)
     return (None,) * 7 + (d_h if wanted[0] else None, d_omega if wanted[1] else None, d_w_out)
 
 

@@ -12,7 +12,8 @@ first product's backward starts, so that b and the cotangent rows it pairs with 
 before that product's larger operands are live (primitives/activate_gmm_combine_tangent).
 
 Its derivative is x's (dep gets no tangent and no cotangent); vmap orders the batched x
-after the batched dep; on other platforms and under MOE_XLA_IMPL=reference it is x.
+after the batched dep; under MOE_XLA_IMPL=reference it lowers to x (no ordering), and on
+a platform without the kernels it raises as every moe_xla primitive does.
 Over a mesh (the call) the result keeps x's sharding and dep's is left as it is.
 """
 
